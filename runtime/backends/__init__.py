@@ -1,0 +1,1 @@
+"""Backends that run a bundle's ONNX: ONNX Runtime (always) and TensorRT (import-guarded)."""

@@ -1,0 +1,78 @@
+"""ONNX Runtime backend with an honest provider list.
+
+onnxruntime-gpu installs and falls back to CPU silently, so the providers reported are always the ones the session
+really got (``InferenceSession.get_providers()``), not the ones asked for.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import BackendUnavailable, BundleError
+
+# Preference order where present: TensorRT EP, CUDA EP, CPU EP.
+PROVIDER_CHAIN = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+def available_providers() -> list[str]:
+    """ORT providers this installation offers, in dsedge's preference order (others after)."""
+    import onnxruntime as ort
+
+    have = ort.get_available_providers()
+    return [p for p in PROVIDER_CHAIN if p in have] + [p for p in have if p not in PROVIDER_CHAIN]
+
+
+def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
+    """Providers to ask for: ``requested`` (each must exist) or the chain filtered by what is installed.
+
+    Raises:
+        BackendUnavailable: a requested provider is not in this onnxruntime build.
+    """
+    have = available_providers()
+    if requested:
+        missing = [p for p in requested if p not in have]
+        if missing:
+            raise BackendUnavailable(f"ONNX Runtime provider {missing[0]} is not available here",
+                                     f"available: {', '.join(have)}")
+        return list(requested)
+    return [p for p in have if p in PROVIDER_CHAIN]
+
+
+class OrtBackend:
+    """One ``onnxruntime.InferenceSession`` over an ONNX file.
+
+    Args:
+        model_path: the ONNX file.
+        providers: ORT provider names, or None for the TensorRT → CUDA → CPU chain.
+        threads: intra-op threads (None: ORT's default, i.e. all cores).
+    Raises:
+        BundleError: ORT cannot load the model.
+    """
+
+    name = "onnxruntime"
+
+    def __init__(self, model_path: str | os.PathLike, providers: Sequence[str] | None = None,
+                 threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = int(threads)
+            opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(os.fspath(model_path), sess_options=opts,
+                                                providers=choose_providers(providers))
+        except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph, …)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise BundleError(f"ONNX Runtime cannot load {os.fspath(model_path)!r}: {first[:300]}",
+                              "rebuild the bundle; check the onnxruntime version supports its opset") from None
+        self.providers: list[str] = list(self.session.get_providers())
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch. Inputs/outputs are numpy arrays keyed by IO name."""
+        values = self.session.run(self.output_names, inputs)
+        return dict(zip(self.output_names, values))

@@ -1,0 +1,232 @@
+"""The bundle format: ``NAME-TARGET.dse/`` with ``manifest.json``, ``models/*.onnx``, ``build/``, ``report.json``.
+
+Reading a bundle verifies the manifest schema and the sha256 of every listed file before anything runs, and never
+executes code from it (JSON and ONNX only). Writing goes to a temporary directory beside the destination and is
+renamed into place with ``os.replace``, so a crash never leaves a half-written bundle.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import BundleError, BundleIntegrityError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+BUNDLE_SUFFIX = ".dse"
+_DTYPES = {"float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool"}
+
+
+@dataclass(frozen=True)
+class IOSpec:
+    """One model input or output.
+
+    ``dtype`` is a numpy dtype name (``"int64"``, ``"float32"``, …); ``shape`` lists ints for static dims and strings
+    for symbolic ones (``["batch", "sequence"]``); the same symbol must take the same value across a request's inputs.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "IOSpec":
+        try:
+            name, dtype, shape = d["name"], d["dtype"], d["shape"]
+        except (KeyError, TypeError) as e:
+            raise BundleError(f"manifest IO spec {d!r} lacks {e}", "rebuild the bundle with `dsedge build`") from None
+        if dtype not in _DTYPES:
+            raise BundleError(f"manifest IO spec {name!r} has unknown dtype {dtype!r}", f"use one of {sorted(_DTYPES)}")
+        return cls(str(name), str(dtype), tuple(shape))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass
+class Variant:
+    """One compiled form of the model in the bundle (e.g. ``int4``, ``fp32``).
+
+    ``size_bytes`` is the ONNX file size; ``accuracy`` holds metrics vs fp32 (e.g. ``cosine_mean``);
+    ``latency_ms`` holds build-time CPU latency by batch size (``{"1": {"p50": …, "p99": …}}``).
+    """
+
+    name: str
+    precision: str
+    file: str
+    size_bytes: int = 0
+    accuracy: dict[str, Any] = field(default_factory=dict)
+    latency_ms: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Variant":
+        try:
+            return cls(
+                name=d["name"], precision=d["precision"], file=d["file"], size_bytes=int(d.get("size_bytes", 0)),
+                accuracy=dict(d.get("accuracy", {})), latency_ms=dict(d.get("latency_ms", {})),
+                notes=list(d.get("notes", [])),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise BundleError(f"manifest variant {d!r} is malformed ({e})", "rebuild the bundle") from None
+
+
+@dataclass
+class Manifest:
+    """``manifest.json``: what the bundle holds and how to check it. ``files`` maps relative path → sha256 hex."""
+
+    name: str
+    target: dict[str, Any]
+    inputs: list[IOSpec]
+    outputs: list[IOSpec]
+    variants: list[Variant]
+    default_variant: str
+    files: dict[str, str] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+    shape_ranges: dict[str, dict[str, int]] = field(default_factory=dict)
+    latency_budget_ms: float | None = None
+    dsedge_version: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    def variant(self, name: str | None = None) -> Variant:
+        """The variant called ``name`` (default: ``default_variant``). Raises BundleError if there is none."""
+        name = name or self.default_variant
+        for v in self.variants:
+            if v.name == name:
+                return v
+        raise BundleError(
+            f"bundle has no variant {name!r}", f"choose one of: {', '.join(v.name for v in self.variants)}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["inputs"] = [s.to_dict() for s in self.inputs]
+        d["outputs"] = [s.to_dict() for s in self.outputs]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+        if not isinstance(d, dict):
+            raise BundleError("manifest.json is not a JSON object", "rebuild the bundle with `dsedge build`")
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise BundleError(
+                f"manifest schema version {version!r} is not supported (this dsedge reads {SCHEMA_VERSION})",
+                "rebuild the bundle with this dsedge version",
+            )
+        try:
+            return cls(
+                name=d["name"], target=dict(d["target"]),
+                inputs=[IOSpec.from_dict(x) for x in d["inputs"]],
+                outputs=[IOSpec.from_dict(x) for x in d["outputs"]],
+                variants=[Variant.from_dict(x) for x in d["variants"]],
+                default_variant=d["default_variant"], files=dict(d.get("files", {})),
+                source=dict(d.get("source", {})), shape_ranges=dict(d.get("shape_ranges", {})),
+                latency_budget_ms=d.get("latency_budget_ms"), dsedge_version=d.get("dsedge_version", ""),
+                schema_version=version,
+            )
+        except (KeyError, TypeError) as e:
+            raise BundleError(f"manifest.json lacks or mangles field {e}", "rebuild the bundle") from None
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(bundle: str | os.PathLike) -> Manifest:
+    """Parse ``bundle/manifest.json`` without checking file hashes. Raises BundleError."""
+    root = Path(bundle)
+    if not root.exists():
+        raise BundleError(f"bundle {str(root)!r} does not exist", "pass the .dse directory that `dsedge build` wrote")
+    if not root.is_dir():
+        raise BundleError(f"{str(root)!r} is not a bundle directory", "a bundle is a NAME-TARGET.dse/ directory")
+    path = root / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"{str(root)!r} has no {MANIFEST}", "is this a dsedge bundle? rebuild it with `dsedge build`")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{path} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})", "rebuild the bundle") from None
+    return Manifest.from_dict(data)
+
+
+def verify_bundle(bundle: str | os.PathLike) -> Manifest:
+    """Read the manifest and check every listed file's sha256.
+
+    Raises:
+        BundleError: missing or malformed manifest.
+        BundleIntegrityError: a listed file is missing, or its sha256 differs (truncated or tampered), or a
+            variant's model file is not covered by a hash.
+    """
+    root = Path(bundle)
+    m = read_manifest(root)
+    for v in m.variants:
+        if v.file not in m.files:
+            raise BundleIntegrityError(f"variant {v.name!r} file {v.file!r} has no hash in the manifest", "rebuild the bundle")
+    for rel, expected in m.files.items():
+        p = (root / rel).resolve()
+        if root.resolve() not in p.parents:
+            raise BundleIntegrityError(f"manifest lists a file outside the bundle: {rel!r}", "rebuild the bundle")
+        if not p.is_file():
+            raise BundleIntegrityError(f"bundle file {rel!r} is missing", "copy the whole .dse directory, or rebuild it")
+        actual = sha256_file(p)
+        if actual != expected:
+            raise BundleIntegrityError(
+                f"bundle file {rel!r} is corrupt or was modified (sha256 {actual[:12]}… ≠ {expected[:12]}…)",
+                "copy the bundle again or rebuild it with `dsedge build`",
+            )
+    return m
+
+
+def hash_files(root: str | os.PathLike, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, str]:
+    """sha256 of every file under ``root`` (relative POSIX paths), except ``exclude``."""
+    root = Path(root)
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and rel not in exclude:
+            out[rel] = sha256_file(p)
+    return out
+
+
+def write_manifest(root: str | os.PathLike, manifest: Manifest) -> None:
+    """Hash every file under ``root`` into ``manifest.files`` and write ``manifest.json``."""
+    manifest.files = hash_files(root)
+    (Path(root) / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary directory beside ``final``; on success rename it to ``final``.
+
+    The temporary directory lives in ``final``'s parent so ``os.replace`` never crosses filesystems. An existing
+    ``final`` is moved aside first and removed only after the new one is in place. On any exception the temporary
+    directory is removed and ``final`` is left as it was.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        old = None
+        if final.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, old / final.name)
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,58 @@
+"""Check request inputs against a bundle's IO specs before they reach a backend."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from .bundle import IOSpec
+from .errors import InputError
+
+
+def validate_inputs(
+    specs: list[IOSpec], inputs: Mapping[str, Any], shape_ranges: Mapping[str, Mapping[str, int]] | None = None
+) -> dict[str, np.ndarray]:
+    """Return ``inputs`` as numpy arrays after checking names, dtypes and shapes.
+
+    Symbolic dims (``"batch"``) must agree across inputs and, when ``shape_ranges`` gives ``{"batch": {"min": 1,
+    "max": 64}}``, lie in that range. Dtypes must match exactly (no silent casts: an int32 ``input_ids`` is an error).
+
+    Raises:
+        InputError: unknown or missing name, wrong dtype, wrong rank, a static dim or a symbolic dim mismatch.
+    """
+    if not isinstance(inputs, Mapping):
+        raise InputError(f"inputs must be a dict of name → numpy array, got {type(inputs).__name__}",
+                         f"pass {{{', '.join(repr(s.name) for s in specs)}: array, …}}")
+    names = {s.name for s in specs}
+    unknown = sorted(set(inputs) - names)
+    if unknown:
+        raise InputError(f"unknown input {unknown[0]!r}", f"the model's inputs are: {', '.join(sorted(names))}")
+    out: dict[str, np.ndarray] = {}
+    symbols: dict[str, tuple[int, str]] = {}
+    for spec in specs:
+        if spec.name not in inputs:
+            raise InputError(f"missing input {spec.name!r}", f"pass all of: {', '.join(s.name for s in specs)}")
+        arr = np.asarray(inputs[spec.name])
+        if arr.dtype != np.dtype(spec.dtype):
+            raise InputError(f"input {spec.name!r} has dtype {arr.dtype}, expected {spec.dtype}",
+                             f"convert it with .astype(np.{spec.dtype})")
+        if arr.ndim != len(spec.shape):
+            raise InputError(f"input {spec.name!r} has shape {list(arr.shape)}, expected rank {len(spec.shape)} {list(spec.shape)}",
+                             "reshape the array to the listed dims")
+        for axis, (dim, want) in enumerate(zip(arr.shape, spec.shape)):
+            if isinstance(want, int) and want >= 0:
+                if dim != want:
+                    raise InputError(f"input {spec.name!r} dim {axis} is {dim}, expected {want} (shape {list(spec.shape)})",
+                                     "this axis is static in the model")
+            elif isinstance(want, str):
+                if want in symbols and symbols[want][0] != dim:
+                    other = symbols[want][1]
+                    raise InputError(f"input {spec.name!r} has {want}={dim} but {other!r} has {want}={symbols[want][0]}",
+                                     f"all inputs must share the same {want!r}")
+                symbols.setdefault(want, (dim, spec.name))
+                rng = (shape_ranges or {}).get(want)
+                if rng and not (rng.get("min", 0) <= dim <= rng.get("max", dim)):
+                    raise InputError(f"input {spec.name!r} has {want}={dim}, outside the bundle's range "
+                                     f"[{rng.get('min')}, {rng.get('max')}]", f"split or pad the request to fit {want}")
+        out[spec.name] = arr
+    return out

@@ -1,0 +1,88 @@
+"""The ``dsedge`` command. Subcommands are imported only when used, so ``inspect``, ``doctor``, ``targets`` and
+``bench`` work on a device without torch, and a missing toolchain extra is reported for ``build`` alone."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from .runtime.errors import DsedgeError
+
+# name → "module:attribute". Device-side commands live in dsedge.commands, host-side ones in dsedge.toolchain.commands.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "build": ("dsedge.toolchain.commands.build:build", "Export, compress, validate and bundle a model for a target."),
+    "quantize": ("dsedge.toolchain.commands.quantize:quantize", "Quantize an ONNX model (INT4/INT8/FP16)."),
+    "prune": ("dsedge.toolchain.commands.prune:prune", "Prune a model (channels, 2:4)."),
+    "train": ("dsedge.toolchain.commands.train:train", "Train a model from a config (torchrun-ready)."),
+    "distill": ("dsedge.toolchain.commands.distill:distill", "Distill a student from a teacher (torchrun-ready)."),
+    "inspect": ("dsedge.commands.inspect:inspect", "Verify a bundle and show its manifest, variants and providers."),
+    "doctor": ("dsedge.commands.doctor:doctor", "Show the backends, providers and GPUs this machine has."),
+    "targets": ("dsedge.commands.targets:targets", "List target profiles, or show one."),
+    "bench": ("dsedge.commands.bench:bench", "Measure a bundle's latency and check it against its budget."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        target, help_text = COMMANDS[name]
+        module, attr = target.split(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as e:
+            missing = e.name or "?"
+            if missing.startswith("dsedge"):
+                msg, hint = f"`dsedge {name}` is not available in this version", "see `dsedge --help`"
+            else:
+                msg = f"`dsedge {name}` needs the Python package {missing!r}, which is not installed"
+                hint = 'install the host-side extra: pip install torch==2.13.0 "dsedge[toolchain]"'
+
+            @click.command(name=name, help=help_text, context_settings={"ignore_unknown_options": True})
+            @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+            def unavailable(args: tuple[str, ...]) -> None:
+                raise DsedgeError(msg, hint)
+
+            return unavailable
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dsedge", prog_name="dsedge")
+def cli() -> None:
+    """dsedge: build deployable bundles per target (Jetson, T4, A100, CPU) and run them with latency budgets."""
+
+
+def report_error(err: DsedgeError) -> None:
+    """Print a user error as one line (plus its hint) on stderr, no traceback."""
+    click.secho(f"error: {err}", fg="red", err=True)
+    if err.hint:
+        click.echo(f"  hint: {err.hint}", err=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: user errors exit non-zero with one line and a hint; usage errors exit 2."""
+    try:
+        rv = cli.main(args=argv, prog_name="dsedge", standalone_mode=False)
+    except DsedgeError as e:
+        report_error(e)
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

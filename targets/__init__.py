@@ -1,0 +1,146 @@
+"""Target profiles: what a device can run, as data files (``profiles/*.toml``).
+
+Adding a device means adding a profile file — in this folder, in ``$DSEDGE_TARGETS_DIR`` (or
+``~/.config/dsedge/targets``), or passed as a path (``--target ./my-device.toml``) — not code.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from ..runtime.errors import TargetError
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+MODEL_PRECISIONS = ("int4", "int8", "fp16", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A deployment target.
+
+    Attributes:
+        name: canonical name (``jetson-orin``); ``aliases`` also resolve to it (``jetson``).
+        backend: ``"tensorrt"`` (GPU targets; ORT is the fallback) or ``"onnxruntime"``.
+        compute_capability: e.g. ``"8.7"``; None for CPU.
+        precisions: model precisions the target runs (subset of int4, int8, fp16, bf16, fp32).
+        precision_order: preference for ``--precision auto``, best first.
+        engine_flags: builder-only modes (``tf32``, ``fp8``, ``sparsity``) — not model precisions.
+        dla_cores: number of DLA cores (0 = none).
+        memory_gb: device memory, GiB.
+        tensorrt: ``{"version": "10.3", "min": "10.3"}``; opset: ``{"min": 13, "max": 21}``.
+        workspace_mb: default TensorRT workspace memory pool, MiB.
+        default_budget_ms: latency budget used when neither request nor bundle gives one.
+        shapes: ``{"batch": {"min": 1, "opt": 8, "max": 32}, "sequence": {...}}`` for optimization profiles.
+    """
+
+    name: str
+    description: str = ""
+    aliases: tuple[str, ...] = ()
+    backend: str = "onnxruntime"
+    gpu: str = ""
+    compute_capability: str | None = None
+    precisions: tuple[str, ...] = ("fp32",)
+    precision_order: tuple[str, ...] = ("fp32",)
+    engine_flags: tuple[str, ...] = ()
+    dla_cores: int = 0
+    memory_gb: float = 0.0
+    tensorrt: dict[str, Any] = field(default_factory=dict)
+    opset: dict[str, int] = field(default_factory=lambda: {"min": 13, "max": 21})
+    workspace_mb: int = 0
+    default_budget_ms: float = 50.0
+    shapes: dict[str, dict[str, int]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    source: str = ""
+
+    def supports(self, precision: str) -> bool:
+        return precision in self.precisions
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        d = asdict(self)
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+        return d
+
+
+_FIELDS = set(Target.__dataclass_fields__) - {"source"}
+
+
+def _user_dirs() -> list[Path]:
+    dirs = []
+    if os.environ.get("DSEDGE_TARGETS_DIR"):
+        dirs.append(Path(os.environ["DSEDGE_TARGETS_DIR"]))
+    dirs.append(Path.home() / ".config" / "dsedge" / "targets")
+    return [d for d in dirs if d.is_dir()]
+
+
+def _profile_files() -> list[Path]:
+    files: dict[str, Path] = {}
+    for d in [PROFILE_DIR, *_user_dirs()]:  # user profiles override built-ins of the same file name
+        for p in sorted(d.glob("*.toml")):
+            files[p.stem] = p
+    return list(files.values())
+
+
+def load_profile(path: str | os.PathLike) -> Target:
+    """Parse one profile file. Raises TargetError naming the file and the bad key/value."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TargetError(f"target profile {str(path)!r} does not exist", "pass a .toml profile or a target name") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise TargetError(f"target profile {path.name} is not valid TOML: {e}", "fix the file's syntax") from None
+    unknown = sorted(set(data) - _FIELDS)
+    if unknown:
+        raise TargetError(f"target profile {path.name} has unknown key {unknown[0]!r}",
+                          f"allowed keys: {', '.join(sorted(_FIELDS))}")
+    if "name" not in data:
+        raise TargetError(f"target profile {path.name} has no 'name'", "add name = \"my-device\"")
+    for key in ("precisions", "precision_order"):
+        bad = [p for p in data.get(key, []) if p not in MODEL_PRECISIONS]
+        if bad:
+            raise TargetError(f"target profile {path.name}: {key} has unknown precision {bad[0]!r}",
+                              f"use some of {', '.join(MODEL_PRECISIONS)}")
+    order = data.get("precision_order", data.get("precisions", ["fp32"]))
+    if any(p not in data.get("precisions", ["fp32"]) for p in order):
+        raise TargetError(f"target profile {path.name}: precision_order lists a precision not in precisions",
+                          "keep precision_order a subset of precisions")
+    try:
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        kwargs.setdefault("precision_order", kwargs.get("precisions", ("fp32",)))
+        return Target(source=str(path), **kwargs)
+    except TypeError as e:
+        raise TargetError(f"target profile {path.name} is malformed: {e}", "compare with a built-in profile") from None
+
+
+def list_targets() -> list[Target]:
+    """All profiles: built-in ones and the user's, sorted by name."""
+    return sorted((load_profile(p) for p in _profile_files()), key=lambda t: t.name)
+
+
+def get_target(name_or_path: str | os.PathLike) -> Target:
+    """Resolve a target by name, alias, or profile file path (``./my-device.toml``).
+
+    Raises:
+        TargetError: no such target (the hint lists the known ones), or a malformed profile.
+    """
+    s = os.fspath(name_or_path)
+    if s.endswith(".toml") or os.sep in s:
+        return load_profile(s)
+    key = s.strip().lower()
+    targets = list_targets()
+    for t in targets:
+        if key == t.name or key in t.aliases:
+            return t
+    names = ", ".join(t.name + (f" ({'/'.join(t.aliases)})" if t.aliases else "") for t in targets)
+    raise TargetError(f"unknown target {s!r}", f"known targets: {names}; or pass a profile file ./my-device.toml")

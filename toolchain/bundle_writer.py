@@ -1,0 +1,74 @@
+"""Write a bundle directory atomically from ONNX files and metadata (the last stage of ``dsedge build``)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import __version__
+from ..runtime.bundle import BUNDLE_SUFFIX, IOSpec, Manifest, Variant, atomic_directory, write_manifest
+
+
+def bundle_path(out_dir: str | os.PathLike, name: str, target: str) -> Path:
+    """``OUT/NAME-TARGET.dse``."""
+    return Path(out_dir) / f"{name}-{target}{BUNDLE_SUFFIX}"
+
+
+def write_bundle(
+    dest: str | os.PathLike,
+    *,
+    name: str,
+    target: dict[str, Any],
+    inputs: list[IOSpec],
+    outputs: list[IOSpec],
+    models: dict[str, str | os.PathLike],
+    variants: list[Variant],
+    default_variant: str,
+    shape_ranges: dict[str, dict[str, int]] | None = None,
+    latency_budget_ms: float | None = None,
+    source: dict[str, Any] | None = None,
+    report: dict[str, Any] | None = None,
+    extra_files: dict[str, str | bytes] | None = None,
+    before_commit: Callable[[Path], None] | None = None,
+) -> Path:
+    """Assemble and atomically publish a bundle at ``dest``.
+
+    Args:
+        models: relative path in the bundle (``"models/int4.onnx"``) → ONNX file to copy there.
+        variants: one per model; ``size_bytes`` is filled from the copied file.
+        extra_files: relative path → text or bytes (``build/trtexec.sh``, …).
+        before_commit: called with the temporary directory after all files are in place and before the rename
+            (tests use it to simulate a crash).
+    Returns:
+        ``dest`` as a Path. Nothing exists at ``dest`` unless every file and the manifest were written.
+    """
+    dest = Path(dest)
+    with atomic_directory(dest) as tmp:
+        for rel, src in models.items():
+            p = tmp / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, p)
+        for v in variants:
+            v.size_bytes = (tmp / v.file).stat().st_size
+        for rel, content in (extra_files or {}).items():
+            p = tmp / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, bytes):
+                p.write_bytes(content)
+            else:
+                p.write_text(content, encoding="utf-8")
+            if rel.endswith(".sh"):
+                p.chmod(0o755)
+        if report is not None:
+            (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+        manifest = Manifest(
+            name=name, target=target, inputs=inputs, outputs=outputs, variants=variants,
+            default_variant=default_variant, source=source or {}, shape_ranges=shape_ranges or {},
+            latency_budget_ms=latency_budget_ms, dsedge_version=__version__,
+        )
+        write_manifest(tmp, manifest)
+        if before_commit is not None:
+            before_commit(tmp)
+    return dest

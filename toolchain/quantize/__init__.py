@@ -1,0 +1,1 @@
+"""Quantization: INT4 weight-only (blockwise Q/DQ), INT8, FP16 — ONNX in, ONNX out."""

@@ -1,0 +1,1 @@
+"""Training and distillation components (torch.distributed, precision, optimizers, checkpointing)."""
