@@ -29,7 +29,7 @@ def qrange(bits: int, symmetric: bool) -> tuple[int, int]:
 class BlockwiseWeight:
     """Integer codes and scales of one ``[K, N]`` weight.
 
-    codes: int8 array ``[K, N]`` (values fit ``bits``); scales: float32 ``[ceil(K/bs), N]``; zero_points: int8
+    codes: int16 array ``[K, N]`` (values fit ``bits``); scales: float32 ``[ceil(K/bs), N]``; zero_points: int16
     ``[ceil(K/bs), N]`` or None (symmetric); block_size: ``bs`` (``K`` for per-channel); bits: 4 or 8.
     """
 
@@ -96,20 +96,20 @@ def scales_for(wmin: np.ndarray, wmax: np.ndarray, bits: int, symmetric: bool,
     lo = np.minimum(wmin, 0) * clip
     hi = np.maximum(wmax, 0) * clip
     s = np.where(hi > lo, (hi - lo) / (qmax - qmin), 1.0).astype(np.float32)
-    z = np.clip(np.round(-lo / s), qmin, qmax).astype(np.int8)
+    z = np.clip(np.round(-lo / s), qmin, qmax).astype(np.int16)
     return s, z
 
 
 def quantize_with(w: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, block_size: int,
                   bits: int) -> np.ndarray:
-    """int8 codes ``[K, N]`` of ``w`` for fixed per-block scales/zero points (round to nearest, clamp)."""
+    """int16 codes ``[K, N]`` of ``w`` for fixed per-block scales/zero points (round to nearest, clamp)."""
     symmetric = zero_points is None
     qmin, qmax = qrange(bits, symmetric)
     k = w.shape[0]
     q = np.round(w / expand_blocks(scales, block_size, k))
     if zero_points is not None:
         q = q + expand_blocks(zero_points.astype(np.float32), block_size, k)
-    return np.clip(q, qmin, qmax).astype(np.int8)
+    return np.clip(q, qmin, qmax).astype(np.int16)
 
 
 def quantize_blockwise(w: np.ndarray, *, bits: int = 4, block_size: int = 32, symmetric: bool = True,
@@ -146,7 +146,7 @@ def quantize_blockwise(w: np.ndarray, *, bits: int = 4, block_size: int = 32, sy
         hb = np.stack([hp[b * bs:(b + 1) * bs, b * bs:(b + 1) * bs] for b in range(nb)])   # [B, bs, bs]
     best_err = np.full(wmin.shape, np.inf, np.float32)
     best_s = np.zeros_like(best_err)
-    best_z = None if symmetric else np.zeros(wmin.shape, np.int8)
+    best_z = None if symmetric else np.zeros(wmin.shape, np.int16)
     qmin, qmax = qrange(bits, symmetric)
     for clip in CLIP_GRID:
         s, z = scales_for(wmin, wmax, bits, symmetric, clip)

@@ -97,5 +97,5 @@ def gptq_quantize(w: np.ndarray, x: np.ndarray | None = None, *, h: np.ndarray |
             E1[i] = err
         Q[i1:i2] = Q1
         W[i2:] -= hinv[i1:i2, i2:].T @ E1
-    codes = Q[inv].numpy().astype(np.int8)           # dead channels stay 0 (their rows get no updates)
+    codes = Q[inv].numpy().astype(np.int16)           # dead channels stay 0 (their rows get no updates)
     return BlockwiseWeight(codes, base.scales, base.zero_points, bs, bits)

@@ -17,7 +17,7 @@ from ...runtime.errors import CalibrationError, QuantizationError
 from .awq import awq_search
 from .blockwise import BlockwiseWeight, quantize_blockwise
 from .calibration import CalibrationSource, collect_activations, load_calibration
-from .graph import (WeightLayer, ensure_qdq_opset, insert_input_scale, select_layers, weight_kn,
+from .graph import (WeightLayer, ensure_qdq_opset, insert_input_scale, name_nodes, select_layers, weight_kn,
                     write_blockwise_weight)
 from .gptq import gptq_quantize
 
@@ -55,6 +55,87 @@ def layer_activations(model: onnx.ModelProto, calibration: CalibrationSource | l
     return collect_activations(model, batches, tensors, max_rows=max_rows)
 
 
+@dataclass
+class QuantizedLayer:
+    """One layer's quantized weight, ready to write. ``input_scale``: AWQ's ``s`` (float32 ``[K]``; the graph
+    multiplies the layer's input by ``1/s``) or None."""
+
+    layer: WeightLayer
+    weight: BlockwiseWeight
+    input_scale: np.ndarray | None
+    result: LayerResult
+
+
+def quantize_layers(model: onnx.ModelProto, layers: list[WeightLayer], activations: dict[str, np.ndarray] | None,
+                    *, bits: int = 4, algorithm: str = "awq", block_size: int = 32, symmetric: bool = True,
+                    act_order: bool = True) -> dict[str, QuantizedLayer]:
+    """Quantize each layer's weight (no graph change): ``{node name: QuantizedLayer}``.
+
+    INT8 is per output channel with RTN + output-aware clip (``algorithm`` applies to INT4 only). ``activations``
+    maps each layer's input tensor to calibration rows ``[rows, K]`` (None: RTN on weights alone).
+    """
+    if algorithm not in ALGORITHMS:
+        raise QuantizationError(f"unknown algorithm {algorithm!r}", f"choose one of {', '.join(ALGORITHMS)}")
+    if bits not in (4, 8):
+        raise QuantizationError(f"{bits}-bit weights are not supported", "use 4 or 8 bits")
+    if algorithm != "rtn" and bits == 4 and activations is None:
+        raise CalibrationError(f"{algorithm.upper()} needs calibration data", "pass --calib DIR_OR_NPZ")
+    out: dict[str, QuantizedLayer] = {}
+
+    def act(layer: WeightLayer) -> np.ndarray | None:
+        return None if activations is None else activations[layer.activation]
+
+    if bits == 8 or algorithm in ("rtn", "gptq"):
+        for layer in layers:
+            x, w = act(layer), weight_kn(model, layer)
+            if bits == 4 and algorithm == "gptq":
+                bw = gptq_quantize(w, x, bits=4, block_size=block_size, symmetric=symmetric, act_order=act_order,
+                                   name=layer.node)
+            else:
+                bw = quantize_blockwise(w, bits=bits, block_size=layer.k if bits == 8 else block_size,
+                                        symmetric=symmetric, clip_search=True, name=layer.node,
+                                        importance=None if x is None else (x * x).mean(axis=0))
+            res = LayerResult(layer.node, bits, bw.block_size, "rtn" if bits == 8 else algorithm, symmetric,
+                              _rel_error(x, w, bw.dequantize()))
+            out[layer.node] = QuantizedLayer(layer, bw, None, res)
+        return out
+    groups: dict[str, list[WeightLayer]] = defaultdict(list)      # AWQ: layers sharing an input share s
+    for layer in layers:
+        groups[layer.activation].append(layer)
+    for tensor, members in groups.items():
+        x = activations[tensor]
+        ws = [weight_kn(model, m) for m in members]
+        r = awq_search(ws, x, bits=4, block_size=block_size, symmetric=symmetric, names=[m.node for m in members])
+        s = r.scale
+        scaled = bool(np.any(np.abs(s - 1.0) > 1e-6))
+        for m, w, bw in zip(members, ws, r.weights):
+            if algorithm == "awq+gptq":
+                bw = gptq_quantize(w * s[:, None], x / s, bits=4, block_size=block_size, symmetric=symmetric,
+                                   act_order=act_order, name=m.node)
+            res = LayerResult(m.node, 4, bw.block_size, algorithm, symmetric,
+                              _rel_error(x, w, bw.dequantize() / s[:, None]), r.alpha)
+            out[m.node] = QuantizedLayer(m, bw, s if scaled else None, res)
+    return out
+
+
+def assemble(model: onnx.ModelProto, chosen: list[QuantizedLayer]) -> onnx.ModelProto:
+    """A copy of ``model`` (opset 21, IR 10) with the chosen layers' weights written as Q/DQ; layers that read the
+    same input with the same AWQ scale share one ``Mul``."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    name_nodes(out)
+    out = ensure_qdq_opset(out)
+    for q in chosen:
+        write_blockwise_weight(out, q.layer, q.weight)
+    groups: dict[tuple[str, int], list[QuantizedLayer]] = defaultdict(list)
+    for q in chosen:
+        if q.input_scale is not None:
+            groups[(q.layer.activation, id(q.input_scale))].append(q)
+    for members in groups.values():
+        insert_input_scale(out, [q.layer for q in members], 1.0 / members[0].input_scale)
+    return out
+
+
 def quantize_weight_only(model: onnx.ModelProto, calibration: CalibrationSource | list | None = None, *,
                          algorithm: str = "awq", bits: int = 4, block_size: int = 32, symmetric: bool = True,
                          nodes: list[str] | None = None, layer_bits: dict[str, int] | None = None,
@@ -83,79 +164,27 @@ def quantize_weight_only(model: onnx.ModelProto, calibration: CalibrationSource 
         raise QuantizationError(f"unknown algorithm {algorithm!r}", f"choose one of {', '.join(ALGORITHMS)}")
     if bits not in (4, 8):
         raise QuantizationError(f"{bits}-bit weights are not supported", "use --bits 4 or 8")
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    layers = select_layers(out, nodes)
+    work = onnx.ModelProto()
+    work.CopyFrom(model)
+    layers = select_layers(work, nodes)
     layer_bits = dict(layer_bits or {})
-    plan = [(layer, layer_bits.get(layer.node, bits)) for layer in layers]
-    plan = [(layer, b) for layer, b in plan if b in (4, 8)]
-    for layer, b in [(lay, layer_bits[lay.node]) for lay in layers if lay.node in layer_bits]:
+    for node, b in layer_bits.items():
         if b not in (4, 8, 16, 32):
-            raise QuantizationError(f"layer {layer.node!r}: {b} bits is not a supported precision",
-                                    "use 4, 8, 16 or 32")
-    needs_calib = algorithm != "rtn"
-    if activations is None and (calibration is not None or needs_calib):
+            raise QuantizationError(f"layer {node!r}: {b} bits is not a supported precision", "use 4, 8, 16 or 32")
+    plan = {layer.node: layer_bits.get(layer.node, bits) for layer in layers}
+    todo = [layer for layer in layers if plan[layer.node] in (4, 8)]
+    if activations is None and (calibration is not None or (algorithm != "rtn" and 4 in plan.values())):
         if calibration is None:
             raise CalibrationError(f"{algorithm.upper()} needs calibration data", "pass --calib DIR_OR_NPZ")
-        activations = layer_activations(model, calibration, [layer for layer, _ in plan])
-    weights = {layer.node: weight_kn(out, layer) for layer, _ in plan}
-    results: list[LayerResult] = []
-    written: list[tuple[WeightLayer, BlockwiseWeight]] = []
-    scale_groups: list[tuple[list[WeightLayer], np.ndarray]] = []
-
-    int4 = [layer for layer, b in plan if b == 4]
-    int8 = [layer for layer, b in plan if b == 8]
-    for layer in int8:                                   # per-channel INT8: RTN with output-aware clip
-        x = None if activations is None else activations[layer.activation]
-        w = weights[layer.node]
-        bw = quantize_blockwise(w, bits=8, block_size=layer.k, symmetric=symmetric, clip_search=True,
-                                name=layer.node, importance=None if x is None else (x * x).mean(axis=0))
-        written.append((layer, bw))
-        results.append(LayerResult(layer.node, 8, layer.k, "rtn", symmetric, _rel_error(x, w, bw.dequantize())))
-
-    if algorithm in ("awq", "awq+gptq"):
-        groups: dict[str, list[WeightLayer]] = defaultdict(list)
-        for layer in int4:
-            groups[layer.activation].append(layer)
-        for act, members in groups.items():
-            x = activations[act]
-            r = awq_search([weights[m.node] for m in members], x, bits=4, block_size=block_size,
-                           symmetric=symmetric, names=[m.node for m in members])
-            s = r.scale
-            scaled = any(abs(float(v) - 1.0) > 1e-6 for v in s)
-            if scaled:
-                scale_groups.append((members, 1.0 / s))
-            for m, bw in zip(members, r.weights):
-                if algorithm == "awq+gptq":
-                    xs = x / s
-                    bw = gptq_quantize(weights[m.node] * s[:, None], xs, bits=4, block_size=block_size,
-                                       symmetric=symmetric, act_order=act_order, name=m.node)
-                written.append((m, bw))
-                wq = bw.dequantize() / s[:, None]
-                results.append(LayerResult(m.node, 4, bw.block_size, algorithm, symmetric,
-                                           _rel_error(x, weights[m.node], wq), r.alpha))
-    else:
-        for layer in int4:
-            x = None if activations is None else activations[layer.activation]
-            w = weights[layer.node]
-            if algorithm == "gptq":
-                bw = gptq_quantize(w, x, bits=4, block_size=block_size, symmetric=symmetric, act_order=act_order,
-                                   name=layer.node)
-            else:
-                bw = quantize_blockwise(w, bits=4, block_size=block_size, symmetric=symmetric, clip_search=True,
-                                        name=layer.node, importance=None if x is None else (x * x).mean(axis=0))
-            written.append((layer, bw))
-            results.append(LayerResult(layer.node, 4, bw.block_size, algorithm, symmetric,
-                                       _rel_error(x, w, bw.dequantize())))
-
-    out = ensure_qdq_opset(out)
-    for layer, bw in written:
-        write_blockwise_weight(out, layer, bw)
-    for members, inv_s in scale_groups:
-        insert_input_scale(out, members, inv_s)
-    order = {layer.node: i for i, layer in enumerate(layers)}
-    results.sort(key=lambda r: order[r.node])
+        activations = layer_activations(work, calibration, todo)
+    done: dict[str, QuantizedLayer] = {}
+    for b in (4, 8):
+        members = [layer for layer in todo if plan[layer.node] == b]
+        if members:
+            done.update(quantize_layers(work, members, activations, bits=b, algorithm=algorithm,
+                                        block_size=block_size, symmetric=symmetric, act_order=act_order))
+    out = assemble(work, [done[layer.node] for layer in todo])
     report = {"algorithm": algorithm, "bits": bits, "block_size": block_size, "symmetric": symmetric,
-              "layers": [asdict(r) for r in results],
-              "kept_float": [layer.node for layer in layers if layer_bits.get(layer.node, bits) not in (4, 8)]}
+              "layers": [asdict(done[layer.node].result) for layer in todo],
+              "kept_float": [layer.node for layer in layers if plan[layer.node] not in (4, 8)]}
     return out, report

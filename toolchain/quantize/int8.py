@@ -1,0 +1,195 @@
+"""INT8 quantization: W8A8 explicit Q/DQ with calibration (static), and dynamic INT8 for the ORT CPU target.
+
+Static W8A8 uses ONNX Runtime's ``quantize_static`` in QDQ format (a well-kept implementation): per-channel
+symmetric INT8 weights, per-tensor INT8 activations calibrated with MinMax (default), Entropy (KL) or Percentile.
+With ``symmetric_activations=True`` (default) activation zero points are 0, which TensorRT's explicit-quantization
+mode needs; ``False`` gives asymmetric UINT8 activations (faster U8S8 kernels on x86 ORT CPU).
+
+Dynamic INT8 (``quantize_dynamic``: weights INT8 per channel, activations quantized per batch at run time,
+``MatMulInteger``/``DynamicQuantizeLinear``) needs no calibration and is the fastest form on ORT CPU; it is not a
+Q/DQ graph, so it is only for ORT targets. ``fuse="bert"`` first applies ORT's transformer fusions (Attention,
+SkipLayerNormalization, BiasGelu, EmbedLayerNormalization) so attention runs as one kernel.
+"""
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ...runtime.errors import CalibrationError, QuantizationError
+from .calibration import Batch, CalibrationSource, load_calibration
+from .graph import name_nodes
+
+METHODS = ("minmax", "entropy", "percentile")
+DEFAULT_OP_TYPES = ("MatMul", "Gemm", "Conv")
+
+
+class BatchReader:
+    """``onnxruntime.quantization.CalibrationDataReader`` over checked batches (duck-typed: get_next/rewind)."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches = batches
+        self.pos = 0
+
+    def get_next(self) -> Batch | None:
+        if self.pos >= len(self.batches):
+            return None
+        self.pos += 1
+        return self.batches[self.pos - 1]
+
+    def rewind(self) -> None:
+        self.pos = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def pad_to_common_shape(batches: list[Batch]) -> list[Batch]:
+    """Zero-pad every input to the largest shape seen (e.g. token ids / attention mask to the longest sequence).
+
+    ORT's histogram calibrators (Entropy, Percentile) stack a tensor's outputs over batches, which needs equal
+    shapes; zero is the padding token and a masked position for transformer inputs.
+    """
+    names = batches[0].keys()
+    target = {n: np.max([b[n].shape for b in batches], axis=0) for n in names}
+    out = []
+    for b in batches:
+        fixed = {}
+        for n in names:
+            a = b[n]
+            pad = [(0, int(t - s)) for s, t in zip(a.shape, target[n])]
+            fixed[n] = np.pad(a, pad) if any(p for _, p in pad) else a
+        out.append(fixed)
+    return out
+
+
+def activation_matmuls(model: onnx.ModelProto) -> list[str]:
+    """Names of MatMul nodes whose inputs are both activations (no initializer or Constant operand)."""
+    consts = {t.name for t in model.graph.initializer}
+    consts |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    return [n.name for n in model.graph.node
+            if n.op_type == "MatMul" and not any(i in consts for i in n.input[:2])]
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    return m
+
+
+def _save(model: onnx.ModelProto, path: Path) -> None:
+    big = model.ByteSize() > 1_800_000_000
+    onnx.save_model(model, str(path), save_as_external_data=big, location=path.name + ".data" if big else None)
+
+
+def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource | list, *, method: str = "minmax",
+                         percentile: float = 99.999, per_channel: bool = True, symmetric_activations: bool = True,
+                         op_types: tuple[str, ...] = DEFAULT_OP_TYPES, nodes_to_exclude: list[str] | None = None,
+                         weights_only_matmul: bool = True) -> tuple[onnx.ModelProto, dict]:
+    """W8A8 Q/DQ model from an fp32 ONNX model and a calibration set.
+
+    Args:
+        calibration: iterable of ``{input: array}`` batches, a ``.npz``, or a directory of ``.npz`` files.
+        method: ``minmax`` | ``entropy`` | ``percentile`` (activation range calibration).
+        percentile: for ``percentile``, the kept percentile of ``|x|`` (e.g. 99.999).
+        op_types: node types to quantize (MatMul, Gemm, Conv; Conv covers Conv2d and Conv3d).
+        nodes_to_exclude: node names kept in float.
+        weights_only_matmul: keep MatMuls of two activations (attention scores, attention x V) in float; per-tensor
+            INT8 there costs most of the accuracy of transformer encoders.
+    Returns:
+        (quantized model, report with method, counts of QuantizeLinear/DequantizeLinear and the op types done).
+    Raises:
+        CalibrationError (empty / mismatched calibration data), QuantizationError (unknown method).
+    """
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    if method not in METHODS:
+        raise QuantizationError(f"unknown calibration method {method!r}", f"choose one of {', '.join(METHODS)}")
+    model = name_nodes(_copy(model))
+    batches = load_calibration(model, calibration)
+    if method != "minmax":
+        batches = pad_to_common_shape(batches)
+    if weights_only_matmul:
+        nodes_to_exclude = list(nodes_to_exclude or []) + activation_matmuls(model)
+    cal = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+           "percentile": CalibrationMethod.Percentile}[method]
+    extra = {"ActivationSymmetric": symmetric_activations, "WeightSymmetric": True,
+             "CalibMovingAverage": False}
+    if method == "percentile":
+        extra["CalibPercentile"] = percentile
+    if method == "entropy":
+        extra["CalibNumBins"] = 2048
+    with tempfile.TemporaryDirectory(prefix="dsedge-int8-") as tmp:
+        src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
+        _save(model, src)
+        try:
+            quantize_static(
+                str(src), str(dst), BatchReader(batches), quant_format=QuantFormat.QDQ, per_channel=per_channel,
+                activation_type=QuantType.QInt8 if symmetric_activations else QuantType.QUInt8,
+                weight_type=QuantType.QInt8, calibrate_method=cal, op_types_to_quantize=list(op_types),
+                nodes_to_exclude=list(nodes_to_exclude or []), extra_options=extra,
+                calibration_providers=["CPUExecutionProvider"])
+        except (ValueError, IndexError) as e:
+            raise CalibrationError(f"INT8 calibration failed: {str(e).splitlines()[0]}",
+                                   "check that the calibration batches match the model's inputs") from None
+        out = onnx.load(str(dst))
+    counts = Counter(n.op_type for n in out.graph.node)
+    report = {"precision": "int8", "mode": "static", "method": method, "per_channel": per_channel,
+              "symmetric_activations": symmetric_activations, "calibration_batches": len(batches),
+              "quantize_linear": counts.get("QuantizeLinear", 0),
+              "dequantize_linear": counts.get("DequantizeLinear", 0), "op_types": list(op_types),
+              "excluded": list(nodes_to_exclude or [])}
+    return out, report
+
+
+def fuse_transformer(model: onnx.ModelProto, *, model_type: str = "bert", num_heads: int = 0,
+                     hidden_size: int = 0) -> tuple[onnx.ModelProto, dict]:
+    """ORT's transformer graph fusions (``onnxruntime.transformers.optimizer``), for ORT CPU/CUDA targets only:
+    the fused ops (Attention, SkipLayerNormalization …) are ORT contrib ops TensorRT does not read.
+    ``num_heads``/``hidden_size`` 0 = detect from the graph. Returns (model, {fused op: count})."""
+    from onnxruntime.transformers import optimizer
+
+    with tempfile.TemporaryDirectory(prefix="dsedge-fuse-") as tmp:
+        src = Path(tmp) / "in.onnx"
+        _save(model, src)
+        opt = optimizer.optimize_model(str(src), model_type=model_type, num_heads=num_heads,
+                                       hidden_size=hidden_size, opt_level=1)
+        stats = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
+        return opt.model, stats
+
+
+def quantize_int8_dynamic(model: onnx.ModelProto, *, per_channel: bool = True, fuse: str | None = "bert",
+                          op_types: tuple[str, ...] = ("MatMul", "Gemm", "Attention", "Gather"),
+                          nodes_to_exclude: list[str] | None = None) -> tuple[onnx.ModelProto, dict]:
+    """Dynamic INT8 (W8, activations quantized at run time) for ORT CPU; optional transformer fusion first.
+
+    Gather covers embedding tables (UINT8 rows dequantized at lookup). Returns (model, report). Raises
+    QuantizationError on NaN/Inf weights (naming the initializer).
+    """
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    for t in model.graph.initializer:
+        if t.data_type == onnx.TensorProto.FLOAT:
+            a = onnx.numpy_helper.to_array(t)
+            if a.size and not np.all(np.isfinite(a)):
+                raise QuantizationError(f"initializer {t.name!r} holds NaN/Inf values",
+                                        "fix the model; NaN/Inf weights cannot be quantized")
+    fused: dict = {}
+    if fuse:
+        model, fused = fuse_transformer(model, model_type=fuse)
+    with tempfile.TemporaryDirectory(prefix="dsedge-dyn-") as tmp:
+        src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
+        _save(model, src)
+        quantize_dynamic(str(src), str(dst), per_channel=per_channel, weight_type=QuantType.QInt8,
+                         op_types_to_quantize=list(op_types), nodes_to_exclude=list(nodes_to_exclude or []),
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        out = onnx.load(str(dst))
+    counts = Counter(n.op_type for n in out.graph.node)
+    report = {"precision": "int8", "mode": "dynamic", "per_channel": per_channel, "fused": fused,
+              "ops": {k: v for k, v in counts.items() if k in ("MatMulInteger", "DynamicQuantizeMatMul",
+                                                                 "QAttention", "DynamicQuantizeLinear",
+                                                                 "Attention", "QGemm")}}
+    return out, report

@@ -1,0 +1,179 @@
+"""Mixed precision under an accuracy gate: raise the most sensitive layers (INT4 → INT8 → float) until it passes.
+
+1. Quantize every weight layer at the base precision (INT4 with RTN/AWQ/GPTQ) and measure the gate metric on
+   held-out data against the fp32 model. If the gate passes, stop.
+2. Sensitivity of each layer = how much the metric improves when that layer alone is raised one rung (INT4 → INT8)
+   in the otherwise all-base model (measured on the held-out data, one ORT session per layer).
+3. Raise layers greedily, most sensitive first, one rung at a time (INT4 → INT8, then INT8 → float), re-measuring
+   after each, until the gate passes. If every layer is float and the gate still fails, raise AccuracyGateError
+   saying the best value reached.
+
+The report lists every raised layer, its rung, its measured sensitivity and rank, and the metric after the raise.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from ...runtime.errors import AccuracyGateError, ConfigError
+from .calibration import CalibrationSource, check_batches, load_calibration, ort_session, read_batches
+from .graph import select_layers
+from .weight_only import QuantizedLayer, assemble, layer_activations, quantize_layers
+
+METRICS = {"cosine": True, "cosine-min": True, "auc-drop": False, "accuracy-drop": False}
+LADDER = (4, 8, 32)
+RUNG_NAMES = {4: "int4", 8: "int8", 32: "float"}
+
+
+@dataclass(frozen=True)
+class AccuracyGate:
+    """``METRIC:THRESHOLD``. Higher-is-better metrics (cosine) pass at ``value >= threshold``; drops (auc-drop)
+    pass at ``value <= threshold``."""
+
+    metric: str
+    threshold: float
+
+    @property
+    def higher_is_better(self) -> bool:
+        return METRICS[self.metric]
+
+    def passes(self, value: float) -> bool:
+        return value >= self.threshold if self.higher_is_better else value <= self.threshold
+
+    def gain(self, before: float, after: float) -> float:
+        """Improvement from ``before`` to ``after`` (positive = better), whatever the metric's direction."""
+        return (after - before) if self.higher_is_better else (before - after)
+
+    def __str__(self) -> str:
+        return f"{self.metric}:{self.threshold:g}"
+
+
+def parse_gate(spec: str) -> AccuracyGate:
+    """``"cosine:0.99"`` → AccuracyGate. Raises ConfigError on an unknown metric or a bad number."""
+    metric, sep, value = spec.partition(":")
+    metric = metric.strip().lower()
+    if not sep or metric not in METRICS:
+        raise ConfigError(f"accuracy gate {spec!r} is not METRIC:THRESHOLD with a known metric",
+                          f"e.g. cosine:0.99; metrics: {', '.join(METRICS)}")
+    try:
+        threshold = float(value)
+    except ValueError:
+        raise ConfigError(f"accuracy gate {spec!r}: {value!r} is not a number", "e.g. cosine:0.99") from None
+    return AccuracyGate(metric, threshold)
+
+
+def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list, *, output: int = 0,
+                  reduce: str = "mean") -> Callable[[onnx.ModelProto], float]:
+    """Metric ``model -> cosine`` of output ``output`` per sample vs the fp32 ``reference`` on held-out batches.
+
+    Each sample's output (flattened) is compared with the reference's; ``reduce`` = ``mean`` or ``min`` over
+    samples. Reference outputs are computed once.
+    """
+    batches = check_batches(reference, read_batches(heldout))
+    sess = ort_session(reference)
+    refs = [sess.run(None, b)[output] for b in batches]
+
+    def metric(model: onnx.ModelProto) -> float:
+        s = ort_session(model)
+        cos = []
+        for b, r in zip(batches, refs):
+            y = s.run(None, b)[output].reshape(r.shape[0], -1).astype(np.float64)
+            r2 = r.reshape(r.shape[0], -1).astype(np.float64)
+            num = (y * r2).sum(1)
+            den = np.linalg.norm(y, axis=1) * np.linalg.norm(r2, axis=1) + 1e-30
+            cos.append(num / den)
+        c = np.concatenate(cos)
+        return float(c.mean() if reduce == "mean" else c.min())
+
+    return metric
+
+
+def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list, *,
+                   gate: AccuracyGate | str, metric: Callable[[onnx.ModelProto], float] | None = None,
+                   heldout: CalibrationSource | list | None = None, algorithm: str = "gptq",
+                   block_size: int = 32, symmetric: bool = True, nodes: list[str] | None = None,
+                   act_order: bool = True, on_step: Callable[[str], None] | None = None,
+                   ) -> tuple[onnx.ModelProto, dict]:
+    """INT4 weight-only model whose most sensitive layers are raised until ``gate`` passes.
+
+    Args:
+        calibration: data for AWQ/GPTQ (batches, ``.npz`` or directory).
+        gate: AccuracyGate or ``"cosine:0.99"``.
+        metric: ``model -> value`` of the gate's metric; default for ``cosine``/``cosine-min``: cosine of output 0
+            vs the fp32 model on ``heldout`` (required then). ``auc-drop`` etc. need a caller-supplied metric.
+        on_step: called with a one-line progress message after each measurement.
+    Returns:
+        (model, report) — report["raised"] lists ``{node, from, to, sensitivity, rank, value_after, reason}``.
+    Raises:
+        AccuracyGateError when even all-float fails (message says the best reached); ConfigError for a gate metric
+        without a metric function; CalibrationError / QuantizationError as in :func:`quantize_weight_only`.
+    """
+    gate = parse_gate(gate) if isinstance(gate, str) else gate
+    if metric is None:
+        if gate.metric not in ("cosine", "cosine-min") or heldout is None:
+            raise ConfigError(f"accuracy gate {gate} needs held-out data and a metric for {gate.metric!r}",
+                              "pass held-out batches (cosine) or a metric function")
+        metric = cosine_metric(model, heldout, reduce="mean" if gate.metric == "cosine" else "min")
+    log = on_step or (lambda msg: None)
+    work = onnx.ModelProto()
+    work.CopyFrom(model)
+    layers = select_layers(work, nodes)
+    load_calibration(work, calibration)                      # clear errors before the long part
+    acts = layer_activations(work, calibration, layers)
+    q: dict[int, dict[str, QuantizedLayer]] = {
+        4: quantize_layers(work, layers, acts, bits=4, algorithm=algorithm, block_size=block_size,
+                           symmetric=symmetric, act_order=act_order),
+        8: quantize_layers(work, layers, acts, bits=8, symmetric=symmetric),
+    }
+    rung = {layer.node: 4 for layer in layers}
+
+    def build(assign: dict[str, int]) -> onnx.ModelProto:
+        return assemble(work, [q[b][layer.node] for layer in layers if (b := assign[layer.node]) in q])
+
+    value = metric(build(rung))
+    base_value = value
+    log(f"all int4 ({algorithm}, block {block_size}): {gate.metric} = {value:.5f}")
+    raised: list[dict] = []
+    sensitivity: dict[str, float] = {}
+    if not gate.passes(value):
+        for layer in layers:
+            trial = dict(rung)
+            trial[layer.node] = 8
+            sensitivity[layer.node] = gate.gain(value, metric(build(trial)))
+        order = sorted(layers, key=lambda lay: -sensitivity[lay.node])
+        ranks = {lay.node: i + 1 for i, lay in enumerate(order)}
+        log("most sensitive: " + ", ".join(f"{lay.node} (+{sensitivity[lay.node]:.5f})" for lay in order[:5]))
+        for target in LADDER[1:]:
+            for layer in order:
+                if gate.passes(value):
+                    break
+                if rung[layer.node] >= target:
+                    continue
+                before = rung[layer.node]
+                rung[layer.node] = target
+                value = metric(build(rung))
+                raised.append({
+                    "node": layer.node, "from": RUNG_NAMES[before], "to": RUNG_NAMES[target],
+                    "sensitivity": sensitivity[layer.node], "rank": ranks[layer.node], "value_after": value,
+                    "reason": (f"raising it alone to int8 improves {gate.metric} by {sensitivity[layer.node]:.5f} "
+                               f"(rank {ranks[layer.node]} of {len(layers)}); gate {gate} not met at "
+                               f"{RUNG_NAMES[before]}")})
+                log(f"raised {layer.node} {RUNG_NAMES[before]} -> {RUNG_NAMES[target]}: {gate.metric} = {value:.5f}")
+            if gate.passes(value):
+                break
+        if not gate.passes(value):
+            raise AccuracyGateError(
+                f"accuracy gate {gate} cannot be met: best {gate.metric} = {value:.5f} with every layer in float",
+                "loosen the gate, or check the held-out data and the fp32 model")
+    report = {
+        "gate": str(gate), "algorithm": algorithm, "block_size": block_size, "symmetric": symmetric,
+        "value_all_int4": base_value, "value": value, "passed": True,
+        "layers": {layer.node: RUNG_NAMES[rung[layer.node]] for layer in layers},
+        "counts": {name: sum(1 for r in rung.values() if RUNG_NAMES[r] == name) for name in RUNG_NAMES.values()},
+        "raised": raised, "sensitivity": sensitivity,
+        "int4_layers": [q[4][layer.node].result.__dict__ for layer in layers],
+    }
+    return build(rung), report
