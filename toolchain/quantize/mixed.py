@@ -20,7 +20,7 @@ import onnx
 
 from ...runtime.errors import AccuracyGateError, ConfigError
 from .calibration import CalibrationSource, check_batches, load_calibration, ort_session, read_batches
-from .graph import select_layers
+from .graph import ensure_qdq_opset, name_nodes, select_layers
 from .weight_only import QuantizedLayer, assemble, layer_activations, quantize_layers
 
 METRICS = {"cosine": True, "cosine-min": True, "auc-drop": False, "accuracy-drop": False}
@@ -120,6 +120,7 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
     log = on_step or (lambda msg: None)
     work = onnx.ModelProto()
     work.CopyFrom(model)
+    work = ensure_qdq_opset(name_nodes(work))               # once, not at every trial build
     layers = select_layers(work, nodes)
     load_calibration(work, calibration)                      # clear errors before the long part
     acts = layer_activations(work, calibration, layers)

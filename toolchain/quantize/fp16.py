@@ -1,0 +1,164 @@
+"""FP16 / BF16 conversion of an fp32 ONNX model, keeping FP32 islands where 16-bit overflows or loses too much.
+
+Every float tensor becomes FP16 (or BF16), except:
+- *island* ops (LayerNormalization, Softmax, reductions, L2-normalization, Pow/Sqrt/Exp/Log …) compute in FP32:
+  their float inputs are cast to FP32 and their outputs cast back (the known TensorRT FP16 failure kinds: variance
+  and sum-of-squares overflow past 65504, softmax/exp saturation);
+- initializers read only by islands stay FP32 (LayerNorm gamma/beta keep full precision);
+- graph inputs and outputs keep their FP32 type (a Cast at each), so the model's IO contract does not change;
+- inputs ONNX requires as float32 (Resize's roi/scales) stay FP32.
+Initializer values beyond the 16-bit range are clamped to it and counted in the report. BF16 is for targets that
+have it (A100, H100); ORT CPU runs few BF16 kernels.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ...runtime.errors import QuantizationError
+
+FP32_ISLAND_OPS = frozenset({
+    "LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization", "GroupNormalization",
+    "InstanceNormalization", "LpNormalization", "Softmax", "LogSoftmax", "ReduceMean", "ReduceSum",
+    "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceProd", "Pow", "Sqrt",
+    "Reciprocal", "Exp", "Log", "CumSum", "Range",
+})
+# inputs that ONNX types as float32 whatever the data type (op → input positions)
+FP32_INPUT_POSITIONS = {"Resize": (1, 2), "Upsample": (1,)}
+FP16_MAX = 65504.0
+
+
+def _np_dtype(elem: int):
+    if elem == TensorProto.BFLOAT16:
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.float16
+
+
+def _convert_tensor(t: onnx.TensorProto, elem: int) -> tuple[onnx.TensorProto, int]:
+    a = numpy_helper.to_array(t).astype(np.float32)
+    limit = FP16_MAX if elem == TensorProto.FLOAT16 else float(np.finfo(np.float32).max)
+    clamped = int(np.count_nonzero(np.abs(a[np.isfinite(a)]) > limit))
+    a = np.where(np.isfinite(a), np.clip(a, -limit, limit), a)
+    return numpy_helper.from_array(a.astype(_np_dtype(elem)), t.name), clamped
+
+
+def convert_float16(model: onnx.ModelProto, *, dtype: str = "fp16", island_ops: frozenset[str] = FP32_ISLAND_OPS,
+                    keep_fp32_nodes: list[str] | None = None) -> tuple[onnx.ModelProto, dict]:
+    """A copy of the fp32 ``model`` computing in FP16 (``dtype="fp16"``) or BF16 (``"bf16"``) with FP32 islands.
+
+    Args:
+        island_ops: op types computed in FP32 (default :data:`FP32_ISLAND_OPS`).
+        keep_fp32_nodes: extra node names computed in FP32 (e.g. layers the accuracy gate raised).
+    Returns:
+        (model, report) — report lists ``fp32_nodes`` (names of island nodes), ``casts_inserted``, ``clamped``
+        (initializer values clamped to the 16-bit range).
+    Raises:
+        QuantizationError for an unknown dtype or a model that is not fp32.
+    """
+    if dtype not in ("fp16", "bf16"):
+        raise QuantizationError(f"unknown float precision {dtype!r}", "use fp16 or bf16")
+    low = TensorProto.FLOAT16 if dtype == "fp16" else TensorProto.BFLOAT16
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    for i, node in enumerate(g.node):
+        if not node.name:
+            node.name = f"{node.op_type}_{i}"
+    inferred = onnx.shape_inference.infer_shapes(m)
+    types: dict[str, int] = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        types[vi.name] = vi.type.tensor_type.elem_type
+    inits = {t.name: t for t in g.initializer}
+    for t in g.initializer:
+        types[t.name] = t.data_type
+    if not any(types.get(t) == TensorProto.FLOAT for t in types):
+        raise QuantizationError("the model has no float32 tensor to convert", "give an fp32 model")
+    is_float = lambda name: bool(name) and types.get(name) == TensorProto.FLOAT  # noqa: E731
+    keep = set(keep_fp32_nodes or [])
+    island = {n.name for n in g.node if n.op_type in island_ops or n.name in keep}
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
+    for n in g.node:
+        for j, inp in enumerate(n.input):
+            consumers[inp].append((n, j))
+    graph_inputs = {i.name for i in g.input if is_float(i.name)}
+    graph_outputs = {o.name for o in g.output if is_float(o.name)}
+
+    def needs_fp32(n: onnx.NodeProto, j: int) -> bool:
+        return n.name in island or j in FP32_INPUT_POSITIONS.get(n.op_type, ())
+
+    keep_init = {name for name in inits if is_float(name)
+                 and consumers.get(name) and all(needs_fp32(n, j) for n, j in consumers[name])}
+    new_nodes: list[onnx.NodeProto] = []
+    casts = 0
+    # graph inputs: one Cast to 16-bit, read by every non-island consumer
+    for name in sorted(graph_inputs):
+        low_name = f"{name}_{dtype}"
+        new_nodes.append(helper.make_node("Cast", [name], [low_name], name=f"{name}_to_{dtype}", to=low))
+        casts += 1
+        for n, j in consumers.get(name, []):
+            if not needs_fp32(n, j):
+                n.input[j] = low_name
+    fp32_of: dict[str, str] = {}                         # island output → its fp32 tensor name
+    for n in g.node:
+        pre, post = [], []
+        for j, inp in enumerate(n.input):
+            if not is_float(inp) or not needs_fp32(n, j) or inp in graph_inputs or inp in keep_init:
+                continue
+            if inp in fp32_of:                              # produced by an island: read its fp32 value directly
+                n.input[j] = fp32_of[inp]
+                continue
+            up = f"{inp}_fp32_for_{n.name}"
+            pre.append(helper.make_node("Cast", [inp], [up], name=f"{n.name}_in{j}_to_fp32", to=TensorProto.FLOAT))
+            n.input[j] = up
+        if n.name in island:
+            for j, out in enumerate(n.output):
+                if not is_float(out):
+                    continue
+                low_readers = [(c, k) for c, k in consumers.get(out, []) if not needs_fp32(c, k)]
+                if out in graph_outputs:                    # stays fp32 under its own name
+                    fp32_of[out] = out
+                    if low_readers:
+                        post.append(helper.make_node("Cast", [out], [f"{out}_{dtype}"],
+                                                     name=f"{n.name}_out{j}_to_{dtype}", to=low))
+                        for c, k in low_readers:
+                            c.input[k] = f"{out}_{dtype}"
+                    continue
+                hi = f"{out}_fp32"
+                n.output[j] = hi
+                fp32_of[out] = hi
+                if low_readers:                              # back to 16-bit only for non-island readers
+                    post.append(helper.make_node("Cast", [hi], [out], name=f"{n.name}_out{j}_to_{dtype}", to=low))
+        else:
+            for a in n.attribute:
+                if n.op_type == "Cast" and a.name == "to" and a.i == TensorProto.FLOAT:
+                    a.i = low
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT:
+                    a.t.CopyFrom(_convert_tensor(a.t, low)[0])
+            for j, out in enumerate(n.output):
+                if out in graph_outputs:                      # back to fp32 at the graph boundary
+                    low_name = f"{out}_{dtype}"
+                    n.output[j] = low_name
+                    post.append(helper.make_node("Cast", [low_name], [out], name=f"{out}_to_fp32",
+                                                 to=TensorProto.FLOAT))
+                    for c, k in consumers.get(out, []):
+                        if not needs_fp32(c, k):
+                            c.input[k] = low_name
+        casts += len(pre) + len(post)
+        new_nodes += pre + [n] + post
+    clamped = 0
+    for t in g.initializer:
+        if t.data_type == TensorProto.FLOAT and t.name not in keep_init:
+            conv, c = _convert_tensor(t, low)
+            clamped += c
+            t.CopyFrom(conv)
+    del g.node[:]
+    g.node.extend(new_nodes)
+    del g.value_info[:]
+    report = {"precision": dtype, "fp32_nodes": sorted(island), "fp32_initializers": sorted(keep_init),
+              "casts_inserted": casts, "clamped": clamped}
+    return m, report
