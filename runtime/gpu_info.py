@@ -7,6 +7,7 @@ AGX Orin, Orin NX and Orin Nano), so on Jetson the name comes from ``/proc/devic
 """
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -79,8 +80,10 @@ def _from_nvidia_smi() -> GpuInfo | None:
     return parse_nvidia_smi(r.stdout) if r.returncode == 0 else None
 
 
+@functools.lru_cache(maxsize=1)
 def detect_gpu() -> GpuInfo | None:
-    """The first GPU, or None when there is none (or no way to ask). On Jetson the device-tree model names it."""
+    """The first GPU, or None when there is none (or no way to ask). On Jetson the device-tree model names it.
+    Asked once per process (nvidia-smi takes tens of ms)."""
     gpu = _from_cuda_python() or _from_nvidia_smi()
     try:
         jetson = jetson_from_device_tree(DEVICE_TREE_MODEL.read_text(errors="replace"))

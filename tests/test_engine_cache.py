@@ -108,3 +108,19 @@ def test_gpu_identification_parsing():
     assert agx.compute_capability == nano.compute_capability == "8.7" and agx.name != nano.name
     assert jetson_from_device_tree("NVIDIA Jetson AGX Xavier\x00").sm == "sm72"
     assert jetson_from_device_tree("Raspberry Pi 5 Model B") is None
+
+
+def test_detect_gpu_asks_nvidia_smi(tmp_path, monkeypatch):
+    from dsedge.runtime import gpu_info
+
+    smi = tmp_path / "nvidia-smi"  # stand-in for NVIDIA's tool, which cannot exist here
+    smi.write_text('#!/bin/sh\n[ "$1" = "--query-gpu=name,compute_cap" ] && echo "NVIDIA A100-SXM4-80GB, 8.0"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(gpu_info, "_from_cuda_python", lambda: None)
+    monkeypatch.setattr(gpu_info, "DEVICE_TREE_MODEL", tmp_path / "no-device-tree")
+    gpu_info.detect_gpu.cache_clear()
+    try:
+        assert gpu_info.detect_gpu() == GpuInfo("NVIDIA A100-SXM4-80GB", "8.0")
+    finally:
+        gpu_info.detect_gpu.cache_clear()
