@@ -205,7 +205,13 @@ def get_target(name_or_path: str | os.PathLike) -> Target:
     key = s.strip().lower()
     targets = list_targets()
     for t in targets:
-        if key == t.name or key in t.aliases:
+        if key == t.name:
             return t
+    claimed = [t for t in targets if key in t.aliases]
+    if len(claimed) > 1:
+        raise TargetError(f"target alias {s!r} is claimed by {claimed[0].source} and {claimed[1].source}",
+                          "use the full target name, or remove the alias from one profile")
+    if claimed:
+        return claimed[0]
     names = ", ".join(t.name + (f" ({'/'.join(t.aliases)})" if t.aliases else "") for t in targets)
     raise TargetError(f"unknown target {s!r}", f"known targets: {names}; or pass a profile file ./my-device.toml")

@@ -53,6 +53,10 @@ def test_user_profile_by_path_and_by_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("DSEDGE_TARGETS_DIR", str(tmp_path))
     assert get_target("mine").name == "my-t4"
     assert "my-t4" in {t.name for t in list_targets()}
+    assert get_target("t4").name == "t4"  # a name beats an alias
+    (tmp_path / "copy.toml").write_text(text.replace('name = "my-t4"', 'name = "copy"'))
+    with pytest.raises(TargetError, match="claimed by"):
+        get_target("mine")
 
 
 @pytest.mark.parametrize("body, words", [
