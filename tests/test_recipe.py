@@ -158,3 +158,11 @@ def test_script_runs_under_bash_and_passes_exact_args(tmp_path):
     assert first[1:4] == ["--onnx=models/int4.onnx", "--saveEngine=engines/int4.plan",
                           "--minShapes=input_ids:1x1,attention_mask:1x1"]
     assert (bundle / "engines").is_dir()
+
+
+def test_recipe_notes_for_the_report():
+    from dsedge.toolchain.recipe import recipe_notes
+
+    notes = recipe_notes(get_target("t4"), variants("int8", "fp16"), INPUTS, RANGES)
+    assert "explicit quantization" in notes["int8"][0] and "strongly typed" in notes["fp16"][0]
+    assert recipe_notes(get_target("cpu"), variants("int8"), INPUTS, RANGES) == {}

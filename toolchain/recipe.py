@@ -124,3 +124,13 @@ def trtexec_script(target: Target, variants: list[dict], inputs: list[dict], sha
         body.append('"$TRTEXEC" \\')
         body += [f"    {shlex.quote(a)} \\" for a in args[:-1]] + [f"    {shlex.quote(args[-1])}", ""]
     return "\n".join(head + body)
+
+
+def recipe_notes(target: Target, variants: list[dict], inputs: list[dict], shape_ranges: dict,
+                 dla_core: int | None = None) -> dict[str, list[str]]:
+    """Variant name → the recipe's decisions as lines for report.json (the same text as the script's comments).
+    Empty for ONNX Runtime targets. Raises what ``trtexec_script`` raises."""
+    if target.backend != "tensorrt":
+        return {}
+    return {v["name"]: list(engine_build_settings(target, v, inputs, shape_ranges, dla_core=dla_core).notes)
+            for v in variants}
