@@ -14,7 +14,7 @@ FALLBACK_CHAIN: dict[str, tuple[str, ...]] = {
 }
 
 
-def choose_precision(target: Target, requested: str, fallback: bool) -> tuple[str, list[str]]:
+def choose_precision(target: Target, requested: str, fallback: bool = False) -> tuple[str, list[str]]:
     """Resolve ``requested`` against ``target.precisions``.
 
     Args:
