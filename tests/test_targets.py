@@ -183,3 +183,20 @@ def test_contrib_ops_are_refused_for_tensorrt_but_fine_for_cpu():
     with pytest.raises(TargetError, match="MatMulNBits"):
         convert_for_target(m, get_target("a100"))
     assert model_opset(convert_for_target(_matmul_model(21), get_target("cpu"))) == 21
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_is_lowered_so_a_transformer_reaches_opset_17(approximate):
+    g = helper.make_graph([helper.make_node("Gelu", ["x"], ["y"], name="act", approximate=approximate)], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    out = convert_for_target(m, get_target("jetson-xavier"))  # Gelu has no version before 20
+    assert model_opset(out) == 17 and "Gelu" not in {n.op_type for n in out.graph.node}
+    x = np.linspace(-4, 4, 24, dtype=np.float32).reshape(3, 8)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # ORT would fuse the Erf form back
+    ref = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = ort.InferenceSession(out.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, ref, atol=2e-6)
+    assert model_opset(convert_for_target(m, get_target("t4"))) == 21  # kept where the opset fits

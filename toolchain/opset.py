@@ -6,8 +6,11 @@ so it cannot be converted down for TensorRT 8.5 (opset ≤ 17); ``onnx.version_c
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import onnx
-from onnx import TensorProto, helper, version_converter
+from onnx import TensorProto, helper, numpy_helper, version_converter
 
 from ..runtime.errors import TargetError
 from ..targets import Target
@@ -45,6 +48,53 @@ def custom_ops(model: onnx.ModelProto) -> list[str]:
     return sorted({f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain not in _DEFAULT_DOMAINS})
 
 
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    inferred = onnx.shape_inference.infer_shapes(model)
+    g = inferred.graph
+    return {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.value_info, *g.output]}
+
+
+def lower_gelu(model: onnx.ModelProto) -> int:
+    """Rewrite each ai.onnx ``Gelu`` (opset 20, no earlier version) in place into the ops older parsers read:
+    ``0.5·x·(1 + erf(x/√2))``, or for ``approximate="tanh"`` ``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``
+    (the Gelu definition in the ONNX operators spec; Hendrycks & Gimpel 2016). Returns how many were rewritten."""
+    gelus = [n for n in model.graph.node if n.op_type == "Gelu" and n.domain in _DEFAULT_DOMAINS]
+    if not gelus:
+        return 0
+    types = _elem_types(model)
+    out_nodes, inits = [], []
+    for i, n in enumerate(model.graph.node):
+        if n not in gelus:
+            out_nodes.append(n)
+            continue
+        x, y = n.input[0], n.output[0]
+        approx = next((a.s.decode() for a in n.attribute if a.name == "approximate"), "none")
+        dtype = helper.tensor_dtype_to_np_dtype(types.get(x) or TensorProto.FLOAT)
+        p = f"{n.name or 'gelu'}_{i}_lowered"
+
+        def const(name: str, value: float) -> str:
+            inits.append(numpy_helper.from_array(np.array(value, dtype=dtype), f"{p}/{name}"))
+            return f"{p}/{name}"
+
+        def node(op: str, ins: list[str], out: str) -> str:
+            out_nodes.append(helper.make_node(op, ins, [out], name=f"{p}/{out.rsplit('/', 1)[-1]}"))
+            return out
+
+        if approx == "tanh":
+            x3 = node("Mul", [node("Mul", [x, x], f"{p}/x2"), x], f"{p}/x3")
+            inner = node("Add", [x, node("Mul", [x3, const("c", 0.044715)], f"{p}/cx3")], f"{p}/inner")
+            t = node("Tanh", [node("Mul", [inner, const("k", math.sqrt(2 / math.pi))], f"{p}/kin")], f"{p}/tanh")
+        else:
+            t = node("Erf", [node("Div", [x, const("sqrt2", math.sqrt(2.0))], f"{p}/xs")], f"{p}/erf")
+        one_plus = node("Add", [t, const("one", 1.0)], f"{p}/onep")
+        out_nodes.append(helper.make_node("Mul", [node("Mul", [x, one_plus], f"{p}/xm"), const("half", 0.5)], [y],
+                                          name=f"{p}/out"))
+    del model.graph.node[:]
+    model.graph.node.extend(out_nodes)
+    model.graph.initializer.extend(inits)
+    return len(gelus)
+
+
 def convert_for_target(model: onnx.ModelProto, target: Target) -> onnx.ModelProto:
     """Return ``model`` at an opset within ``target.opset`` (unchanged opset when already inside) and the lowest
     IR version that opset allows, so an older parser (TensorRT 8.5 ships ONNX 1.12, IR 8) can read it.
@@ -77,6 +127,8 @@ def convert_for_target(model: onnx.ModelProto, target: Target) -> onnx.ModelProt
     out = onnx.ModelProto()
     out.CopyFrom(model)
     if want != current:
+        if want < 20:
+            lower_gelu(out)  # Gelu has no version before 20: the converter cannot move it down
         try:
             out = version_converter.convert_version(out, want)
         except Exception as e:  # the converter raises RuntimeError / ConvertError with multi-line text
