@@ -41,6 +41,8 @@ class BuildOptions:
     calib: str | None = None
     fallback: bool = False
     block_size: int = 32
+    algorithm: str = "auto"                 # INT4: auto (gptq with calibration data, else rtn) | rtn | awq | gptq | awq+gptq
+    accuracy_gate: str | None = None        # e.g. "cosine:0.99": mixed precision until it passes on held-out data
     embeddings: bool = True
     keep_fp32: bool = True
     latency_iterations: int = 50
@@ -78,6 +80,11 @@ def _compress_int4(exported: Exported, work: Path, opts: BuildOptions, source: S
 
 # precision → compressor(exported, workdir, options, source). The compression toolchain registers more here.
 COMPRESSORS: dict[str, Callable[[Exported, Path, BuildOptions, Source], Compressed]] = {"int4": _compress_int4}
+
+# The compression toolchain's compressors: INT4 RTN/AWQ/GPTQ + accuracy gate, INT8, FP16/BF16 (issue 4).
+from .quantize.compress import COMPRESSORS as TOOLCHAIN_COMPRESSORS  # noqa: E402
+
+COMPRESSORS.update(TOOLCHAIN_COMPRESSORS)
 
 
 def resolve_precision(target: Target, requested: str, fallback: bool) -> tuple[str, list[str]]:

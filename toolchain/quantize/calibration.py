@@ -23,8 +23,14 @@ CalibrationSource = Union[str, os.PathLike, Iterable[Batch]]
 _KINDS = {"f": "float", "i": "int", "u": "int", "b": "bool"}
 
 
+def split_batches(arrays: Batch, batch_size: int = 16) -> list[Batch]:
+    """One ``{input: array}`` set with the batch on axis 0 → batches of at most ``batch_size`` samples."""
+    n = min((len(a) for a in arrays.values()), default=0)
+    return [{k: v[i:i + batch_size] for k, v in arrays.items()} for i in range(0, n, batch_size)]
+
+
 def read_batches(source: CalibrationSource) -> list[Batch]:
-    """All batches of a calibration source as a list.
+    """All batches of a calibration source as a list (a single ``{input: array}`` mapping is split in 16s).
 
     Raises CalibrationError when the path does not exist, holds no ``.npz`` file, or the set is empty.
     """
@@ -46,6 +52,8 @@ def read_batches(source: CalibrationSource) -> list[Batch]:
             except (OSError, ValueError) as e:
                 raise CalibrationError(f"calibration file {str(f)!r} is not a readable .npz: {e}",
                                        "save batches with numpy.savez") from None
+    elif isinstance(source, dict):
+        batches = split_batches(source)
     else:
         batches = [dict(b) for b in source]
     batches = [b for b in batches if b]

@@ -49,12 +49,9 @@ def ensure_qdq_opset(model: onnx.ModelProto) -> onnx.ModelProto:
 
     ``onnx.version_converter`` leaves IR 8 behind, so the IR version is raised explicitly.
     """
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if opset < QDQ_OPSET:
-        model = onnx.version_converter.convert_version(model, QDQ_OPSET)
-    if model.ir_version < 10:
-        model.ir_version = 10
-    return model
+    from .int4 import ensure_opset21
+
+    return ensure_opset21(model)
 
 
 def initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
@@ -175,9 +172,13 @@ def drop_unused_initializer(model: onnx.ModelProto, name: str) -> None:
     """Remove initializer ``name`` when no node input or graph output reads it."""
     used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
     if name not in used:
-        keep = [t for t in model.graph.initializer if t.name != name]
-        del model.graph.initializer[:]
-        model.graph.initializer.extend(keep)
+        idx = next((i for i, t in enumerate(model.graph.initializer) if t.name == name), None)
+        if idx is not None:
+            del model.graph.initializer[idx]          # in place: no copy of the other tensors
+        for i, vi in enumerate(model.graph.input):    # older exporters also list initializers as inputs
+            if vi.name == name:
+                del model.graph.input[i]
+                break
 
 
 def insert_input_scale(model: onnx.ModelProto, layers: list[WeightLayer], inv_scale: np.ndarray) -> str:

@@ -65,15 +65,21 @@ def parse_gate(spec: str) -> AccuracyGate:
     return AccuracyGate(metric, threshold)
 
 
-def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list, *, output: int = 0,
+def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list, *, output: int | str = 0,
                   reduce: str = "mean") -> Callable[[onnx.ModelProto], float]:
-    """Metric ``model -> cosine`` of output ``output`` per sample vs the fp32 ``reference`` on held-out batches.
+    """Metric ``model -> cosine`` of output ``output`` (index or name) per sample vs the fp32 ``reference`` on
+    held-out batches.
 
     Each sample's output (flattened) is compared with the reference's; ``reduce`` = ``mean`` or ``min`` over
     samples. Reference outputs are computed once.
     """
     batches = check_batches(reference, read_batches(heldout))
     sess = ort_session(reference)
+    names = [o.name for o in sess.get_outputs()]
+    if isinstance(output, str):
+        if output not in names:
+            raise ConfigError(f"the model has no output {output!r}", f"outputs: {', '.join(names)}")
+        output = names.index(output)
     refs = [sess.run(None, b)[output] for b in batches]
 
     def metric(model: onnx.ModelProto) -> float:
@@ -96,7 +102,7 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
                    heldout: CalibrationSource | list | None = None, algorithm: str = "gptq",
                    block_size: int = 32, symmetric: bool = True, nodes: list[str] | None = None,
                    act_order: bool = True, on_step: Callable[[str], None] | None = None,
-                   ) -> tuple[onnx.ModelProto, dict]:
+                   output: int | str = 0) -> tuple[onnx.ModelProto, dict]:
     """INT4 weight-only model whose most sensitive layers are raised until ``gate`` passes.
 
     Args:
@@ -105,6 +111,7 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
         metric: ``model -> value`` of the gate's metric; default for ``cosine``/``cosine-min``: cosine of output 0
             vs the fp32 model on ``heldout`` (required then). ``auc-drop`` etc. need a caller-supplied metric.
         on_step: called with a one-line progress message after each measurement.
+        output: the output (index or name) the default cosine metric compares.
     Returns:
         (model, report) — report["raised"] lists ``{node, from, to, sensitivity, rank, value_after, reason}``.
     Raises:
@@ -116,7 +123,7 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
         if gate.metric not in ("cosine", "cosine-min") or heldout is None:
             raise ConfigError(f"accuracy gate {gate} needs held-out data and a metric for {gate.metric!r}",
                               "pass held-out batches (cosine) or a metric function")
-        metric = cosine_metric(model, heldout, reduce="mean" if gate.metric == "cosine" else "min")
+        metric = cosine_metric(model, heldout, output=output, reduce="mean" if gate.metric == "cosine" else "min")
     log = on_step or (lambda msg: None)
     work = onnx.ModelProto()
     work.CopyFrom(model)

@@ -188,3 +188,35 @@ def quantize_weight_only(model: onnx.ModelProto, calibration: CalibrationSource 
               "layers": [asdict(done[layer.node].result) for layer in todo],
               "kept_float": [layer.node for layer in layers if plan[layer.node] not in (4, 8)]}
     return out, report
+
+
+def quantize_embedding_tables(model: onnx.ModelProto, *, block_size: int = 32, symmetric: bool = True,
+                              min_vocab: int = 1024) -> tuple[onnx.ModelProto, list[dict]]:
+    """INT4 blockwise (along the hidden dim) word-embedding tables: Gather tables with >= ``min_vocab`` rows.
+
+    RTN with an MSE-searched scale per block (``int4.search_clip_ratio``), written by ``int4.write_int4_dq`` (the
+    DequantizeLinear output keeps the table's name). In place; returns (model, one dict per table). TensorRT reads
+    INT4 only for GEMM weights, so it folds this DequantizeLinear into an FP16/FP32 constant at engine build.
+    """
+    from onnx import numpy_helper
+
+    from .int4 import dequantize_blockwise, find_weight_sites, quantize_blockwise as rtn, search_clip_ratio, \
+        write_int4_dq
+
+    model = ensure_qdq_opset(model)
+    inits = {t.name: t for t in model.graph.initializer}
+    done = []
+    for site in find_weight_sites(model, embeddings=True, min_vocab=min_vocab):
+        if site.op != "Gather" or site.name not in inits:
+            continue
+        w = numpy_helper.to_array(inits[site.name]).astype(np.float32)
+        if not np.isfinite(w).all():
+            raise QuantizationError(f"embedding table {site.name!r} holds NaN/Inf values", "fix the checkpoint")
+        ratio = search_clip_ratio(w, site.axis, block_size, symmetric)
+        codes, scales, zp = rtn(w, site.axis, block_size, symmetric, clip_ratio=ratio)
+        err = float(np.sqrt(np.mean((dequantize_blockwise(codes, scales, site.axis, block_size, zp) - w) ** 2))
+                    / (np.sqrt(np.mean(w ** 2)) + 1e-12))
+        write_int4_dq(model, site, codes, scales, block_size, zp)
+        done.append({"name": site.name, "node": site.node, "shape": list(site.shape), "bits": 4,
+                     "block_size": block_size, "rel_rms_error": round(err, 5)})
+    return model, done

@@ -1,0 +1,109 @@
+"""The compressors ``dsedge build`` calls per precision: (exported ONNX, work dir, options, source) → Compressed.
+
+- ``int4``: W4A16 weight-only with ``--algorithm`` (rtn | awq | gptq | awq+gptq; default gptq) and, with
+  ``--accuracy-gate``, mixed precision (sensitive layers raised to INT8 / float until the gate passes on the
+  held-out data); word-embedding tables INT4 too unless ``--no-embeddings``.
+- ``int8``: for ORT targets (cpu) dynamic INT8 after ORT's transformer fusions (the fastest ORT CPU form);
+  for TensorRT targets W8A8 explicit Q/DQ calibrated with MinMax (needs calibration data).
+- ``fp16`` / ``bf16``: 16-bit with FP32 islands.
+Calibration data: ``source.calibration`` (the reference model's committed sentences, or ``--calib``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ...runtime.errors import CalibrationError
+
+
+def _save(model: Any, path: Path) -> None:
+    import onnx
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, os.fspath(path))
+
+
+def _calibration(source: Any, what: str) -> Any:
+    if getattr(source, "calibration", None) is None:
+        raise CalibrationError(f"{what} needs calibration data and this source has none",
+                               "pass --calib DIR with .npz files of real inputs")
+    return source.calibration
+
+
+def _embedding_output(exported: Any, source: Any) -> int | str:
+    names = [o.name for o in getattr(exported, "outputs", [])]
+    if getattr(source, "task", "") == "sentence-embedding" and "sentence_embedding" in names:
+        return "sentence_embedding"
+    return 0
+
+
+def compress_int4(exported: Any, work: Path, opts: Any, source: Any) -> Any:
+    """INT4 (W4A16) with the chosen algorithm, optional accuracy gate, and INT4 embedding tables."""
+    import onnx
+
+    from ..pipeline import Compressed
+    from .mixed import quantize_mixed
+    from .weight_only import quantize_embedding_tables, quantize_weight_only
+
+    algorithm = getattr(opts, "algorithm", "auto") or "auto"
+    gate = getattr(opts, "accuracy_gate", None)
+    model = onnx.load(os.fspath(exported.path))
+    calib = getattr(source, "calibration", None)
+    if algorithm == "auto":
+        algorithm = "gptq" if calib is not None else "rtn"
+    if calib is None and (algorithm != "rtn" or gate):
+        calib = _calibration(source, f"INT4 {algorithm}" + (f" with --accuracy-gate {gate}" if gate else ""))
+    if gate:
+        heldout = source.validation if source.validation is not None else source.example_inputs
+        q, details = quantize_mixed(model, calib, gate=gate, heldout=heldout, algorithm=algorithm,
+                                    block_size=opts.block_size, output=_embedding_output(exported, source))
+    else:
+        q, details = quantize_weight_only(model, calib, algorithm=algorithm, block_size=opts.block_size)
+    if opts.embeddings:
+        q, tables = quantize_embedding_tables(q, block_size=opts.block_size)
+        details["embeddings"] = tables
+    details["algorithm"] = algorithm
+    out = work / "models" / "int4.onnx"
+    _save(q, out)
+    return Compressed(out, "int4", details)
+
+
+def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
+    """Dynamic fused INT8 for ORT targets; W8A8 static Q/DQ (MinMax, symmetric activations) for TensorRT ones."""
+    import onnx
+
+    from ...targets import get_target
+    from ..pipeline import Compressed
+    from .int8 import quantize_int8_dynamic, quantize_int8_static
+
+    target = get_target(opts.target)
+    model = onnx.load(os.fspath(exported.path))
+    if target.backend == "onnxruntime":
+        fuse = "bert" if getattr(source, "task", "") == "sentence-embedding" else None
+        q, details = quantize_int8_dynamic(model, fuse=fuse)
+    else:
+        q, details = quantize_int8_static(model, _calibration(source, "INT8 W8A8"))
+    out = work / "models" / "int8.onnx"
+    _save(q, out)
+    return Compressed(out, "int8", details)
+
+
+def _compress_float(dtype: str):
+    def compress(exported: Any, work: Path, opts: Any, source: Any) -> Any:
+        import onnx
+
+        from ..pipeline import Compressed
+        from .fp16 import convert_float16
+
+        q, details = convert_float16(onnx.load(os.fspath(exported.path)), dtype=dtype)
+        out = work / "models" / f"{dtype}.onnx"
+        _save(q, out)
+        return Compressed(out, dtype, details)
+
+    compress.__doc__ = f"{dtype.upper()} with FP32 islands (LayerNorm, Softmax, reductions)."
+    return compress
+
+
+COMPRESSORS = {"int4": compress_int4, "int8": compress_int8, "fp16": _compress_float("fp16"),
+               "bf16": _compress_float("bf16")}
