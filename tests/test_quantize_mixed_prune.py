@@ -1,0 +1,110 @@
+"""Mixed precision under an accuracy gate, and pruning (2:4, MLP channels), on tiny real ONNX models (ORT)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from dsedge.runtime.errors import AccuracyGateError, ConfigError, QuantizationError
+from dsedge.toolchain.prune import find_mlp_blocks, nm_mask, prune_2_4, prune_channels
+from dsedge.toolchain.quantize.mixed import parse_gate, quantize_mixed
+from dsedge.toolchain.quantize.weight_only import layer_activations
+from dsedge.toolchain.quantize.graph import select_layers
+
+from quantize_models import cosine, inputs, mlp, run
+
+
+def _sensitive_mlp() -> onnx.ModelProto:
+    """fc3's weight has one huge outlier per block column: INT4 ruins it, INT8 per-channel does not."""
+    m = mlp(seed=3)
+    t = next(t for t in m.graph.initializer if t.name == "w3")
+    w = numpy_helper.to_array(t).copy()
+    w[::16, :] *= 40.0
+    t.CopyFrom(numpy_helper.from_array(w, "w3"))
+    return m
+
+
+def test_parse_gate():
+    g = parse_gate("cosine:0.99")
+    assert g.metric == "cosine" and g.threshold == 0.99 and g.passes(0.995) and not g.passes(0.98)
+    d = parse_gate("auc-drop:0.003")
+    assert d.passes(0.001) and not d.passes(0.01) and d.gain(0.01, 0.002) > 0
+    for bad in ("cosine", "psnr:30", "cosine:high"):
+        with pytest.raises(ConfigError):
+            parse_gate(bad)
+
+
+def test_gate_raises_the_sensitive_layer_and_reports_why():
+    model, calib, held = _sensitive_mlp(), inputs(seed=1), inputs(n_batches=2, seed=9)
+    steps = []
+    q, report = quantize_mixed(model, calib, gate="cosine:0.9999", heldout=held, algorithm="rtn", block_size=16,
+                               on_step=steps.append)
+    assert report["value_all_int4"] < 0.9999 <= report["value"]
+    assert report["raised"][0]["node"] == "fc3" and report["raised"][0]["rank"] == 1
+    assert report["raised"][0]["to"] == "int8" and "improves cosine by" in report["raised"][0]["reason"]
+    assert report["sensitivity"]["fc3"] == max(v for v in report["sensitivity"].values())
+    assert report["layers"]["fc3"] in ("int8", "float")
+    assert report["counts"]["int4"] + report["counts"]["int8"] + report["counts"]["float"] == 3
+    assert any("sensitivity" in s for s in steps)
+    # what the report claims is what the model does
+    got = np.mean([cosine(run(model, b), run(q, b)) for b in held])
+    assert got >= 0.9999 - 1e-6
+
+
+def test_gate_passing_at_int4_raises_nothing_and_impossible_gate_fails():
+    model, calib, held = mlp(), inputs(), inputs(n_batches=1, seed=5)
+    q, report = quantize_mixed(model, calib, gate="cosine:0.9", heldout=held, algorithm="gptq", block_size=16)
+    assert report["raised"] == [] and report["counts"]["int4"] == 3
+    with pytest.raises(AccuracyGateError, match=r"best cosine = 1\.0000"):
+        quantize_mixed(model, calib, gate="cosine:1.5", heldout=held, algorithm="rtn", block_size=16)
+    with pytest.raises(ConfigError, match="needs held-out data"):
+        quantize_mixed(model, calib, gate="auc-drop:0.01", heldout=held)
+
+
+def test_nm_mask_keeps_two_of_every_four():
+    w = np.random.default_rng(0).standard_normal((16, 5)).astype(np.float32)
+    mask = nm_mask(w)
+    assert mask.reshape(4, 4, 5).sum(axis=1).tolist() == [[2] * 5] * 4
+    kept = np.abs(w[mask]).min()
+    # within a group the kept weights are the largest two
+    g = np.abs(w).reshape(4, 4, 5)
+    assert np.all(np.sort(g, axis=1)[:, 2:, :].reshape(-1) >= 0) and kept > 0
+    np.testing.assert_array_equal(np.sort(g, axis=1)[:, 2:, :].sum(1), (g * mask.reshape(4, 4, 5)).sum(1))
+    with pytest.raises(QuantizationError, match="divisible by 4"):
+        nm_mask(np.ones((6, 2), np.float32))
+
+
+def test_prune_2_4_onnx_with_wanda_importance():
+    model, calib = mlp(), inputs()
+    acts = layer_activations(model, calib, select_layers(model, None))
+    p, report = prune_2_4(model, acts)
+    assert report["importance"] == "wanda" and [r["sparsity"] for r in report["layers"]] == [0.5, 0.5, 0.5]
+    w1 = numpy_helper.to_array(next(t for t in p.graph.initializer if t.name == "w1"))
+    assert (w1.reshape(16, 4, -1) != 0).sum(axis=1).max() == 2
+    assert cosine(run(model, calib[0]), run(p, calib[0])) > 0.6       # 50 % of weights gone, no fine-tune
+
+
+def test_channel_pruning_shrinks_the_mlp_and_keeps_it_running():
+    model, calib = mlp(hidden=96), inputs()
+    blocks = find_mlp_blocks(model)
+    assert [(b.up, b.bias, b.hidden) for b in blocks] == []           # fc1 feeds two layers: not one block
+    # a plain Linear → Relu → Linear block is found and pruned
+    m = mlp(hidden=96)
+    g = m.graph
+    keep = [n for n in g.node if n.name not in ("fc3", "sum")]
+    del g.node[:]
+    g.node.extend(keep)
+    g.node[-1].output[0] = "y"
+    blocks = find_mlp_blocks(m)
+    assert [(b.up, b.bias, b.down, b.hidden, b.region) for b in blocks] == [("fc1", "fc1_bias", "fc2", 96, ["relu"])]
+    p, report = prune_channels(m, 0.5)
+    assert report["blocks"][0]["hidden_after"] == 48 and report["sparsity"] == 0.5
+    inits = {t.name: numpy_helper.to_array(t) for t in p.graph.initializer}
+    assert inits["w1"].shape == (64, 48) and inits["b1"].shape == (48,) and inits["w2"].shape == (48, 32)
+    out = run(p, calib[0])
+    assert out.shape == run(m, calib[0]).shape and cosine(out, run(m, calib[0])) > 0.7
+    with pytest.raises(QuantizationError, match="no prunable MLP block"):
+        prune_channels(model, 0.5)
+    with pytest.raises(QuantizationError, match="outside"):
+        prune_channels(m, 1.0)

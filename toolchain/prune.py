@@ -1,0 +1,206 @@
+"""Pruning of ONNX models: 2:4 semi-structured sparsity and structured (channel) pruning of MLP blocks.
+
+- **2:4** (``prune_2_4``): in every group of 4 consecutive input channels (K) of each output column of a
+  MatMul/Gemm weight, the 2 least important weights are zeroed — the pattern Ampere+ sparse tensor cores run
+  (TensorRT ``--sparsity=enable``; A100 and Orin). Importance is ``|w| * ||x_k||`` (Wanda, arXiv:2306.11695) with
+  calibration data, else ``|w|``.
+- **Channels** (``prune_channels``): hidden channels of ``MatMul(W1) [+ bias] → elementwise activation →
+  MatMul(W2)`` blocks (transformer FFNs, MLPs) are removed — columns of W1 and the bias, rows of W2 — to a global
+  sparsity target, lowest importance first across all blocks; importance of hidden channel j is
+  ``||W1[:, j]|| * ||W2[j, :]||`` (times the channel's RMS activation with calibration data). The graph gets
+  really smaller. Fine-tune afterwards (``dsedge.toolchain.qat.finetune``) to recover accuracy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..runtime.errors import QuantizationError
+from .quantize.blockwise import check_finite
+from .quantize.graph import initializers, select_layers, set_weight, weight_kn
+
+ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Erf", "Tanh", "Sigmoid", "Relu", "Gelu", "FastGelu",
+                         "LeakyRelu", "Pow", "Sqrt", "Exp", "HardSigmoid", "HardSwish", "Softplus", "Clip",
+                         "Identity", "Cast"})
+
+
+def nm_mask(w: np.ndarray, n: int = 2, m: int = 4, importance: np.ndarray | None = None) -> np.ndarray:
+    """Boolean keep-mask ``[K, N]`` keeping the ``n`` most important of every ``m`` consecutive rows (K) per column.
+
+    ``importance``: float ``[K]`` per-input-channel scale (e.g. ``||x_k||``); K must be a multiple of ``m``.
+    """
+    k, cols = w.shape
+    if k % m:
+        raise QuantizationError(f"{n}:{m} sparsity needs K divisible by {m}, got K={k}", "skip this layer")
+    score = np.abs(w) * (1.0 if importance is None else np.asarray(importance, np.float32)[:, None])
+    g = score.reshape(k // m, m, cols)
+    order = np.argsort(g, axis=1)                                  # ascending
+    keep = np.ones_like(g, dtype=bool)
+    np.put_along_axis(keep, order[:, : m - n, :], False, axis=1)
+    return keep.reshape(k, cols)
+
+
+def prune_2_4(model: onnx.ModelProto, activations: dict[str, np.ndarray] | None = None, *,
+              nodes: list[str] | None = None) -> tuple[onnx.ModelProto, dict]:
+    """A copy of ``model`` whose MatMul/Gemm weights follow 2:4 sparsity along K.
+
+    Args:
+        activations: ``{input tensor: [rows, K]}`` calibration activations (Wanda importance); None = magnitude.
+        nodes: layers to prune (default all with K % 4 == 0; others are listed as skipped).
+    Returns:
+        (model, report: per-layer sparsity, skipped layers).
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    layers, skipped, done = select_layers(out, nodes), [], []
+    for layer in layers:
+        if layer.k % 4:
+            skipped.append(layer.node)
+            continue
+        w = weight_kn(out, layer)
+        check_finite(w, layer.node)
+        x = None if activations is None else activations.get(layer.activation)
+        imp = None if x is None else np.sqrt((x.astype(np.float64) ** 2).sum(0)).astype(np.float32)
+        mask = nm_mask(w, 2, 4, imp)
+        set_weight(out, layer, np.where(mask, w, 0.0))
+        done.append({"node": layer.node, "sparsity": round(float(1 - mask.mean()), 4)})
+    return out, {"pattern": "2:4", "layers": done, "skipped": skipped,
+                 "importance": "wanda" if activations is not None else "magnitude"}
+
+
+@dataclass
+class MLPBlock:
+    """``up`` (MatMul/Gemm, weight [K, H]) → optional bias Add ([H]) → elementwise region → ``down`` ([H, N])."""
+
+    up: str
+    bias: str | None
+    down: str
+    hidden: int
+    region: list[str]
+
+
+def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    out: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            out.setdefault(i, []).append(n)
+    return out
+
+
+def find_mlp_blocks(model: onnx.ModelProto) -> list[MLPBlock]:
+    """MLP blocks whose hidden width can be pruned: every path from ``up``'s output runs through elementwise ops
+    whose other operands are scalars (or the [H] bias right after ``up``) and ends at the one ``down`` layer."""
+    layers = {lay.node: lay for lay in select_layers(model, None)}
+    inits = initializers(model)
+    consumers = _consumers(model)
+    graph_outputs = {o.name for o in model.graph.output}
+    nodes = {n.name: n for n in model.graph.node}
+    scalar_sizes = {name: int(np.prod(t.dims)) for name, t in inits.items()}
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].type == onnx.AttributeProto.TENSOR:
+            scalar_sizes[n.output[0]] = int(np.prod(n.attribute[0].t.dims))
+    blocks = []
+    for up in layers.values():
+        if up.transposed:
+            continue
+        h = up.n
+        start = nodes[up.node].output[0]
+        bias = None
+        cons = consumers.get(start, [])
+        if len(cons) == 1 and cons[0].op_type == "Add":
+            other = [i for i in cons[0].input if i != start]
+            if other and other[0] in inits and list(inits[other[0]].dims) == [h]:
+                bias = cons[0].name
+                start = cons[0].output[0]
+        frontier, region, ends, ok = [start], [], set(), True
+        seen: set[str] = set()
+        while frontier and ok:
+            t = frontier.pop()
+            if t in graph_outputs or not consumers.get(t):
+                ok = False
+                break
+            for c in consumers[t]:
+                if c.name in seen:
+                    continue
+                if c.name in layers and layers[c.name].activation == t and layers[c.name].k == h:
+                    ends.add(c.name)
+                    continue
+                scalars = [i for i in c.input if i and i != t and scalar_sizes.get(i) == 1]
+                region_inputs = [i for i in c.input if i and i not in scalars]
+                if c.op_type not in ELEMENTWISE or len(c.output) != 1 or len(region_inputs) > 2:
+                    ok = False
+                    break
+                seen.add(c.name)
+                region.append(c.name)
+                frontier.append(c.output[0])
+        if ok and len(ends) == 1:
+            blocks.append(MLPBlock(up.node, bias, ends.pop(), h, region))
+    return blocks
+
+
+def prune_channels(model: onnx.ModelProto, sparsity: float, *, activations: dict[str, np.ndarray] | None = None,
+                   min_keep: int = 8, multiple_of: int = 8) -> tuple[onnx.ModelProto, dict]:
+    """Remove a global fraction ``sparsity`` of the hidden channels of every MLP block (a copy is returned).
+
+    Channels are ranked together across blocks by ``||W1[:, j]|| * ||W2[j, :]||`` (× RMS of the hidden activation
+    feeding ``down`` when ``activations`` has it); each block keeps at least ``min_keep`` channels and a multiple of
+    ``multiple_of`` (tensor-core friendly). Raises QuantizationError when no MLP block is found or ``sparsity`` is
+    outside [0, 1).
+    """
+    if not 0.0 <= sparsity < 1.0:
+        raise QuantizationError(f"channel sparsity {sparsity} is outside [0, 1)", "e.g. --channels 0.3")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    blocks = find_mlp_blocks(out)
+    if not blocks:
+        raise QuantizationError("no prunable MLP block (MatMul → elementwise → MatMul) found",
+                                "channel pruning needs Linear → activation → Linear blocks with constant weights")
+    layers = {lay.node: lay for lay in select_layers(out, None)}
+    scores = []
+    for b in blocks:
+        w1, w2 = weight_kn(out, layers[b.up]), weight_kn(out, layers[b.down])
+        s = np.linalg.norm(w1, axis=0) * np.linalg.norm(w2, axis=1)
+        x = None if activations is None else activations.get(layers[b.down].activation)
+        if x is not None:
+            s = s * np.sqrt((x.astype(np.float64) ** 2).mean(0))
+        scores.append(s / (s.mean() + 1e-12))                     # comparable across blocks
+    flat = np.concatenate(scores)
+    n_prune = int(round(sparsity * flat.size))
+    threshold = np.sort(flat)[n_prune - 1] if n_prune else -np.inf
+    inits = initializers(out)
+    report = []
+    for b, s in zip(blocks, scores):
+        keep_n = max(min_keep, int(np.count_nonzero(s > threshold)))
+        keep_n = min(b.hidden, -(-keep_n // multiple_of) * multiple_of)
+        keep = np.sort(np.argsort(-s)[:keep_n])
+        up, down = layers[b.up], layers[b.down]
+        w1, w2 = weight_kn(out, up), weight_kn(out, down)
+        set_weight(out, up, w1[:, keep])
+        set_weight(out, down, w2[keep, :])
+        if b.bias:
+            bias_node = next(n for n in out.graph.node if n.name == b.bias)
+            bname = next(i for i in bias_node.input if i in inits)
+            _replace(out, bname, numpy_helper.to_array(inits[bname])[keep])
+        report.append({"up": b.up, "down": b.down, "hidden_before": b.hidden, "hidden_after": int(keep_n)})
+    _clear_shapes(out)
+    before = sum(r["hidden_before"] for r in report)
+    after = sum(r["hidden_after"] for r in report)
+    return out, {"pattern": "channels", "target_sparsity": sparsity, "sparsity": round(1 - after / before, 4),
+                 "blocks": report}
+
+
+def _replace(model: onnx.ModelProto, name: str, arr: np.ndarray) -> None:
+    t = initializers(model)[name]
+    dtype = numpy_helper.to_array(t).dtype
+    t.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(arr).astype(dtype), name))
+
+
+def _clear_shapes(model: onnx.ModelProto) -> None:
+    """Intermediate shapes changed: drop stale value_info (ORT re-infers)."""
+    del model.graph.value_info[:]
+
+
+__all__ = ["nm_mask", "prune_2_4", "find_mlp_blocks", "prune_channels", "MLPBlock", "set_weight"]
