@@ -68,11 +68,12 @@ class QuantizedLayer:
 
 def quantize_layers(model: onnx.ModelProto, layers: list[WeightLayer], activations: dict[str, np.ndarray] | None,
                     *, bits: int = 4, algorithm: str = "awq", block_size: int = 32, symmetric: bool = True,
-                    act_order: bool = True) -> dict[str, QuantizedLayer]:
+                    act_order: bool = True, clip_search: bool = True) -> dict[str, QuantizedLayer]:
     """Quantize each layer's weight (no graph change): ``{node name: QuantizedLayer}``.
 
     INT8 is per output channel with RTN + output-aware clip (``algorithm`` applies to INT4 only). ``activations``
     maps each layer's input tensor to calibration rows ``[rows, K]`` (None: RTN on weights alone).
+    ``clip_search=False``: plain absmax scales for RTN (what QAT's fake quantizer uses).
     """
     if algorithm not in ALGORITHMS:
         raise QuantizationError(f"unknown algorithm {algorithm!r}", f"choose one of {', '.join(ALGORITHMS)}")
@@ -93,7 +94,7 @@ def quantize_layers(model: onnx.ModelProto, layers: list[WeightLayer], activatio
                                    name=layer.node)
             else:
                 bw = quantize_blockwise(w, bits=bits, block_size=layer.k if bits == 8 else block_size,
-                                        symmetric=symmetric, clip_search=True, name=layer.node,
+                                        symmetric=symmetric, clip_search=clip_search, name=layer.node,
                                         importance=None if x is None else (x * x).mean(axis=0))
             res = LayerResult(layer.node, bits, bw.block_size, "rtn" if bits == 8 else algorithm, symmetric,
                               _rel_error(x, w, bw.dequantize()))
@@ -140,7 +141,7 @@ def quantize_weight_only(model: onnx.ModelProto, calibration: CalibrationSource 
                          algorithm: str = "awq", bits: int = 4, block_size: int = 32, symmetric: bool = True,
                          nodes: list[str] | None = None, layer_bits: dict[str, int] | None = None,
                          act_order: bool = True, activations: dict[str, np.ndarray] | None = None,
-                         ) -> tuple[onnx.ModelProto, dict]:
+                         clip_search: bool = True) -> tuple[onnx.ModelProto, dict]:
     """Quantize the weights of MatMul/Gemm layers to INT4 (blockwise) or INT8 (per-channel), returning a copy.
 
     Args:
@@ -154,6 +155,7 @@ def quantize_weight_only(model: onnx.ModelProto, calibration: CalibrationSource 
         symmetric: signed codes, no zero point (TensorRT's INT4 needs this); False = unsigned + zero point.
         nodes: node names to quantize (default: every MatMul/Gemm with an initializer weight).
         activations: precomputed ``{tensor: [rows, K]}`` (skips running the calibration set again).
+        clip_search: RTN only; False = absmax scales, matching :mod:`dsedge.toolchain.qat`'s fake quantizer.
     Returns:
         (quantized model at opset 21 / IR 10, report dict with one entry per layer under ``"layers"``).
     Raises:
@@ -182,7 +184,8 @@ def quantize_weight_only(model: onnx.ModelProto, calibration: CalibrationSource 
         members = [layer for layer in todo if plan[layer.node] == b]
         if members:
             done.update(quantize_layers(work, members, activations, bits=b, algorithm=algorithm,
-                                        block_size=block_size, symmetric=symmetric, act_order=act_order))
+                                        block_size=block_size, symmetric=symmetric, act_order=act_order,
+                                        clip_search=clip_search))
     out = assemble(work, [done[layer.node] for layer in todo])
     report = {"algorithm": algorithm, "bits": bits, "block_size": block_size, "symmetric": symmetric,
               "layers": [asdict(done[layer.node].result) for layer in todo],

@@ -1,0 +1,157 @@
+"""Quantization-aware fine-tuning (QAT) in torch: fake-quantized INT4 blockwise weights, straight-through gradients.
+
+Every ``nn.Linear`` (weight ``[out, in]``) is wrapped so its forward uses ``w + (fq(w) - w).detach()`` where
+``fq`` is the same blockwise quantizer the ONNX export uses (blocks of ``block_size`` along the input dimension,
+symmetric INT4 codes in [-8, 7] with ``scale = absmax / 7`` per block, or asymmetric UINT4 with a zero point) —
+the straight-through estimator of Bengio et al. (arXiv:1308.3432) as used by QAT (Jacob et al., arXiv:1712.05877).
+The student is trained to match the fp32 teacher's outputs (self-distillation: 1 - cosine, or MSE) for ``steps``
+steps; afterwards the wrappers are removed, leaving float weights that sit on the INT4 grid's favourable side, and
+the model is exported and quantized with RTN *without* clip search (``quantize_weight_only(algorithm="rtn",
+clip_search=False)``) — the same quantizer, so the ONNX codes equal the fake-quant values.
+
+torch is imported lazily (toolchain modules must import without it).
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def fake_quant_weight(w: Any, block_size: int = 32, symmetric: bool = True, bits: int = 4) -> Any:
+    """Fake-quantized copy of a torch weight ``[out, in]`` (blocks along ``in``); same dtype and shape."""
+    import torch
+
+    out_f, in_f = w.shape
+    nb = -(-in_f // block_size)
+    pad = nb * block_size - in_f
+    wp = torch.nn.functional.pad(w, (0, pad)).reshape(out_f, nb, block_size)
+    if symmetric:
+        qmax = (1 << (bits - 1)) - 1
+        s = (wp.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-12)
+        q = torch.clamp(torch.round(wp / s), -qmax - 1, qmax) * s
+    else:
+        qmax = (1 << bits) - 1
+        lo = wp.amin(-1, keepdim=True).clamp(max=0)
+        hi = wp.amax(-1, keepdim=True).clamp(min=0)
+        s = ((hi - lo) / qmax).clamp(min=1e-12)
+        z = torch.clamp(torch.round(-lo / s), 0, qmax)
+        q = (torch.clamp(torch.round(wp / s) + z, 0, qmax) - z) * s
+    return q.reshape(out_f, nb * block_size)[:, :in_f]
+
+
+def _fq_linear_class():
+    import torch
+
+    class FakeQuantLinear(torch.nn.Module):
+        """``nn.Linear`` whose weight is fake-quantized in forward (straight-through gradient)."""
+
+        def __init__(self, linear: torch.nn.Linear, block_size: int, symmetric: bool) -> None:
+            super().__init__()
+            self.linear, self.block_size, self.symmetric = linear, block_size, symmetric
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = self.linear.weight
+            wq = w + (fake_quant_weight(w, self.block_size, self.symmetric) - w).detach()
+            return torch.nn.functional.linear(x, wq, self.linear.bias)
+
+    return FakeQuantLinear
+
+
+def wrap_linears(model: Any, block_size: int = 32, symmetric: bool = True,
+                 skip: Sequence[str] = ()) -> list[str]:
+    """Replace every ``nn.Linear`` (names not in ``skip``) by a fake-quant wrapper, in place; returns their names."""
+    import torch
+
+    cls = _fq_linear_class()
+    names = []
+    for name, mod in list(model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, torch.nn.Linear) and full not in skip:
+                setattr(mod, child_name, cls(child, block_size, symmetric))
+                names.append(full)
+    return names
+
+
+def unwrap_linears(model: Any) -> None:
+    """Undo :func:`wrap_linears` (the trained float weights stay), in place."""
+    cls_name = "FakeQuantLinear"
+    for _, mod in list(model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            if type(child).__name__ == cls_name:
+                setattr(mod, child_name, child.linear)
+
+
+def _loss(kind: str, y: Any, t: Any) -> Any:
+    import torch
+
+    y, t = y.reshape(y.shape[0], -1), t.reshape(t.shape[0], -1)
+    if kind == "cosine":
+        return (1 - torch.nn.functional.cosine_similarity(y, t, dim=1)).mean()
+    return torch.nn.functional.mse_loss(y, t)
+
+
+def qat_finetune(model: Any, batches: Sequence[Any], *, forward: Callable[[Any, Any], Any] | None = None,
+                 steps: int = 500, lr: float = 1e-5, block_size: int = 32, symmetric: bool = True,
+                 loss: str = "cosine", skip: Sequence[str] = (), seed: int = 0,
+                 log: Callable[[str], None] | None = None) -> dict:
+    """Fake-quant INT4 fine-tune of ``model`` (in place) against its own fp32 copy as the teacher.
+
+    Args:
+        model: torch module in fp32; its ``nn.Linear`` weights are trained.
+        batches: calibration batches, cycled; each is passed to ``forward(model, batch)`` (default: ``model(batch)``
+            or ``model(**batch)`` for a dict), which returns the tensor to match (e.g. the sentence embedding).
+        steps, lr: optimisation steps (default 500) and AdamW learning rate.
+        loss: ``cosine`` (1 - cosine per sample) or ``mse``.
+    Returns:
+        report: ``{"steps", "loss_before", "loss_after", "cosine_before", "cosine_after", "layers"}`` where loss and
+        cosine are those of the fake-quantized student vs the teacher on all ``batches``.
+    Raises:
+        ValueError when ``batches`` is empty or ``loss`` unknown.
+    """
+    import torch
+
+    if not batches:
+        from ..runtime.errors import CalibrationError
+
+        raise CalibrationError("QAT needs training batches and got none", "pass calibration batches")
+    if loss not in ("cosine", "mse"):
+        raise ValueError(f"unknown QAT loss {loss!r}")
+    fwd = forward or (lambda m, b: m(**b) if isinstance(b, dict) else m(b))
+    torch.manual_seed(seed)
+    teacher = copy.deepcopy(model).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        targets = [fwd(teacher, b).detach() for b in batches]
+    layers = wrap_linears(model, block_size, symmetric, skip)
+
+    def evaluate() -> tuple[float, float]:
+        model.eval()
+        with torch.no_grad():
+            ys = [fwd(model, b) for b in batches]
+            lv = float(sum(_loss(loss, y, t) for y, t in zip(ys, targets)) / len(ys))
+            cos = torch.cat([torch.nn.functional.cosine_similarity(y.reshape(y.shape[0], -1),
+                                                                   t.reshape(t.shape[0], -1), dim=1)
+                             for y, t in zip(ys, targets)])
+        return lv, float(cos.mean())
+
+    loss_before, cos_before = evaluate()
+    params = [m.linear.weight for m in model.modules() if type(m).__name__ == "FakeQuantLinear"]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        i = step % len(batches)
+        opt.zero_grad(set_to_none=True)
+        lval = _loss(loss, fwd(model, batches[i]), targets[i])
+        lval.backward()
+        opt.step()
+        if log and (step + 1) % max(1, steps // 5) == 0:
+            log(f"QAT step {step + 1}/{steps}: loss {float(lval):.6f}")
+    loss_after, cos_after = evaluate()
+    unwrap_linears(model)
+    model.eval()
+    return {"steps": steps, "lr": lr, "block_size": block_size, "symmetric": symmetric, "loss": loss,
+            "loss_before": loss_before, "loss_after": loss_after, "cosine_before": cos_before,
+            "cosine_after": cos_after, "layers": layers}
