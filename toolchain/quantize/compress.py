@@ -54,15 +54,21 @@ def compress_int4(exported: Any, work: Path, opts: Any, source: Any) -> Any:
         algorithm = "gptq" if calib is not None else "rtn"
     if calib is None and (algorithm != "rtn" or gate):
         calib = _calibration(source, f"INT4 {algorithm}" + (f" with --accuracy-gate {gate}" if gate else ""))
+    tables: list = []
     if gate:
         heldout = source.validation if source.validation is not None else source.example_inputs
-        q, details = quantize_mixed(model, calib, gate=gate, heldout=heldout, algorithm=algorithm,
-                                    block_size=opts.block_size, output=_embedding_output(exported, source))
+        base = onnx.ModelProto()
+        base.CopyFrom(model)
+        if opts.embeddings:                      # first, so the gate measures the final model
+            base, tables = quantize_embedding_tables(base, block_size=opts.block_size)
+        q, details = quantize_mixed(base, calib, gate=gate, heldout=heldout, algorithm=algorithm,
+                                    block_size=opts.block_size, output=_embedding_output(exported, source),
+                                    reference=model)
     else:
         q, details = quantize_weight_only(model, calib, algorithm=algorithm, block_size=opts.block_size)
-    if opts.embeddings:
-        q, tables = quantize_embedding_tables(q, block_size=opts.block_size)
-        details["embeddings"] = tables
+        if opts.embeddings:
+            q, tables = quantize_embedding_tables(q, block_size=opts.block_size)
+    details["embeddings"] = tables
     details["algorithm"] = algorithm
     out = work / "models" / "int4.onnx"
     _save(q, out)

@@ -102,7 +102,8 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
                    heldout: CalibrationSource | list | None = None, algorithm: str = "gptq",
                    block_size: int = 32, symmetric: bool = True, nodes: list[str] | None = None,
                    act_order: bool = True, on_step: Callable[[str], None] | None = None,
-                   output: int | str = 0, max_probe: int = 12) -> tuple[onnx.ModelProto, dict]:
+                   output: int | str = 0, max_probe: int = 12,
+                   reference: onnx.ModelProto | None = None) -> tuple[onnx.ModelProto, dict]:
     """INT4 weight-only model whose most sensitive layers are raised until ``gate`` passes.
 
     Args:
@@ -112,6 +113,9 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
             vs the fp32 model on ``heldout`` (required then). ``auc-drop`` etc. need a caller-supplied metric.
         on_step: called with a one-line progress message after each measurement.
         output: the output (index or name) the default cosine metric compares.
+        reference: the fp32 model the default metric compares with (default ``model``); pass the original when
+            ``model`` already has other parts quantized (e.g. INT4 embedding tables), so the gate sees the final
+            model.
         max_probe: layers whose sensitivity is measured (one ORT evaluation each): the ``max_probe`` with the
             largest relative output error ||X(Wq-W)||²/||XW||² on calibration data; the others follow in that order.
     Returns:
@@ -125,7 +129,8 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
         if gate.metric not in ("cosine", "cosine-min") or heldout is None:
             raise ConfigError(f"accuracy gate {gate} needs held-out data and a metric for {gate.metric!r}",
                               "pass held-out batches (cosine) or a metric function")
-        metric = cosine_metric(model, heldout, output=output, reduce="mean" if gate.metric == "cosine" else "min")
+        metric = cosine_metric(reference if reference is not None else model, heldout, output=output,
+                               reduce="mean" if gate.metric == "cosine" else "min")
     log = on_step or (lambda msg: None)
     work = onnx.ModelProto()
     work.CopyFrom(model)
