@@ -8,7 +8,7 @@ from onnx import numpy_helper
 
 from dsedge.runtime.errors import AccuracyGateError, ConfigError, QuantizationError
 from dsedge.toolchain.prune import find_mlp_blocks, nm_mask, prune_2_4, prune_channels
-from dsedge.toolchain.quantize.mixed import parse_gate, quantize_mixed
+from dsedge.toolchain.quantize.mixed import parse_gate, parse_gates, quantize_mixed
 from dsedge.toolchain.quantize.weight_only import layer_activations
 from dsedge.toolchain.quantize.graph import select_layers
 
@@ -33,6 +33,10 @@ def test_parse_gate():
     for bad in ("cosine", "psnr:30", "cosine:high"):
         with pytest.raises(ConfigError):
             parse_gate(bad)
+    both = parse_gates("cosine:0.99, top1:1")
+    assert [(g.metric, g.threshold) for g in both] == [("cosine", 0.99), ("top1", 1.0)]
+    with pytest.raises(ConfigError):
+        parse_gates(" , ")
 
 
 def test_gate_raises_the_sensitive_layer_and_reports_why():
@@ -56,6 +60,9 @@ def test_gate_passing_at_int4_raises_nothing_and_impossible_gate_fails():
     model, calib, held = mlp(), inputs(), inputs(n_batches=1, seed=5)
     q, report = quantize_mixed(model, calib, gate="cosine:0.9", heldout=held, algorithm="gptq", block_size=16)
     assert report["raised"] == [] and report["counts"]["int4"] == 3
+    q2, report2 = quantize_mixed(model, calib, gate="cosine:0.9,top1:1.0", heldout=held, algorithm="rtn",
+                                 block_size=16)
+    assert report2["values"]["top1"] == 1.0 and report2["gate"] == "cosine:0.9,top1:1"
     with pytest.raises(AccuracyGateError, match=r"best cosine = 1\.0000"):
         quantize_mixed(model, calib, gate="cosine:1.5", heldout=held, algorithm="rtn", block_size=16)
     with pytest.raises(ConfigError, match="needs held-out data"):

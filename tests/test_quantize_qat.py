@@ -38,6 +38,7 @@ def test_fake_quant_equals_the_onnx_rtn_quantizer():
     np.testing.assert_allclose(fqa, bwa.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_qat_improves_the_int4_student_and_exports_to_the_same_codes():
     model, batches = _mlp(), _batches()
     reference = [model(b).detach().numpy() for b in batches]

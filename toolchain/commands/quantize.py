@@ -49,7 +49,8 @@ def save_model_atomic(model, dest: Path) -> None:
 @click.option("--asymmetric", is_flag=True, help="INT4/INT8 weights with zero points (not for TensorRT INT4).")
 @click.option("--calib", type=click.Path(path_type=Path), help="Calibration data: a .npz or a directory of .npz.")
 @click.option("--heldout", type=click.Path(path_type=Path), help="Held-out data for --accuracy-gate (.npz or dir).")
-@click.option("--accuracy-gate", "gate", help="METRIC:THRESHOLD, e.g. cosine:0.99 (INT4: raise sensitive layers).")
+@click.option("--accuracy-gate", "gate", help="METRIC:THRESHOLD[,…], e.g. cosine:0.99 or cosine:0.99,top1:1 "
+              "(INT4: raise sensitive layers until all pass).")
 @click.option("--method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",
               show_default=True, help="INT8 activation calibration.")
 @click.option("--int8-mode", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,
@@ -62,7 +63,7 @@ def quantize(model: Path, output: Path, precision: str, algorithm: str, block_si
     """Quantize an ONNX MODEL and write the result to --output (written atomically)."""
     from ..quantize.fp16 import convert_float16
     from ..quantize.int8 import quantize_int8_dynamic, quantize_int8_static
-    from ..quantize.mixed import parse_gate, quantize_mixed
+    from ..quantize.mixed import parse_gates, quantize_mixed
     from ..quantize.weight_only import quantize_weight_only
 
     m = _load(model)
@@ -70,7 +71,7 @@ def quantize(model: Path, output: Path, precision: str, algorithm: str, block_si
     if precision == "int4" and gate:
         if heldout is None:
             raise SourceError("--accuracy-gate needs --heldout data", "pass --heldout DIR_OR_NPZ")
-        out, report = quantize_mixed(m, calib, gate=parse_gate(gate), heldout=heldout, algorithm=algorithm,
+        out, report = quantize_mixed(m, calib, gate=parse_gates(gate), heldout=heldout, algorithm=algorithm,
                                      block_size=block_size, symmetric=not asymmetric, nodes=node_list,
                                      on_step=lambda msg: click.echo(f"  {msg}", err=True))
     elif precision == "int4":

@@ -23,7 +23,10 @@ from .calibration import CalibrationSource, check_batches, load_calibration, ort
 from .graph import ensure_qdq_opset, name_nodes, select_layers
 from .weight_only import QuantizedLayer, assemble, layer_activations, quantize_layers
 
-METRICS = {"cosine": True, "cosine-min": True, "auc-drop": False, "accuracy-drop": False}
+# metric → higher is better. cosine / cosine-min / top1 have a built-in measure on held-out data (vs fp32);
+# drops (auc-drop, accuracy-drop) need a caller-supplied metric function.
+METRICS = {"cosine": True, "cosine-min": True, "top1": True, "auc-drop": False, "accuracy-drop": False}
+BUILTIN = ("cosine", "cosine-min", "top1")
 LADDER = (4, 8, 32)
 RUNG_NAMES = {4: "int4", 8: "int8", 32: "float"}
 
@@ -65,13 +68,32 @@ def parse_gate(spec: str) -> AccuracyGate:
     return AccuracyGate(metric, threshold)
 
 
-def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list, *, output: int | str = 0,
-                  reduce: str = "mean") -> Callable[[onnx.ModelProto], float]:
-    """Metric ``model -> cosine`` of output ``output`` (index or name) per sample vs the fp32 ``reference`` on
-    held-out batches.
+def parse_gates(spec: str) -> list[AccuracyGate]:
+    """``"cosine:0.99,top1:1.0"`` → every gate must pass; the first one drives the sensitivity ranking."""
+    gates = [parse_gate(part) for part in spec.split(",") if part.strip()]
+    if not gates:
+        raise ConfigError("empty accuracy gate", "e.g. cosine:0.99")
+    return gates
 
-    Each sample's output (flattened) is compared with the reference's; ``reduce`` = ``mean`` or ``min`` over
-    samples. Reference outputs are computed once.
+
+def _top1(ref: np.ndarray, test: np.ndarray) -> float:
+    def nn(e: np.ndarray) -> np.ndarray:
+        e = e / (np.linalg.norm(e, axis=1, keepdims=True) + 1e-12)
+        sim = e @ e.T
+        np.fill_diagonal(sim, -np.inf)
+        return sim.argmax(1)
+
+    return float(np.mean(nn(ref) == nn(test)))
+
+
+def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list, *, output: int | str = 0,
+                  reduce: str | None = None) -> Callable[[onnx.ModelProto], dict[str, float] | float]:
+    """Metric ``model -> {"cosine", "cosine-min", "top1"}`` of output ``output`` (index or name) per sample vs
+    the fp32 ``reference`` on held-out batches.
+
+    Each sample's output (flattened) is compared with the reference's (cosine mean and min over samples);
+    ``top1`` = fraction of samples whose nearest other sample (cosine) is the same as under the reference (for
+    embedding outputs). ``reduce="mean"|"min"`` returns that one float instead. Reference outputs are computed once.
     """
     batches = check_batches(reference, read_batches(heldout))
     sess = ort_session(reference)
@@ -82,23 +104,24 @@ def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list,
         output = names.index(output)
     refs = [sess.run(None, b)[output] for b in batches]
 
-    def metric(model: onnx.ModelProto) -> float:
+    def metric(model: onnx.ModelProto) -> dict[str, float] | float:
         s = ort_session(model)
-        cos = []
+        ys, rs = [], []
         for b, r in zip(batches, refs):
-            y = s.run(None, b)[output].reshape(r.shape[0], -1).astype(np.float64)
-            r2 = r.reshape(r.shape[0], -1).astype(np.float64)
-            num = (y * r2).sum(1)
-            den = np.linalg.norm(y, axis=1) * np.linalg.norm(r2, axis=1) + 1e-30
-            cos.append(num / den)
-        c = np.concatenate(cos)
-        return float(c.mean() if reduce == "mean" else c.min())
+            ys.append(s.run(None, b)[output].reshape(r.shape[0], -1).astype(np.float64))
+            rs.append(r.reshape(r.shape[0], -1).astype(np.float64))
+        y, r = np.concatenate(ys), np.concatenate(rs)
+        c = (y * r).sum(1) / (np.linalg.norm(y, axis=1) * np.linalg.norm(r, axis=1) + 1e-30)
+        if reduce is not None:
+            return float(c.mean() if reduce == "mean" else c.min())
+        return {"cosine": float(c.mean()), "cosine-min": float(c.min()), "top1": _top1(r, y)}
 
     return metric
 
 
 def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list, *,
-                   gate: AccuracyGate | str, metric: Callable[[onnx.ModelProto], float] | None = None,
+                   gate: AccuracyGate | list[AccuracyGate] | str,
+                   metric: Callable[[onnx.ModelProto], float | dict[str, float]] | None = None,
                    heldout: CalibrationSource | list | None = None, algorithm: str = "gptq",
                    block_size: int = 32, symmetric: bool = True, nodes: list[str] | None = None,
                    act_order: bool = True, on_step: Callable[[str], None] | None = None,
@@ -108,9 +131,11 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
 
     Args:
         calibration: data for AWQ/GPTQ (batches, ``.npz`` or directory).
-        gate: AccuracyGate or ``"cosine:0.99"``.
-        metric: ``model -> value`` of the gate's metric; default for ``cosine``/``cosine-min``: cosine of output 0
-            vs the fp32 model on ``heldout`` (required then). ``auc-drop`` etc. need a caller-supplied metric.
+        gate: AccuracyGate, a list of them, or ``"cosine:0.99"`` / ``"cosine:0.99,top1:1.0"`` (all must pass; the
+            first drives the sensitivity ranking).
+        metric: ``model -> value`` (or ``{metric: value}``) of the gate's metric(s); default for cosine /
+            cosine-min / top1: :func:`cosine_metric` of ``output`` vs the fp32 model on ``heldout`` (required then).
+            ``auc-drop`` etc. need a caller-supplied metric.
         on_step: called with a one-line progress message after each measurement.
         output: the output (index or name) the default cosine metric compares.
         reference: the fp32 model the default metric compares with (default ``model``); pass the original when
@@ -124,13 +149,26 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
         AccuracyGateError when even all-float fails (message says the best reached); ConfigError for a gate metric
         without a metric function; CalibrationError / QuantizationError as in :func:`quantize_weight_only`.
     """
-    gate = parse_gate(gate) if isinstance(gate, str) else gate
+    gates = parse_gates(gate) if isinstance(gate, str) else ([gate] if isinstance(gate, AccuracyGate) else list(gate))
+    primary = gates[0]
+    gate_text = ",".join(str(g) for g in gates)
     if metric is None:
-        if gate.metric not in ("cosine", "cosine-min") or heldout is None:
-            raise ConfigError(f"accuracy gate {gate} needs held-out data and a metric for {gate.metric!r}",
-                              "pass held-out batches (cosine) or a metric function")
-        metric = cosine_metric(reference if reference is not None else model, heldout, output=output,
-                               reduce="mean" if gate.metric == "cosine" else "min")
+        if any(g.metric not in BUILTIN for g in gates) or heldout is None:
+            raise ConfigError(f"accuracy gate {gate_text} needs held-out data and a metric for "
+                              f"{next((g.metric for g in gates if g.metric not in BUILTIN), primary.metric)!r}",
+                              "pass held-out batches (cosine, top1) or a metric function")
+        metric = cosine_metric(reference if reference is not None else model, heldout, output=output)
+
+    def measure(m: onnx.ModelProto) -> dict[str, float]:
+        v = metric(m)
+        return dict(v) if isinstance(v, dict) else {primary.metric: float(v)}
+
+    def passes(v: dict[str, float]) -> bool:
+        return all(g.passes(v[g.metric]) for g in gates)
+
+    def show(v: dict[str, float]) -> str:
+        return ", ".join(f"{g.metric} = {v[g.metric]:.5f}" for g in gates)
+
     log = on_step or (lambda msg: None)
     work = onnx.ModelProto()
     work.CopyFrom(model)
@@ -148,20 +186,20 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
     def build(assign: dict[str, int]) -> onnx.ModelProto:
         return assemble(work, [q[b][layer.node] for layer in layers if (b := assign[layer.node]) in q])
 
-    value = metric(build(rung))
-    base_value = value
-    log(f"all int4 ({algorithm}, block {block_size}): {gate.metric} = {value:.5f}")
+    values = measure(build(rung))
+    base_values = dict(values)
+    log(f"all int4 ({algorithm}, block {block_size}): {show(values)}")
     raised: list[dict] = []
     sensitivity: dict[str, float | None] = {}
-    if not gate.passes(value):
+    if not passes(values):
         proxy = {lay.node: q[4][lay.node].result.rel_error or 0.0 for lay in layers}
         by_proxy = sorted(layers, key=lambda lay: -proxy[lay.node])
         probed = by_proxy[:max_probe]
         for i, layer in enumerate(probed):
             trial = dict(rung)
             trial[layer.node] = 8
-            sensitivity[layer.node] = gate.gain(value, metric(build(trial)))
-            log(f"sensitivity {i + 1}/{len(probed)}: {layer.node} int4 -> int8 improves {gate.metric} by "
+            sensitivity[layer.node] = primary.gain(values[primary.metric], measure(build(trial))[primary.metric])
+            log(f"sensitivity {i + 1}/{len(probed)}: {layer.node} int4 -> int8 improves {primary.metric} by "
                 f"{sensitivity[layer.node]:+.5f}")
         order = sorted(probed, key=lambda lay: -sensitivity[lay.node]) + by_proxy[max_probe:]
         for lay in by_proxy[max_probe:]:
@@ -169,32 +207,34 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
         ranks = {lay.node: i + 1 for i, lay in enumerate(order)}
         for target in LADDER[1:]:
             for layer in order:
-                if gate.passes(value):
+                if passes(values):
                     break
                 if rung[layer.node] >= target:
                     continue
                 before = rung[layer.node]
                 rung[layer.node] = target
-                value = metric(build(rung))
+                values = measure(build(rung))
                 raised.append({
                     "node": layer.node, "from": RUNG_NAMES[before], "to": RUNG_NAMES[target],
-                    "sensitivity": sensitivity[layer.node], "rank": ranks[layer.node], "value_after": value,
+                    "sensitivity": sensitivity[layer.node], "rank": ranks[layer.node],
+                    "value_after": values[primary.metric], "values_after": dict(values),
                     "rel_error_int4": proxy[layer.node],
-                    "reason": (f"raising it alone to int8 improves {gate.metric} by {sensitivity[layer.node]:.5f} "
+                    "reason": (f"raising it alone to int8 improves {primary.metric} by {sensitivity[layer.node]:.5f} "
                                if sensitivity[layer.node] is not None else
                                f"relative output error at int4 {proxy[layer.node]:.4f} ")
-                              + f"(rank {ranks[layer.node]} of {len(layers)}); gate {gate} not met at "
+                              + f"(rank {ranks[layer.node]} of {len(layers)}); gate {gate_text} not met at "
                                 f"{RUNG_NAMES[before]}"})
-                log(f"raised {layer.node} {RUNG_NAMES[before]} -> {RUNG_NAMES[target]}: {gate.metric} = {value:.5f}")
-            if gate.passes(value):
+                log(f"raised {layer.node} {RUNG_NAMES[before]} -> {RUNG_NAMES[target]}: {show(values)}")
+            if passes(values):
                 break
-        if not gate.passes(value):
+        if not passes(values):
             raise AccuracyGateError(
-                f"accuracy gate {gate} cannot be met: best {gate.metric} = {value:.5f} with every layer in float",
-                "loosen the gate, or check the held-out data and the fp32 model")
+                f"accuracy gate {gate_text} cannot be met: best {show(values)} with every weight layer in float",
+                "loosen the gate, keep other parts (e.g. embeddings) in float, or check the held-out data")
     report = {
-        "gate": str(gate), "algorithm": algorithm, "block_size": block_size, "symmetric": symmetric,
-        "value_all_int4": base_value, "value": value, "passed": True,
+        "gate": gate_text, "algorithm": algorithm, "block_size": block_size, "symmetric": symmetric,
+        "value_all_int4": base_values[primary.metric], "value": values[primary.metric],
+        "values_all_int4": base_values, "values": values, "passed": True,
         "layers": {layer.node: RUNG_NAMES[rung[layer.node]] for layer in layers},
         "counts": {name: sum(1 for r in rung.values() if RUNG_NAMES[r] == name) for name in RUNG_NAMES.values()},
         "raised": raised, "sensitivity": sensitivity,
