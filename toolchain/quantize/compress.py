@@ -4,7 +4,8 @@
   ``--accuracy-gate``, mixed precision (sensitive layers raised to INT8 / float until the gate passes on the
   held-out data); word-embedding tables INT4 too unless ``--no-embeddings``.
 - ``int8``: for ORT targets (cpu) dynamic INT8 after ORT's transformer fusions (the fastest ORT CPU form);
-  for TensorRT targets W8A8 explicit Q/DQ calibrated with MinMax (needs calibration data).
+  for TensorRT targets W8A8 explicit Q/DQ calibrated with MinMax (needs calibration data; under
+  ``--precision auto`` without any, INT8 weight-only per-channel Q/DQ, said in the report).
 - ``fp16`` / ``bf16``: 16-bit with FP32 islands.
 Calibration data: ``source.calibration`` (the reference model's committed sentences, or ``--calib``).
 """
@@ -82,12 +83,21 @@ def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
     from ...targets import get_target
     from ..pipeline import Compressed
     from .int8 import quantize_int8_dynamic, quantize_int8_static
+    from .weight_only import quantize_weight_only
 
     target = get_target(opts.target)
     model = onnx.load(os.fspath(exported.path))
+    calib = getattr(source, "calibration", None)
     if target.backend == "onnxruntime":
         fuse = "bert" if getattr(source, "task", "") == "sentence-embedding" else None
         q, details = quantize_int8_dynamic(model, fuse=fuse)
+    elif calib is not None:
+        q, details = quantize_int8_static(model, calib)
+    elif getattr(opts, "precision", "") == "auto":
+        # no calibration data for activation ranges: INT8 weights only (per-channel DQ); said in the report
+        q, details = quantize_weight_only(model, None, algorithm="rtn", bits=8)
+        details["note"] = ("no calibration data: INT8 weight-only (W8A16 per-channel Q/DQ); pass --calib for "
+                           "W8A8 with calibrated activations")
     else:
         q, details = quantize_int8_static(model, _calibration(source, "INT8 W8A8"))
     out = work / "models" / "int8.onnx"
