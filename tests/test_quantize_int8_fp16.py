@@ -149,3 +149,24 @@ def test_bf16_and_bad_precision():
     assert "mul" in report["fp32_nodes"]
     with pytest.raises(QuantizationError, match="unknown float precision"):
         convert_float16(model, dtype="fp8")
+
+
+def test_smooth_quant_keeps_the_function_and_helps_w8a8_with_outlier_channels():
+    from dsedge.toolchain.quantize.int8 import smooth_quant
+
+    model, calib = mlp(seed=4), inputs(seed=2, outliers=False)
+    for b in calib:                       # strong outlier channels in the LayerNorm output feeding fc1
+        b["x"][..., [5, 9]] *= 60.0
+    ln_scale = next(t for t in model.graph.initializer if t.name == "ln_scale")
+    g = np.ones(64, np.float32)
+    g[[5, 9]] = 40.0
+    ln_scale.CopyFrom(numpy_helper.from_array(g, "ln_scale"))
+    smoothed, rep = smooth_quant(model, calib)
+    assert {tuple(gr["layers"]) for gr in rep["groups"]} == {("fc1",), ("fc2", "fc3")}
+    assert sum(n.op_type == "Mul" for n in smoothed.graph.node) == 2
+    np.testing.assert_allclose(run(smoothed, calib[0]), run(model, calib[0]), rtol=1e-4, atol=1e-4)
+    plain, _ = quantize_int8_static(model, calib)
+    smooth, report = quantize_int8_static(model, calib, smooth_alpha=0.5)
+    assert report["smooth_quant"]["alpha"] == 0.5
+    ref = run(model, calib[1])
+    assert 1 - cosine(ref, run(smooth, calib[1])) < 0.7 * (1 - cosine(ref, run(plain, calib[1])))

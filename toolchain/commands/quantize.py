@@ -55,11 +55,13 @@ def save_model_atomic(model, dest: Path) -> None:
               show_default=True, help="INT8 activation calibration.")
 @click.option("--int8-mode", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,
               help="static = W8A8 Q/DQ (TensorRT and ORT); dynamic = ORT CPU only.")
+@click.option("--smooth-alpha", type=click.FloatRange(0, 1), default=None,
+              help="INT8 static: SmoothQuant (arXiv:2211.10438) with this alpha first (e.g. 0.5).")
 @click.option("--nodes", help="Comma-separated node names to quantize (default: all MatMul/Gemm weights).")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
 def quantize(model: Path, output: Path, precision: str, algorithm: str, block_size: int, asymmetric: bool,
              calib: Path | None, heldout: Path | None, gate: str | None, method: str, int8_mode: str,
-             nodes: str | None, report_path: Path | None) -> None:
+             smooth_alpha: float | None, nodes: str | None, report_path: Path | None) -> None:
     """Quantize an ONNX MODEL and write the result to --output (written atomically)."""
     from ..quantize.fp16 import convert_float16
     from ..quantize.int8 import quantize_int8_dynamic, quantize_int8_static
@@ -78,7 +80,7 @@ def quantize(model: Path, output: Path, precision: str, algorithm: str, block_si
         out, report = quantize_weight_only(m, calib, algorithm=algorithm, block_size=block_size,
                                            symmetric=not asymmetric, nodes=node_list)
     elif precision == "int8" and int8_mode == "static":
-        out, report = quantize_int8_static(m, calib, method=method, nodes_to_exclude=None)
+        out, report = quantize_int8_static(m, calib, method=method, smooth_alpha=smooth_alpha)
     elif precision == "int8":
         out, report = quantize_int8_dynamic(m)
     else:

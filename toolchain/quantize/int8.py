@@ -74,6 +74,39 @@ def activation_matmuls(model: onnx.ModelProto) -> list[str]:
             if n.op_type == "MatMul" and not any(i in consts for i in n.input[:2])]
 
 
+def smooth_quant(model: onnx.ModelProto, batches: list[Batch], *, alpha: float = 0.5,
+                 nodes: list[str] | None = None) -> tuple[onnx.ModelProto, dict]:
+    """SmoothQuant (Xiao et al., arXiv:2211.10438): move activation outliers into the weights before W8A8.
+
+    For each group of MatMul/Gemm layers reading the same activation ``X`` ``[rows, K]``, per input channel
+    ``s_k = max|X_k|^alpha / max|W_k,:|^(1-alpha)``; the weights become ``diag(s) W`` and a ``Mul(X, 1/s)`` is
+    inserted (the float function is unchanged), so per-tensor activation quantization no longer wastes its range on
+    a few outlier channels. Returns (model at opset 21, report with the smoothed groups).
+    """
+    from .calibration import collect_activations
+    from .graph import ensure_qdq_opset, insert_input_scale, select_layers, set_weight, weight_kn
+
+    out = ensure_qdq_opset(name_nodes(_copy(model)))
+    layers = select_layers(out, nodes)
+    acts = collect_activations(out, batches, sorted({lay.activation for lay in layers}))
+    groups: dict[str, list] = {}
+    for lay in layers:
+        groups.setdefault(lay.activation, []).append(lay)
+    done = []
+    for tensor, members in groups.items():
+        x_max = np.abs(acts[tensor]).max(axis=0).astype(np.float64)
+        ws = [weight_kn(out, m) for m in members]
+        w_max = np.max([np.abs(w).max(axis=1) for w in ws], axis=0).astype(np.float64)
+        s = np.power(np.maximum(x_max, 1e-5), alpha) / np.power(np.maximum(w_max, 1e-5), 1 - alpha)
+        s = np.clip(s, 1e-3, 1e3).astype(np.float32)
+        for m, w in zip(members, ws):
+            set_weight(out, m, w * s[:, None])
+        insert_input_scale(out, members, 1.0 / s)
+        done.append({"activation": tensor, "layers": [m.node for m in members],
+                     "max_scale": float(s.max()), "min_scale": float(s.min())})
+    return out, {"alpha": alpha, "groups": done}
+
+
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     m = onnx.ModelProto()
     m.CopyFrom(model)
@@ -88,7 +121,8 @@ def _save(model: onnx.ModelProto, path: Path) -> None:
 def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource | list, *, method: str = "minmax",
                          percentile: float = 99.999, per_channel: bool = True, symmetric_activations: bool = True,
                          op_types: tuple[str, ...] = DEFAULT_OP_TYPES, nodes_to_exclude: list[str] | None = None,
-                         weights_only_matmul: bool = True) -> tuple[onnx.ModelProto, dict]:
+                         weights_only_matmul: bool = True, smooth_alpha: float | None = None,
+                         ) -> tuple[onnx.ModelProto, dict]:
     """W8A8 Q/DQ model from an fp32 ONNX model and a calibration set.
 
     Args:
@@ -97,6 +131,7 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
         percentile: for ``percentile``, the kept percentile of ``|x|`` (e.g. 99.999).
         op_types: node types to quantize (MatMul, Gemm, Conv; Conv covers Conv2d and Conv3d).
         nodes_to_exclude: node names kept in float.
+        smooth_alpha: apply :func:`smooth_quant` with this alpha first (0.5 in the paper; None = off).
         weights_only_matmul: keep MatMuls of two activations (attention scores, attention x V) in float; per-tensor
             INT8 there costs most of the accuracy of transformer encoders.
     Returns:
@@ -112,6 +147,9 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
     batches = load_calibration(model, calibration)
     if method != "minmax":
         batches = pad_to_common_shape(batches)
+    smooth = None
+    if smooth_alpha is not None:
+        model, smooth = smooth_quant(model, batches, alpha=smooth_alpha)
     if weights_only_matmul:
         nodes_to_exclude = list(nodes_to_exclude or []) + activation_matmuls(model)
     cal = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
@@ -141,7 +179,7 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
               "symmetric_activations": symmetric_activations, "calibration_batches": len(batches),
               "quantize_linear": counts.get("QuantizeLinear", 0),
               "dequantize_linear": counts.get("DequantizeLinear", 0), "op_types": list(op_types),
-              "excluded": list(nodes_to_exclude or [])}
+              "excluded": list(nodes_to_exclude or []), "smooth_quant": smooth}
     return out, report
 
 
