@@ -1,6 +1,11 @@
 """RTN vs AWQ vs GPTQ vs mixed precision (and INT8 / FP16) on the real all-MiniLM-L6-v2, side by side in one run.
 
     python benchmarks/compression.py [--threads 2] [--runs 30] [--out out/compression] [--only rtn,gptq]
+        [--reuse] [--extra "mixed gate=out/all-minilm-l6-v2-jetson-orin.dse/models/int4.onnx"] [--slow]
+
+``--reuse`` loads variants already written to ``--out`` instead of rebuilding them; ``--extra NAME=PATH`` adds
+an ONNX file (e.g. the int4 model of a bundle built with ``dsedge build --accuracy-gate cosine:0.99``);
+``--slow`` adds AWQ+GPTQ and the mixed-precision runs (each re-runs its INT4 algorithm: minutes on 2 cores).
 
 For each variant: size vs the fp32 ONNX, cosine mean/min and top-1 neighbour agreement of the mean-pooled
 embeddings vs PyTorch eager fp32 on the 60 committed held-out sentences (the 60 calibration sentences are
@@ -61,6 +66,9 @@ def main() -> None:
     ap.add_argument("--out", default="out/compression")
     ap.add_argument("--only", help="comma-separated variant names")
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--reuse", action="store_true")
+    ap.add_argument("--extra", action="append", default=[])
+    ap.add_argument("--slow", action="store_true")
     args = ap.parse_args()
 
     import onnx
@@ -130,27 +138,35 @@ def main() -> None:
         "int4 rtn (calibrated clip)": int4("rtn"),
         "int4 awq": int4("awq"),
         "int4 gptq": int4("gptq"),
-        "int4 awq+gptq": int4("awq+gptq"),
-        "mixed rtn, gate cosine:0.99": mixed("rtn", "cosine:0.99"),
-        "mixed gptq, gate cosine:0.995": mixed("gptq", "cosine:0.995"),
         "int8 dynamic fused (cpu)": lambda: quantize_int8_dynamic(fp32, fuse="bert"),
+        "int8 dynamic (no fusion)": lambda: quantize_int8_dynamic(fp32, fuse=None),
         "int8 static W8A8 Q/DQ minmax": lambda: quantize_int8_static(fp32, calib),
+        "int8 static W8A8 + SmoothQuant": lambda: quantize_int8_static(fp32, calib, smooth_alpha=0.5),
         "fp16 + fp32 islands": lambda: convert_float16(fp32),
     }
+    if args.slow:
+        variants |= {"int4 awq+gptq": int4("awq+gptq"),
+                     "mixed rtn, gate cosine:0.99": mixed("rtn", "cosine:0.99"),
+                     "mixed gptq, gate cosine:0.99": mixed("gptq", "cosine:0.99")}
+    for spec in args.extra:
+        name, _, p = spec.partition("=")
+        variants[name] = (lambda p=p: (onnx.load(p), {}))
     if args.only:
         keep = {s.strip() for s in args.only.split(",")}
         variants = {k: v for k, v in variants.items() if k == "fp32" or any(s in k for s in keep)}
     rows = []
     paths = {}
     for name, make in variants.items():
-        t = time.perf_counter()
-        model, extra = make()
-        build_s = time.perf_counter() - t
         path = out / (name.replace(" ", "_").replace(",", "").replace(":", "").replace("/", "") + ".onnx")
-        if model is not fp32:
-            onnx.save(model, str(path))
+        t = time.perf_counter()
+        if name == "fp32":
+            path, extra = fp32_path, {}
+        elif args.reuse and path.exists():
+            extra = {"reused": True}
         else:
-            path = fp32_path
+            model, extra = make()
+            onnx.save(model, str(path))
+        build_s = time.perf_counter() - t
         paths[name] = path
         acc = sentence_embedding_metrics(ref, embed(session(path, args.threads), held))
         exact = sentence_embedding_metrics(ref, embed(session(path, args.threads, accuracy_level=1), held))

@@ -70,6 +70,15 @@ def compress_int4(exported: Any, work: Path, opts: Any, source: Any) -> Any:
         if opts.embeddings:
             q, tables = quantize_embedding_tables(q, block_size=opts.block_size)
     details["embeddings"] = tables
+    if tables:
+        int4_bytes = sum(t["shape"][0] * t["shape"][1] // 2 + t["shape"][0] * (t["shape"][1] // opts.block_size) * 4
+                         for t in tables)
+        fp16_bytes = sum(t["shape"][0] * t["shape"][1] * 2 for t in tables)
+        details["embedding_bytes"] = {"onnx_int4": int4_bytes, "tensorrt_fp16": fp16_bytes}
+        details["tensorrt_embedding_note"] = (
+            "TensorRT reads INT4 only for GEMM weights: the INT4 embedding table's DequantizeLinear is constant-"
+            f"folded at engine build, so the engine holds it in FP16 ({fp16_bytes / 1e6:.1f} MB) while the ONNX "
+            f"holds {int4_bytes / 1e6:.1f} MB; ORT gathers the INT4 rows directly.")
     details["algorithm"] = algorithm
     out = work / "models" / "int4.onnx"
     _save(q, out)
