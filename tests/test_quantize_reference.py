@@ -12,6 +12,7 @@ def test_reference_int4_uses_gptq_and_beats_every_anchor(reference_build):
     comp = report["compression"]
     assert comp["algorithm"] == "gptq" and comp["symmetric"] is True and comp["block_size"] == 32
     assert [t["shape"] for t in comp["embeddings"]] == [[30522, 384]]          # word embeddings INT4 too
+    assert comp["embedding_bytes"]["onnx_int4"] < comp["embedding_bytes"]["tensorrt_fp16"] / 3
     int4 = next(v for v in report["variants"] if v["name"] == "int4")
     assert int4["size_vs_fp32"] <= 0.20
     # ANCHORS.md: ORT RTN 0.972, ORT GPTQ 0.976, HQQ 0.979, ModelOpt AWQ 0.978 on the same 60 held-out sentences
