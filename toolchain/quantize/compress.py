@@ -87,6 +87,37 @@ def compress_int4(exported: Any, work: Path, opts: Any, source: Any) -> Any:
     return Compressed(out, "int4", details)
 
 
+def fusable_export(exported: Any, source: Any, work: Path, tol: float = 1e-3) -> Path | None:
+    """A TorchScript-exporter copy of a transformer encoder for ORT's fusions, or None.
+
+    ORT's transformer optimizer matches the attention/GELU patterns of the TorchScript exporter (``dynamo=False``)
+    and fuses them into Attention / BiasGelu / EmbedLayerNormalization kernels; on the dynamo export it fuses only
+    the LayerNorms. Same input/output names and dynamic axes as ``exported``; kept only when its outputs match the
+    dynamo export within ``tol`` on the source's example inputs.
+    """
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    if getattr(source, "module", None) is None or getattr(source, "task", "") != "sentence-embedding":
+        return None
+    ins, outs = exported.inputs, exported.outputs
+    example = {s.name: source.example_inputs[s.name] for s in ins}
+    axes = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in list(ins) + list(outs)}
+    dest = work / "fusable-fp32.onnx"
+    try:
+        with torch.inference_mode():
+            torch.onnx.export(source.module, tuple(torch.from_numpy(example[s.name]) for s in ins), os.fspath(dest),
+                              input_names=[s.name for s in ins], output_names=[s.name for s in outs],
+                              dynamic_axes=axes, opset_version=17, dynamo=False)
+        a = ort.InferenceSession(os.fspath(dest), providers=["CPUExecutionProvider"]).run(None, example)
+        b = ort.InferenceSession(os.fspath(exported.path), providers=["CPUExecutionProvider"]).run(None, example)
+    except Exception:  # the TorchScript exporter is optional here: fall back to the dynamo export
+        return None
+    diff = max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+    return dest if diff <= tol else None
+
+
 def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
     """Dynamic fused INT8 for ORT targets; W8A8 static Q/DQ (MinMax, symmetric activations) for TensorRT ones."""
     import onnx
@@ -100,8 +131,11 @@ def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
     model = onnx.load(os.fspath(exported.path))
     calib = getattr(source, "calibration", None)
     if target.backend == "onnxruntime":
-        fuse = "bert" if getattr(source, "task", "") == "sentence-embedding" else None
-        q, details = quantize_int8_dynamic(model, fuse=fuse)
+        fusable = fusable_export(exported, source, work)
+        if fusable is not None:
+            model = onnx.load(os.fspath(fusable))
+        q, details = quantize_int8_dynamic(model, fuse="bert" if fusable is not None else None)
+        details["fusion_export"] = "torchscript (parity-checked)" if fusable is not None else "none"
     elif calib is not None:
         q, details = quantize_int8_static(model, calib, smooth_alpha=0.5)
     elif getattr(opts, "precision", "") == "auto":

@@ -189,12 +189,16 @@ def fuse_transformer(model: onnx.ModelProto, *, model_type: str = "bert", num_he
     the fused ops (Attention, SkipLayerNormalization …) are ORT contrib ops TensorRT does not read.
     ``num_heads``/``hidden_size`` 0 = detect from the graph. Returns (model, {fused op: count})."""
     from onnxruntime.transformers import optimizer
+    from onnxruntime.transformers.fusion_options import FusionOptions
 
+    options = FusionOptions(model_type)
+    # keep the word-embedding Gather visible: EmbedLayerNormalization would hide the table from INT8 quantization
+    options.enable_embed_layer_norm = False
     with tempfile.TemporaryDirectory(prefix="dsedge-fuse-") as tmp:
         src = Path(tmp) / "in.onnx"
         _save(model, src)
         opt = optimizer.optimize_model(str(src), model_type=model_type, num_heads=num_heads,
-                                       hidden_size=hidden_size, opt_level=1)
+                                       hidden_size=hidden_size, opt_level=1, optimization_options=options)
         stats = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
         return opt.model, stats
 
