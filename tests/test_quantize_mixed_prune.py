@@ -48,7 +48,10 @@ def test_gate_raises_the_sensitive_layer_and_reports_why():
     assert report["raised"][0]["node"] == "fc3" and report["raised"][0]["rank"] == 1
     assert report["raised"][0]["to"] == "int8" and "improves cosine by" in report["raised"][0]["reason"]
     assert report["sensitivity"]["fc3"] == max(v for v in report["sensitivity"].values())
-    assert report["layers"]["fc3"] in ("int8", "float")
+    assert report["precision_by_layer"]["fc3"] in ("int8", "float")
+    bits = {"int4": 4, "int8": 8, "float": 32}
+    assert [lay["bits"] for lay in report["layers"]] == [bits[report["precision_by_layer"][n]]
+                                                         for n in ("fc1", "fc2", "fc3")]
     assert report["counts"]["int4"] + report["counts"]["int8"] + report["counts"]["float"] == 3
     assert any("sensitivity" in s for s in steps)
     # what the report claims is what the model does

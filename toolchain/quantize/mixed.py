@@ -238,7 +238,9 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
         "gate": gate_text, "algorithm": algorithm, "block_size": block_size, "symmetric": symmetric,
         "value_all_int4": base_values[primary.metric], "value": values[primary.metric],
         "values_all_int4": base_values, "values": values, "passed": True,
-        "layers": {layer.node: RUNG_NAMES[rung[layer.node]] for layer in layers},
+        "precision_by_layer": {layer.node: RUNG_NAMES[rung[layer.node]] for layer in layers},
+        "layers": [dict(q[rung[lay.node]][lay.node].result.__dict__) if rung[lay.node] in q
+                   else {"node": lay.node, "bits": 32, "algorithm": "float"} for lay in layers],
         "counts": {name: sum(1 for r in rung.values() if RUNG_NAMES[r] == name) for name in RUNG_NAMES.values()},
         "raised": raised, "sensitivity": sensitivity,
         "int4_layers": [q[4][layer.node].result.__dict__ for layer in layers],
