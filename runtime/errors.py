@@ -62,3 +62,7 @@ class ConfigError(DsedgeError):
 
 class EngineError(DsedgeError):
     """A TensorRT engine file is corrupt, foreign (other GPU / TensorRT version) or failed to build."""
+
+
+class SessionClosedError(DsedgeError):
+    """``submit``/``stream``/``generate`` was called on a session after ``close()`` (a programming error)."""
