@@ -163,16 +163,35 @@ def _read_hu(path: Path) -> np.ndarray:
 
     ds = pydicom.dcmread(path)
     ts = ds.file_meta.get("TransferSyntaxUID") if hasattr(ds, "file_meta") else None
+    if ts is not None and ts.is_compressed:
+        missing = _missing_decoder(ts)
+        if missing is not None:
+            raise SeriesError(f"{path}: pixel data is compressed ({ts.name}, {ts}) and no installed decoder can read "
+                              f"it (needs one of: {missing})", DECODER_HINT)
     try:
         arr = ds.pixel_array
     except Exception as e:
-        if ts is not None and ts.is_compressed:
-            raise SeriesError(f"{path}: pixel data is compressed ({ts.name}, {ts}) and no installed decoder can "
-                              f"read it", DECODER_HINT) from e
-        raise SeriesError(f"{path}: cannot read pixel data ({e})", "the file may be truncated or corrupt") from e
+        what = f"compressed ({ts.name}) " if ts is not None and ts.is_compressed else ""
+        raise SeriesError(f"{path}: cannot decode {what}pixel data ({type(e).__name__}: {e})",
+                          "the file may be truncated or corrupt") from e
     if arr.ndim != 2:
         raise SeriesError(f"{path}: pixel data has shape {arr.shape}, expected one 2-D slice",
                           "multi-frame (enhanced) CT is not supported by this reader")
     slope = float(ds.get("RescaleSlope", 1.0) or 1.0)
     intercept = float(ds.get("RescaleIntercept", 0.0) or 0.0)
     return arr.astype(np.float32) * slope + intercept
+
+
+def _missing_decoder(ts) -> str | None:
+    """None when pydicom has a usable decoder for transfer syntax ``ts``, else the plugins it would need."""
+    try:
+        from pydicom.pixels import get_decoder
+    except ImportError:             # pydicom < 3: let pixel_array try
+        return None
+    try:
+        dec = get_decoder(ts)
+    except NotImplementedError:
+        return "a decoder pydicom does not know"
+    if dec.is_available:
+        return None
+    return "; ".join(dec.missing_dependencies) or "a pixel-data plugin"

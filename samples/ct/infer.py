@@ -113,9 +113,40 @@ def lesion_probability(logits: np.ndarray) -> np.ndarray:
     return (0.5 * (1.0 + np.tanh(0.5 * d))).astype(np.float32)
 
 
+class _Accumulator:
+    """Gaussian-weighted average of window outputs on the padded cell grid."""
+
+    def __init__(self, image: np.ndarray, mask: np.ndarray | None, stride: int) -> None:
+        self.shape = image.shape
+        self.origins, padded = window_origins(image.shape, mask, PATCH, stride)
+        self.n_total = int(np.prod([(p - PATCH) // stride + 1 for p in padded]))
+        self.vol = np.zeros(padded, dtype=np.float32)
+        self.vol[tuple(slice(0, n) for n in image.shape)] = image
+        cshape = tuple(p // CELL for p in padded)
+        self.acc = np.zeros(cshape, dtype=np.float32)
+        self.wsum = np.zeros(cshape, dtype=np.float32)
+        self.w = gaussian_weights()
+
+    def patch(self, k: int) -> np.ndarray:
+        o = self.origins[k]
+        return self.vol[o[0]:o[0] + PATCH, o[1]:o[1] + PATCH, o[2]:o[2] + PATCH]
+
+    def add(self, k: int, logits: np.ndarray) -> None:
+        cells = PATCH // CELL
+        p = lesion_probability(np.asarray(logits)).reshape(cells, cells, cells)
+        c = self.origins[k] // CELL
+        sl = (slice(c[0], c[0] + cells), slice(c[1], c[1] + cells), slice(c[2], c[2] + cells))
+        self.acc[sl] += self.w * p
+        self.wsum[sl] += self.w
+
+    def result(self) -> np.ndarray:
+        prob = np.divide(self.acc, self.wsum, out=np.zeros_like(self.acc), where=self.wsum > 0)
+        return prob[tuple(slice(0, -(-n // CELL)) for n in self.shape)]
+
+
 def sliding_window(run: RunBatch, image: np.ndarray, mask: np.ndarray | None, meta: np.ndarray, batch_size: int,
                    stride: int = PATCH // 2) -> tuple[np.ndarray, dict]:
-    """Lesion probability per cell for a whole volume.
+    """Lesion probability per cell for a whole volume, windows run in batches of ``batch_size`` (``Session.run``).
 
     Args:
         run: batch function (``session_runner`` or the torch baseline's).
@@ -123,43 +154,68 @@ def sliding_window(run: RunBatch, image: np.ndarray, mask: np.ndarray | None, me
         mask: bool lung mask (z, y, x) to skip windows without lung, or None for all windows.
         meta: float32 (M,) metadata vector of the volume.
         batch_size: windows per ``run`` call (from ``plan_batch``).
+        stride: window step in voxels (default half a window: 50 % overlap).
     Returns:
         (prob float32 (ceil(z/2), ceil(y/2), ceil(x/2)) in [0, 1], 0 where no window ran;
-         stats: windows, windows_total, batches, seconds (wall, inference loop incl. gather/scatter),
+         stats: windows, windows_total, batches, batch_size, seconds (wall, whole loop incl. gather/scatter),
          patches_per_s, max_batch_ms).
     """
-    origins, padded = window_origins(image.shape, mask, PATCH, stride)
-    n_total = int(np.prod([(p - PATCH) // stride + 1 for p in padded]))
-    vol = np.zeros(padded, dtype=np.float32)
-    vol[tuple(slice(0, n) for n in image.shape)] = image
-    cshape = tuple(p // CELL for p in padded)
-    acc = np.zeros(cshape, dtype=np.float32)
-    wsum = np.zeros(cshape, dtype=np.float32)
-    w = gaussian_weights()
-    cells = PATCH // CELL
+    acc = _Accumulator(image, mask, stride)
     meta = np.asarray(meta, dtype=np.float32)
     t0 = time.perf_counter()
-    max_ms = 0.0
-    n_batches = 0
-    for b0 in range(0, len(origins), batch_size):
-        chunk = origins[b0:b0 + batch_size]
-        x = np.stack([vol[o[0]:o[0] + PATCH, o[1]:o[1] + PATCH, o[2]:o[2] + PATCH] for o in chunk])[:, None]
-        m = np.broadcast_to(meta, (len(chunk), meta.shape[0])).copy()
+    max_ms, n_batches = 0.0, 0
+    n = len(acc.origins)
+    for b0 in range(0, n, batch_size):
+        ks = range(b0, min(b0 + batch_size, n))
+        x = np.stack([acc.patch(k) for k in ks])[:, None]
+        m = np.broadcast_to(meta, (len(ks), meta.shape[0])).copy()
         tb = time.perf_counter()
-        logits = run(np.ascontiguousarray(x), m)
+        logits = np.asarray(run(np.ascontiguousarray(x), m))
         max_ms = max(max_ms, (time.perf_counter() - tb) * 1e3)
         n_batches += 1
-        p = lesion_probability(np.asarray(logits)).reshape(len(chunk), cells, cells, cells)
-        for o, pi in zip(chunk, p):
-            c = o // CELL
-            sl = (slice(c[0], c[0] + cells), slice(c[1], c[1] + cells), slice(c[2], c[2] + cells))
-            acc[sl] += w * pi
-            wsum[sl] += w
+        for k, lg in zip(ks, logits):
+            acc.add(k, lg)
     seconds = time.perf_counter() - t0
-    prob = np.divide(acc, wsum, out=np.zeros_like(acc), where=wsum > 0)
-    out_shape = tuple(-(-n // CELL) for n in image.shape)
-    stats = {"windows": int(len(origins)), "windows_total": n_total, "batches": n_batches,
+    stats = {"mode": "run", "windows": n, "windows_total": acc.n_total, "batches": n_batches,
              "batch_size": int(batch_size), "seconds": round(seconds, 4),
-             "patches_per_s": round(len(origins) / seconds, 2) if seconds > 0 else None,
-             "max_batch_ms": round(max_ms, 2)}
-    return prob[tuple(slice(0, n) for n in out_shape)], stats
+             "patches_per_s": round(n / seconds, 2) if seconds > 0 else None, "max_batch_ms": round(max_ms, 2)}
+    return acc.result(), stats
+
+
+def sliding_window_stream(session, image: np.ndarray, mask: np.ndarray | None, meta: np.ndarray, budget_ms: float,
+                          stride: int = PATCH // 2) -> tuple[np.ndarray, dict]:
+    """As ``sliding_window``, but each window is one request to ``session.stream(..., budget_ms=)``: the session's
+    budget scheduler forms the batches. Windows the scheduler rejects (budget it cannot meet) are counted in
+    ``stats['rejected']`` and then run with ``session.run`` so the volume is still covered (a scan must not lose
+    windows silently).
+
+    Returns:
+        (prob, stats with mode, windows, rejected, seconds, patches_per_s, latency_ms_p50/p99, within_budget,
+         mean_batch).
+    """
+    acc = _Accumulator(image, mask, stride)
+    out_name = session.outputs[0].name
+    meta1 = np.asarray(meta, dtype=np.float32)[None]
+    n = len(acc.origins)
+    t0 = time.perf_counter()
+    lat, batches, rejected, within = [], [], [], 0
+    items = ({"patch": acc.patch(k)[None, None].copy(), "meta": meta1} for k in range(n))
+    for ans in session.stream(items, budget_ms=budget_ms):
+        if getattr(ans, "ok", False):
+            acc.add(ans.id, ans.outputs[out_name][0])
+            lat.append(ans.latency_ms)
+            batches.append(ans.batch_size)
+            within += int(ans.latency_ms <= budget_ms)
+        else:
+            rejected.append(ans.id)
+    for k in rejected:
+        acc.add(k, session.run({"patch": acc.patch(k)[None, None].copy(), "meta": meta1})[out_name][0])
+    seconds = time.perf_counter() - t0
+    stats = {"mode": "stream", "windows": n, "windows_total": acc.n_total, "rejected": len(rejected),
+             "budget_ms": float(budget_ms), "seconds": round(seconds, 4),
+             "patches_per_s": round(n / seconds, 2) if seconds > 0 else None,
+             "latency_ms_p50": round(float(np.percentile(lat, 50)), 2) if lat else None,
+             "latency_ms_p99": round(float(np.percentile(lat, 99)), 2) if lat else None,
+             "within_budget": round(within / max(len(lat), 1), 4),
+             "mean_batch": round(float(np.mean(batches)), 2) if batches else None}
+    return acc.result(), stats

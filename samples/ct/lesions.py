@@ -116,13 +116,14 @@ def sample_lesions(mask: np.ndarray, spacing_mm: tuple[float, float, float], n: 
 
 
 def lesion_alpha(shape: tuple[int, int, int], spacing_mm: tuple[float, float, float], lesion: Lesion,
-                 slice_thickness_mm: float | None = None, z_samples: int = 5
+                 slice_thickness_mm: float | None = None, z_step_mm: float = 1.0
                  ) -> tuple[tuple[slice, slice, slice], np.ndarray]:
     """Fractional lesion occupancy of each voxel near the lesion.
 
     ``alpha = sigmoid(r̄·(1 − ρ)/edge)`` with ρ the normalised ellipsoid radius and r̄ the mean semi-axis (≈ signed
     distance to the surface over the edge width), averaged over ``z_samples`` points across the slice thickness
-    when it exceeds the z spacing (partial-volume effect of thick slices).
+    at points ``z_step_mm`` apart across the slice thickness (default: the z spacing), i.e. the partial-volume effect of
+    the slice profile (a rectangular profile: each slice integrates its whole thickness).
 
     Returns:
         (bounding-box slices into the volume, float32 alpha in [0, 1] of the box's shape).
@@ -138,7 +139,8 @@ def lesion_alpha(shape: tuple[int, int, int], spacing_mm: tuple[float, float, fl
     rot = np.asarray(lesion.rotation)
     radii = np.asarray(lesion.radii_mm)
     rbar = float(radii.mean())
-    offsets = np.linspace(-thick / 2, thick / 2, z_samples) if thick > sp[0] * 1.01 else np.zeros(1)
+    n_z = max(3, int(np.ceil(thick / z_step_mm)) + 1)
+    offsets = np.linspace(-thick / 2, thick / 2, n_z)
     alpha = np.zeros(grids[0].shape, dtype=np.float64)
     for dz in offsets:
         d = np.stack([grids[0] + dz - c[0], grids[1] - c[1], grids[2] - c[2]], axis=-1)

@@ -105,12 +105,19 @@ def cell_loss(logits: torch.Tensor, target: torch.Tensor, gamma: float = 2.0, al
     return loss / ((t == 1).sum() + 1).float()
 
 
+def _seeded(factory, seed: int) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return factory()
+
+
 def teacher_source() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """``dsedge build --model samples.ct.model:teacher_source``: an untrained teacher (for trying the build only;
-    trained runs are built with ``dsedge build --model RUN_DIR``)."""
-    return make_teacher(checkpointing=False).eval(), example_inputs()
+    """``dsedge build --model samples.ct.model:teacher_source``: an untrained teacher with fixed (seed 0) weights,
+    for trying the build and the device path only; trained runs are built with ``dsedge build --model RUN_DIR``."""
+    return _seeded(lambda: make_teacher(checkpointing=False), 0).eval(), example_inputs()
 
 
 def student_source() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """``dsedge build --model samples.ct.model:student_source``: an untrained student (see ``teacher_source``)."""
-    return make_student().eval(), example_inputs()
+    """``dsedge build --model samples.ct.model:student_source``: an untrained student, seed-0 weights (see
+    ``teacher_source``)."""
+    return _seeded(make_student, 0).eval(), example_inputs()
