@@ -21,6 +21,7 @@ from dsedge import DsedgeError
 
 HERE = Path(__file__).resolve().parent
 HELD_OUT = "../shared/data/ct-totalsegmentator-example/example_ct.nii.gz"
+TIMING_VOLUME = "../shared/data/ct-chest-lung-pet-ct-dx-a0002"   # the whole chest: many more lung windows
 # (target, precision) builds tried per model; precisions this dsedge version cannot build are reported, not fatal
 # (int8 Conv3d Q/DQ is measured ~13x slower than fp32 on ORT CPU, so cpu's choice is made by measuring, below)
 BUILDS = {"teacher": [("cpu", "fp32")],
@@ -70,7 +71,8 @@ def build(runs: str, out: str) -> None:
                 except (ValueError, IndexError):
                     pass
             else:
-                row["error"] = (p.stderr.strip().splitlines() or ["?"])[-1][:300]
+                lines = [ln.strip() for ln in p.stderr.strip().splitlines() if ln.strip()]
+                row["error"] = " ".join(lines[-2:])[:400] if lines else f"exit {p.returncode}"
             click.echo(f"{model} {target} {precision}: {'ok ' + row['bundle'] if row['ok'] else row['error']}",
                        err=True)
             results.append(row)
@@ -88,8 +90,10 @@ def build(runs: str, out: str) -> None:
 @click.option("--budget-ms", default=250.0, show_default=True, help="Per-batch latency budget (batch planning).")
 @click.option("--threads", default=2, show_default=True)
 @click.option("--stream", is_flag=True, help="Also run the student bundle through session.stream (per-window budget).")
+@click.option("--timing-volume", default=TIMING_VOLUME, show_default=True,
+              help="A whole chest volume timed (no scoring) for volume time and patches/s; '' to skip.")
 def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesions: int, budget_ms: float,
-             threads: int, stream: bool) -> None:
+             threads: int, stream: bool, timing_volume: str) -> None:
     """FROC and timing on the held-out volume: runs/ct-report/report.json and report.png."""
     from .data import make_scans
     from .evaluate import ANCHORS, ModelEntry, evaluate as run_eval
@@ -109,20 +113,36 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
         sres = run_eval([ModelEntry("student cpu fp32 (stream)", "bundle", ok[("student", "cpu", "fp32")])], scans,
                         budget_ms=budget_ms, threads=threads, stream=True)
         models.update(sres["models"])
+    timing = {}
+    if timing_volume:
+        chest = make_scans(timing_volume, 1, 0, seed=0)
+        tres = run_eval(entries, chest, budget_ms=budget_ms, threads=threads, repeats=2)["models"]
+        timing = {"volume": timing_volume, "shape": list(chest[0].image.shape),
+                  "models": {k: {"volume_seconds_median": v["volume_seconds_median"],
+                                 "patches_per_s": v["patches_per_s"], "windows": v["per_scan"][0]["windows"],
+                                 "batch_size": v["batch_plan"]["batch_size"]} for k, v in tres.items()}}
+        for key, (fast, slow) in SPEEDUPS.items():
+            if fast in tres and slow in tres:
+                timing[key] = round(tres[slow]["volume_seconds_median"] / tres[fast]["volume_seconds_median"], 2)
     summary = _summary(models)
     report = {
         "data": {"held_out": volume, "scans": n_scans, "lesions": sum(len(s.lesions) for s in scans),
                  "lesion_diameters_mm": [round(le.diameter_mm, 1) for s in scans for le in s.lesions],
                  "lung_ml": round(float(scans[0].mask.sum()) * float(np.prod(scans[0].spacing_mm)) / 1000.0, 1),
                  "synthetic_lesions": True},
-        "builds": builds, "summary": summary, "anchors": ANCHORS, "models": models,
+        "builds": builds, "summary": summary, "chest_timing": timing, "anchors": ANCHORS, "models": models,
     }
     write_json(Path(out) / "report.json", report)
     curves = {k: v["froc"] for k, v in models.items()}
     best = "student cpu fp32" if "student cpu fp32" in res["detections"] else next(iter(res["detections"]))
     write_png(Path(out) / "report.png", scans[0], res["detections"][best][0], curves,
               title=f"{best}: synthetic lesions in the held-out volume (green: truth, red: detections)")
-    click.echo(json.dumps(summary, indent=2))
+    click.echo(json.dumps({"summary": summary, "chest_timing": timing}, indent=2))
+
+
+SPEEDUPS = {"student_bundle_vs_student_torch_speedup": ("student cpu fp32", "student torch fp32"),
+            "teacher_bundle_vs_teacher_torch_speedup": ("teacher cpu fp32", "teacher torch fp32"),
+            "student_bundle_vs_teacher_torch_speedup": ("student cpu fp32", "teacher torch fp32")}
 
 
 def _summary(models: dict) -> dict:
@@ -131,10 +151,7 @@ def _summary(models: dict) -> dict:
                 "volume_seconds": v["volume_seconds_median"], "patches_per_s": v["patches_per_s"],
                 "batch_size": v["batch_plan"]["batch_size"]} for k, v in models.items()}
     out: dict = {"models": rows}
-    pairs = {"student_bundle_vs_student_torch_speedup": ("student cpu fp32", "student torch fp32"),
-             "teacher_bundle_vs_teacher_torch_speedup": ("teacher cpu fp32", "teacher torch fp32"),
-             "student_bundle_vs_teacher_torch_speedup": ("student cpu fp32", "teacher torch fp32")}
-    for key, (fast, slow) in pairs.items():
+    for key, (fast, slow) in SPEEDUPS.items():
         if fast in models and slow in models:
             out[key] = round(models[slow]["volume_seconds_median"] / models[fast]["volume_seconds_median"], 2)
     out["chosen_precision"] = choose_precisions(models)
