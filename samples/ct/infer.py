@@ -183,11 +183,11 @@ def sliding_window(run: RunBatch, image: np.ndarray, mask: np.ndarray | None, me
 
 
 def sliding_window_stream(session, image: np.ndarray, mask: np.ndarray | None, meta: np.ndarray, budget_ms: float,
-                          stride: int = PATCH // 2) -> tuple[np.ndarray, dict]:
+                          stride: int = PATCH // 2, window: int | None = None) -> tuple[np.ndarray, dict]:
     """As ``sliding_window``, but each window is one request to ``session.stream(..., budget_ms=)``: the session's
     budget scheduler forms the batches. Windows the scheduler rejects (budget it cannot meet) are counted in
     ``stats['rejected']`` and then run with ``session.run`` so the volume is still covered (a scan must not lose
-    windows silently).
+    windows silently). ``window``: requests in flight (``Session.stream``'s; default two full batches).
 
     Returns:
         (prob, stats with mode, windows, rejected, seconds, patches_per_s, latency_ms_p50/p99, within_budget,
@@ -200,7 +200,8 @@ def sliding_window_stream(session, image: np.ndarray, mask: np.ndarray | None, m
     t0 = time.perf_counter()
     lat, batches, rejected, within = [], [], [], 0
     items = ({"patch": acc.patch(k)[None, None].copy(), "meta": meta1} for k in range(n))
-    for ans in session.stream(items, budget_ms=budget_ms):
+    # ordered=True: the unordered stream of this dsedge build can wait forever after its last answer (reported)
+    for ans in session.stream(items, budget_ms=budget_ms, ordered=True, window=window):
         if getattr(ans, "ok", False):
             acc.add(ans.id, ans.outputs[out_name][0])
             lat.append(ans.latency_ms)
