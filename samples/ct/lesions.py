@@ -67,8 +67,8 @@ def sample_lesions(mask: np.ndarray, spacing_mm: tuple[float, float, float], n: 
     """Draw ``n`` non-overlapping lesions that lie wholly inside ``mask``.
 
     Diameters are log-uniform in ``diameter_mm``; axis ratios 0.7–1.0 (ellipsoids); a random orientation. A centre
-    is eligible when its distance to the mask boundary (Euclidean distance transform in mm) is at least the lesion's
-    largest semi-axis; when no centre fits a drawn size, the size shrinks to the largest that fits (never below the
+    is eligible when its distance to the mask boundary or the volume's faces (Euclidean distance transform in mm) is at
+    least the lesion's largest semi-axis; when no centre fits a drawn size, the size shrinks to the largest that fits (never below the
     lower bound). Centres are at least ``r1 + r2 + min_gap_mm`` apart.
 
     Args:
@@ -82,7 +82,8 @@ def sample_lesions(mask: np.ndarray, spacing_mm: tuple[float, float, float], n: 
 
     if not mask.any():
         raise SeriesError("the lung mask is empty: no lesion can be placed", "check the volume covers the lungs")
-    dist = distance_transform_edt(mask, sampling=spacing_mm)
+    # pad with background so the volume's own faces count as boundary: a lesion must lie inside the image too
+    dist = distance_transform_edt(np.pad(mask, 1), sampling=spacing_mm)[1:-1, 1:-1, 1:-1]
     sp = np.asarray(spacing_mm)
     lo, hi = diameter_mm
     out: list[Lesion] = []

@@ -42,7 +42,12 @@ def write_png(path: str | os.PathLike, scan: Scan, detections: list[Detection], 
     from matplotlib.patches import Circle
 
     sp = np.asarray(scan.spacing_mm)
-    lesions = sorted(scan.lesions, key=lambda le: -le.diameter_mm)[:n_slices]
+    lesions, used = [], set()
+    for le in sorted(scan.lesions, key=lambda le: -le.diameter_mm):      # largest first, one panel per slice
+        z = int(round(le.center_mm[0] / sp[0]))
+        if z not in used and len(lesions) < n_slices:
+            lesions.append(le)
+            used.add(z)
     fig, axes = plt.subplots(1, len(lesions) + 1, figsize=(4.2 * (len(lesions) + 1), 4.4))
     for ax, les in zip(axes, lesions):
         z = int(round(les.center_mm[0] / sp[0]))
