@@ -28,11 +28,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-ms", type=float, default=250.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=None, help="fixed batch size for both (default: planned)")
+    ap.add_argument("--lesions", type=int, default=6)
     a = ap.parse_args()
     bundle = next(Path(a.bundle).glob("*.dse")) if not a.bundle.endswith(".dse") else Path(a.bundle)
     entries = [ModelEntry("bundle", "bundle", str(bundle)), ModelEntry("torch fp32", "torch", a.run, batch_from="bundle")]
-    scans = make_scans(a.volume, a.scans, 6, seed=100)
-    m = evaluate(entries, scans, a.budget_ms, a.threads, repeats=a.repeats)["models"]
+    scans = make_scans(a.volume, a.scans, a.lesions, seed=100)
+    fixed = {"bundle": a.batch, "torch fp32": a.batch} if a.batch else None
+    m = evaluate(entries, scans, a.budget_ms, a.threads, repeats=a.repeats, batch_sizes=fixed)["models"]
     b, t = m["bundle"], m["torch fp32"]
     print(json.dumps({k: {"volume_seconds_median": v["volume_seconds_median"], "patches_per_s": v["patches_per_s"],
                           "batch_size": v["batch_plan"]["batch_size"], "cpm": v["froc"]["cpm"],

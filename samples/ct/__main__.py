@@ -116,7 +116,8 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
     timing = {}
     if timing_volume:
         chest = make_scans(timing_volume, 1, 0, seed=0)
-        tres = run_eval(entries, chest, budget_ms=budget_ms, threads=threads, repeats=2)["models"]
+        same = {k: v["batch_plan"]["batch_size"] for k, v in models.items()}
+        tres = run_eval(entries, chest, budget_ms=budget_ms, threads=threads, repeats=2, batch_sizes=same)["models"]
         timing = {"volume": timing_volume, "shape": list(chest[0].image.shape),
                   "models": {k: {"volume_seconds_median": v["volume_seconds_median"],
                                  "patches_per_s": v["patches_per_s"], "windows": v["per_scan"][0]["windows"],
@@ -166,7 +167,7 @@ def choose_precisions(models: dict, max_cpm_drop: float = 0.02) -> dict:
     if ref is None:
         return {}
     ok = {k: v for k, v in models.items() if k.startswith("student ") and v["kind"] == "bundle"
-          and v["froc"]["cpm"] >= ref["froc"]["cpm"] - max_cpm_drop}
+          and "(stream)" not in k and v["froc"]["cpm"] >= ref["froc"]["cpm"] - max_cpm_drop}
     out = {}
     cpu = [k for k in ok if " cpu " in k]
     if cpu:

@@ -37,7 +37,7 @@ class ModelEntry:
 
 
 def evaluate(entries: list[ModelEntry], scans: list[Scan], budget_ms: float = 250.0, threads: int = 2,
-             stream: bool = False, repeats: int = 1) -> dict[str, Any]:
+             stream: bool = False, repeats: int = 1, batch_sizes: dict[str, int] | None = None) -> dict[str, Any]:
     """Run every entry over every scan and return the report body (see README for the fields).
 
     Args:
@@ -45,7 +45,11 @@ def evaluate(entries: list[ModelEntry], scans: list[Scan], budget_ms: float = 25
             ``stream``, the per-window budget given to ``session.stream``.
         threads: CPU threads for ORT sessions and torch.
         repeats: timed passes per scan and model (the fastest is kept; detections come from the first).
+        batch_sizes: entry name → batch size to use instead of planning (to time another volume with the same
+            batches); the plan's latency profile is then empty.
     """
+    from .infer import BatchPlan
+
     import dsedge
 
     runners: dict[str, Any] = {}
@@ -56,13 +60,16 @@ def evaluate(entries: list[ModelEntry], scans: list[Scan], budget_ms: float = 25
             s = dsedge.load(e.path, threads=threads)
             sessions[e.name] = s
             runners[e.name] = session_runner(s)
-            plans[e.name] = plan_batch(runners[e.name], budget_ms)
+            plans[e.name] = (BatchPlan(batch_sizes[e.name], budget_ms) if batch_sizes and e.name in batch_sizes
+                             else plan_batch(runners[e.name], budget_ms))
     for e in entries:
         if e.kind == "torch":
             from .torch_baseline import load_run, torch_runner
 
             runners[e.name] = torch_runner(load_run(e.path), threads)
-            if e.batch_from:
+            if batch_sizes and e.name in batch_sizes:
+                plans[e.name] = BatchPlan(batch_sizes[e.name], budget_ms)
+            elif e.batch_from:
                 plans[e.name] = plans[e.batch_from]
             else:
                 plans[e.name] = plan_batch(runners[e.name], budget_ms)
@@ -73,7 +80,9 @@ def evaluate(entries: list[ModelEntry], scans: list[Scan], budget_ms: float = 25
             best = None
             for r in range(repeats):
                 if stream and e.kind == "bundle":
-                    prob, st = sliding_window_stream(sessions[e.name], scan.image, scan.mask, scan.meta, budget_ms)
+                    # in flight: one planned batch, so queued windows do not push each other past the budget
+                    prob, st = sliding_window_stream(sessions[e.name], scan.image, scan.mask, scan.meta, budget_ms,
+                                                     window=plans[e.name].batch_size)
                 else:
                     prob, st = sliding_window(runners[e.name], scan.image, scan.mask, scan.meta,
                                               plans[e.name].batch_size)
