@@ -177,14 +177,17 @@ class Lane:
             held = now - max(r.t_submit for r in batch)
             wait = min(slack, self.max_delay_ms / 1e3 - held)
         else:
-            # hold only while arrivals outpace what this batch size serves; at most ~two expected gaps
-            if self._gap_s is None:
+            # hold only while arrivals outpace what this batch size serves, and only until the next arrival is
+            # overdue (twice the mean gap since the last one: the burst is over)
+            if self._gap_s is None or self._last_arrival is None:
                 return batch, 0.0
+            since_last = now - self._last_arrival
+            gap = max(self._gap_s, since_last)
             serve_s = self.profile.predict(rows, seq or None) / 1e3
-            rate_in, rate_out = 1.0 / max(self._gap_s, 1e-6), rows / max(serve_s, 1e-6)
+            rate_in, rate_out = 1.0 / max(gap, 1e-6), rows / max(serve_s, 1e-6)
             if rate_in <= rate_out:
                 return batch, 0.0
-            wait = min(slack, 2.0 * self._gap_s)
+            wait = min(slack, 2.0 * self._gap_s - since_last)
         return (batch, 0.0) if wait <= 0 else ([], wait)
 
     def _loop(self) -> None:

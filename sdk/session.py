@@ -225,29 +225,29 @@ class Session:
 
         feeder = threading.Thread(target=feed, name="dsedge-stream-feed", daemon=True)
         feeder.start()
-        yielded, next_index, finished = 0, 0, {}
+        yielded, next_index, finished, fed_all = 0, 0, set(), False
         try:
             while True:
                 item = done.get()
                 if item is None:
+                    fed_all = True
+                elif not ordered:
+                    yielded += 1
+                    yield item.result()
+                else:
+                    finished.add(id(item))
+                # in input order: release every leading finished future (a future can finish before it is listed)
+                while ordered and next_index < len(order) and id(order[next_index]) in finished:
+                    fut = order[next_index]
+                    finished.discard(id(fut))
+                    next_index += 1
+                    yielded += 1
+                    yield fut.result()
+                if fed_all:
                     if state["error"] is not None:
                         raise state["error"]
                     if yielded >= state["submitted"]:
                         return
-                    continue
-                if not ordered:
-                    yielded += 1
-                    yield item.result()
-                    continue
-                finished[id(item)] = item
-                while next_index < len(order) and id(order[next_index]) in finished:
-                    fut = order[next_index]
-                    del finished[id(fut)]
-                    next_index += 1
-                    yielded += 1
-                    yield fut.result()
-                if state["finished"] and yielded >= state["submitted"]:
-                    return
         finally:
             stop.set()
 
