@@ -153,6 +153,7 @@ def test_batch_is_largest_that_meets_earliest_deadline(backend):
     prof = lane.profile
     prof.set(4, 8, 1.0, 0.0)
     prof.set(5, 8, 300.0, 0.0)  # batches above 4 are predicted far too slow for a 200 ms budget
+    prof.set(32, 8, 400.0, 0.0)
     sched = BudgetScheduler([lane], lane.layout, lane.metrics)
     rng = np.random.default_rng(0)
     first = sched.submit(text_request(rng, 8), 10_000)
@@ -161,7 +162,7 @@ def test_batch_is_largest_that_meets_earliest_deadline(backend):
     while lane._busy_until == 0.0:
         time.sleep(0.001)
     futs = [sched.submit(text_request(rng, 8), 200) for _ in range(10)]
-    assert all(not f.done() for f in futs)  # admitted (alone fits), waiting behind the blocker
+    assert all(not f.done() for f in futs), [f.result() for f in futs if f.done()]  # admitted, waiting behind the blocker
     gate.set()
     results = [f.result(10) for f in [first, *futs]]
     sizes = [r.batch_size for r in results[1:] if isinstance(r, Result)]
