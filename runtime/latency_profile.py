@@ -46,7 +46,7 @@ class LatencyProfile:
         self._count: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
         self._fit: tuple[float, float] | None = None
-        self._cache: dict[tuple[int, int], float] = {}  # predictions since the last change (submit asks often)
+        self._cache: dict[tuple[int, int, float], float] = {}  # predictions since the last change (submit asks often)
 
     # -- updating ---------------------------------------------------------------------------------------------
     def observe(self, batch: int, seq: int | None, ms: float) -> None:
@@ -85,17 +85,21 @@ class LatencyProfile:
         with self._lock:
             return dict(self._mean)
 
-    def predict(self, batch: int, seq: int | None = None) -> float:
-        """Predicted ms (mean + k·deviation) for ``batch`` rows at ``seq`` tokens; ``inf`` when nothing is known."""
+    def predict(self, batch: int, seq: int | None = None, k_dev: float | None = None) -> float:
+        """Predicted ms (mean + k·deviation) for ``batch`` rows at ``seq`` tokens; ``inf`` when nothing is known.
+
+        ``k_dev`` overrides the profile's margin (0 = the expected time, for summing a backlog).
+        """
         b, s = int(batch), seq_bucket(seq)
+        k = self.k_dev if k_dev is None else float(k_dev)
         with self._lock:
-            hit = self._cache.get((b, s))
+            hit = self._cache.get((b, s, k))
             if hit is not None:
                 return hit
             if not self._mean:
                 return math.inf
             mean, dev = self._interp(b, s)
-            self._cache[(b, s)] = out = mean + self.k_dev * dev
+            self._cache[(b, s, k)] = out = mean + k * dev
         return out
 
     def _interp(self, b: int, s: int) -> tuple[float, float]:

@@ -113,7 +113,10 @@ class Lane:
         b = max(1, self.profile.max_batch_within(req.budget_ms, req.seq, self.max_batch))
         total = ahead + req.rows
         full, rest = divmod(total, b)
-        ms = full * self.profile.predict(b, req.seq) + (self.profile.predict(rest, req.seq) if rest else 0.0)
+        if rest == 0:
+            full, rest = full - 1, b
+        # the backlog at its expected time, the request's own batch with the tail margin (margins do not add up)
+        ms = full * self.profile.predict(b, req.seq, k_dev=0.0) + self.profile.predict(rest, req.seq)
         return now + busy + ms / 1e3 + self.margin_s
 
     def enqueue(self, req: Request) -> bool:
