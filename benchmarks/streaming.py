@@ -84,20 +84,22 @@ def make_requests(session: dsedge.Session, n: int, rng: np.random.Generator, voc
     return out
 
 
-def capacity_rows_per_s(run, layout: BatchLayout, pool, max_batch: int, repeats: int = 5) -> tuple[float, int]:
-    """Best rows/s of ``run`` over batch sizes (powers of two up to max_batch) on ``pool`` requests."""
+def capacity_rows_per_s(run, layout: BatchLayout, pool, max_batch: int, repeats: int = 7) -> tuple[float, int]:
+    """Best rows/s of ``run`` over batch sizes 1, 2, 4, … max_batch on ``pool`` requests (median of ``repeats``
+    timed runs per size, so a burst of noise from other processes does not set the load levels)."""
     best, best_b = 0.0, 1
-    b = 1
-    while b <= max_batch:
+    sizes = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
+    for b in sizes:
         feed, _ = layout.stack(pool[:b])
         run(feed)
-        t0 = _clock()
+        times = []
         for _ in range(repeats):
+            t0 = _clock()
             run(feed)
-        rate = b * repeats / (_clock() - t0)
+            times.append(_clock() - t0)
+        rate = b / float(np.median(times))
         if rate > best:
             best, best_b = rate, b
-        b = b * 2 if b < max_batch and b * 2 <= max_batch else (max_batch if b < max_batch else max_batch + 1)
     return best, best_b
 
 

@@ -316,9 +316,12 @@ class BudgetScheduler:
                 if lane is not self.lanes[0]:
                     self.metrics.on_cascade(lane.name)
                 return req.future
-            reasons.append((OVERLOAD, f"queue of {lane.name} full or closing"))
+            if self._closed:  # close() began while this request was being admitted
+                reasons = [(SHUTDOWN, "session closed while admitting this request")]
+                break
+            reasons.append((OVERLOAD, f"queue of {lane.name} full"))
         # the reason the caller can act on: "budget" only when no lane could meet it even alone
-        reason, detail = next(((r, d) for r, d in reasons if r == OVERLOAD), reasons[0])
+        reason, _ = next(((r, d) for r, d in reasons if r in (OVERLOAD, SHUTDOWN)), reasons[0])
         rej = Rejected(rid, reason, "; ".join(d for _, d in reasons), req.budget_ms, (_clock() - now) * 1e3)
         req.future.set_running_or_notify_cancel()
         req.future.set_result(rej)

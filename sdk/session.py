@@ -82,7 +82,9 @@ class Session:
             numpy arrays keyed by output name.
         Raises:
             InputError: a missing/unknown name, wrong dtype or shape (checked before the backend runs).
+            SessionClosedError: after ``close()``.
         """
+        self._check_open()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
         return self._backend.run(checked)
 

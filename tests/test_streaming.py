@@ -162,3 +162,20 @@ def test_metrics_counts_percentiles_and_prometheus(bundles):
         assert "dsedge_requests_submitted_total 31.0" in text
         assert 'dsedge_requests_rejected_total{reason="budget"} 1.0' in text
         assert 'dsedge_latency_ms{quantile="p99"}' in text
+
+
+def test_streaming_face_imports_no_torch(bundles):
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np, dsedge\n"
+            f"s = dsedge.load({str(bundles['text'])!r}, threads=1)\n"
+            "ids = np.ones((1, 4), np.int64)\n"
+            "r = s.submit({'input_ids': ids, 'attention_mask': ids}).result(30)\n"
+            "s.close()\n"
+            "assert r.ok, r\n"
+            "import dsedge.runtime.decode, dsedge.runtime.scheduler, dsedge.runtime.metrics\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
