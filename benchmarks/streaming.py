@@ -4,8 +4,8 @@ dynamic batcher, under open-loop bursty arrivals at 0.5×, 0.9× and 1.5× measu
     python benchmarks/streaming.py --bundle out/all-minilm-l6-v2-cpu.dse --budget-ms 100 --duration-s 20
     python benchmarks/streaming.py --small                 # a tiny text model built here (no bundle needed)
 
-Arrivals: a Markov-modulated Poisson process — a base rate, plus bursts (10 % of the time at 4× the base rate,
-~200 ms each) — with the same mean rate and the same pre-drawn schedule for every server. Requests are single
+Arrivals: a Markov-modulated Poisson process — a base rate, plus bursts (by default 10 % of the time at 3× the
+base rate, ~100 ms each) — with the same mean rate and the same pre-drawn schedule for every server. Requests are single
 sentences of random token ids, lengths uniform in [--min-seq, --max-seq].
 Capacity (1×) = the best rows/s of the backend itself over batch sizes 1…max_batch on such sentences.
 
@@ -42,7 +42,7 @@ _clock = time.perf_counter
 
 # --- load ------------------------------------------------------------------------------------------------------
 def arrivals(rate: float, duration_s: float, rng: np.random.Generator, burst_frac: float = 0.1,
-             burst_x: float = 4.0, burst_s: float = 0.2) -> np.ndarray:
+             burst_x: float = 3.0, burst_s: float = 0.1) -> np.ndarray:
     """Arrival times (s) of a Poisson process with bursts whose mean rate is ``rate`` per second."""
     base = rate / (1.0 - burst_frac + burst_frac * burst_x)
     times, t, in_burst = [], 0.0, False
@@ -230,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seq", type=int, default=48)
     ap.add_argument("--vocab", type=int, default=None, help="token ids drawn below this (default 30522; 100 --small)")
     ap.add_argument("--threads", type=int, default=None, help="ORT intra-op threads")
+    ap.add_argument("--burst-x", type=float, default=3.0, help="arrival rate in a burst / base rate")
+    ap.add_argument("--burst-s", type=float, default=0.1, help="mean burst length, s")
+    ap.add_argument("--burst-frac", type=float, default=0.1, help="share of time in bursts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
@@ -263,13 +266,15 @@ def main(argv: list[str] | None = None) -> int:
           f"python {platform.python_version()}  onnxruntime {onnxruntime.__version__}  dsedge {dsedge.__version__}")
     print(f"# bundle {Path(str(bundle)).name}  variant {session.variant.name}  providers {session.providers}  "
           f"budget {budget:g} ms  capacity {cap:.0f} rows/s (batch {cap_b})  seq {args.min_seq}-{args.max_seq}  "
-          f"window {args.duration_s:g} s per run")
+          f"window {args.duration_s:g} s per run  bursts {args.burst_x:g}x for ~{args.burst_s:g} s, "
+          f"{100 * args.burst_frac:g} % of the time")
     delays = [0.1 * budget if d.strip() == "auto" else float(d) for d in args.triton_delays_ms.split(",") if d.strip()]
     results = []
     header = f"{'load':>5} {'server':<14} {'sent':>6} {'goodput/s':>10} {'p99 ms':>8} {'reject %':>9} {'miss %':>7} {'in-budget % of admitted':>24}"
     print(header)
     for load in [float(x) for x in args.loads.split(",")]:
-        schedule = arrivals(load * cap, args.duration_s, np.random.default_rng(args.seed + int(load * 100)))
+        schedule = arrivals(load * cap, args.duration_s, np.random.default_rng(args.seed + int(load * 100)),
+                            args.burst_frac, args.burst_x, args.burst_s)
         servers = [("none", lambda: QueueBatcher(run, layout, 1, 0.0, args.max_queue))]
         servers += [(f"triton-{d:g}ms", lambda d=d: QueueBatcher(run, layout, max_batch, d, args.max_queue))
                     for d in delays]
@@ -284,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{load:>5g} {name:<14} {row['submitted']:>6} {row['goodput_per_s']:>10.1f} "
                   f"{row['p99_ms'] if row['p99_ms'] is not None else '-':>8} {pct(row['rejection_rate']):>9} "
                   f"{pct(row['miss_rate']):>7} {pct(row['admitted_within_budget']):>24}", flush=True)
+        m = session.metrics()
+        print(f"{'':>5} dsedge so far: mean batch {m['mean_batch_size']}, rejected {m['rejected']}, "
+              f"cascaded {m['cascaded']}")
         ours = next(r for r in results if r["load"] == load and r["server"] == "dsedge")
         tri = max((r for r in results if r["load"] == load and r["server"].startswith("triton")),
                   key=lambda r: r["goodput_per_s"])
