@@ -35,6 +35,12 @@ class Session:
         inputs / outputs: ``IOSpec`` lists (``.name``, ``.dtype``, ``.shape`` with symbolic dims as strings).
         providers: ORT providers really in use, e.g. ``["CPUExecutionProvider"]`` for a Jetson bundle on a laptop.
         backend_name: ``"onnxruntime"`` (or ``"tensorrt"`` where a TensorRT engine serves it).
+        budget_ms: the session's default latency budget for streaming (None: the manifest's, else the target's).
+
+    Streaming with latency budgets (built on first use; ``warmup()`` starts it early):
+        ``submit(inputs, budget_ms, priority) -> Future[Result | Rejected]``, ``stream(iterable)``,
+        ``await infer_async(...)``, ``async for r in stream_async(...)``, ``generate_stream(prompt, …)`` for
+        decoders, ``metrics()``, ``close(drain=True)``. See runtime/scheduler.py and runtime/decode.py.
     """
 
     def __init__(self, path: str | os.PathLike, manifest: Manifest, variant: Variant, backend: Any, *,
@@ -125,6 +131,11 @@ class Session:
             return self._sched
 
     def _build_scheduler(self) -> BudgetScheduler:
+        if self.is_decoder:
+            from .runtime.errors import InputError
+
+            raise InputError("this bundle is a decoder with past key/values: submit/stream serve one-shot models",
+                             "use session.generate_stream(prompt, max_new_tokens) for generation")
         layout = BatchLayout.of(self.inputs, self.outputs)
         batch_range = self.manifest.shape_ranges.get(layout.batch_symbol or "", {})
         max_batch = self._max_batch or int(batch_range.get("max", 32))
@@ -181,10 +192,9 @@ class Session:
             InputError: inputs do not match the bundle (checked before queueing).
             SessionClosedError: the session is closed.
         """
-        self._check_open()
+        sched = self._scheduler()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
         budget = self.default_budget_ms() if budget_ms is None else float(budget_ms)
-        sched = self._scheduler()
         try:
             return sched.submit(checked, budget, priority, id)
         except RuntimeError:
@@ -360,11 +370,16 @@ class Session:
     def metrics(self) -> dict[str, Any]:
         """Counts, p50/p90/p99 latency (ms), goodput (answers within budget per s), rejection and budget-miss
         rates for everything submitted to this session (see ``StreamMetrics.snapshot`` for the keys), plus
-        ``queue_depth`` and ``batches`` per lane."""
+        ``queue_depth`` and ``batches`` per lane, and ``decode`` (steps, prefills, rows per step) for generation."""
         snap = self._metrics.snapshot()
         if self._sched is not None:
             snap["lanes"] = {l.name: {"queue_depth": l.depth, "max_queue_depth": l.max_depth, "batches": l.batches}
                              for l in self._sched.lanes}
+        if self._decoder is not None:
+            st = self._decoder.stats
+            snap["decode"] = {"steps": st.steps, "prefills": st.prefills, "max_rows": st.max_rows,
+                              "joins_while_running": st.joins_while_running,
+                              "mean_rows": round(float(np.mean(st.rows_per_step)), 3) if st.rows_per_step else None}
         return snap
 
     def export_prometheus(self, registry: Any = None) -> Any:

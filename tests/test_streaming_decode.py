@@ -52,16 +52,18 @@ PROMPTS = [[5, 9, 2], [11, 3, 7, 7, 30, 41, 2, 8, 19], [60], [4, 4, 4, 4, 4, 12]
 
 def test_continuous_batching_matches_generation_alone(gpt2):
     bundle, model = gpt2
+    lengths = [100] + [12 + i for i in range(1, len(PROMPTS))]
     with dsedge.load(bundle, threads=1, budget_ms=5000) as s:
         assert s.is_decoder
-        streams = []
-        for i, p in enumerate(PROMPTS):  # staggered: later prompts join a batch already decoding
-            streams.append(s.generate_stream(p, max_new_tokens=12 + i, id=i))
-            time.sleep(0.01)
-        tokens = [list(st) for st in streams]
+        first = s.generate_stream(PROMPTS[0], max_new_tokens=lengths[0], id=0)
+        it = iter(first)
+        head = [next(it), next(it)]  # the first sequence is decoding: the others join its running batch
+        streams = [first] + [s.generate_stream(p, max_new_tokens=n, id=i)
+                             for i, (p, n) in enumerate(zip(PROMPTS[1:], lengths[1:]), start=1)]
+        tokens = [head + list(it)] + [list(st) for st in streams[1:]]
         stats = s._decoder.stats
     for i, (p, got) in enumerate(zip(PROMPTS, tokens)):
-        assert got == _reference(model, p, 12 + i), f"prompt {i}"
+        assert got == _reference(model, p, lengths[i]), f"prompt {i}"
         assert streams[i].finish_reason == "length" and streams[i].tokens == got
         assert streams[i].ttft_ms is not None and len(streams[i].token_gaps_ms) == len(got) - 1
     assert stats.max_rows >= 2  # rows really decoded together
@@ -92,6 +94,10 @@ def test_budgets_reject_explicitly(gpt2):
         assert st.finish_reason == "rejected" and not st.within_budget
         ok = s.generate_stream(PROMPTS[0], max_new_tokens=4, budget_ms=5000, token_budget_ms=5000)
         assert len(list(ok)) == 4 and ok.within_budget
+        m = s.metrics()["decode"]
+        assert m["prefills"] >= 1 and m["steps"] >= 3
+        with pytest.raises(dsedge.InputError, match="decoder with past"):
+            s.submit({"input_ids": np.ones((1, 2), np.int64)})
     with pytest.raises(dsedge.SessionClosedError):
         s.generate_stream(PROMPTS[0], 2)
 
