@@ -106,11 +106,15 @@ class LatencyProfile:
         if (b, s) in self._mean:
             return self._mean[(b, s)], self._dev[(b, s)]
         row = sorted((bb, self._mean[(bb, ss)], self._dev[(bb, ss)]) for (bb, ss) in self._mean if ss == s)
+        if not row and s:  # figures without a sequence length (bucket 0) stand for any length
+            row = sorted((bb, self._mean[(bb, ss)], self._dev[(bb, ss)]) for (bb, ss) in self._mean if ss == 0)
         if len(row) >= 2 or (row and row[0][0] >= b):
             lo = [p for p in row if p[0] <= b]
             hi = [p for p in row if p[0] >= b]
             if lo and hi:
                 (b0, m0, d0), (b1, m1, d1) = lo[-1], hi[0]
+                if b1 == b0:
+                    return m0, d0
                 t = (b - b0) / (b1 - b0)
                 return m0 + t * (m1 - m0), d0 + t * (d1 - d0)
             if hi:  # below the smallest measured batch: no cheaper than it (fixed overhead dominates)

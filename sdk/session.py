@@ -159,7 +159,8 @@ class Session:
         return BudgetScheduler(lanes, layout, self._metrics)
 
     def _make_lane(self, variant: Variant, run: Callable, layout: BatchLayout, max_batch: int) -> Lane:
-        prof = LatencyProfile.from_variant(variant) if self._profile_mode in ("auto", "bundle") else None
+        # build-time figures come from the build machine: used only when asked for; else a short warm-up here
+        prof = LatencyProfile.from_variant(variant) if self._profile_mode == "bundle" else None
         if prof is None or prof.empty:
             seq_range = self.manifest.shape_ranges.get(layout.seq_symbol or "", {})
             seqs: tuple = (None,)
@@ -434,8 +435,9 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         max_batch: most rows per batch (default: the bundle's batch range max, else 32; 1 without a batch axis).
         max_queue: most queued requests per variant before rejecting with "overload".
         max_delay_ms: fixed longest hold of a batch open (None: adaptive, see runtime/scheduler.py).
-        profile: latency profile source: "auto" (bundle figures if present, else a short warm-up), "measure",
-            "bundle".
+        profile: latency profile source: "measure" or "auto" (a short warm-up on this machine when streaming
+            starts), or "bundle" (the variant's build-time ``latency_ms``; a warm-up if it has none). Either way
+            it is refreshed from every batch run.
     Raises:
         BundleError / BundleIntegrityError: missing, malformed, truncated or tampered bundle.
         BackendUnavailable: a requested provider is not installed.

@@ -58,6 +58,7 @@ def test_profile_tail_margin_and_bundle_figures():
     assert p.predict(1) == pytest.approx(5.0)  # p50 + 3 · (p99 − p50) / 3
     assert p.predict(8, 64) == pytest.approx(10.0 + 3 * 1.0)  # default deviation 10 %
     assert {(1, 0), (8, 64)} == set(p.points())
+    assert p.predict(1, 32) == pytest.approx(5.0)  # a figure without a length stands for any length
     assert p.to_dict()["points"][0]["batch"] == 1
 
 
