@@ -121,3 +121,18 @@ def test_generate_stream_needs_a_decoder(tmp_path):
         assert not s.is_decoder
         with pytest.raises(dsedge.InputError, match="decoder"):
             s.generate_stream([1, 2, 3])
+
+
+def test_per_token_budget_keeps_new_prompts_out_of_a_tight_batch(gpt2):
+    bundle, model = gpt2
+    with dsedge.load(bundle, threads=1, budget_ms=5000) as s:
+        tight = s.generate_stream(PROMPTS[0], max_new_tokens=40, token_budget_ms=1e-6)
+        it = iter(tight)
+        head = [next(it), next(it)]
+        later = s.generate_stream(PROMPTS[1], max_new_tokens=6)  # joining would slow the tight sequence's tokens
+        rest = list(it)
+        got = list(later)
+        stats = s._decoder.stats
+    assert head + rest == _reference(model, PROMPTS[0], 40) and got == _reference(model, PROMPTS[1], 6)
+    assert stats.joins_while_running == 0 and stats.max_rows == 1  # it waited for the tight one to finish
+    assert not tight.within_budget and later.within_budget
