@@ -2,8 +2,10 @@
 
 One ``Lane`` per served variant: a backend, its ``LatencyProfile``, a bounded EDF queue and one worker thread.
 When the worker is free it takes the earliest deadline in its queue (priority, then arrival, break ties) and forms
-the largest batch of compatible requests whose predicted completion still meets the earliest deadline in it
-(the classic EDF rule, Liu & Layland 1973, applied to batches as in Clipper, Crankshaw et al., NSDI 2017). It holds
+a batch of compatible requests, in deadline order, whose predicted completion still meets the earliest deadline
+in it (the EDF rule, Liu & Layland 1973, applied to batches as in Clipper, Crankshaw et al., NSDI 2017): the
+largest such batch, unless a smaller one serves clearly more rows per ms (>5 %; padding short rows to the longest
+one can make a big batch slower per row than a small one). It holds
 the batch open only while arrivals outpace what that batch size can serve *and* one more row still fits the
 deadline; it dispatches at once when waiting would break a deadline. A queued request whose deadline can no longer
 be met even alone is answered with ``Rejected("deadline")`` instead of running late (under overload EDF would
@@ -160,15 +162,19 @@ class Lane:
                 break
             cands.append(r)
             rows += r.rows
-        # largest prefix whose predicted completion meets every deadline in it
-        best, rows, seq, dl = 0, 0, 0, math.inf
-        for i, r in enumerate(cands):
-            rows_i, seq_i, dl_i = rows + r.rows, max(seq, r.seq or 0), min(dl, r.deadline)
-            if now + self.profile.predict(rows_i, seq_i or None) / 1e3 + self.margin_s > dl_i:
+        # prefixes whose predicted completion meets every deadline in them; of those, the one serving the most
+        # rows per ms (padding to the longest row can make a bigger batch slower per row), the largest on ties
+        feasible, rows, seq, dl = [], 0, 0, math.inf
+        for r in cands:
+            rows, seq, dl = rows + r.rows, max(seq, r.seq or 0), min(dl, r.deadline)
+            if now + self.profile.predict(rows, seq or None) / 1e3 + self.margin_s > dl:
                 break
-            best, rows, seq, dl = i + 1, rows_i, seq_i, dl_i
-        if best == 0:
+            feasible.append((rows, seq, dl))
+        if not feasible:
             return [head], -1.0  # cannot make it even alone: caller rejects
+        rate = [n / max(self.profile.predict(n, s or None, k_dev=0.0), 1e-9) for n, s, _ in feasible]
+        best = max(range(len(feasible)), key=lambda i: (round(rate[i], 6) >= 0.95 * max(rate), i)) + 1
+        rows, seq, dl = feasible[best - 1]
         batch = cands[:best]
         more_waiting = best < len(self._queue)  # others queued (any group): holding would only delay them
         if rows >= self.max_batch or more_waiting or self._closing:
