@@ -169,3 +169,22 @@ def test_batch_is_largest_that_meets_earliest_deadline(backend):
     sizes = [r.batch_size for r in results[1:] if isinstance(r, Result)]
     assert max(sizes) == 4 and sum(1 for s in sizes if s == 4) >= 8  # 10 requests: 4 + 4 + 2
     sched.close()
+
+
+def test_smaller_batch_chosen_when_clearly_more_rows_per_ms(backend):
+    import time
+
+    gate = threading.Event()
+    lane = _lane(backend, gate, max_batch=32)
+    for b, ms in ((1, 2.0), (4, 4.0), (8, 16.0), (32, 64.0)):  # 4 rows: 1 ms/row; 8 or more: 2 ms/row
+        lane.profile.set(b, 8, ms, 0.0)
+    sched = BudgetScheduler([lane], lane.layout, lane.metrics)
+    rng = np.random.default_rng(0)
+    first = sched.submit(text_request(rng, 8), 10_000)
+    while lane._busy_until == 0.0:
+        time.sleep(0.001)
+    futs = [sched.submit(text_request(rng, 8), 10_000) for _ in range(8)]
+    gate.set()
+    sizes = [f.result(10).batch_size for f in futs]
+    assert sizes == [4] * 8 and first.result(10).ok
+    sched.close()
