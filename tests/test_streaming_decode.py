@@ -11,6 +11,8 @@ import dsedge
 from dsedge.runtime.bundle import IOSpec, Variant
 from dsedge.toolchain.bundle_writer import write_bundle
 
+pytestmark = pytest.mark.slow  # a GPT-2 export with optimum (~8 s on 2 idle cores) feeds these tests
+
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(float16)": "float16"}
 
 

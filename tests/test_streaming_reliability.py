@@ -73,6 +73,9 @@ def test_overload_every_request_answered_or_rejected_and_memory_bounded(heavy_bu
     # admitted work mostly meets its budget even at 3× overload (loose: CI machines are shared and noisy; the
     # 99.5 % goal is measured by benchmarks/streaming.py)
     admitted = len(results) + sum(r.reason == "deadline" for r in rejected)
+    print(f"overload {OVERLOAD_S:g} s at {rate:.0f}/s: {n} sent, {len(results)} answered "
+          f"({sum(r.within_budget for r in results)} within budget), rejected {m['rejected']}, "
+          f"max queue {lane['max_queue_depth']}/{max_queue}")
     assert sum(r.within_budget for r in results) >= 0.5 * admitted, m
 
 
