@@ -59,6 +59,9 @@ class LatencyProfile:
                 self._count[key] = 1
             else:
                 m = self._mean[key]
+                # a one-off stall (GC, a noisy neighbour) moves the estimate at most 3× per sample: if it swung
+                # a batch size above every budget, nothing of that size would run again to correct it
+                ms = min(max(float(ms), m / 3.0), m * 3.0)
                 self._dev[key] += self.alpha * (abs(ms - m) - self._dev[key])
                 self._mean[key] = m + self.alpha * (ms - m)
                 self._count[key] += 1
@@ -99,7 +102,12 @@ class LatencyProfile:
             if not self._mean:
                 return math.inf
             mean, dev = self._interp(b, s)
-            self._cache[(b, s, k)] = out = mean + k * dev
+            out = mean + k * dev
+            # fewer rows never cost more than more rows measured at the same length (the monotone envelope)
+            for (bb, ss), m in self._mean.items():
+                if ss == s and bb > b:
+                    out = min(out, m + k * self._dev[(bb, ss)])
+            self._cache[(b, s, k)] = out
         return out
 
     def _interp(self, b: int, s: int) -> tuple[float, float]:

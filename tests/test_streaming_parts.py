@@ -43,6 +43,11 @@ def test_profile_interpolates_extrapolates_and_refreshes():
     for _ in range(50):
         p.observe(8, None, 19.0)  # the device got slower: the moving mean follows
     assert p.predict(8) == pytest.approx(19.0, abs=0.01)
+    p.observe(1, None, 5000.0)  # one stall moves a point at most 3× per sample …
+    assert p.predict(1, None, k_dev=0.0) == pytest.approx(2.0 + 0.2 * (6.0 - 2.0))
+    for _ in range(20):
+        p.observe(1, None, 5000.0)
+    assert p.predict(1) == pytest.approx(19.0, abs=0.01)  # … and never above a bigger batch's figure
     # a bucket never measured falls back to the token-linear fit over all points
     p2 = LatencyProfile(k_dev=0.0)
     p2.set(1, 16, 1.0, 0.0)
