@@ -82,6 +82,11 @@ def test_tokens_stream_as_produced_and_eos_stops(gpt2):
             seen_at.append((tok, len(st.tokens), st.done()))
         assert [t for t, _, _ in seen_at] == ref
         assert not seen_at[0][2]  # the first token was in hand before the sequence finished
+        import asyncio
+
+        async def collect():
+            return [t async for t in s.generate_stream(PROMPTS[1], max_new_tokens=10)]
+        assert asyncio.run(collect()) == ref
         eos = ref[3]
         st2 = s.generate_stream(PROMPTS[1], max_new_tokens=10, eos_token_id=eos)
         got = list(st2)
