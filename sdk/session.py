@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue as _queue
 import threading
@@ -24,6 +25,8 @@ from .runtime.scheduler import BudgetScheduler, Lane
 
 _FALLBACK_BUDGET_MS = 50.0
 _WARMUP_SEQS = (16, 64)
+
+log = logging.getLogger("dsedge")
 
 
 class Session:
@@ -354,6 +357,11 @@ class Session:
         if not self.is_decoder:
             raise InputError("generate_stream needs a decoder exported with past key/values",
                              "build the bundle from optimum's text-generation-with-past export; use submit() here")
+        if not hasattr(self._backend, "session"):
+            from .runtime.errors import BackendUnavailable
+
+            raise BackendUnavailable(f"generation runs on ONNX Runtime; this session uses {self.backend_name}",
+                                     "load the bundle with providers=['CPUExecutionProvider'] (or CUDA)")
         with self._start_lock:
             if self._decoder is None:
                 eos = self.manifest.source.get("eos_token_id")
@@ -444,10 +452,22 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     """
     manifest = verify_bundle(path)
     v = manifest.variant(variant)
-    backend = OrtBackend(Path(path) / v.file, providers=providers, threads=threads)
 
-    def open_variant(name: str) -> OrtBackend:
-        return OrtBackend(Path(path) / manifest.variant(name).file, providers=providers, threads=threads)
+    def open_variant(name: str) -> Any:
+        var = manifest.variant(name)
+        found = None
+        if not providers:  # a TensorRT engine when this machine has TensorRT and a GPU; else None
+            from .runtime.backends.tensorrt import open_engine_backend
 
+            found = open_engine_backend(path, manifest, var)
+        if found is None:
+            found = OrtBackend(Path(path) / var.file, providers=providers, threads=threads)
+        return found
+
+    backend = open_variant(v.name)
+    if (manifest.target.get("backend") == "tensorrt"
+            and list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]):
+        log.info("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
+                 manifest.target.get("name"))
     return Session(path, manifest, v, backend, budget_ms=budget_ms, cascade=cascade, max_batch=max_batch,
                    max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile, open_variant=open_variant)
