@@ -193,3 +193,22 @@ def test_smaller_batch_chosen_when_clearly_more_rows_per_ms(backend):
     sizes = [f.result(10).batch_size for f in futs]
     assert sizes == [4] * 8 and first.result(10).ok
     sched.close()
+
+
+def test_safety_factor_tracks_misses_and_relaxes(backend):
+    lane = _lane(backend, max_batch=4)
+    assert lane.safety == 1.0 and lane.predict(1, 8) == pytest.approx(1.0)
+    lane._calibrate(True)
+    lane._calibrate(True)
+    assert lane.safety == pytest.approx(1.21) and lane.predict(1, 8) == pytest.approx(1.21)
+    on_time = math.log(1.21) / -math.log(lane._down)  # on-time answers that undo two misses at a 0.5 % target
+    assert 350 < on_time < 420
+    for _ in range(int(on_time) + 1):
+        lane._calibrate(False)
+    assert lane.safety == 1.0
+    for _ in range(30):
+        lane._calibrate(True)
+    assert lane.safety == 4.0  # capped
+    lane._relax(lane._t_cal + 20.0)  # 20 s without answers: a quarter
+    assert lane.safety == pytest.approx(1.0)
+    lane.close()
