@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 import numpy as np
 
 from .errors import InputError
-from .latency_profile import LatencyProfile, seq_bucket
+from .latency_profile import LatencyProfile
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected
 
 _clock = time.perf_counter

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .batching import BatchLayout
-from .latency_profile import LatencyProfile, seq_bucket
+from .latency_profile import LatencyProfile
 from .metrics import StreamMetrics
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
 

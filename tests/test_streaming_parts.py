@@ -13,10 +13,10 @@ from dsedge.runtime.batching import BatchLayout
 from dsedge.runtime.bundle import IOSpec, Variant
 from dsedge.runtime.latency_profile import LatencyProfile, measure, seq_bucket
 from dsedge.runtime.metrics import StreamMetrics
-from dsedge.runtime.results import Rejected, Result
+from dsedge.runtime.results import Result
 from dsedge.runtime.scheduler import BudgetScheduler, Lane
 
-from streaming_models import VOCAB, text_embedder, text_request
+from streaming_models import text_embedder, text_request
 
 TEXT_IO = ([IOSpec("input_ids", "int64", ("batch", "sequence")), IOSpec("attention_mask", "int64", ("batch", "sequence"))],
            [IOSpec("last_hidden_state", "float32", ("batch", "sequence", 32)),
