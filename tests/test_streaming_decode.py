@@ -1,7 +1,6 @@
 """Continuous batching over a tiny GPT-2 built here (random weights) and exported by optimum with past key/values."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
