@@ -64,6 +64,9 @@ def test_profile_tail_margin_and_bundle_figures():
     assert p.predict(8, 64) == pytest.approx(10.0 + 3 * 1.0)  # default deviation 10 %
     assert {(1, 0), (8, 64)} == set(p.points())
     assert p.predict(1, 32) == pytest.approx(5.0)  # a figure without a length stands for any length
+    built = Variant("fp32", "fp32", "m.onnx", latency_ms={"1": {"p50": 3.0, "p99": 3.3, "n": 50, "provider": "CPU",
+                                                                "shape": {"input_ids": [1, 32], "mask": [1, 32]}}})
+    assert set(LatencyProfile.from_variant(built).points()) == {(1, 32)}  # as `dsedge build` records it
     assert p.to_dict()["points"][0]["batch"] == 1
 
 
