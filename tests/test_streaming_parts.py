@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 import threading
-from concurrent.futures import wait
+import time
+from concurrent.futures import Future, wait
 
 import numpy as np
 import pytest
@@ -120,16 +121,20 @@ def _lane(backend, gate: threading.Event | None = None, **kw) -> Lane:
     return Lane("fp32", run, prof, layout, StreamMetrics(), **kw)
 
 
+def _blocked(lane: Lane, rng) -> tuple[BudgetScheduler, Future]:
+    """A scheduler over ``lane`` whose worker is inside a first batch, held by the lane's gate."""
+    sched = BudgetScheduler([lane], lane.layout, lane.metrics)
+    blocker = sched.submit(text_request(rng, 8), 10_000, id="blocker")
+    while lane._busy_until == 0.0:
+        time.sleep(0.001)
+    return sched, blocker
+
+
 def test_edf_order_then_priority_on_ties(backend):
     gate = threading.Event()
     lane = _lane(backend, gate, max_batch=1, tie_ms=1e9)  # every deadline ties: priority then arrival decide
-    sched = BudgetScheduler([lane], lane.layout, lane.metrics)
     rng = np.random.default_rng(0)
-    blocker = sched.submit(text_request(rng, 8), 10_000, id="blocker")
-    import time
-
-    while lane._busy_until == 0.0:  # the worker has taken the blocker and waits on the gate
-        time.sleep(0.001)
+    sched, blocker = _blocked(lane, rng)
     order = []
     futs = [sched.submit(text_request(rng, 8), 10_000, priority=p, id=f"p{p}") for p in (0, 5, 1, 5)]
     for f in futs:
@@ -141,10 +146,7 @@ def test_edf_order_then_priority_on_ties(backend):
 
     gate2 = threading.Event()
     lane2 = _lane(backend, gate2, max_batch=1)  # distinct deadlines: earliest first regardless of priority
-    sched2 = BudgetScheduler([lane2], lane2.layout, lane2.metrics)
-    b2 = sched2.submit(text_request(rng, 8), 10_000, id="blocker")
-    while lane2._busy_until == 0.0:
-        time.sleep(0.001)
+    sched2, b2 = _blocked(lane2, rng)
     order2 = []
     futs2 = [sched2.submit(text_request(rng, 8), budget, priority=p, id=budget)
              for budget, p in ((9000, 9), (3000, 0), (6000, 0))]
@@ -163,15 +165,10 @@ def test_batch_is_largest_that_meets_earliest_deadline(backend):
     prof.set(4, 8, 1.0, 0.0)
     prof.set(5, 8, 300.0, 0.0)  # batches above 4 are predicted far too slow for a 200 ms budget
     prof.set(32, 8, 400.0, 0.0)
-    sched = BudgetScheduler([lane], lane.layout, lane.metrics)
-    rng = np.random.default_rng(0)
-    first = sched.submit(text_request(rng, 8), 10_000)
-    import time
-
-    while lane._busy_until == 0.0:
-        time.sleep(0.001)
+    sched, first = _blocked(lane, np.random.default_rng(0))
+    rng = np.random.default_rng(1)
     futs = [sched.submit(text_request(rng, 8), 200) for _ in range(10)]
-    assert all(not f.done() for f in futs), [f.result() for f in futs if f.done()]  # admitted, waiting behind the blocker
+    assert all(not f.done() for f in futs), [f.result() for f in futs if f.done()]  # admitted, behind the blocker
     gate.set()
     results = [f.result(10) for f in [first, *futs]]
     sizes = [r.batch_size for r in results[1:] if isinstance(r, Result)]
@@ -180,17 +177,12 @@ def test_batch_is_largest_that_meets_earliest_deadline(backend):
 
 
 def test_smaller_batch_chosen_when_clearly_more_rows_per_ms(backend):
-    import time
-
     gate = threading.Event()
     lane = _lane(backend, gate, max_batch=32)
     for b, ms in ((1, 2.0), (4, 4.0), (8, 16.0), (32, 64.0)):  # 4 rows: 1 ms/row; 8 or more: 2 ms/row
         lane.profile.set(b, 8, ms, 0.0)
-    sched = BudgetScheduler([lane], lane.layout, lane.metrics)
-    rng = np.random.default_rng(0)
-    first = sched.submit(text_request(rng, 8), 10_000)
-    while lane._busy_until == 0.0:
-        time.sleep(0.001)
+    sched, first = _blocked(lane, np.random.default_rng(0))
+    rng = np.random.default_rng(1)
     futs = [sched.submit(text_request(rng, 8), 10_000) for _ in range(8)]
     gate.set()
     sizes = [f.result(10).batch_size for f in futs]
