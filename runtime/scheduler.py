@@ -241,7 +241,10 @@ class Lane:
                         self._reject(r, SHUTDOWN, "session closed before this request ran")
                     continue
                 now = _clock()
-                batch, wait = self._pick(now)
+                try:
+                    batch, wait = self._pick(now)
+                except Exception:  # a planning failure must not strand queued futures: serve the head alone
+                    batch, wait = [self._queue[0][1]], 0.0
                 if wait < 0:
                     r = batch[0]
                     self._queue = [it for it in self._queue if it[1] is not r]
