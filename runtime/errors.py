@@ -62,3 +62,7 @@ class ConfigError(DsedgeError):
 
 class EngineError(DsedgeError):
     """A TensorRT engine file is corrupt, foreign (other GPU / TensorRT version) or failed to build."""
+
+
+class BenchError(DsedgeError):
+    """A benchmark cannot run or compare: no samples, a missing/malformed/foreign baseline report."""
