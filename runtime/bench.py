@@ -269,6 +269,7 @@ def bench_session(
 
     Raises:
         InputError: a batch size or sequence length the bundle cannot take (see ``resolve_dims``).
+        BenchError: the backend fails on the synthetic inputs (a manifest that does not match its model).
     """
     settings = settings or BenchSettings()
     manifest = session.manifest
@@ -277,6 +278,7 @@ def bench_session(
     variant = getattr(getattr(session, "variant", None), "name", "?")
     results = []
     for b, feed in feeds.items():
+        _trial_run(session, feed, b)
         samples, wall = measure(lambda: session.run(feed), settings)
         stats = latency_stats(samples)
         passed = None if budget_ms is None else bool(stats[settings.percentile] <= budget_ms)
@@ -286,6 +288,21 @@ def bench_session(
             passed=passed, samples_ms=samples.tolist(),
         ))
     return results
+
+
+def _trial_run(session: Any, feed: Mapping[str, np.ndarray], batch: int) -> None:
+    """One untimed run, so a model that rejects the inputs fails with one line instead of a backend traceback."""
+    from .errors import DsedgeError
+
+    try:
+        session.run(feed)
+    except DsedgeError:
+        raise
+    except Exception as e:  # ORT raises its own types (InvalidArgument, Fail, …)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in feed.items())
+        raise BenchError(f"the model failed at batch {batch} ({shapes}): {first[:300]}",
+                         "check the manifest's inputs and shape ranges match the model; rebuild the bundle") from None
 
 
 def _manifest_vocab(manifest: Any) -> int | None:

@@ -60,7 +60,7 @@ def text_model(path: Path, static_batch: int | None = None, opset: int = 17) -> 
 
 def text_bundle(dest: Path, work: Path, *, static_batch: int | None = None, budget_ms: float | None = 1000.0,
                 batch_max: int = 16, vocab_size: int | None = VOCAB, variants: tuple[str, ...] = ("fp32",),
-                target: str = "cpu", built_batches: tuple[int, ...] = ()) -> Path:
+                target: str = "cpu", built_batches: tuple[int, ...] = (), extra_input: str | None = None) -> Path:
     """A real bundle (``write_bundle``) around ``text_model``; one identical ONNX file per variant name."""
     from dsedge.runtime.bundle import IOSpec, Variant
     from dsedge.toolchain.bundle_writer import write_bundle
@@ -73,7 +73,8 @@ def text_bundle(dest: Path, work: Path, *, static_batch: int | None = None, budg
         ranges["batch"] = {"min": 1, "opt": 1, "max": batch_max}
     return write_bundle(
         dest, name="tiny-text", target={"name": target},
-        inputs=[IOSpec("input_ids", "int64", (b, "sequence")), IOSpec("attention_mask", "int64", (b, "sequence"))],
+        inputs=[IOSpec("input_ids", "int64", (b, "sequence")), IOSpec("attention_mask", "int64", (b, "sequence"))]
+        + ([IOSpec(extra_input, "int64", (b, "sequence"))] if extra_input else []),
         outputs=[IOSpec("last_hidden_state", "float32", (b, "sequence", HIDDEN))],
         models={f"models/{v}.onnx": onnx_path for v in variants},
         variants=[Variant(name=v, precision="fp32", file=f"models/{v}.onnx",
@@ -96,6 +97,8 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "gpu": text_bundle(root / "tiny-jetson-orin.dse", work, target="jetson-orin"),
         "nobudget": text_bundle(root / "tiny-myboard.dse", work, target="my-board", budget_ms=None),
         "novocab": text_bundle(root / "novocab-cpu.dse", work, vocab_size=None),
+        # the manifest lists an input the model does not have (as an exporter that drops token_type_ids would)
+        "mismatch": text_bundle(root / "mismatch-cpu.dse", work, extra_input="token_type_ids"),
     }
 
 
@@ -238,6 +241,7 @@ def test_cli_over_budget_exits_1(bundles: dict[str, Path], capsys: pytest.Captur
     ("dyn", ["--iterations", "5", "--duration", "1"], "--duration or --iterations, not both"),
     ("dyn", ["--percentile", "p42"], "unknown percentile"),
     ("dyn", ["--compare", "nothing.json"], "baseline report"),
+    ("mismatch", [], "the model failed at batch 1 (input_ids [1, 8], attention_mask [1, 8], token_type_ids [1, 8])"),
 ])
 def test_cli_usage_errors_exit_2(bundles: dict[str, Path], capsys: pytest.CaptureFixture, tmp_path: Path,
                                  key: str, args: list[str], message: str) -> None:
