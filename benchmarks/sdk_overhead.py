@@ -47,7 +47,7 @@ def main() -> None:
     print(f"bundle {args.bundle} variant {sdk.variant.name}; providers sdk={sdk.providers} bare={bare.get_providers()}; "
           f"threads {args.threads or 'default'}; onnxruntime {ort.__version__}")
     print(f"{'batch':>5} {'shape':>8} {'sdk p50 ms':>11} {'bare p50 ms':>12} {'p50 ratio':>10} "
-          f"{'sdk mean':>9} {'bare mean':>10} {'mean ratio':>11} {'sdk p99':>8} {'bare p99':>9}  n")
+          f"{'sdk mean':>9} {'bare mean':>10} {'mean ratio':>11} {'sdk p99':>8} {'bare p99':>9} {'Δp50 µs':>8}  n")
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:
         feed = synthetic_inputs(sdk.inputs, sdk.manifest.shape_ranges, b, args.seq_len, _manifest_vocab(sdk.manifest))
@@ -69,7 +69,8 @@ def main() -> None:
                "p50_ratio": s["p50"] / o["p50"], "mean_ratio": s["mean"] / o["mean"], "n": len(samples["sdk"])}
         rows.append(row)
         print(f"{b:>5} {'x'.join(map(str, row['shape'])):>8} {s['p50']:>11.3f} {o['p50']:>12.3f} {row['p50_ratio']:>10.3f} "
-              f"{s['mean']:>9.3f} {o['mean']:>10.3f} {row['mean_ratio']:>11.3f} {s['p99']:>8.3f} {o['p99']:>9.3f}  {row['n']}")
+              f"{s['mean']:>9.3f} {o['mean']:>10.3f} {row['mean_ratio']:>11.3f} {s['p99']:>8.3f} {o['p99']:>9.3f} "
+              f"{(s['p50'] - o['p50']) * 1000:>8.1f}  {row['n']}")
     if args.json:
         print(json.dumps(rows, indent=2))
 

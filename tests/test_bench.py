@@ -359,3 +359,15 @@ def test_plugin_fixture_for_sample_tests(bundles: dict[str, Path], pytester: pyt
     res = pytester.runpytest(*_plugin_args(), "-p", "no:cacheprovider", "--dsedge-iterations", "4",
                              "--dsedge-bundle", str(bundles["static"]), "-k", "from_option")
     res.assert_outcomes(passed=1, deselected=3)  # the marked test (2 cases) and the plugin's own static-cpu item
+
+
+def test_sdk_overhead_benchmark_runs(bundles: dict[str, Path]) -> None:
+    """benchmarks/sdk_overhead.py prints one side-by-side row per batch size (its numbers are not judged here)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sdk_overhead.py"
+    proc = subprocess.run([sys.executable, str(script), "--bundle", str(bundles["dyn"]), "--batch", "1,2",
+                           "--rounds", "2", "--block", "3", "--warmup", "1", "--threads", "1", "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout[proc.stdout.index("["):])
+    assert [(r["batch"], r["shape"], r["n"]) for r in rows] == [(1, [1, 8], 6), (2, [2, 8], 6)]
+    assert all(r["p50_ratio"] > 0 for r in rows) and "bare=['CPUExecutionProvider']" in proc.stdout
