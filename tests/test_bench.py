@@ -303,14 +303,15 @@ def test_installed_command_exit_code_and_no_torch(bundles: dict[str, Path]) -> N
 def _plugin_args() -> list[str]:
     """Load the plugin explicitly only where its pytest11 entry point is not installed (an old editable install)."""
     installed = any(ep.value == "dsedge.pytest_plugin" for ep in entry_points(group="pytest11"))
-    return [] if installed else ["-p", "dsedge.pytest_plugin"]
+    quiet = ["-p", "no:cacheprovider", "-p", "no:benchmark", "-p", "no:hypothesispytest"]  # faster inner runs
+    return quiet + ([] if installed else ["-p", "dsedge.pytest_plugin"])
 
 
 def test_plugin_runs_latency_tests_from_the_manifest(bundles: dict[str, Path], pytester: pytest.Pytester) -> None:
     xml = pytester.path / "latency.xml"
     res = pytester.runpytest(*_plugin_args(), "--dsedge-bundle", str(bundles["dyn"]), "--dsedge-bundle",
                              str(bundles["built"]), "--dsedge-iterations", "5", "--dsedge-warmup", "1",
-                             f"--junitxml={xml}", "-p", "no:cacheprovider")
+                             f"--junitxml={xml}")
     # dyn: 2 variants × batch range {min 1, max 16}; built: 1 variant × build-time batch sizes {1, 4}
     res.assert_outcomes(passed=6)
     cases = ET.parse(xml).getroot().iter("testcase")
@@ -323,10 +324,10 @@ def test_plugin_runs_latency_tests_from_the_manifest(bundles: dict[str, Path], p
 
 def test_plugin_fails_over_budget_and_skips_with_reasons(bundles: dict[str, Path], pytester: pytest.Pytester) -> None:
     res = pytester.runpytest(*_plugin_args(), "--dsedge-bundle", str(bundles["static"]), "--dsedge-iterations", "3",
-                             "--dsedge-budget-ms", "1e-6", "-p", "no:cacheprovider")
+                             "--dsedge-budget-ms", "1e-6")
     res.assert_outcomes(failed=1)
     res.stdout.fnmatch_lines(["*static-cpu/fp32/b1: p99 * ms > budget 1e-06 ms (option)*"])
-    res = pytester.runpytest(*_plugin_args(), "-rs", "-p", "no:cacheprovider", "--dsedge-iterations", "3",
+    res = pytester.runpytest(*_plugin_args(), "-rs", "--dsedge-iterations", "3",
                              "--dsedge-bundle", str(bundles["gpu"]), "--dsedge-bundle", str(bundles["nobudget"]),
                              "--dsedge-bundle", "nowhere-cpu.dse")
     res.assert_outcomes(skipped=5)  # gpu and nobudget: batches 1 and 16 each; the missing bundle: one
@@ -335,7 +336,7 @@ def test_plugin_fails_over_budget_and_skips_with_reasons(bundles: dict[str, Path
         "*no latency budget in the manifest or target profile*",
         "*bundle 'nowhere-cpu.dse' not found*",
     ])
-    res = pytester.runpytest(*_plugin_args(), "-rs", "-p", "no:cacheprovider", "--dsedge-bundle", str(bundles["dyn"]),
+    res = pytester.runpytest(*_plugin_args(), "-rs", "--dsedge-bundle", str(bundles["dyn"]),
                              "--dsedge-target", "jetson")
     res.assert_outcomes(skipped=1)  # one skip for the whole bundle
     res.stdout.fnmatch_lines(["*bundle is for target 'cpu', not --dsedge-target 'jetson-orin'*"])
@@ -353,10 +354,10 @@ def test_plugin_fixture_for_sample_tests(bundles: dict[str, Path], pytester: pyt
         def test_latency_from_option(dsedge_latency):
             dsedge_latency.check()
     """)
-    res = pytester.runpytest(*_plugin_args(), "-rs", "-p", "no:cacheprovider", "--dsedge-iterations", "4")
+    res = pytester.runpytest(*_plugin_args(), "-rs", "--dsedge-iterations", "4")
     res.assert_outcomes(passed=2, skipped=1)  # no --dsedge-bundle: the unmarked test skips, never passes
     res.stdout.fnmatch_lines(["*no bundle: pass --dsedge-bundle*"])
-    res = pytester.runpytest(*_plugin_args(), "-p", "no:cacheprovider", "--dsedge-iterations", "4",
+    res = pytester.runpytest(*_plugin_args(), "--dsedge-iterations", "4",
                              "--dsedge-bundle", str(bundles["static"]), "-k", "from_option")
     res.assert_outcomes(passed=1, deselected=3)  # the marked test (2 cases) and the plugin's own static-cpu item
 
@@ -368,6 +369,6 @@ def test_sdk_overhead_benchmark_runs(bundles: dict[str, Path]) -> None:
                            "--rounds", "2", "--block", "3", "--warmup", "1", "--threads", "1", "--json"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    rows = json.loads(proc.stdout[proc.stdout.index("["):])
+    rows = json.loads(proc.stdout[proc.stdout.index("\n[") + 1:])
     assert [(r["batch"], r["shape"], r["n"]) for r in rows] == [(1, [1, 8], 6), (2, [2, 8], 6)]
     assert all(r["p50_ratio"] > 0 for r in rows) and "bare=['CPUExecutionProvider']" in proc.stdout
