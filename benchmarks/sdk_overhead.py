@@ -33,7 +33,7 @@ def main() -> None:
     import onnxruntime as ort
 
     import dsedge
-    from dsedge.runtime.bench import _manifest_vocab, latency_stats, synthetic_inputs
+    from dsedge.runtime.bench import manifest_vocab_size, latency_stats, synthetic_inputs
 
     providers = [p for p in args.providers.split(",") if p]
     sdk = dsedge.load(args.bundle, variant=args.variant, providers=providers, threads=args.threads)
@@ -50,7 +50,7 @@ def main() -> None:
           f"{'sdk mean':>9} {'bare mean':>10} {'mean ratio':>11} {'sdk p99':>8} {'bare p99':>9} {'Δp50 µs':>8}  n")
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:
-        feed = synthetic_inputs(sdk.inputs, sdk.manifest.shape_ranges, b, args.seq_len, _manifest_vocab(sdk.manifest))
+        feed = synthetic_inputs(sdk.inputs, sdk.manifest.shape_ranges, b, args.seq_len, manifest_vocab_size(sdk.manifest))
         paths = {"sdk": lambda: sdk.run(feed), "bare": lambda: bare.run(out_names, feed)}
         for _ in range(args.warmup):
             for fn in paths.values():

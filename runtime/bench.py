@@ -273,7 +273,7 @@ def bench_session(
     """
     settings = settings or BenchSettings()
     manifest = session.manifest
-    vocab = vocab_size or _manifest_vocab(manifest)
+    vocab = vocab_size or manifest_vocab_size(manifest)
     feeds = {b: synthetic_inputs(session.inputs, manifest.shape_ranges, b, seq_len, vocab) for b in batches}
     variant = getattr(getattr(session, "variant", None), "name", "?")
     results = []
@@ -305,7 +305,8 @@ def _trial_run(session: Any, feed: Mapping[str, np.ndarray], batch: int) -> None
                          "check the manifest's inputs and shape ranges match the model; rebuild the bundle") from None
 
 
-def _manifest_vocab(manifest: Any) -> int | None:
+def manifest_vocab_size(manifest: Any) -> int | None:
+    """``source.vocab_size`` (or ``source.config.vocab_size``) of a manifest, if the build recorded it."""
     src = getattr(manifest, "source", {}) or {}
     v = src.get("vocab_size") or (src.get("config") or {}).get("vocab_size")
     return int(v) if v else None

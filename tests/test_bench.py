@@ -270,12 +270,18 @@ def test_cli_compare_flags_regression(bundles: dict[str, Path], capsys: pytest.C
     fast.write_text(json.dumps(rep))
     code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--compare", fast)
     assert code == 1 and "REGRESSED" in out and "REGRESSION: batch 1 p99" in out
+    assert "other hardware" not in out  # same machine
+    rep["device"]["cpu"] = "Some Other CPU"
     for r in rep["results"]:
         r["latency_ms"]["p99"] = 1e6
     slow = tmp_path / "slow.json"
     slow.write_text(json.dumps(rep))
     code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--compare", slow, "--json")
-    assert code == 0 and json.loads(out)["comparison"]["regressed"] is False
+    cmp = json.loads(out)["comparison"]
+    assert code == 0 and cmp["regressed"] is False and cmp["same_device"] is False
+    assert cmp["results"][0]["ratio"] < 1e-3 and cmp["baseline_device"]["cpu"] == "Some Other CPU"
+    code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--compare", slow)
+    assert code == 0 and "note: the baseline was measured on other hardware (Some Other CPU" in out
 
 
 def test_cli_plot_writes_png(bundles: dict[str, Path], capsys: pytest.CaptureFixture, tmp_path: Path) -> None:

@@ -123,7 +123,13 @@ def format_report(report: dict[str, Any], comparisons: Sequence[core.Comparison]
                      " ".join(f"{lat[k]:>8.3f}" for k in ("min", "mean", "p50", "p90", "p95", "p99", "max")) +
                      f"  {thr['inferences_per_s']:>9.1f} {thr['samples_per_s']:>10.1f}  {verdict}")
     if comparisons:
-        lines += ["", f"compared with baseline ({comparisons[0].percentile}, tolerance {comparisons[0].tolerance:.0%})"]
+        cmp = report.get("comparison", {})
+        lines += ["", f"compared with baseline {cmp.get('baseline', '')} ({comparisons[0].percentile}, "
+                      f"tolerance {comparisons[0].tolerance:.0%})"]
+        if cmp and not cmp.get("same_device", True):
+            bd = cmp["baseline_device"]
+            lines.append(f"note: the baseline was measured on other hardware ({bd.get('gpu') or bd.get('cpu')}, "
+                         f"{', '.join(bd.get('providers') or [])})")
         for c in comparisons:
             if c.baseline_ms is None:
                 lines.append(f"{c.batch:>5}  no baseline with these input shapes")
@@ -193,7 +199,10 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
                                dsedge_version=__version__)
     comparisons = core.compare_reports(report, base, tolerance, settings.percentile) if base else []
     if comparisons:
-        report["comparison"] = {"baseline": str(baseline), "tolerance": tolerance,
+        dev, bdev = report["device"], base.get("device", {})
+        same = all(dev.get(k) == bdev.get(k) for k in ("cpu", "gpu", "providers"))
+        report["comparison"] = {"baseline": str(baseline), "tolerance": tolerance, "same_device": same,
+                                "baseline_device": {k: bdev.get(k) for k in ("host", "cpu", "gpu", "providers")},
                                 "results": [c.to_dict() for c in comparisons],
                                 "regressed": any(c.regressed for c in comparisons)}
     text = json.dumps(report, indent=2)
