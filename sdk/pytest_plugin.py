@@ -5,7 +5,8 @@ On the device::
     pytest --dsedge-bundle out/all-minilm-l6-v2-jetson-orin.dse [--dsedge-target jetson-orin] --junitxml=latency.xml
 
 adds one test per (bundle, variant, batch size) read from the manifest — the batch sizes measured at build
-(``variant.latency_ms`` keys), else the bundle's batch shape range (min/opt/max) — each asserting that the latency at
+(``variant.latency_ms`` keys, at the sequence length the build used), else the bundle's batch shape range
+(min/opt/max) — each asserting that the latency at
 ``--dsedge-percentile`` (default p99) is within the budget (``--dsedge-budget-ms``, else the manifest's, else the
 target profile's). Measured figures go into the JUnit XML as ``<property>`` elements (p50_ms, p99_ms, budget_ms,
 providers, device).
@@ -74,6 +75,7 @@ class LatencyCase:
     budget_ms: float | None = None
     budget_source: str = "none"
     target: str = "?"
+    seq_len: int | None = None
     skip_reason: str | None = None
     error: Exception | None = field(default=None, repr=False)
 
@@ -109,6 +111,20 @@ def _batch_sizes(manifest: Any, variant: Any, option: str | None) -> list[int]:
     if built:
         return built
     return sorted({int(rng[k]) for k in ("min", "opt", "max") if k in rng}) or [1]
+
+
+def _recorded_seq_len(manifest: Any, variant: Any, batch: int) -> int | None:
+    """The token-axis length the build measured this batch size at (``latency_ms[b]["shape"]``), if any."""
+    from .runtime.bench import is_sequence_dim
+
+    shapes = (variant.latency_ms.get(str(batch)) or {}).get("shape") or {}
+    for spec in manifest.inputs:
+        dims = shapes.get(spec.name)
+        if dims and len(dims) == len(spec.shape):
+            for sym, size in zip(spec.shape[1:], dims[1:]):
+                if isinstance(sym, str) and is_sequence_dim(sym):
+                    return int(size)
+    return None
 
 
 def latency_cases(config: pytest.Config, bundles: Iterable[str | os.PathLike], bases: Iterable[Path] = ()) -> list[LatencyCase]:
@@ -159,7 +175,9 @@ def latency_cases(config: pytest.Config, bundles: Iterable[str | os.PathLike], b
             skip = "no latency budget in the manifest or target profile; pass --dsedge-budget-ms"
         for v in manifest.variants:
             for b in _batch_sizes(manifest, v, opt("--dsedge-batch")):
-                cases.append(LatencyCase(path, v.name, b, budget, source, tname, skip))
+                seq = opt("--dsedge-seq-len") or _recorded_seq_len(manifest, v, b)
+                cases.append(LatencyCase(path, variant=v.name, batch=b, budget_ms=budget, budget_source=source,
+                                         target=tname, skip_reason=skip, seq_len=seq))
     return cases
 
 
@@ -193,11 +211,12 @@ class LatencyCheck:
         opt = self.config.getoption
         settings = BenchSettings(warmup=opt("--dsedge-warmup"), iterations=opt("--dsedge-iterations"),
                                  percentile=opt("--dsedge-percentile"))
-        (result,) = bench_session(session, [self.case.batch], opt("--dsedge-seq-len"), settings, self.case.budget_ms)
+        (result,) = bench_session(session, [self.case.batch], self.case.seq_len, settings, self.case.budget_ms)
         dev = device_info(session)
         props = self.node.user_properties
         props += [(f"{k}_ms", round(result.latency_ms[k], 4)) for k in ("mean", "p50", "p90", "p99", "max")]
-        props += [("budget_ms", self.case.budget_ms), ("budget_source", self.case.budget_source),
+        props += [("shape", ";".join(f"{k}={'x'.join(map(str, v))}" for k, v in result.shapes.items())),
+                  ("budget_ms", self.case.budget_ms), ("budget_source", self.case.budget_source),
                   ("percentile", result.percentile), ("iterations", result.iterations),
                   ("inferences_per_s", round(result.inferences_per_s, 2)), ("target", self.case.target),
                   ("providers", ",".join(dev["providers"])), ("device", dev["gpu"] or dev["cpu"])]

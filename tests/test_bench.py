@@ -78,7 +78,8 @@ def text_bundle(dest: Path, work: Path, *, static_batch: int | None = None, budg
         outputs=[IOSpec("last_hidden_state", "float32", (b, "sequence", HIDDEN))],
         models={f"models/{v}.onnx": onnx_path for v in variants},
         variants=[Variant(name=v, precision="fp32", file=f"models/{v}.onnx",
-                          latency_ms={str(b): {"p50": 1.0, "p99": 2.0} for b in built_batches}) for v in variants],
+                          latency_ms={str(b): {"p50": 1.0, "p99": 2.0, "shape": {"input_ids": [b, 12]}}
+                                      for b in built_batches}) for v in variants],
         default_variant=variants[0], shape_ranges=ranges, latency_budget_ms=budget_ms,
         source={"vocab_size": vocab_size} if vocab_size else {},
     )
@@ -325,6 +326,8 @@ def test_plugin_runs_latency_tests_from_the_manifest(bundles: dict[str, Path], p
     assert set(names) == {"latency[fp32-b1]", "latency[fp32-b16]", "latency[int8-b1]", "latency[int8-b16]", "latency[fp32-b4]"}
     props = names["latency[fp32-b4]"]
     assert props["budget_ms"] == "1000.0" and props["providers"] == "CPUExecutionProvider" and props["iterations"] == "5"
+    assert props["shape"] == "input_ids=4x12;attention_mask=4x12"  # the sequence length the build measured at
+    assert names["latency[fp32-b16]"]["shape"] == "input_ids=16x8;attention_mask=16x8"  # the range's opt
     assert 0 < float(props["p50_ms"]) <= float(props["p99_ms"])
 
 
