@@ -1,6 +1,7 @@
 """Overhead of the SDK path (``dsedge.load(...).run``) vs a bare ``onnxruntime.InferenceSession.run``, side by side.
 
-Both sessions open the same ONNX file of the bundle with the same options (intra-op threads, inter-op 1, CPU EP
+Both sessions open the same ONNX graph of the bundle (with the SDK's load-time ORT-CPU rewrites, if it made any) with
+the same options (intra-op threads, inter-op 1, CPU EP
 unless --providers) and get the same synthetic inputs. Timing alternates short blocks of SDK and bare runs so
 machine noise (other processes, frequency changes) hits both alike; the ratio of medians is the figure
 (goal: ≤ 1.05 at batch 1).
@@ -42,10 +43,16 @@ def main() -> None:
         opts.intra_op_num_threads = args.threads
         opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
-    bare = ort.InferenceSession(str(sdk.path / sdk.variant.file), sess_options=opts, providers=providers)
+    model: str | bytes = str(sdk.path / sdk.variant.file)
+    rewrites = getattr(sdk._backend, "rewrites", 0)
+    if rewrites:  # the SDK rewrote the graph at load (ORT-CPU speed-ups): time the bare path on the same graph
+        from dsedge.runtime.backends.ort import _cpu_rewrites
+
+        model, _ = _cpu_rewrites(model)
+    bare = ort.InferenceSession(model, sess_options=opts, providers=providers)
     out_names = [o.name for o in bare.get_outputs()]
     print(f"bundle {args.bundle} variant {sdk.variant.name}; providers sdk={sdk.providers} bare={bare.get_providers()}; "
-          f"threads {args.threads or 'default'}; onnxruntime {ort.__version__}")
+          f"threads {args.threads or 'default'}; onnxruntime {ort.__version__}; load-time rewrites {rewrites} (both paths)")
     print(f"{'batch':>5} {'shape':>8} {'sdk p50 ms':>11} {'bare p50 ms':>12} {'p50 ratio':>10} "
           f"{'sdk mean':>9} {'bare mean':>10} {'mean ratio':>11} {'sdk p99':>8} {'bare p99':>9} {'Δp50 µs':>8}  n")
     rows = []
