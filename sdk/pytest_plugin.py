@@ -54,6 +54,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "dsedge_bundle(*paths): bundles whose latency the dsedge_latency fixture tests")
     config.stash[_SESSIONS] = {}
+    _check_options(config)
+
+
+def _check_options(config: pytest.Config) -> None:
+    """Bad --dsedge-* values stop the run at once as usage errors (exit 4), before any test is collected."""
+    opt = config.getoption
+    try:
+        if opt("--dsedge-target"):
+            from .targets import get_target
+
+            get_target(opt("--dsedge-target"))
+        if opt("--dsedge-percentile") != "p99":
+            from .runtime.bench import normalize_percentile
+
+            normalize_percentile(opt("--dsedge-percentile"))
+    except Exception as e:  # DsedgeError, imported lazily (this module loads in every pytest run)
+        hint = getattr(e, "hint", "")
+        raise pytest.UsageError(f"dsedge: {e}" + (f" ({hint})" if hint else "")) from None
+    batch = opt("--dsedge-batch")
+    if batch and not all(x.strip().isdigit() and int(x) > 0 for x in batch.split(",")):
+        raise pytest.UsageError(f"--dsedge-batch {batch!r}: use positive integers, e.g. 1,8,32")
+    for name in ("--dsedge-iterations", "--dsedge-warmup"):
+        if opt(name) < (1 if name == "--dsedge-iterations" else 0):
+            raise pytest.UsageError(f"{name} {opt(name)} is out of range")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

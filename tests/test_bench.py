@@ -381,3 +381,14 @@ def test_sdk_overhead_benchmark_runs(bundles: dict[str, Path]) -> None:
     rows = json.loads(proc.stdout[proc.stdout.index("\n[") + 1:])
     assert [(r["batch"], r["shape"], r["n"]) for r in rows] == [(1, [1, 8], 6), (2, [2, 8], 6)]
     assert all(r["p50_ratio"] > 0 for r in rows) and "bare=['CPUExecutionProvider']" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dsedge-target", "mars-rover"], "*dsedge: unknown target 'mars-rover'*"),
+    (["--dsedge-batch", "1,x"], "*--dsedge-batch '1,x': use positive integers*"),
+    (["--dsedge-percentile", "p42"], "*dsedge: unknown percentile 'p42'*"),
+])
+def test_plugin_bad_options_are_usage_errors(pytester: pytest.Pytester, args: list[str], message: str) -> None:
+    res = pytester.runpytest(*_plugin_args(), *args)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines([message])
