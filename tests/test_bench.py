@@ -230,6 +230,12 @@ def test_cli_over_budget_exits_1(bundles: dict[str, Path], capsys: pytest.Captur
     # no budget anywhere (unknown target, none in the manifest): measured, not judged
     code, out, _ = run_cli(capsys, "bench", bundles["nobudget"], "--iterations", 5)
     assert code == 0 and "measured, not judged" in out
+    # a Jetson bundle runs on this CPU, judged against jetson-orin's default budget, and says whose figures these are
+    code, out, _ = run_cli(capsys, "bench", bundles["gpu"], "--iterations", 5, "--json")
+    rep = json.loads(out)
+    assert code == 0 and rep["settings"]["budget_source"] == "manifest"
+    assert rep["notes"] == ["bundle is for jetson-orin (tensorrt) but ran here on CPUExecutionProvider: "
+                            "these are not jetson-orin figures"]
 
 
 @pytest.mark.parametrize("key, args, message", [

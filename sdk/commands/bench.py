@@ -39,13 +39,22 @@ def parse_batches(ctx: click.Context | None, param: click.Parameter | None, valu
     return out
 
 
-def _target_default_budget(manifest: Any) -> float | None:
+def _target_profile(manifest: Any) -> Any:
     from ..targets import get_target
 
     try:
-        return get_target(str(manifest.target.get("name", ""))).default_budget_ms
+        return get_target(str(manifest.target.get("name", "")))
     except DsedgeError:  # a bundle for a target this install has no profile for
         return None
+
+
+def _notes(profile: Any, providers: Sequence[str]) -> list[str]:
+    """Say so when the numbers cannot be the target's: a GPU target's bundle measured without a GPU provider."""
+    gpu_target = profile is not None and (profile.backend == "tensorrt" or profile.compute_capability is not None)
+    if gpu_target and not any(p in providers for p in ("TensorrtExecutionProvider", "CUDAExecutionProvider")):
+        return [f"bundle is for {profile.name} ({profile.backend}) but ran here on {', '.join(providers)}: "
+                f"these are not {profile.name} figures"]
+    return []
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -108,6 +117,7 @@ def format_report(report: dict[str, Any], comparisons: Sequence[core.Comparison]
         f"gpu      : {dev['gpu'] or '-'}   tensorrt: {dev['tensorrt'] or '-'}",
         f"backend  : {dev['backend']} (onnxruntime {dev['onnxruntime']}), providers in use: {', '.join(dev['providers'])}",
     ]
+    lines += [f"note     : {n}" for n in report.get("notes", [])]
     how = f"{s['iterations']} iterations" if s["iterations"] else f"{s['duration_s'] or 3.0:g} s per batch size"
     budget = f"{s['budget_ms']:g} ms at {s['percentile']} (from {s['budget_source']})" if s["budget_ms"] else "none"
     lines.append(f"settings : warmup {s['warmup']}, {how}, threads {s['threads'] or 'default'}, "
@@ -193,10 +203,12 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
     base = core.load_report(baseline) if baseline else None  # a bad baseline fails before minutes of measuring
     session = load(bundle, variant=variant, threads=threads,
                    providers=[p.strip() for p in providers.split(",") if p.strip()] if providers else None)
-    budget, source = core.resolve_budget(budget_ms, session.manifest, _target_default_budget(session.manifest))
+    profile = _target_profile(session.manifest)
+    budget, source = core.resolve_budget(budget_ms, session.manifest, profile.default_budget_ms if profile else None)
     results = core.bench_session(session, batches, seq_len, settings, budget, vocab_size)
     report = core.build_report(session, results, settings, seq_len=seq_len, threads=threads, budget_source=source,
                                dsedge_version=__version__)
+    report["notes"] = _notes(profile, session.providers)
     comparisons = core.compare_reports(report, base, tolerance, settings.percentile) if base else []
     if comparisons:
         dev, bdev = report["device"], base.get("device", {})
