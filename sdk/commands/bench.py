@@ -94,6 +94,11 @@ def plot_cdf(results: Sequence[core.BatchResult], path: Path, title: str = "") -
     pct = core.PERCENTILES[results[0].percentile] / 100 if results else 0.99
     ax.axhline(pct, color="grey", linewidth=0.6, linestyle=":")
     ax.set_xscale("log")  # a budget far above the latencies would squash linear curves against the axis
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda x, _: f"{x:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda x, _: f"{x:g}" if f"{x:.0e}"[0] in "25" else ""))
     ax.set_xlabel("latency (ms, log scale)")
     ax.set_ylabel("fraction of runs ≤ latency")
     ax.set_ylim(0, 1.01)
