@@ -13,7 +13,7 @@ providers, device).
 
 A test module (the samples ship one each) can ask for the ``dsedge_latency`` fixture instead; it is parametrized the
 same way from the bundles named by ``@pytest.mark.dsedge_bundle("path.dse", …)`` (relative paths are looked up from
-the invocation directory, then the test file's directory) or, without that mark, by ``--dsedge-bundle``::
+the invocation directory, the rootdir, then the test file's directory) or, without that mark, by ``--dsedge-bundle``::
 
     @pytest.mark.dsedge_bundle("out/fraud-cpu.dse", "out/fraud-jetson-orin.dse")
     def test_latency(dsedge_latency):
@@ -166,7 +166,7 @@ def latency_cases(config: pytest.Config, bundles: Iterable[str | os.PathLike], b
 
     opt = config.getoption
     want = get_target(opt("--dsedge-target")) if opt("--dsedge-target") else None
-    bases = [Path(config.invocation_params.dir), *bases]
+    bases = [Path(config.invocation_params.dir), Path(config.rootpath), *bases]
     cases: list[LatencyCase] = []
     for raw in bundles:
         path = _find_bundle(raw, bases)
