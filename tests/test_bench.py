@@ -358,10 +358,11 @@ def test_plugin_fails_over_budget_and_skips_with_reasons(bundles: dict[str, Path
 
 
 def test_plugin_fixture_for_sample_tests(bundles: dict[str, Path], pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_sample_latency=f"""
+    shutil.copytree(bundles["built"], pytester.path / "out" / "built-cpu.dse")  # as a sample's build would leave it
+    pytester.makepyfile(test_sample_latency="""
         import pytest
 
-        @pytest.mark.dsedge_bundle({str(bundles["built"])!r})
+        @pytest.mark.dsedge_bundle("out/built-cpu.dse")
         def test_latency(dsedge_latency):
             r = dsedge_latency.check()
             assert r.batch in (1, 4) and r.iterations == 4
