@@ -1,6 +1,7 @@
 """``dsedge.load`` and ``Session``: a verified bundle bound to the best backend this machine has."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -10,6 +11,8 @@ import numpy as np
 from .runtime.backends.ort import OrtBackend
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.io import validate_inputs
+
+log = logging.getLogger("dsedge")
 
 
 class Session:
@@ -93,5 +96,14 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     """
     manifest = verify_bundle(path)
     v = manifest.variant(variant)
-    backend = OrtBackend(Path(path) / v.file, providers=providers, threads=threads)
+    backend = None
+    if not providers:  # a TensorRT engine when this machine has TensorRT and a GPU; else None
+        from .runtime.backends.tensorrt import open_engine_backend
+
+        backend = open_engine_backend(path, manifest, v)
+    if backend is None:
+        backend = OrtBackend(Path(path) / v.file, providers=providers, threads=threads)
+        if manifest.target.get("backend") == "tensorrt" and backend.providers[:1] == ["CPUExecutionProvider"]:
+            log.info("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
+                     manifest.target.get("name"))
     return Session(path, manifest, v, backend)

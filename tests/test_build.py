@@ -168,3 +168,28 @@ def test_hugging_face_directory_source(tmp_path):
     (d / "model.safetensors").unlink()
     with pytest.raises(SourceError, match="no model.safetensors"):
         build(BuildOptions(model=str(d), target="cpu", out_dir=str(tmp_path / "o")))
+
+
+@pytest.mark.parametrize("target, dla, message", [("cpu", 0, "cpu has no DLA"), ("jetson", 2, "not 2")])
+def test_dla_on_a_target_without_it_is_refused(tmp_path, target, dla, message):
+    with pytest.raises(TargetError, match=message):
+        build(BuildOptions(model=str(mlp_onnx(tmp_path / "m.onnx")), target=target, dla_core=dla,
+                           out_dir=str(tmp_path / "o")))
+
+
+def test_xavier_bundle_is_opset_17_and_int4_is_refused(tmp_path):
+    model = str(mlp_onnx(tmp_path / "m.onnx"))
+    r = build(BuildOptions(model=model, target="jetson-xavier", out_dir=str(tmp_path / "o"), latency_iterations=3))
+    assert r.report["export"]["opset"] == 17 and r.report["precision"] != "int4"
+    assert onnx.load(str(r.bundle / "models" / f"{r.report['precision']}.onnx")).opset_import[0].version == 17
+    with pytest.raises(PrecisionNotSupported, match="jetson-xavier does not support int4"):
+        build(BuildOptions(model=model, target="jetson-xavier", precision="int4", out_dir=str(tmp_path / "o")))
+
+
+def test_engine_build_without_tensorrt_fails_before_writing(tmp_path):
+    from dsedge.runtime.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match="TensorRT is not installed"):
+        build(BuildOptions(model=str(mlp_onnx(tmp_path / "m.onnx")), target="jetson", engine=True,
+                           out_dir=str(tmp_path / "o")))
+    assert not (tmp_path / "o").exists()
