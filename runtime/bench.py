@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
-import subprocess
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -332,21 +330,30 @@ def resolve_budget(cli_budget_ms: float | None, manifest: Any, target_default_ms
 
 
 # ------------------------------------------------------------------------------------------------ device info
+def uses_gpu(session: Any) -> bool:
+    """True when the session runs on a GPU: the TensorRT backend, or ORT's TensorRT/CUDA execution provider."""
+    providers = list(getattr(session, "providers", []))
+    return getattr(session, "backend_name", "") == "tensorrt" or any(
+        p in ("TensorrtExecutionProvider", "CUDAExecutionProvider") or p.startswith("TensorRT") for p in providers)
+
+
 def device_info(session: Any) -> dict[str, Any]:
-    """Where the numbers come from: host, CPU, GPU (name, driver), ONNX Runtime and TensorRT versions, backend and
-    the providers really in use (ORT falls back to CPU silently, so these are read from the session)."""
+    """Where the numbers come from: host, CPU, GPU (name and compute capability, from ``gpu_info.detect_gpu``),
+    ONNX Runtime and TensorRT versions, backend and the providers really in use (ORT falls back to CPU silently, so
+    these are read from the session)."""
     import onnxruntime as ort
 
-    providers = list(getattr(session, "providers", []))
+    from .gpu_info import detect_gpu
+
     info: dict[str, Any] = {
         "host": platform.node(), "platform": platform.platform(), "machine": platform.machine(),
         "python": platform.python_version(), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
-        "backend": getattr(session, "backend_name", "?"), "providers": providers,
-        "onnxruntime": ort.__version__, "tensorrt": _package_version("tensorrt", "tensorrt-cu12", "tensorrt-cu11"),
-        "gpu": None,
+        "backend": getattr(session, "backend_name", "?"), "providers": list(getattr(session, "providers", [])),
+        "onnxruntime": ort.__version__, "tensorrt": tensorrt_version(), "gpu": None,
     }
-    if any(p in providers for p in ("CUDAExecutionProvider", "TensorrtExecutionProvider")) or info["backend"] == "tensorrt":
-        info["gpu"] = _gpu_name()
+    if uses_gpu(session):
+        gpu = detect_gpu()
+        info["gpu"] = f"{gpu.name} (sm{gpu.compute_capability.replace('.', '')})" if gpu else "unknown GPU"
     return info
 
 
@@ -360,31 +367,24 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _gpu_name() -> str | None:
-    model = Path("/proc/device-tree/model")  # Jetson boards have no nvidia-smi
-    if model.is_file():
-        return model.read_text(errors="replace").strip("\x00\n ")
-    exe = shutil.which("nvidia-smi")
-    if exe:
-        try:
-            out = subprocess.run([exe, "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10)
-            if out.returncode == 0 and out.stdout.strip():
-                return out.stdout.strip().splitlines()[0]
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return None
-
-
-def _package_version(*names: str) -> str | None:
+def tensorrt_version() -> str | None:
+    """The installed TensorRT's version, or None. JetPack's system package may lack pip metadata: then it is imported."""
+    import importlib.util
     from importlib.metadata import PackageNotFoundError, version
 
-    for n in names:
+    for name in ("tensorrt", "tensorrt-cu12", "tensorrt-cu11"):
         try:
-            return version(n)
+            return version(name)
         except PackageNotFoundError:
             continue
-    return None
+    if importlib.util.find_spec("tensorrt") is None:
+        return None
+    try:
+        import tensorrt
+
+        return str(getattr(tensorrt, "__version__", "installed"))
+    except Exception:  # a broken install: report it as present, the backend says why it cannot run
+        return "installed"
 
 
 # ------------------------------------------------------------------------------------------------ the report

@@ -151,6 +151,18 @@ def _recorded_seq_len(manifest: Any, variant: Any, batch: int) -> int | None:
     return None
 
 
+def _gpu_reachable() -> bool:
+    """ORT has a TensorRT/CUDA provider, or TensorRT is installed and a GPU is found."""
+    import importlib.util
+
+    from .runtime.backends.ort import available_providers
+    from .runtime.gpu_info import detect_gpu
+
+    if any(p in available_providers() for p in GPU_PROVIDERS):
+        return True
+    return importlib.util.find_spec("tensorrt") is not None and detect_gpu() is not None
+
+
 def latency_cases(config: pytest.Config, bundles: Iterable[str | os.PathLike], bases: Iterable[Path] = ()) -> list[LatencyCase]:
     """Expand bundles into cases: every variant × batch size, each with its budget or a skip reason.
 
@@ -189,11 +201,10 @@ def latency_cases(config: pytest.Config, bundles: Iterable[str | os.PathLike], b
             continue
         profile = want or target
         needs_gpu = profile is not None and (profile.backend == "tensorrt" or profile.compute_capability is not None)
-        have = available_providers()
         skip = None
-        if needs_gpu and not any(p in have for p in GPU_PROVIDERS):
-            skip = (f"bundle for {tname!r} needs a GPU (TensorRT/CUDA); ONNX Runtime here offers only "
-                    f"{', '.join(have)}")
+        if needs_gpu and not _gpu_reachable():
+            skip = (f"bundle for {tname!r} needs a GPU (TensorRT/CUDA); none is reachable here (no TensorRT with a GPU, "
+                    f"and ONNX Runtime offers only {', '.join(available_providers())})")
         budget, source = resolve_budget(opt("--dsedge-budget-ms"), manifest, profile.default_budget_ms if profile else None)
         if budget is None and skip is None:
             skip = "no latency budget in the manifest or target profile; pass --dsedge-budget-ms"

@@ -347,7 +347,7 @@ def test_plugin_fails_over_budget_and_skips_with_reasons(bundles: dict[str, Path
                              "--dsedge-bundle", "nowhere-cpu.dse")
     res.assert_outcomes(skipped=5)  # gpu and nobudget: batches 1 and 16 each; the missing bundle: one
     res.stdout.fnmatch_lines_random([
-        "*bundle for 'jetson-orin' needs a GPU (TensorRT/CUDA); ONNX Runtime here offers only CPUExecutionProvider*",
+        "*bundle for 'jetson-orin' needs a GPU (TensorRT/CUDA); none is reachable here*CPUExecutionProvider*",
         "*no latency budget in the manifest or target profile*",
         "*bundle 'nowhere-cpu.dse' not found*",
     ])
@@ -399,3 +399,11 @@ def test_plugin_bad_options_are_usage_errors(pytester: pytest.Pytester, args: li
     res = pytester.runpytest(*_plugin_args(), *args)
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     res.stderr.fnmatch_lines([message])
+
+
+def test_uses_gpu_reads_backend_and_providers() -> None:
+    from types import SimpleNamespace as NS
+
+    assert core.uses_gpu(NS(backend_name="tensorrt", providers=["TensorRT 10.3.0 (DLA 0)"]))
+    assert core.uses_gpu(NS(backend_name="onnxruntime", providers=["CUDAExecutionProvider", "CPUExecutionProvider"]))
+    assert not core.uses_gpu(NS(backend_name="onnxruntime", providers=["CPUExecutionProvider"]))

@@ -48,11 +48,11 @@ def _target_profile(manifest: Any) -> Any:
         return None
 
 
-def _notes(profile: Any, providers: Sequence[str]) -> list[str]:
-    """Say so when the numbers cannot be the target's: a GPU target's bundle measured without a GPU provider."""
+def _notes(profile: Any, session: Any) -> list[str]:
+    """Say so when the numbers cannot be the target's: a GPU target's bundle measured without a GPU."""
     gpu_target = profile is not None and (profile.backend == "tensorrt" or profile.compute_capability is not None)
-    if gpu_target and not any(p in providers for p in ("TensorrtExecutionProvider", "CUDAExecutionProvider")):
-        return [f"bundle is for {profile.name} ({profile.backend}) but ran here on {', '.join(providers)}: "
+    if gpu_target and not core.uses_gpu(session):
+        return [f"bundle is for {profile.name} ({profile.backend}) but ran here on {', '.join(session.providers)}: "
                 f"these are not {profile.name} figures"]
     return []
 
@@ -213,7 +213,7 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
     results = core.bench_session(session, batches, seq_len, settings, budget, vocab_size)
     report = core.build_report(session, results, settings, seq_len=seq_len, threads=threads, budget_source=source,
                                dsedge_version=__version__)
-    report["notes"] = _notes(profile, session.providers)
+    report["notes"] = _notes(profile, session)
     comparisons = core.compare_reports(report, base, tolerance, settings.percentile) if base else []
     if comparisons:
         dev, bdev = report["device"], base.get("device", {})
