@@ -403,8 +403,8 @@ def build_report(
 
     Top-level fields: ``schema``, ``schema_version``, ``dsedge_version``, ``created_utc``, ``device`` (see
     ``device_info``), ``bundle`` (path, name, target, variant, precision), ``settings``, ``results`` (one
-    ``BatchResult.to_dict`` per batch size) and ``passed`` (False if any result failed its budget; None when no
-    budget applied).
+    ``BatchResult.to_dict`` per batch size), ``passed`` (False if any result failed its budget; None when no
+    budget applied) and ``notes`` (lines a reader must not miss, e.g. a GPU bundle measured on a CPU).
     """
     manifest = session.manifest
     verdicts = [r.passed for r in results if r.passed is not None]
@@ -422,6 +422,7 @@ def build_report(
                      "percentile_method": "nearest-rank"},
         "results": [r.to_dict(with_samples) for r in results],
         "passed": (all(verdicts) if verdicts else None),
+        "notes": [],
     }
 
 

@@ -213,7 +213,7 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
     results = core.bench_session(session, batches, seq_len, settings, budget, vocab_size)
     report = core.build_report(session, results, settings, seq_len=seq_len, threads=threads, budget_source=source,
                                dsedge_version=__version__)
-    report["notes"] = _notes(profile, session)
+    report["notes"] += _notes(profile, session)
     comparisons = core.compare_reports(report, base, tolerance, settings.percentile) if base else []
     if comparisons:
         dev, bdev = report["device"], base.get("device", {})
