@@ -215,7 +215,7 @@ def test_cli_json_report_and_pass(bundles: dict[str, Path], capsys: pytest.Captu
     assert code == 0
     rep = json.loads(out)
     assert rep == json.loads((tmp_path / "r.json").read_text())
-    assert [r["batch"] for r in rep["results"]] == [1, 4] and rep["passed"] is True
+    assert [r["batch"] for r in rep["results"]] == [1, 4] and rep["passed"] is True and rep["notes"] == []
     assert set(rep["results"][0]["latency_ms"]) == {"min", "mean", "p50", "p90", "p95", "p99", "max", "std"}
     assert rep["settings"] | {"budget_ms": 1000.0, "budget_source": "manifest", "threads": 1, "seq_len": 8} == rep["settings"]
     code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--variant", "int8", "--iterations", 5)
