@@ -66,3 +66,7 @@ class EngineError(DsedgeError):
 
 class SessionClosedError(DsedgeError):
     """``submit``/``stream``/``generate`` was called on a session after ``close()`` (a programming error)."""
+
+
+class BenchError(DsedgeError):
+    """A benchmark cannot run or compare: no samples, a missing/malformed/foreign baseline report."""
