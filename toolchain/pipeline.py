@@ -25,7 +25,7 @@ from .export import Exported, export_onnx
 from .opset import convert_for_target, model_opset
 from .precision import choose_precision
 from .recipe import recipe_notes, trtexec_script
-from .sources import Source, resolve_source, synthetic_inputs
+from .sources import Source, resolve_source
 
 REPORT_SCHEMA = "dsedge.build-report/1"
 
@@ -170,12 +170,14 @@ def shape_ranges_for(exported: Exported, target: Target, source: Source) -> dict
     return ranges
 
 
-def measure_latency(onnx_path: Path, exported: Exported, iterations: int, threads: int | None) -> dict[str, Any]:
+def measure_latency(onnx_path: Path, exported: Exported, iterations: int, threads: int | None,
+                    vocab_size: int | None = None) -> dict[str, Any]:
     """ORT CPU latency at batch 1 (sequence 32 for text), ms."""
     from ..runtime.backends.ort import OrtBackend
+    from ..runtime.bench import synthetic_inputs
 
     backend = OrtBackend(onnx_path, providers=["CPUExecutionProvider"], threads=threads)
-    feeds = synthetic_inputs(exported.inputs, batch=1, seq=32)
+    feeds = synthetic_inputs(exported.inputs, batch=1, seq_len=32, vocab_size=vocab_size)
     stats = time_calls(lambda: backend.run(feeds), iterations=iterations, warmup=5)
     return {"1": {**stats, "shape": {k: list(v.shape) for k, v in feeds.items()}, "provider": backend.providers[0]}}
 
@@ -260,7 +262,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         for name, path in candidates:
             acc = ({"reference": "self"} if name == "fp32" and opsets["fp32"] == 21 else
                    compare_models(reference_onnx, path, validation, task=source.task))
-            lat = measure_latency(path, exported, opts.latency_iterations, opts.threads)
+            lat = measure_latency(path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
             rel = f"models/{name}.onnx"
             models[rel] = path
             variants.append(Variant(name=name, precision=name, file=rel, accuracy=acc, latency_ms=lat,
@@ -277,7 +279,8 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         report = {
             "schema": REPORT_SCHEMA, "bundle": dest.name, "target": target.name, "precision": precision,
             "notes": notes + source.notes,
-            "source": {"kind": source.kind, "ref": source.ref, "sha256": source.fingerprint},
+            "source": {"kind": source.kind, "ref": source.ref, "sha256": source.fingerprint,
+                       **({"vocab_size": source.vocab_size} if source.vocab_size else {})},
             "export": {"exporter": exported.exporter, "opset": opsets[precision],
                        "parity_max_abs_diff": exported.parity_max_abs_diff},
             "engine_recipe": engine_notes,
