@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue as _queue
 import threading
@@ -13,6 +14,7 @@ import numpy as np
 
 from .runtime.backends.ort import OrtBackend
 from .runtime.batching import BatchLayout, example_feed
+from .runtime.decode import GenerationStream
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import SessionClosedError
 from .runtime.io import validate_inputs
@@ -24,6 +26,8 @@ from .runtime.scheduler import BudgetScheduler, Lane
 _FALLBACK_BUDGET_MS = 50.0
 _WARMUP_SEQS = (16, 64)
 
+log = logging.getLogger("dsedge")
+
 
 class Session:
     """A loaded bundle variant, ready to run.
@@ -34,6 +38,12 @@ class Session:
         inputs / outputs: ``IOSpec`` lists (``.name``, ``.dtype``, ``.shape`` with symbolic dims as strings).
         providers: ORT providers really in use, e.g. ``["CPUExecutionProvider"]`` for a Jetson bundle on a laptop.
         backend_name: ``"onnxruntime"`` (or ``"tensorrt"`` where a TensorRT engine serves it).
+        budget_ms: the session's default latency budget for streaming (None: the manifest's, else the target's).
+
+    Streaming with latency budgets (built on first use; ``warmup()`` starts it early):
+        ``submit(inputs, budget_ms, priority) -> Future[Result | Rejected]``, ``stream(iterable)``,
+        ``await infer_async(...)``, ``async for r in stream_async(...)``, ``generate_stream(prompt, …)`` for
+        decoders, ``metrics()``, ``close(drain=True)``. See runtime/scheduler.py and runtime/decode.py.
     """
 
     def __init__(self, path: str | os.PathLike, manifest: Manifest, variant: Variant, backend: Any, *,
@@ -81,7 +91,9 @@ class Session:
             numpy arrays keyed by output name.
         Raises:
             InputError: a missing/unknown name, wrong dtype or shape (checked before the backend runs).
+            SessionClosedError: after ``close()``.
         """
+        self._check_open()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
         return self._backend.run(checked)
 
@@ -122,6 +134,11 @@ class Session:
             return self._sched
 
     def _build_scheduler(self) -> BudgetScheduler:
+        if self.is_decoder:
+            from .runtime.errors import InputError
+
+            raise InputError("this bundle is a decoder with past key/values: submit/stream serve one-shot models",
+                             "use session.generate_stream(prompt, max_new_tokens) for generation")
         layout = BatchLayout.of(self.inputs, self.outputs)
         batch_range = self.manifest.shape_ranges.get(layout.batch_symbol or "", {})
         max_batch = self._max_batch or int(batch_range.get("max", 32))
@@ -145,7 +162,8 @@ class Session:
         return BudgetScheduler(lanes, layout, self._metrics)
 
     def _make_lane(self, variant: Variant, run: Callable, layout: BatchLayout, max_batch: int) -> Lane:
-        prof = LatencyProfile.from_variant(variant) if self._profile_mode in ("auto", "bundle") else None
+        # build-time figures come from the build machine: used only when asked for; else a short warm-up here
+        prof = LatencyProfile.from_variant(variant) if self._profile_mode == "bundle" else None
         if prof is None or prof.empty:
             seq_range = self.manifest.shape_ranges.get(layout.seq_symbol or "", {})
             seqs: tuple = (None,)
@@ -178,10 +196,9 @@ class Session:
             InputError: inputs do not match the bundle (checked before queueing).
             SessionClosedError: the session is closed.
         """
-        self._check_open()
+        sched = self._scheduler()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
         budget = self.default_budget_ms() if budget_ms is None else float(budget_ms)
-        sched = self._scheduler()
         try:
             return sched.submit(checked, budget, priority, id)
         except RuntimeError:
@@ -225,29 +242,29 @@ class Session:
 
         feeder = threading.Thread(target=feed, name="dsedge-stream-feed", daemon=True)
         feeder.start()
-        yielded, next_index, finished = 0, 0, {}
+        yielded, next_index, finished, fed_all = 0, 0, set(), False
         try:
             while True:
                 item = done.get()
                 if item is None:
+                    fed_all = True
+                elif not ordered:
+                    yielded += 1
+                    yield item.result()
+                else:
+                    finished.add(id(item))
+                # in input order: release every leading finished future (a future can finish before it is listed)
+                while ordered and next_index < len(order) and id(order[next_index]) in finished:
+                    fut = order[next_index]
+                    finished.discard(id(fut))
+                    next_index += 1
+                    yielded += 1
+                    yield fut.result()
+                if fed_all:
                     if state["error"] is not None:
                         raise state["error"]
                     if yielded >= state["submitted"]:
                         return
-                    continue
-                if not ordered:
-                    yielded += 1
-                    yield item.result()
-                    continue
-                finished[id(item)] = item
-                while next_index < len(order) and id(order[next_index]) in finished:
-                    fut = order[next_index]
-                    del finished[id(fut)]
-                    next_index += 1
-                    yielded += 1
-                    yield fut.result()
-                if state["finished"] and yielded >= state["submitted"]:
-                    return
         finally:
             stop.set()
 
@@ -309,14 +326,69 @@ class Session:
         finally:
             task.cancel()
 
+    @property
+    def is_decoder(self) -> bool:
+        """True for a decoder exported with past key/values (``generate_stream`` works on it)."""
+        from .runtime.decode import is_decoder
+
+        return is_decoder([s.name for s in self.inputs])
+
+    def generate_stream(self, prompt: Sequence[int] | np.ndarray, max_new_tokens: int = 32,
+                        budget_ms: float | None = None, token_budget_ms: float | None = None, id: Any = None,
+                        eos_token_id: int | None = None) -> "GenerationStream":
+        """Greedy generation with continuous batching; iterate the result to get token ids as they come.
+
+        Args:
+            prompt: 1-D token ids (int).
+            max_new_tokens: tokens to generate at most (fewer when ``eos_token_id`` comes).
+            budget_ms: time-to-first-token budget, ms (default ``default_budget_ms()``).
+            token_budget_ms: budget between consecutive tokens, ms (default: ``budget_ms``).
+            eos_token_id: stop token (default: the manifest's ``source["eos_token_id"]``, if any).
+        Returns:
+            a ``GenerationStream``: ``for token in stream``; ``.rejected`` says why when refused; ``.ttft_ms``,
+            ``.token_gaps_ms``, ``.finish_reason`` once done.
+        Raises:
+            InputError: not a decoder bundle, or a malformed prompt. SessionClosedError after ``close()``.
+        """
+        from .runtime.decode import DecodeLoop
+        from .runtime.errors import InputError
+
+        self._check_open()
+        if not self.is_decoder:
+            raise InputError("generate_stream needs a decoder exported with past key/values",
+                             "build the bundle from optimum's text-generation-with-past export; use submit() here")
+        if not hasattr(self._backend, "session"):
+            from .runtime.errors import BackendUnavailable
+
+            raise BackendUnavailable(f"generation runs on ONNX Runtime; this session uses {self.backend_name}",
+                                     "load the bundle with providers=['CPUExecutionProvider'] (or CUDA)")
+        with self._start_lock:
+            if self._decoder is None:
+                eos = self.manifest.source.get("eos_token_id")
+                self._decoder = DecodeLoop(self._backend, max_batch=self._max_batch or 8,
+                                           max_waiting=self._max_queue, eos_token_id=eos)
+                self._decoder.warmup()
+        budget = self.default_budget_ms() if budget_ms is None else float(budget_ms)
+        try:
+            return self._decoder.submit(prompt, max_new_tokens, budget,
+                                        budget if token_budget_ms is None else float(token_budget_ms), id=id,
+                                        eos_token_id=eos_token_id)
+        except RuntimeError:
+            raise SessionClosedError("this session is closed", "call dsedge.load() again") from None
+
     def metrics(self) -> dict[str, Any]:
         """Counts, p50/p90/p99 latency (ms), goodput (answers within budget per s), rejection and budget-miss
         rates for everything submitted to this session (see ``StreamMetrics.snapshot`` for the keys), plus
-        ``queue_depth`` and ``batches`` per lane."""
+        ``queue_depth`` and ``batches`` per lane, and ``decode`` (steps, prefills, rows per step) for generation."""
         snap = self._metrics.snapshot()
         if self._sched is not None:
             snap["lanes"] = {l.name: {"queue_depth": l.depth, "max_queue_depth": l.max_depth, "batches": l.batches}
                              for l in self._sched.lanes}
+        if self._decoder is not None:
+            st = self._decoder.stats
+            snap["decode"] = {"steps": st.steps, "prefills": st.prefills, "max_rows": st.max_rows,
+                              "joins_while_running": st.joins_while_running,
+                              "mean_rows": round(float(np.mean(st.rows_per_step)), 3) if st.rows_per_step else None}
         return snap
 
     def export_prometheus(self, registry: Any = None) -> Any:
@@ -371,18 +443,31 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         max_batch: most rows per batch (default: the bundle's batch range max, else 32; 1 without a batch axis).
         max_queue: most queued requests per variant before rejecting with "overload".
         max_delay_ms: fixed longest hold of a batch open (None: adaptive, see runtime/scheduler.py).
-        profile: latency profile source: "auto" (bundle figures if present, else a short warm-up), "measure",
-            "bundle".
+        profile: latency profile source: "measure" or "auto" (a short warm-up on this machine when streaming
+            starts), or "bundle" (the variant's build-time ``latency_ms``; a warm-up if it has none). Either way
+            it is refreshed from every batch run.
     Raises:
         BundleError / BundleIntegrityError: missing, malformed, truncated or tampered bundle.
         BackendUnavailable: a requested provider is not installed.
     """
     manifest = verify_bundle(path)
     v = manifest.variant(variant)
-    backend = OrtBackend(Path(path) / v.file, providers=providers, threads=threads)
 
-    def open_variant(name: str) -> OrtBackend:
-        return OrtBackend(Path(path) / manifest.variant(name).file, providers=providers, threads=threads)
+    def open_variant(name: str) -> Any:
+        var = manifest.variant(name)
+        found = None
+        if not providers:  # a TensorRT engine when this machine has TensorRT and a GPU; else None
+            from .runtime.backends.tensorrt import open_engine_backend
 
+            found = open_engine_backend(path, manifest, var)
+        if found is None:
+            found = OrtBackend(Path(path) / var.file, providers=providers, threads=threads)
+        return found
+
+    backend = open_variant(v.name)
+    if (manifest.target.get("backend") == "tensorrt"
+            and list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]):
+        log.info("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
+                 manifest.target.get("name"))
     return Session(path, manifest, v, backend, budget_ms=budget_ms, cascade=cascade, max_batch=max_batch,
                    max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile, open_variant=open_variant)

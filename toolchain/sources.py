@@ -47,6 +47,7 @@ class Source:
     task: str = "generic"
     fingerprint: str = ""
     ref: str = ""
+    vocab_size: int | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -68,7 +69,7 @@ def _text_source(kind: str, name: str, model_path: Path, fingerprint: str) -> So
                   output_names=["last_hidden_state", "sentence_embedding"],
                   module=reference.sentence_encoder(model_path), calibration=calib, validation=val,
                   validation_kind="held-out real inputs (60 sentences)", task="sentence-embedding",
-                  fingerprint=fingerprint, ref=str(model_path))
+                  fingerprint=fingerprint, ref=str(model_path), vocab_size=int(tok.vocab_size))
 
 
 def _reference() -> Source:
@@ -96,29 +97,14 @@ def _onnx_file(path: Path) -> Source:
                           "pass a .onnx file written by torch.onnx.export or another ONNX exporter") from None
     from .export import io_specs
 
+    from ..runtime.bench import synthetic_inputs
+
     inputs, _ = io_specs(model)
-    example = synthetic_inputs(inputs, batch=2)
+    example = synthetic_inputs(inputs, batch=2, seq_len=16)
     dyn = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in inputs}
     name = path.stem.lower().replace("_", "-")
     return Source(kind="onnx", name=name, example_inputs=example, dynamic_axes=dyn, onnx_path=path,
                   fingerprint=_fingerprint([path]), ref=str(path))
-
-
-def synthetic_inputs(specs: list[Any], batch: int = 2, seq: int = 16, vocab: int = 1000,
-                     seed: int = 0) -> dict[str, np.ndarray]:
-    """Inputs for IO specs: symbolic dims become ``batch``/``seq``; ints in [0, vocab), masks of ones, floats N(0,1)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for s in specs:
-        shape = [d if isinstance(d, int) and d > 0 else (batch if i == 0 else seq) for i, d in enumerate(s.shape)]
-        if s.dtype.startswith("int"):
-            arr = np.ones(shape) if "mask" in s.name else (np.zeros(shape) if "type" in s.name else rng.integers(0, vocab, shape))
-            out[s.name] = arr.astype(s.dtype)
-        elif s.dtype == "bool":
-            out[s.name] = np.ones(shape, dtype=bool)
-        else:
-            out[s.name] = rng.standard_normal(shape).astype(s.dtype)
-    return out
 
 
 def _to_numpy(x: Any) -> np.ndarray:
