@@ -200,7 +200,7 @@ def sliding_window_stream(session, image: np.ndarray, mask: np.ndarray | None, m
     t0 = time.perf_counter()
     lat, batches, rejected, within = [], [], [], 0
     items = ({"patch": acc.patch(k)[None, None].copy(), "meta": meta1} for k in range(n))
-    # ordered=True: the unordered stream of this dsedge build can wait forever after its last answer (reported)
+    # ordered=True: answers in window order, so the stitching sums in the same order as sliding_window
     for ans in session.stream(items, budget_ms=budget_ms, ordered=True, window=window):
         if getattr(ans, "ok", False):
             acc.add(ans.id, ans.outputs[out_name][0])
