@@ -325,3 +325,13 @@ def test_bundle_sliding_window_matches_torch_and_reports(student_bundle, scan, t
     assert body["schema"] == "dsedge.sample-ct-report/1" and body["froc"]["lesions"] == 3
     png = write_png(tmp_path / "r" / "report.png", scan, dets, {"untrained student": f})
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_device_side_modules_import_without_torch():
+    """Reading, preprocessing, sliding window, NMS and FROC run where torch is absent (a Jetson image)."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import samples.ct.dicom, samples.ct.nifti, samples.ct.scans, samples.ct.infer, samples.ct.nms, "
+            "samples.ct.froc, samples.ct.report, dsedge\n"
+            "print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-1000:]
