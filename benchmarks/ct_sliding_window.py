@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from samples.ct.data import make_scans  # noqa: E402
+from samples.ct.scans import make_scans  # noqa: E402
 from samples.ct.evaluate import ModelEntry, evaluate  # noqa: E402
 
 

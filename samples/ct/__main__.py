@@ -95,7 +95,7 @@ def build(runs: str, out: str) -> None:
 def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesions: int, budget_ms: float,
              threads: int, stream: bool, timing_volume: str) -> None:
     """FROC and timing on the held-out volume: runs/ct-report/report.json and report.png."""
-    from .data import make_scans
+    from .scans import make_scans
     from .evaluate import ANCHORS, ModelEntry, evaluate as run_eval
     from .report import write_json, write_png
 

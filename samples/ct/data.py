@@ -8,34 +8,12 @@ dropping the slice-thickness/kVp tags with probability 0.2 so the model also see
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .dicom import read_dicom_series
 from .model import CELL, PATCH
-from .nifti import read_nifti
-from .scans import Scan, base_and_mask, make_scan
-from .volume import Volume
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def resolve_data_path(p: str | os.PathLike) -> Path:
-    """``p`` as given (relative to the cwd), else relative to the repository root (configs use ../shared/data)."""
-    q = Path(p)
-    if q.exists() or q.is_absolute():
-        return q
-    return REPO / q
-
-
-def read_volume(p: str | os.PathLike) -> Volume:
-    """A DICOM series directory or a NIfTI file."""
-    q = resolve_data_path(p)
-    return read_dicom_series(q) if q.is_dir() else read_nifti(q)
+from .scans import Scan, make_scans, read_volume, resolve_data_path  # noqa: F401
 
 
 def crop_patch(scan: Scan, origin: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -114,17 +92,6 @@ def _augment_geometry(img: np.ndarray, lab: np.ndarray, rng: np.random.Generator
             img, lab = np.flip(img, ax), np.flip(lab, ax)
     k = int(rng.integers(4))
     return np.rot90(img, k, axes=(1, 2)), np.rot90(lab, k, axes=(1, 2))
-
-
-def make_scans(volume: str, n_scans: int, lesions_per_scan: int, seed: int, spacing_mm: float = 2.0,
-               crop: list[list[int]] | None = None) -> list[Scan]:
-    """``n_scans`` lesion draws (seeds ``seed``, ``seed+1``, …) on one real volume, optionally cropped first to
-    ``crop = [[z0, y0, x0], [dz, dy, dx]]`` voxels of the native grid."""
-    native = read_volume(volume)
-    if crop is not None:
-        native = native.crop(tuple(crop[0]), tuple(crop[1]))
-    bm = base_and_mask(native, spacing_mm)
-    return [make_scan(native, lesions_per_scan, seed + i, spacing_mm, base_mask=bm) for i in range(n_scans)]
 
 
 def make_datasets(volume: str = "../shared/data/ct-chest-lung-pet-ct-dx-a0002", train_scans: int = 3,

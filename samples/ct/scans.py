@@ -2,14 +2,19 @@
 per-cell lesion labels and the metadata vector the detector fuses. Shared by training data and evaluation."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from .dicom import read_dicom_series
+from .nifti import read_nifti
 from .lesions import Lesion, insert_lesions, sample_lesions
 from .preprocess import lung_mask, lung_window, resample
 from .volume import Volume
 
+REPO = Path(__file__).resolve().parents[2]
 SPACING_MM = 2.0     # common isotropic spacing of every step after reading
 CELL = 2             # voxels per output cell of the detector (model.CELL)
 
@@ -34,6 +39,20 @@ class Scan:
     meta: np.ndarray
     spacing_mm: tuple[float, float, float]
     name: str = ""
+
+
+def resolve_data_path(p: str | os.PathLike) -> Path:
+    """``p`` as given (relative to the cwd), else relative to the repository root (configs use ../shared/data)."""
+    q = Path(p)
+    if q.exists() or q.is_absolute():
+        return q
+    return REPO / q
+
+
+def read_volume(p: str | os.PathLike) -> Volume:
+    """A DICOM series directory or a NIfTI file (``SeriesError`` when unreadable)."""
+    q = resolve_data_path(p)
+    return read_dicom_series(q) if q.is_dir() else read_nifti(q)
 
 
 def meta_vector(meta: dict) -> np.ndarray:
@@ -94,3 +113,14 @@ def make_scan(native: Volume, n_lesions: int, seed: int, spacing_mm: float = SPA
     image = lung_window(with_lesions.hu)
     return Scan(image, mask, lesions, cell_labels(image.shape, base.spacing_mm, lesions), meta_vector(native.meta),
                 base.spacing_mm, name or f"{native.meta.get('format', 'ct')}-seed{seed}")
+
+
+def make_scans(volume: str, n_scans: int, lesions_per_scan: int, seed: int, spacing_mm: float = 2.0,
+               crop: list[list[int]] | None = None) -> list[Scan]:
+    """``n_scans`` lesion draws (seeds ``seed``, ``seed+1``, …) on one real volume, optionally cropped first to
+    ``crop = [[z0, y0, x0], [dz, dy, dx]]`` voxels of the native grid."""
+    native = read_volume(volume)
+    if crop is not None:
+        native = native.crop(tuple(crop[0]), tuple(crop[1]))
+    bm = base_and_mask(native, spacing_mm)
+    return [make_scan(native, lesions_per_scan, seed + i, spacing_mm, base_mask=bm) for i in range(n_scans)]
