@@ -1,0 +1,211 @@
+"""The streaming scorer: replay transactions as a live stream and score each one within a latency budget.
+
+Uses only dsedge's public API: ``dsedge.load(bundle)`` and ``session.submit(inputs, budget_ms=…)`` (a Future that
+resolves to a ``Result`` or an explicit ``Rejected``); with a dsedge that has no ``submit`` yet, ``session.run`` is
+timed instead. A malformed row (missing column, non-numeric, NaN/inf, negative Amount/Time) is rejected with a one-line
+``dsedge.InputError`` message and counted; it never stops the stream.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+import numpy as np
+
+from dsedge import InputError
+
+from .data import FEATURE_COLUMNS, V_COLUMNS
+from .features import Preprocessor
+
+DEFAULT_BUDGET_MS = 3.0
+
+
+def parse_row(row: Mapping[str, Any], index: int | None = None) -> np.ndarray:
+    """One transaction (column name → number or string, e.g. a ``csv.DictReader`` row) → float64 [30]
+    in ``FEATURE_COLUMNS`` order (Time, V1..V28, Amount). Extra columns (``Class``) are ignored.
+
+    Raises:
+        InputError: a missing column, a value that is not a number, NaN/inf, or a negative ``Time``/``Amount``.
+    """
+    where = f"row {index}" if index is not None else "row"
+    if not isinstance(row, Mapping):
+        raise InputError(f"{where}: expected a mapping of column → value, got {type(row).__name__}",
+                         f"send dicts with keys {FEATURE_COLUMNS[0]}, V1..V28, Amount")
+    out = np.empty(len(FEATURE_COLUMNS), np.float64)
+    for j, col in enumerate(FEATURE_COLUMNS):
+        if col not in row or row[col] is None or (isinstance(row[col], str) and not row[col].strip()):
+            raise InputError(f"{where}: missing column {col!r}", "every transaction needs Time, V1..V28 and Amount")
+        try:
+            x = float(row[col])
+        except (TypeError, ValueError):
+            raise InputError(f"{where}: column {col!r} is not a number: {str(row[col])[:40]!r}",
+                             "send plain decimal numbers") from None
+        if not math.isfinite(x):
+            raise InputError(f"{where}: column {col!r} is {x} (NaN/inf)", "send finite numbers")
+        out[j] = x
+    if out[0] < 0 or out[-1] < 0:
+        raise InputError(f"{where}: negative {'Time' if out[0] < 0 else 'Amount'} ({min(out[0], out[-1])})",
+                         "Time (s since the stream start) and Amount must be >= 0")
+    return out
+
+
+def read_rows(path: str | os.PathLike) -> Iterator[dict[str, str]]:
+    """Rows of a CSV file as dicts of strings (no parsing: the scorer validates each one)."""
+    with open(path, newline="", encoding="utf-8") as f:
+        yield from csv.DictReader(f)
+
+
+@dataclass
+class Scored:
+    """One scored transaction: ``score`` = logit difference (higher = more likely fraud), latencies in ms."""
+
+    index: int
+    time_s: float
+    score: float
+    flagged: bool
+    latency_ms: float        # parse + preprocess + model, wall clock
+    model_ms: float          # the session's own measured latency (``Result.latency_ms`` or the timed run)
+    variant: str
+    label: int | None = None
+
+
+@dataclass
+class StreamStats:
+    """Counts over a replay: scored, flagged, malformed rows by reason, budget rejections by reason."""
+
+    scored: int = 0
+    flagged: int = 0
+    malformed: Counter = field(default_factory=Counter)
+    rejected: Counter = field(default_factory=Counter)
+    messages: list[str] = field(default_factory=list)   # the first malformed/rejected messages, for the report
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scored": self.scored, "flagged": self.flagged, "malformed": dict(self.malformed),
+                "malformed_total": sum(self.malformed.values()), "rejected": dict(self.rejected),
+                "rejected_total": sum(self.rejected.values()), "first_messages": self.messages[:10]}
+
+
+def _malformed_reason(message: str) -> str:
+    for key in ("missing column", "not a number", "NaN/inf", "negative", "expected a mapping"):
+        if key in message:
+            return key.replace(" ", "_").replace("/", "_")
+    return "other"
+
+
+class StreamScorer:
+    """Score transactions one at a time on a loaded bundle.
+
+    Args:
+        session: ``dsedge.load(bundle)`` (inputs ``dense`` float32 [batch, 29], ``sparse_ids`` int64 [batch, 4];
+            output ``logits`` float32 [batch, 2]).
+        preprocessor: the ``features.Preprocessor`` fitted at training time (``preprocess.json``).
+        threshold: flag when the score is >= this (chosen on validation data, ``metrics.choose_threshold``).
+        budget_ms: per-transaction latency budget passed to ``session.submit``.
+    """
+
+    def __init__(self, session: Any, preprocessor: Preprocessor, threshold: float,
+                 budget_ms: float = DEFAULT_BUDGET_MS) -> None:
+        self.session = session
+        self.pre = preprocessor
+        self.threshold = float(threshold)
+        self.budget_ms = float(budget_ms)
+        self.stats = StreamStats()
+        self._variant = getattr(getattr(session, "variant", None), "name", "?")
+
+    def _note(self, counter: Counter, reason: str, message: str) -> None:
+        counter[reason] += 1
+        if len(self.stats.messages) < 50:
+            self.stats.messages.append(message)
+
+    def _infer(self, inputs: dict[str, np.ndarray]) -> tuple[np.ndarray | None, float, str, str | None]:
+        """→ (logits or None, model ms, variant, rejection message or None)."""
+        submit = getattr(self.session, "submit", None)
+        if submit is None:  # a dsedge without streaming: time the synchronous run
+            t0 = time.perf_counter()
+            out = self.session.run(inputs)
+            return out["logits"], (time.perf_counter() - t0) * 1e3, self._variant, None
+        res = submit(inputs, budget_ms=self.budget_ms).result()
+        if not getattr(res, "ok", False):
+            reason = getattr(res, "reason", None) or "error"
+            detail = getattr(res, "detail", None) or getattr(res, "error", "") or ""
+            return None, float(getattr(res, "latency_ms", 0.0)), reason, f"{reason}: {detail}"
+        return res.outputs["logits"], float(res.latency_ms), str(res.variant), None
+
+    def score(self, row: Mapping[str, Any], index: int) -> Scored | None:
+        """Score one row; None (and counted in ``stats``) when it is malformed or the session rejected it."""
+        t0 = time.perf_counter()
+        try:
+            x = parse_row(row, index)
+        except InputError as e:
+            self._note(self.stats.malformed, _malformed_reason(e.message), str(e))
+            return None
+        inputs = self.pre.transform_arrays(x[:1], x[None, 1:29], x[-1:])
+        logits, model_ms, variant, rejection = self._infer(inputs)
+        if logits is None:
+            self._note(self.stats.rejected, variant, f"row {index}: {rejection}")
+            return None
+        s = float(logits[0, 1] - logits[0, 0])
+        flagged = s >= self.threshold
+        self.stats.scored += 1
+        self.stats.flagged += int(flagged)
+        label = row.get("Class") if isinstance(row, Mapping) else None
+        try:
+            label = int(float(label)) if label is not None else None
+        except (TypeError, ValueError):
+            label = None
+        return Scored(index, float(x[0]), s, flagged, (time.perf_counter() - t0) * 1e3, model_ms, variant, label)
+
+    def replay(self, rows: Iterable[Mapping[str, Any]], speed: float | None = None,
+               limit: int | None = None) -> list[Scored]:
+        """Score ``rows`` in order, paced at real time x ``speed`` by their ``Time`` column (None: as fast as possible).
+
+        Returns the scored transactions; malformed and rejected rows are in ``self.stats``.
+        """
+        out: list[Scored] = []
+        start_wall = time.perf_counter()
+        start_t: float | None = None
+        for i, row in enumerate(rows):
+            if limit is not None and i >= limit:
+                break
+            if speed:
+                try:
+                    t = float(row["Time"])
+                    start_t = t if start_t is None else start_t
+                    wait = (t - start_t) / speed - (time.perf_counter() - start_wall)
+                    if wait > 0:
+                        time.sleep(wait)
+                except (KeyError, TypeError, ValueError):
+                    pass  # a malformed Time is reported by score()
+            r = self.score(row, i)
+            if r is not None:
+                out.append(r)
+        return out
+
+
+def latency_summary(ms: Iterable[float]) -> dict[str, float]:
+    """p50/p90/p99/max/mean of latencies in ms (perf_analyzer-style field names)."""
+    a = np.asarray(list(ms), np.float64)
+    if a.size == 0:
+        return {"count": 0}
+    return {"count": int(a.size), "p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
+            "p99_ms": float(np.percentile(a, 99)), "max_ms": float(a.max()), "mean_ms": float(a.mean())}
+
+
+def batched_throughput(session: Any, inputs: dict[str, np.ndarray], batch: int = 1024, repeats: int = 3) -> dict[str, float]:
+    """Transactions per second through ``session.run`` in batches of ``batch`` rows (best of ``repeats`` passes)."""
+    n = len(inputs["dense"])
+    batch_max = getattr(getattr(session, "manifest", None), "shape_ranges", {}).get("batch", {}).get("max")
+    batch = min(batch, int(batch_max)) if batch_max else batch
+    session.run({k: v[:batch] for k, v in inputs.items()})  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(0, n, batch):
+            session.run({k: v[i:i + batch] for k, v in inputs.items()})
+        best = min(best, time.perf_counter() - t0)
+    return {"batch": batch, "rows": n, "seconds": best, "transactions_per_s": n / best}
