@@ -62,3 +62,7 @@ class ConfigError(DsedgeError):
 
 class EngineError(DsedgeError):
     """A TensorRT engine file is corrupt, foreign (other GPU / TensorRT version) or failed to build."""
+
+
+class TrainingError(DsedgeError):
+    """Training cannot go on: the loss stayed non-finite after rolling back, or a run directory is unusable."""
