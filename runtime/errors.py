@@ -66,3 +66,7 @@ class EngineError(DsedgeError):
 
 class TrainingError(DsedgeError):
     """Training cannot go on: the loss stayed non-finite after rolling back, or a run directory is unusable."""
+
+
+class SessionClosedError(DsedgeError):
+    """``submit``/``stream``/``generate`` was called on a session after ``close()`` (a programming error)."""

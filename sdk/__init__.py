@@ -15,9 +15,11 @@ from .runtime.errors import (
     BundleIntegrityError,
     DsedgeError,
     InputError,
+    SessionClosedError,
     SourceError,
     TargetError,
 )
+from .runtime.results import Rejected, Result
 from .session import Session, load
 
 try:
@@ -27,5 +29,5 @@ except PackageNotFoundError:  # running from a source tree without install
 
 __all__ = [
     "load", "Session", "DsedgeError", "BundleError", "BundleIntegrityError", "InputError", "SourceError",
-    "TargetError", "BackendUnavailable", "__version__",
+    "TargetError", "BackendUnavailable", "SessionClosedError", "Result", "Rejected", "__version__",
 ]
