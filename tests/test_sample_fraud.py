@@ -247,3 +247,60 @@ def test_report_json_png_and_goals(tmp_path):
     y = (rng.random(300) < 0.1).astype(int)
     png = plot(tmp_path / "r" / "report.png", y, {"a": rng.normal(size=300) + y}, {"model": rng.gamma(2, 0.1, 500)}, 3.0)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+# ---------------------------------------------------------------- the whole pipeline, in small, through the CLI
+def _cli(*args: str) -> None:
+    from dsedge.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    assert e.value.code == 0, f"dsedge {' '.join(args)} exited {e.value.code}"
+
+
+@pytest.mark.slow
+def test_pipeline_on_a_slice_train_distill_build_stream(shared_data, split, tmp_path):
+    """dsedge train → dsedge distill → dsedge build on 512 real rows, then the scorer on the built bundle."""
+    from samples.fraud.datasets import fit_preprocessor
+
+    csv = shared_data / CSV
+    here = Path(__file__).resolve().parents[1] / "samples" / "fraud"
+    common = f"""
+seed = 0
+steps = 6
+[data]
+factory = "samples.fraud.datasets:make_datasets"
+kwargs = {{ csv = "{csv}", hash_buckets = 1000, max_rows = 512 }}
+batch_size = 64
+[loss]
+kind = "cross_entropy"
+class_weights = [1.0, 4.0]
+[optim]
+lr = 3e-3
+[checkpoint]
+every = 6
+"""
+    model = 'input_names = ["dense", "sparse_ids"]\noutput_names = ["logits"]\n'
+    (tmp_path / "teacher.toml").write_text(
+        f'out_dir = "{tmp_path / "teacher"}"\n' + common + '[model]\nfactory = "samples.fraud.model:make_teacher"\n'
+        'kwargs = { hidden = [16], embed_dim = 8, hash_buckets = 1000 }\n' + model)
+    (tmp_path / "student.toml").write_text(
+        f'out_dir = "{tmp_path / "student"}"\n' + common + '[model]\nfactory = "samples.fraud.model:make_student"\n'
+        'kwargs = { hidden = [8], embed_dim = 4, hash_buckets = 1000 }\n' + model +
+        f'[distill]\nteacher = "{tmp_path / "teacher"}"\ntemperature = 4.0\nalpha = 0.7\n')
+    assert (here / "teacher.toml").is_file() and (here / "student.toml").is_file()
+    _cli("train", str(tmp_path / "teacher.toml"))
+    _cli("distill", str(tmp_path / "student.toml"))
+    assert (tmp_path / "student" / "final" / "model.safetensors").is_file()
+    _cli("build", "--model", str(tmp_path / "student"), "--target", "cpu", "--precision", "fp32",
+         "--out", str(tmp_path / "b"))
+    bundle = next((tmp_path / "b").glob("*-cpu.dse"))
+    pre, _ = fit_preprocessor(csv, hash_buckets=1000)
+    with dsedge.load(bundle, threads=1) as session:
+        assert [s.name for s in session.inputs] == ["dense", "sparse_ids"]
+        scorer = StreamScorer(session, pre, threshold=0.0, budget_ms=100.0)
+        scored = scorer.replay(_csv_rows(split["stream"], 64))
+        assert scorer.stats.scored == 64 and not scorer.stats.malformed and not scorer.stats.rejected
+        x = pre.transform(split["stream"].iloc[:64])
+        logits = session.run(x)["logits"]
+    np.testing.assert_allclose([s.score for s in scored], logits[:, 1] - logits[:, 0], atol=1e-5)

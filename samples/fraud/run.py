@@ -7,7 +7,7 @@ Steps (each a function, runnable alone):
   prepare   split by time (data.split_by_time), fit the preprocessor → OUT/preprocess.json, OUT/split.json,
             calibration/validation inputs → OUT/calib/*.npz (train rows calibrate, validation rows validate)
   train     ``dsedge train samples/fraud/teacher.toml`` then ``dsedge distill samples/fraud/student.toml``
-  build     ``dsedge build --model RUN_DIR`` : teacher fp32 for cpu; student int8 (+ fp32) for cpu and jetson
+  build     ``dsedge build --model RUN_DIR`` : teacher fp32 for cpu; student int4 (+ fp32) for cpu and jetson
   evaluate  test-split metrics for teacher, student, compressed student (bundles via dsedge.load) and the
             scikit-learn baseline; the threshold is chosen on the validation split
   stream    replay the contiguous Time 0–3641 s stretch through ``session.submit`` with a budget (default 3 ms)
@@ -79,13 +79,14 @@ def find_bundle(folder: Path, target: str) -> Path:
     return found[-1]
 
 
-def build(out: Path, teacher_run: Path, student_run: Path) -> dict[str, Path]:
-    """Build the bundles with ``dsedge build``; returns role → bundle path."""
+def build(out: Path, teacher_run: Path, student_run: Path, precision: str = "int4") -> dict[str, Path]:
+    """Build the bundles with ``dsedge build`` (student at ``precision``, with its fp32 variant beside it);
+    returns role → bundle path."""
     b = out / "bundles"
     dsedge_cli("build", "--model", str(teacher_run), "--target", "cpu", "--precision", "fp32",
                "--out", str(b / "teacher"))
     for target in ("cpu", "jetson"):
-        dsedge_cli("build", "--model", str(student_run), "--target", target, "--precision", "int8",
+        dsedge_cli("build", "--model", str(student_run), "--target", target, "--precision", precision,
                    "--calib", str(out / "calib"), "--out", str(b / f"student-{target}"))
     return {"teacher": find_bundle(b / "teacher", "cpu"), "student": find_bundle(b / "student-cpu", "cpu"),
             "student_jetson": find_bundle(b / "student-jetson", "jetson-orin")}
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps of {', '.join(STEPS)}")
     ap.add_argument("--budget-ms", type=float, default=DEFAULT_BUDGET_MS)
     ap.add_argument("--speed", type=float, default=None, help="replay at real time x SPEED (default: as fast as possible)")
+    ap.add_argument("--precision", default="int4", help="student precision for dsedge build (int4, fp32, …)")
     ap.add_argument("--threads", type=int, default=1, help="ORT intra-op threads for single-stream scoring")
     args = ap.parse_args(argv)
     steps = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     if "train" in steps:
         train()
     if "build" in steps:
-        bundles = build(out, teacher_run, student_run)
+        bundles = build(out, teacher_run, student_run, args.precision)
     else:
         b = out / "bundles"
         bundles = {"teacher": find_bundle(b / "teacher", "cpu"), "student": find_bundle(b / "student-cpu", "cpu")}
