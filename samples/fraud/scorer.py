@@ -102,7 +102,7 @@ class StreamScorer:
 
     Args:
         session: ``dsedge.load(bundle)`` (inputs ``dense`` float32 [batch, 29], ``sparse_ids`` int64 [batch, 4];
-            output ``logits`` float32 [batch, 2]).
+            first output: the logits, float32 [batch, 2]).
         preprocessor: the ``features.Preprocessor`` fitted at training time (``preprocess.json``).
         threshold: flag when the score is >= this (chosen on validation data, ``metrics.choose_threshold``).
         budget_ms: per-transaction latency budget passed to ``session.submit``.
@@ -116,6 +116,7 @@ class StreamScorer:
         self.budget_ms = float(budget_ms)
         self.stats = StreamStats()
         self._variant = getattr(getattr(session, "variant", None), "name", "?")
+        self._output = session.outputs[0].name  # the logits, whatever the exporter named them
 
     def _note(self, counter: Counter, reason: str, message: str) -> None:
         counter[reason] += 1
@@ -128,13 +129,13 @@ class StreamScorer:
         if submit is None:  # a dsedge without streaming: time the synchronous run
             t0 = time.perf_counter()
             out = self.session.run(inputs)
-            return out["logits"], (time.perf_counter() - t0) * 1e3, self._variant, None
+            return out[self._output], (time.perf_counter() - t0) * 1e3, self._variant, None
         res = submit(inputs, budget_ms=self.budget_ms).result()
         if not getattr(res, "ok", False):
             reason = getattr(res, "reason", None) or "error"
             detail = getattr(res, "detail", None) or getattr(res, "error", "") or ""
             return None, float(getattr(res, "latency_ms", 0.0)), reason, f"{reason}: {detail}"
-        return res.outputs["logits"], float(res.latency_ms), str(res.variant), None
+        return res.outputs[self._output], float(res.latency_ms), str(res.variant), None
 
     def score(self, row: Mapping[str, Any], index: int) -> Scored | None:
         """Score one row; None (and counted in ``stats``) when it is malformed or the session rejected it."""
@@ -159,6 +160,17 @@ class StreamScorer:
         except (TypeError, ValueError):
             label = None
         return Scored(index, float(x[0]), s, flagged, (time.perf_counter() - t0) * 1e3, model_ms, variant, label)
+
+    def warm_up(self, row: Mapping[str, Any], n: int = 100) -> None:
+        """Run ``n`` untimed requests for ``row`` with a generous budget, so ORT's first-run allocations and the
+        session's latency profile are settled before the stream starts (not counted in ``stats``)."""
+        x = parse_row(row)
+        inputs = self.pre.transform_arrays(x[:1], x[None, 1:29], x[-1:])
+        for _ in range(n):
+            if hasattr(self.session, "submit"):
+                self.session.submit(inputs, budget_ms=1000.0).result()
+            else:
+                self.session.run(inputs)
 
     def replay(self, rows: Iterable[Mapping[str, Any]], speed: float | None = None,
                limit: int | None = None) -> list[Scored]:
