@@ -21,9 +21,11 @@ def check_goals(models: Mapping[str, Mapping[str, Any]], latency: Mapping[str, A
     if "teacher" in models and "student_compressed" in models:
         drop = models["teacher"]["roc_auc"] - models["student_compressed"]["roc_auc"]
         out["auc_drop"] = {"value": drop, "max": GOALS["auc_drop_max"], "met": drop <= GOALS["auc_drop_max"]}
-    p99 = latency.get("model", {}).get("p99_ms")
-    out["single_stream_p99_ms"] = {"value": p99, "max": GOALS["single_stream_p99_ms_max"],
-                                   "met": None if p99 is None else p99 <= GOALS["single_stream_p99_ms_max"]}
+    for key, series in (("single_stream_p99_ms", "model"), ("single_stream_p99_ms_session_run", "session_run")):
+        p99 = latency.get(series, {}).get("p99_ms")
+        if p99 is not None or series == "model":
+            out[key] = {"value": p99, "max": GOALS["single_stream_p99_ms_max"],
+                        "met": None if p99 is None else p99 <= GOALS["single_stream_p99_ms_max"]}
     tps = throughput.get("transactions_per_s")
     out["batched_transactions_per_s"] = {"value": tps, "min": GOALS["batched_transactions_per_s_min"],
                                          "met": None if tps is None else tps >= GOALS["batched_transactions_per_s_min"]}

@@ -83,11 +83,13 @@ class StreamStats:
     malformed: Counter = field(default_factory=Counter)
     rejected: Counter = field(default_factory=Counter)
     messages: list[str] = field(default_factory=list)   # the first malformed/rejected messages, for the report
+    first_by_reason: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"scored": self.scored, "flagged": self.flagged, "malformed": dict(self.malformed),
                 "malformed_total": sum(self.malformed.values()), "rejected": dict(self.rejected),
-                "rejected_total": sum(self.rejected.values()), "first_messages": self.messages[:10]}
+                "rejected_total": sum(self.rejected.values()), "first_messages": self.messages[:10],
+                "first_by_reason": dict(self.first_by_reason)}
 
 
 def _malformed_reason(message: str) -> str:
@@ -120,6 +122,7 @@ class StreamScorer:
 
     def _note(self, counter: Counter, reason: str, message: str) -> None:
         counter[reason] += 1
+        self.stats.first_by_reason.setdefault(reason, message)
         if len(self.stats.messages) < 50:
             self.stats.messages.append(message)
 
