@@ -46,6 +46,7 @@ class LatencyProfile:
         self._count: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
         self._fit: tuple[float, float] | None = None
+        self._cache: dict[tuple[int, int, float], float] = {}  # predictions since the last change (submit asks often)
 
     # -- updating ---------------------------------------------------------------------------------------------
     def observe(self, batch: int, seq: int | None, ms: float) -> None:
@@ -62,6 +63,7 @@ class LatencyProfile:
                 self._mean[key] = m + self.alpha * (ms - m)
                 self._count[key] += 1
             self._fit = None
+            self._cache.clear()
 
     def set(self, batch: int, seq: int | None, mean_ms: float, dev_ms: float | None = None) -> None:
         """Set a point directly (bundle figures, tests). ``dev_ms`` defaults to 10 % of the mean."""
@@ -71,6 +73,7 @@ class LatencyProfile:
             self._dev[key] = float(dev_ms if dev_ms is not None else 0.1 * mean_ms)
             self._count[key] = max(1, self._count.get(key, 0))
             self._fit = None
+            self._cache.clear()
 
     # -- querying ---------------------------------------------------------------------------------------------
     @property
@@ -82,14 +85,22 @@ class LatencyProfile:
         with self._lock:
             return dict(self._mean)
 
-    def predict(self, batch: int, seq: int | None = None) -> float:
-        """Predicted ms (mean + k·deviation) for ``batch`` rows at ``seq`` tokens; ``inf`` when nothing is known."""
+    def predict(self, batch: int, seq: int | None = None, k_dev: float | None = None) -> float:
+        """Predicted ms (mean + k·deviation) for ``batch`` rows at ``seq`` tokens; ``inf`` when nothing is known.
+
+        ``k_dev`` overrides the profile's margin (0 = the expected time, for summing a backlog).
+        """
         b, s = int(batch), seq_bucket(seq)
+        k = self.k_dev if k_dev is None else float(k_dev)
         with self._lock:
+            hit = self._cache.get((b, s, k))
+            if hit is not None:
+                return hit
             if not self._mean:
                 return math.inf
             mean, dev = self._interp(b, s)
-        return mean + self.k_dev * dev
+            self._cache[(b, s, k)] = out = mean + k * dev
+        return out
 
     def _interp(self, b: int, s: int) -> tuple[float, float]:
         if (b, s) in self._mean:
@@ -132,13 +143,14 @@ class LatencyProfile:
 
     def max_batch_within(self, ms: float, seq: int | None = None, limit: int = 1) -> int:
         """The largest batch ≤ ``limit`` predicted to finish within ``ms``; 0 when even one row does not fit."""
-        best = 0
-        for b in range(1, max(1, limit) + 1):
-            if self.predict(b, seq) <= ms:
-                best = b
+        lo, hi = 0, max(1, int(limit))  # binary search: predictions grow with batch size
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.predict(mid, seq) <= ms:
+                lo = mid
             else:
-                break
-        return best
+                hi = mid - 1
+        return lo
 
     # -- (de)serialising --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

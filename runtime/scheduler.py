@@ -113,7 +113,10 @@ class Lane:
         b = max(1, self.profile.max_batch_within(req.budget_ms, req.seq, self.max_batch))
         total = ahead + req.rows
         full, rest = divmod(total, b)
-        ms = full * self.profile.predict(b, req.seq) + (self.profile.predict(rest, req.seq) if rest else 0.0)
+        if rest == 0:
+            full, rest = full - 1, b
+        # the backlog at its expected time, the request's own batch with the tail margin (margins do not add up)
+        ms = full * self.profile.predict(b, req.seq, k_dev=0.0) + self.profile.predict(rest, req.seq)
         return now + busy + ms / 1e3 + self.margin_s
 
     def enqueue(self, req: Request) -> bool:
@@ -177,14 +180,17 @@ class Lane:
             held = now - max(r.t_submit for r in batch)
             wait = min(slack, self.max_delay_ms / 1e3 - held)
         else:
-            # hold only while arrivals outpace what this batch size serves; at most ~two expected gaps
-            if self._gap_s is None:
+            # hold only while arrivals outpace what this batch size serves, and only until the next arrival is
+            # overdue (twice the mean gap since the last one: the burst is over)
+            if self._gap_s is None or self._last_arrival is None:
                 return batch, 0.0
+            since_last = now - self._last_arrival
+            gap = max(self._gap_s, since_last)
             serve_s = self.profile.predict(rows, seq or None) / 1e3
-            rate_in, rate_out = 1.0 / max(self._gap_s, 1e-6), rows / max(serve_s, 1e-6)
+            rate_in, rate_out = 1.0 / max(gap, 1e-6), rows / max(serve_s, 1e-6)
             if rate_in <= rate_out:
                 return batch, 0.0
-            wait = min(slack, 2.0 * self._gap_s)
+            wait = min(slack, 2.0 * self._gap_s - since_last)
         return (batch, 0.0) if wait <= 0 else ([], wait)
 
     def _loop(self) -> None:
@@ -310,9 +316,12 @@ class BudgetScheduler:
                 if lane is not self.lanes[0]:
                     self.metrics.on_cascade(lane.name)
                 return req.future
-            reasons.append((OVERLOAD, f"queue of {lane.name} full or closing"))
+            if self._closed:  # close() began while this request was being admitted
+                reasons = [(SHUTDOWN, "session closed while admitting this request")]
+                break
+            reasons.append((OVERLOAD, f"queue of {lane.name} full"))
         # the reason the caller can act on: "budget" only when no lane could meet it even alone
-        reason, detail = next(((r, d) for r, d in reasons if r == OVERLOAD), reasons[0])
+        reason, _ = next(((r, d) for r, d in reasons if r in (OVERLOAD, SHUTDOWN)), reasons[0])
         rej = Rejected(rid, reason, "; ".join(d for _, d in reasons), req.budget_ms, (_clock() - now) * 1e3)
         req.future.set_running_or_notify_cancel()
         req.future.set_result(rej)

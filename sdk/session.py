@@ -13,6 +13,7 @@ import numpy as np
 
 from .runtime.backends.ort import OrtBackend
 from .runtime.batching import BatchLayout, example_feed
+from .runtime.decode import GenerationStream
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import SessionClosedError
 from .runtime.io import validate_inputs
@@ -81,7 +82,9 @@ class Session:
             numpy arrays keyed by output name.
         Raises:
             InputError: a missing/unknown name, wrong dtype or shape (checked before the backend runs).
+            SessionClosedError: after ``close()``.
         """
+        self._check_open()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
         return self._backend.run(checked)
 
@@ -225,29 +228,29 @@ class Session:
 
         feeder = threading.Thread(target=feed, name="dsedge-stream-feed", daemon=True)
         feeder.start()
-        yielded, next_index, finished = 0, 0, {}
+        yielded, next_index, finished, fed_all = 0, 0, set(), False
         try:
             while True:
                 item = done.get()
                 if item is None:
+                    fed_all = True
+                elif not ordered:
+                    yielded += 1
+                    yield item.result()
+                else:
+                    finished.add(id(item))
+                # in input order: release every leading finished future (a future can finish before it is listed)
+                while ordered and next_index < len(order) and id(order[next_index]) in finished:
+                    fut = order[next_index]
+                    finished.discard(id(fut))
+                    next_index += 1
+                    yielded += 1
+                    yield fut.result()
+                if fed_all:
                     if state["error"] is not None:
                         raise state["error"]
                     if yielded >= state["submitted"]:
                         return
-                    continue
-                if not ordered:
-                    yielded += 1
-                    yield item.result()
-                    continue
-                finished[id(item)] = item
-                while next_index < len(order) and id(order[next_index]) in finished:
-                    fut = order[next_index]
-                    del finished[id(fut)]
-                    next_index += 1
-                    yielded += 1
-                    yield fut.result()
-                if state["finished"] and yielded >= state["submitted"]:
-                    return
         finally:
             stop.set()
 
@@ -308,6 +311,51 @@ class Session:
                     yield pending[next_index - 1].result()
         finally:
             task.cancel()
+
+    @property
+    def is_decoder(self) -> bool:
+        """True for a decoder exported with past key/values (``generate_stream`` works on it)."""
+        from .runtime.decode import is_decoder
+
+        return is_decoder([s.name for s in self.inputs])
+
+    def generate_stream(self, prompt: Sequence[int] | np.ndarray, max_new_tokens: int = 32,
+                        budget_ms: float | None = None, token_budget_ms: float | None = None, id: Any = None,
+                        eos_token_id: int | None = None) -> "GenerationStream":
+        """Greedy generation with continuous batching; iterate the result to get token ids as they come.
+
+        Args:
+            prompt: 1-D token ids (int).
+            max_new_tokens: tokens to generate at most (fewer when ``eos_token_id`` comes).
+            budget_ms: time-to-first-token budget, ms (default ``default_budget_ms()``).
+            token_budget_ms: budget between consecutive tokens, ms (default: ``budget_ms``).
+            eos_token_id: stop token (default: the manifest's ``source["eos_token_id"]``, if any).
+        Returns:
+            a ``GenerationStream``: ``for token in stream``; ``.rejected`` says why when refused; ``.ttft_ms``,
+            ``.token_gaps_ms``, ``.finish_reason`` once done.
+        Raises:
+            InputError: not a decoder bundle, or a malformed prompt. SessionClosedError after ``close()``.
+        """
+        from .runtime.decode import DecodeLoop
+        from .runtime.errors import InputError
+
+        self._check_open()
+        if not self.is_decoder:
+            raise InputError("generate_stream needs a decoder exported with past key/values",
+                             "build the bundle from optimum's text-generation-with-past export; use submit() here")
+        with self._start_lock:
+            if self._decoder is None:
+                eos = self.manifest.source.get("eos_token_id")
+                self._decoder = DecodeLoop(self._backend, max_batch=self._max_batch or 8,
+                                           max_waiting=self._max_queue, eos_token_id=eos)
+                self._decoder.warmup()
+        budget = self.default_budget_ms() if budget_ms is None else float(budget_ms)
+        try:
+            return self._decoder.submit(prompt, max_new_tokens, budget,
+                                        budget if token_budget_ms is None else float(token_budget_ms), id=id,
+                                        eos_token_id=eos_token_id)
+        except RuntimeError:
+            raise SessionClosedError("this session is closed", "call dsedge.load() again") from None
 
     def metrics(self) -> dict[str, Any]:
         """Counts, p50/p90/p99 latency (ms), goodput (answers within budget per s), rejection and budget-miss
