@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue as _queue
 import threading
@@ -24,6 +25,8 @@ from .runtime.scheduler import BudgetScheduler, Lane
 
 _FALLBACK_BUDGET_MS = 50.0
 _WARMUP_SEQS = (16, 64)
+
+log = logging.getLogger("dsedge")
 
 
 class Session:
@@ -427,7 +430,16 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     """
     manifest = verify_bundle(path)
     v = manifest.variant(variant)
-    backend = OrtBackend(Path(path) / v.file, providers=providers, threads=threads)
+    backend = None
+    if not providers:  # a TensorRT engine when this machine has TensorRT and a GPU; else None
+        from .runtime.backends.tensorrt import open_engine_backend
+
+        backend = open_engine_backend(path, manifest, v)
+    if backend is None:
+        backend = OrtBackend(Path(path) / v.file, providers=providers, threads=threads)
+        if manifest.target.get("backend") == "tensorrt" and backend.providers[:1] == ["CPUExecutionProvider"]:
+            log.info("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
+                     manifest.target.get("name"))
 
     def open_variant(name: str) -> OrtBackend:
         return OrtBackend(Path(path) / manifest.variant(name).file, providers=providers, threads=threads)

@@ -16,14 +16,15 @@ from typing import Any, Callable
 import numpy as np
 
 from ..runtime.bundle import Variant
-from ..runtime.errors import CalibrationError, PrecisionNotSupported
+from ..runtime.errors import CalibrationError, PrecisionNotSupported, TargetError
 from ..runtime.latency import time_calls
 from ..targets import Target, get_target
 from .bundle_writer import bundle_path, write_bundle
 from .evaluate import compare_models
 from .export import Exported, export_onnx
+from .opset import convert_for_target, model_opset
 from .precision import choose_precision
-from .recipe import trtexec_script
+from .recipe import recipe_notes, trtexec_script
 from .sources import Source, resolve_source, synthetic_inputs
 
 REPORT_SCHEMA = "dsedge.build-report/1"
@@ -44,6 +45,8 @@ class BuildOptions:
     keep_fp32: bool = True
     latency_iterations: int = 50
     threads: int | None = None
+    dla_core: int | None = None
+    engine: bool = False
 
 
 @dataclass
@@ -68,7 +71,7 @@ def _compress_int4(exported: Exported, work: Path, opts: BuildOptions, source: S
 
     model, details = quantize_int4(onnx.load(os.fspath(exported.path)), block_size=opts.block_size,
                                    embeddings=opts.embeddings)
-    out = work / "int4.onnx"
+    out = work / "models" / "int4.onnx"
     onnx.save(model, os.fspath(out))
     return Compressed(out, "int4", details)
 
@@ -129,6 +132,30 @@ def load_calibration_dir(path: str | os.PathLike, input_names: list[str]) -> tup
     return {n: v[:half] for n, v in data.items()}, {n: v[half:] for n, v in data.items()}
 
 
+def check_dla(target: Target, dla_core: int | None) -> None:
+    """Raises TargetError when ``--dla N`` names a DLA core the target does not have."""
+    if dla_core is None:
+        return
+    if target.dla_cores == 0:
+        raise TargetError(f"{target.name} has no DLA", "drop --dla; DLA exists on jetson-orin and jetson-xavier")
+    if not 0 <= dla_core < target.dla_cores:
+        raise TargetError(f"{target.name} has DLA cores 0–{target.dla_cores - 1}, not {dla_core}",
+                          f"pass --dla 0 … {target.dla_cores - 1}")
+
+
+def fit_target(path: Path, target: Target) -> int:
+    """Rewrite the ONNX file at ``path`` at an opset ``target`` reads (see ``convert_for_target``); returns the opset.
+
+    Raises:
+        TargetError: impossible for the target (e.g. INT4 block DequantizeLinear on an opset ≤ 17 target).
+    """
+    import onnx
+
+    model = convert_for_target(onnx.load(os.fspath(path)), target)
+    onnx.save(model, os.fspath(path))
+    return model_opset(model)
+
+
 def shape_ranges_for(exported: Exported, target: Target, source: Source) -> dict[str, dict[str, int]]:
     """min/opt/max per symbolic dim: the target profile's for ``batch``/``sequence``, else the example's size."""
     ranges: dict[str, dict[str, int]] = {}
@@ -153,6 +180,31 @@ def measure_latency(onnx_path: Path, exported: Exported, iterations: int, thread
     return {"1": {**stats, "shape": {k: list(v.shape) for k, v in feeds.items()}, "provider": backend.providers[0]}}
 
 
+def _op_types(path: Path) -> list[str]:
+    import onnx
+
+    return sorted({n.op_type for n in onnx.load(os.fspath(path), load_external_data=False).graph.node})
+
+
+def build_engines(work: Path, target: Target, exported: Exported, variants: list[Variant],
+                  ranges: dict[str, dict[str, int]], name: str, dla_core: int | None) -> dict[str, bytes]:
+    """``--engine``: build each variant's TensorRT engine on this machine (TensorRT and the target's GPU needed).
+
+    Raises:
+        BackendUnavailable: no TensorRT or no GPU here. TargetError: this GPU is not the target's.
+    """
+    from ..runtime.backends.tensorrt import build_engine_file
+    from ..runtime.bundle import Manifest
+
+    manifest = Manifest(name=name, target=target.to_dict(), inputs=exported.inputs, outputs=exported.outputs,
+                        variants=variants, default_variant=variants[0].name, shape_ranges=ranges)
+    out: dict[str, bytes] = {}
+    for v in variants:
+        path = build_engine_file(work, manifest, v, work / "engines", dla_core=dla_core)
+        out[f"engines/{path.name}"] = path.read_bytes()
+    return out
+
+
 def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> BuildResult:
     """Run every stage and publish the bundle. Returns its path and the report (also in ``report.json``).
 
@@ -163,16 +215,22 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
     t_start = time.perf_counter()
     target = get_target(opts.target)
     precision, notes = resolve_precision(target, opts.precision, opts.fallback)
+    check_dla(target, opts.dla_core)
+    if opts.engine:  # fail before any work when this machine cannot build engines
+        from ..runtime.backends.tensorrt import import_tensorrt
+
+        import_tensorrt()
     log(f"target {target.name}: precision {precision}")
     source = resolve_source(opts.model)
     log(f"source {source.kind}: {source.ref or source.name}")
     out_dir = Path(opts.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".dsedge-build-", dir=out_dir))
+    (work / "models").mkdir()
     try:
         timings: dict[str, float] = {}
         t = time.perf_counter()
-        exported = export_onnx(source, work / "fp32.onnx")
+        exported = export_onnx(source, work / "models" / "fp32.onnx")
         timings["export_s"] = time.perf_counter() - t
         log(f"exported ONNX ({exported.exporter}); parity max abs diff {exported.parity_max_abs_diff}")
         if opts.calib:
@@ -185,6 +243,12 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
                       else Compressed(exported.path, "fp32", {}))
         timings["compress_s"] = time.perf_counter() - t
         log(f"compressed to {precision}")
+        reference_onnx = work / "reference-fp32.onnx"  # validation compares against the untouched export
+        shutil.copyfile(exported.path, reference_onnx)
+        opsets = {precision: fit_target(compressed.path, target)}
+        if opts.keep_fp32 and precision != "fp32":
+            opsets["fp32"] = fit_target(exported.path, target)
+        log(f"fitted to {target.name}: opset {opsets[precision]}")
 
         t = time.perf_counter()
         variants: list[Variant] = []
@@ -192,10 +256,10 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         candidates = [(precision, compressed.path)]
         if opts.keep_fp32 and precision != "fp32":
             candidates.append(("fp32", exported.path))
-        fp32_size = exported.path.stat().st_size
+        fp32_size = reference_onnx.stat().st_size
         for name, path in candidates:
-            acc = ({"reference": "self"} if name == "fp32" else
-                   compare_models(exported.path, path, validation, task=source.task))
+            acc = ({"reference": "self"} if name == "fp32" and opsets["fp32"] == 21 else
+                   compare_models(reference_onnx, path, validation, task=source.task))
             lat = measure_latency(path, exported, opts.latency_iterations, opts.threads)
             rel = f"models/{name}.onnx"
             models[rel] = path
@@ -204,14 +268,19 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         timings["validate_s"] = time.perf_counter() - t
 
         ranges = shape_ranges_for(exported, target, source)
-        recipe = trtexec_script(target, [{"name": v.name, "precision": v.precision, "file": v.file} for v in variants],
-                                [s.to_dict() for s in exported.inputs], ranges)
+        vdicts = [{"name": v.name, "precision": v.precision, "file": v.file, "ops": _op_types(models[v.file])}
+                  for v in variants]
+        io = [s.to_dict() for s in exported.inputs]
+        recipe = trtexec_script(target, vdicts, io, ranges, dla_core=opts.dla_core)
+        engine_notes = recipe_notes(target, vdicts, io, ranges, dla_core=opts.dla_core)
         dest = bundle_path(out_dir, source.name, target.name)
         report = {
             "schema": REPORT_SCHEMA, "bundle": dest.name, "target": target.name, "precision": precision,
             "notes": notes + source.notes,
             "source": {"kind": source.kind, "ref": source.ref, "sha256": source.fingerprint},
-            "export": {"exporter": exported.exporter, "opset": 21, "parity_max_abs_diff": exported.parity_max_abs_diff},
+            "export": {"exporter": exported.exporter, "opset": opsets[precision],
+                       "parity_max_abs_diff": exported.parity_max_abs_diff},
+            "engine_recipe": engine_notes,
             "compression": {k: v for k, v in compressed.details.items() if k != "layers"},
             "layers": compressed.details.get("layers", []),
             "validation": {"inputs": source.validation_kind,
@@ -222,11 +291,15 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
             "fp32_size_bytes": fp32_size,
             "timings_s": {k: round(v, 2) for k, v in timings.items()},
         }
+        extra: dict[str, str | bytes] = {"build/trtexec.sh": recipe}
+        if opts.engine:
+            extra.update(build_engines(work, target, exported, variants, ranges, source.name, opts.dla_core))
+            report["engines"] = sorted(k for k in extra if k.startswith("engines/"))
         report["wall_time_s"] = round(time.perf_counter() - t_start, 2)
         write_bundle(dest, name=source.name, target=target.to_dict(), inputs=exported.inputs,
                      outputs=exported.outputs, models=models, variants=variants, default_variant=precision,
                      shape_ranges=ranges, latency_budget_ms=target.default_budget_ms,
-                     source=report["source"], report=report, extra_files={"build/trtexec.sh": recipe})
+                     source=report["source"], report=report, extra_files=extra)
         log(f"wrote {dest}")
         return BuildResult(dest, report)
     finally:

@@ -24,9 +24,14 @@ import click
 @click.option("--no-embeddings", is_flag=True, help="Keep embedding tables in fp32 (INT4 only).")
 @click.option("--no-fp32", is_flag=True, help="Do not ship the fp32 variant beside the compressed one.")
 @click.option("--threads", type=int, default=None, help="CPU threads for the build-time latency measurement.")
+@click.option("--dla", "dla_core", type=int, default=None,
+              help="Use this DLA core in the engine recipe (targets with DLA; falls back to GPU where DLA cannot run).")
+@click.option("--engine", is_flag=True,
+              help="Also build the TensorRT engine into engines/ (needs TensorRT and the target's GPU here).")
 @click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON on stdout (last thing printed).")
 def build(target: str, model: str | None, out_dir: str, precision: str, fallback: bool, calib: str | None,
-          block_size: int, no_embeddings: bool, no_fp32: bool, threads: int | None, as_json: bool) -> None:
+          block_size: int, no_embeddings: bool, no_fp32: bool, threads: int | None, dla_core: int | None,
+          engine: bool, as_json: bool) -> None:
     """Export, compress, validate and bundle a model for a target."""
     from rich.console import Console
 
@@ -36,7 +41,7 @@ def build(target: str, model: str | None, out_dir: str, precision: str, fallback
     console = Console(stderr=as_json)
     opts = BuildOptions(model=model, target=target, out_dir=out_dir, precision=precision, calib=calib,
                         fallback=fallback, block_size=block_size, embeddings=not no_embeddings,
-                        keep_fp32=not no_fp32, threads=threads)
+                        keep_fp32=not no_fp32, threads=threads, dla_core=dla_core, engine=engine)
     result = run_build(opts, log=lambda s: console.print(f"[dim]·[/dim] {s}"))
     console.print(summary_table(result.report))
     for note in result.report["notes"]:
