@@ -116,7 +116,8 @@ def model_state_for_export(model: torch.nn.Module, env: par.DistEnv) -> dict[str
     """Full (unsharded) fp32 state dict on CPU, gathered from every pipeline stage; complete on rank 0 (collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # cpu_offload keeps the full dict on global rank 0 only: pipeline stages need it on each stage's first rank
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=env.pp == 1))
     sd = {k: v.detach().to("cpu").clone().contiguous() for k, v in sd.items()}
     if env.pp > 1:
         parts: list[Any] = [None] * env.world_size
@@ -198,7 +199,7 @@ def run(cfg: TrainConfig, forward_loss: Callable[[Callable], ForwardLoss] | None
     finally:
         if ok:
             par.teardown(env)
-        elif dist.is_initialized():
+        elif env.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 

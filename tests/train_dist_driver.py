@@ -1,0 +1,27 @@
+"""torchrun worker for the distributed tests: runs several configs one after another in one process group
+(one launch instead of one per config: process start-up dominates on 2 cores). Usage: CONFIG [CONFIG ...]."""
+from __future__ import annotations
+
+import sys
+import tomllib
+
+import torch.distributed as dist
+
+from dsedge.toolchain.train import distill, train
+from dsedge.toolchain.train.config import load_config
+
+
+def main(paths: list[str]) -> None:
+    dist.init_process_group("gloo")
+    try:
+        for p in paths:
+            is_distill = "distill" in tomllib.loads(open(p).read())
+            cfg = load_config(p, distill=is_distill)
+            (distill.run if is_distill else train.run)(cfg)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
