@@ -304,3 +304,15 @@ every = 6
         x = pre.transform(split["stream"].iloc[:64])
         logits = session.run(x)["logits"]
     np.testing.assert_allclose([s.score for s in scored], logits[:, 1] - logits[:, 0], atol=1e-5)
+
+
+def test_single_row_features_equal_the_batched_ones(frame, pre):
+    from samples.fraud.data import FEATURE_COLUMNS
+
+    full = pre.transform(frame)
+    rows = frame[FEATURE_COLUMNS].to_numpy()
+    one = [pre.transform_row(x) for x in rows]
+    np.testing.assert_array_equal(np.concatenate([o["sparse_ids"] for o in one]), full["sparse_ids"])
+    np.testing.assert_array_equal(np.concatenate([o["dense"] for o in one]), full["dense"])
+    # parse_row on the CSV strings gives the same numbers
+    np.testing.assert_array_equal(parse_row(_csv_rows(frame, 1)[0]), rows[0])

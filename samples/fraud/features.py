@@ -11,6 +11,7 @@ Weinberger et al., ICML 2009, with the splitmix64 finaliser as hash) runs here, 
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,15 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+def _splitmix64_int(z: int) -> int:
+    """``splitmix64`` on one Python int (the single-transaction path; same values as the numpy one)."""
+    m = 0xFFFFFFFFFFFFFFFF
+    z = (z + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
 
 
 def categorical_fields(time_s: np.ndarray, amount: np.ndarray) -> np.ndarray:
@@ -94,6 +104,20 @@ class Preprocessor:
         dense[:, :-1] = v
         dense[:, -1] = (np.log1p(amount) - self.amount_mean) / self.amount_std
         ids = self.encoder.transform(categorical_fields(np.asarray(time_s, np.float64), amount))
+        return {"dense": dense, "sparse_ids": ids}
+
+    def transform_row(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """One parsed transaction, float64 [30] (Time, V1..V28, Amount) → batch-1 model inputs, equal to
+        ``transform_arrays`` on it but ~10x faster (Python scalars instead of numpy calls on 1-element arrays)."""
+        t, amount = float(x[0]), float(x[-1])
+        dense = np.empty((1, DENSE_DIM), np.float32)
+        dense[0, :-1] = x[1:-1]
+        dense[0, -1] = (math.log1p(amount) - self.amount_mean) / self.amount_std
+        hour = int((t // 3600.0) % 24)
+        bucket = bisect.bisect_right(AMOUNT_EDGES, amount)
+        values = (hour, bucket, round(amount * 100.0) % 100, hour * (len(AMOUNT_EDGES) + 1) + bucket)
+        b = self.encoder.hash_buckets
+        ids = np.array([[_splitmix64_int((i << 32) | v) % b for i, v in enumerate(values)]], np.int64)
         return {"dense": dense, "sparse_ids": ids}
 
     def transform(self, frame: pd.DataFrame) -> dict[str, np.ndarray]:
