@@ -68,8 +68,8 @@ def prepare(out: Path, csv: Path = DEFAULT_CSV, hash_buckets: int = 10_000, cali
 
 def train() -> None:
     """Teacher with ``dsedge train``, student with ``dsedge distill`` (configs beside this file)."""
-    dsedge_cli("train", str(HERE.relative_to(Path.cwd()) / "teacher.toml"))
-    dsedge_cli("distill", str(HERE.relative_to(Path.cwd()) / "student.toml"))
+    dsedge_cli("train", os.path.relpath(HERE / "teacher.toml"))
+    dsedge_cli("distill", os.path.relpath(HERE / "student.toml"))
 
 
 def find_bundle(folder: Path, target: str) -> Path:
@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--precision", default="int4", help="student precision for dsedge build (int4, fp32, …)")
     ap.add_argument("--threads", type=int, default=1, help="ORT intra-op threads for single-stream scoring")
     args = ap.parse_args(argv)
+    if Path.cwd() != HERE.parents[1]:  # the configs' paths (out_dir, csv, teacher) are relative to the repo root
+        ap.error(f"run from the repository root ({HERE.parents[1]}), not {Path.cwd()}")
     steps = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(steps) - set(STEPS)
     if unknown:
