@@ -331,3 +331,16 @@ def test_prepare_writes_preprocessor_split_and_calibration(shared_data, tmp_path
     assert files == ["00_train.npz", "01_train.npz", "02_val.npz", "03_val.npz"]  # calibrate on train, validate on val
     with np.load(tmp_path / "calib" / "03_val.npz") as z:
         assert z["dense"].shape == (16, 29) and z["sparse_ids"].dtype == np.int64 and z["sparse_ids"].max() < 1000
+
+
+def test_stream_burst_through_the_budget_scheduler(student_bundle, split, pre):
+    from samples.fraud.scorer import stream_burst
+
+    path, _ = student_bundle
+    with dsedge.load(path, threads=1) as session:
+        if not hasattr(session, "stream"):
+            pytest.skip("this dsedge has no session.stream yet (issue 6)")
+        r = stream_burst(session, pre.transform(split["stream"].iloc[:300]), budget_ms=200.0, window=8)
+    assert r["rows"] == 300 and r["transactions_per_s"] > 0
+    assert r["latency"]["count"] + sum(r["rejected"].values()) == 300  # every request answered or rejected
+    assert r["within_budget"] > 0.9 and r["latency"]["count"] >= 270
