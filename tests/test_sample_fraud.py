@@ -235,6 +235,14 @@ def test_budget_rejections_are_counted_not_raised(student_bundle, split, pre):
     scored = scorer.replay(_csv_rows(split["stream"], 20))
     stats = scorer.stats.to_dict()
     assert scored == [] and stats["rejected_total"] == 20 and stats["scored"] == 0
+    assert stats["first_by_reason"]["budget"].startswith("row 0: budget: ")
+    # on_reject="run": every transaction still gets a score, marked late, and the rejections are still counted
+    late = StreamScorer(session, pre, threshold=0.0, budget_ms=1e-6, on_reject="run")
+    scored = late.replay(_csv_rows(split["stream"], 20))
+    assert len(scored) == 20 and all(s.late for s in scored) and late.stats.served_late == 20
+    assert late.stats.to_dict()["rejected_total"] == 20
+    with pytest.raises(ValueError, match="on_reject"):
+        StreamScorer(session, pre, 0.0, on_reject="drop")
 
 
 def test_report_json_png_and_goals(tmp_path):

@@ -79,6 +79,7 @@ class Scored:
     model_ms: float          # the session's own measured latency (``Result.latency_ms`` or the timed run)
     variant: str
     label: int | None = None
+    late: bool = False       # the session rejected it (budget/overload/deadline) and it was scored by session.run
 
 
 @dataclass
@@ -87,13 +88,14 @@ class StreamStats:
 
     scored: int = 0
     flagged: int = 0
+    served_late: int = 0     # rejected by the session, then scored outside the budget (``on_reject="run"``)
     malformed: Counter = field(default_factory=Counter)
     rejected: Counter = field(default_factory=Counter)
     messages: list[str] = field(default_factory=list)   # the first malformed/rejected messages, for the report
     first_by_reason: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"scored": self.scored, "flagged": self.flagged, "malformed": dict(self.malformed),
+        return {"scored": self.scored, "flagged": self.flagged, "served_late": self.served_late, "malformed": dict(self.malformed),
                 "malformed_total": sum(self.malformed.values()), "rejected": dict(self.rejected),
                 "rejected_total": sum(self.rejected.values()), "first_messages": self.messages[:10],
                 "first_by_reason": dict(self.first_by_reason)}
@@ -115,10 +117,16 @@ class StreamScorer:
         preprocessor: the ``features.Preprocessor`` fitted at training time (``preprocess.json``).
         threshold: flag when the score is >= this (chosen on validation data, ``metrics.choose_threshold``).
         budget_ms: per-transaction latency budget passed to ``session.submit``.
+        on_reject: what to do with a transaction the session rejects (budget, overload, deadline): ``"count"``
+            leaves it unscored; ``"run"`` also scores it with ``session.run`` and marks it ``late``. Either way the
+            rejection is counted by reason in ``stats.rejected``.
     """
 
     def __init__(self, session: Any, preprocessor: Preprocessor, threshold: float,
-                 budget_ms: float = DEFAULT_BUDGET_MS) -> None:
+                 budget_ms: float = DEFAULT_BUDGET_MS, on_reject: str = "count") -> None:
+        if on_reject not in ("count", "run"):
+            raise ValueError(f"on_reject must be 'count' or 'run', got {on_reject!r}")
+        self.on_reject = on_reject
         self.session = session
         self.pre = preprocessor
         self.threshold = float(threshold)
@@ -157,9 +165,16 @@ class StreamScorer:
             return None
         inputs = self.pre.transform_row(x)
         logits, model_ms, variant, rejection = self._infer(inputs)
+        late = False
         if logits is None:
             self._note(self.stats.rejected, variant, f"row {index}: {rejection}")
-            return None
+            if self.on_reject != "run":
+                return None
+            # every card transaction needs a decision: score it outside the budget, and say so
+            t1 = time.perf_counter()
+            logits = self.session.run(inputs)[self._output]
+            model_ms, variant, late = (time.perf_counter() - t1) * 1e3, f"{self._variant} (run, over budget)", True
+            self.stats.served_late += 1
         s = float(logits[0, 1] - logits[0, 0])
         flagged = s >= self.threshold
         self.stats.scored += 1
@@ -169,7 +184,7 @@ class StreamScorer:
             label = int(float(label)) if label is not None else None
         except (TypeError, ValueError):
             label = None
-        return Scored(index, float(x[0]), s, flagged, (time.perf_counter() - t0) * 1e3, model_ms, variant, label)
+        return Scored(index, float(x[0]), s, flagged, (time.perf_counter() - t0) * 1e3, model_ms, variant, label, late)
 
     def warm_up(self, row: Mapping[str, Any], n: int = 100) -> None:
         """Run ``n`` untimed requests for ``row`` with a generous budget, so ORT's first-run allocations and the
