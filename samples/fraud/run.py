@@ -189,7 +189,8 @@ def stream(out: Path, bundle: Path, pre: Preprocessor, threshold: float, csv: Pa
     session.close()
     return {"bundle": str(bundle), "variant": session.variant.name, "providers": session.providers,
             "serving_api": "session.submit" if hasattr(session, "submit") else "session.run (timed)",
-            "budget_ms": budget_ms, "speed": speed, "load_average_1min": [load_before, os.getloadavg()[0]], "rows_in": len(rows), "wall_s": wall,
+            "budget_ms": budget_ms, "speed": speed, "load_average_1min": [load_before, os.getloadavg()[0]],
+            "rows_in": len(rows), "wall_s": wall,
             "threshold": threshold, "stats": scorer.stats.to_dict(),
             "frauds_in_stream": len(frauds), "frauds_flagged": sum(s.flagged for s in frauds),
             "legit_flagged": sum(s.flagged for s in scored if s.label == 0),
