@@ -59,6 +59,17 @@ def test_no_repeated_vector_crosses_splits(frame, split):
     assert vector_key(frame).duplicated().sum() == 152
 
 
+def test_load_transactions_names_a_broken_file(frame, tmp_path):
+    frame.iloc[:5].drop(columns=["V7"]).to_csv(tmp_path / "a.csv", index=False)
+    with pytest.raises(ValueError, match=r"missing column\(s\) \['V7'\]"):
+        load_transactions(tmp_path / "a.csv")
+    bad = frame.iloc[:5].astype(object)
+    bad.loc[bad.index[2], "Amount"] = "abc"
+    bad.to_csv(tmp_path / "b.csv", index=False)
+    with pytest.raises(ValueError, match=r"non-numeric or empty values in column\(s\) \['Amount'\]"):
+        load_transactions(tmp_path / "b.csv")
+
+
 # ---------------------------------------------------------------- features
 def test_sparse_encoder_is_deterministic_and_in_range():
     enc = SparseEncoder(dim=128, hash_buckets=10_000, combiner="sum")
@@ -98,6 +109,7 @@ def test_preprocessor_json_roundtrip(pre, split, tmp_path):
 
 # ---------------------------------------------------------------- metrics
 def test_metrics_match_sklearn_on_known_inputs():
+    assert REAL_BASE_RATE == pytest.approx(0.001727, abs=1e-6)  # 492 / 284,807
     y = np.array([0, 0, 1, 1])
     s = np.array([0.1, 0.4, 0.35, 0.8])
     m = detection_metrics(y, s)
