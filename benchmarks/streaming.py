@@ -111,9 +111,10 @@ class QueueBatcher:
     ``max_delay_ms``; requests queued longer than their budget are rejected (timeout) instead of run.
     """
 
-    def __init__(self, run, layout: BatchLayout, max_batch: int, max_delay_ms: float, max_queue: int) -> None:
+    def __init__(self, run, layout: BatchLayout, max_batch: int, max_delay_ms: float, max_queue: int,
+                 preferred: int | None = None) -> None:
         self.run, self.layout = run, layout
-        self.max_batch, self.preferred = max_batch, max_batch
+        self.max_batch, self.preferred = max_batch, min(preferred or max_batch, max_batch)
         self.max_delay_s = max_delay_ms / 1e3
         self.max_queue = max_queue
         self.q: deque = deque()
@@ -226,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-queue", type=int, default=256)
     ap.add_argument("--triton-delays-ms", default="1,auto",
                     help="Triton max queue delays to try, ms ('auto' = 10 %% of the budget)")
+    ap.add_argument("--triton-preferred", type=int, default=None, help="preferred batch size (default max batch)")
     ap.add_argument("--min-seq", type=int, default=8)
     ap.add_argument("--max-seq", type=int, default=48)
     ap.add_argument("--vocab", type=int, default=None, help="token ids drawn below this (default 30522; 100 --small)")
@@ -276,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         schedule = arrivals(load * cap, args.duration_s, np.random.default_rng(args.seed + int(load * 100)),
                             args.burst_frac, args.burst_x, args.burst_s)
         servers = [("none", lambda: QueueBatcher(run, layout, 1, 0.0, args.max_queue))]
-        servers += [(f"triton-{d:g}ms", lambda d=d: QueueBatcher(run, layout, max_batch, d, args.max_queue))
-                    for d in delays]
+        servers += [(f"triton-{d:g}ms", lambda d=d: QueueBatcher(run, layout, max_batch, d, args.max_queue,
+                                                                 args.triton_preferred)) for d in delays]
         servers += [("dsedge", lambda: DsedgeServer(session))]
         for name, make in servers:
             server = make()

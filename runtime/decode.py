@@ -19,18 +19,19 @@ outputs ``logits`` [batch, seq, vocab] and ``present.{i}.key|value`` [batch, hea
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import queue as _queue
 import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 import numpy as np
 
 from .errors import InputError
-from .latency_profile import LatencyProfile, seq_bucket
+from .latency_profile import LatencyProfile
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected
 
 _clock = time.perf_counter
@@ -44,7 +45,7 @@ def is_decoder(input_names: Sequence[str]) -> bool:
 
 
 class GenerationStream:
-    """Tokens of one request as they are produced; iterate it (``for token in stream``) to get ints.
+    """Tokens of one request as they are produced: ``for token in stream`` or ``async for token in stream``.
 
     Attributes (final once iteration ends):
         id: request id.
@@ -113,6 +114,15 @@ class GenerationStream:
     def __iter__(self) -> Iterator[int]:
         while True:
             item = self._q.get()
+            if item is _DONE:
+                return
+            yield item
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        """``async for token in stream``: waits for each token in a worker thread, not on the event loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            item = await loop.run_in_executor(None, self._q.get)
             if item is _DONE:
                 return
             yield item

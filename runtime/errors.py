@@ -70,3 +70,7 @@ class TrainingError(DsedgeError):
 
 class SessionClosedError(DsedgeError):
     """``submit``/``stream``/``generate`` was called on a session after ``close()`` (a programming error)."""
+
+
+class BenchError(DsedgeError):
+    """A benchmark cannot run or compare: no samples, a missing/malformed/foreign baseline report."""

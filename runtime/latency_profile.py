@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
+
+from .latency import time_calls
 
 _MIN_BUCKET = 8
 
@@ -59,6 +60,9 @@ class LatencyProfile:
                 self._count[key] = 1
             else:
                 m = self._mean[key]
+                # a one-off stall (GC, a noisy neighbour) moves the estimate at most 3× per sample: if it swung
+                # a batch size above every budget, nothing of that size would run again to correct it
+                ms = min(max(float(ms), m / 3.0), m * 3.0)
                 self._dev[key] += self.alpha * (abs(ms - m) - self._dev[key])
                 self._mean[key] = m + self.alpha * (ms - m)
                 self._count[key] += 1
@@ -99,18 +103,27 @@ class LatencyProfile:
             if not self._mean:
                 return math.inf
             mean, dev = self._interp(b, s)
-            self._cache[(b, s, k)] = out = mean + k * dev
+            out = mean + k * dev
+            # fewer rows never cost more than more rows measured at the same length (the monotone envelope)
+            for (bb, ss), m in self._mean.items():
+                if ss == s and bb > b:
+                    out = min(out, m + k * self._dev[(bb, ss)])
+            self._cache[(b, s, k)] = out
         return out
 
     def _interp(self, b: int, s: int) -> tuple[float, float]:
         if (b, s) in self._mean:
             return self._mean[(b, s)], self._dev[(b, s)]
         row = sorted((bb, self._mean[(bb, ss)], self._dev[(bb, ss)]) for (bb, ss) in self._mean if ss == s)
+        if not row and s:  # figures without a sequence length (bucket 0) stand for any length
+            row = sorted((bb, self._mean[(bb, ss)], self._dev[(bb, ss)]) for (bb, ss) in self._mean if ss == 0)
         if len(row) >= 2 or (row and row[0][0] >= b):
             lo = [p for p in row if p[0] <= b]
             hi = [p for p in row if p[0] >= b]
             if lo and hi:
                 (b0, m0, d0), (b1, m1, d1) = lo[-1], hi[0]
+                if b1 == b0:
+                    return m0, d0
                 t = (b - b0) / (b1 - b0)
                 return m0 + t * (m1 - m0), d0 + t * (d1 - d0)
             if hi:  # below the smallest measured batch: no cheaper than it (fixed overhead dominates)
@@ -165,7 +178,9 @@ class LatencyProfile:
         """Seed from a bundle variant's build-time ``latency_ms``.
 
         Accepted keys: ``"8"`` (batch 8) or ``"8x64"`` (batch 8, 64 tokens); values a number (ms) or a dict with
-        ``p50`` and optionally ``p99`` (the deviation is taken as (p99 − p50) / k_dev).
+        ``p50`` and optionally ``p99`` (the deviation is taken as (p99 − p50) / k_dev) and ``shape`` (input name →
+        shape, as ``dsedge build`` records it: the sequence length is read from a 2-D input's second dim).
+        A figure without a sequence length stands for any length until this machine measures one.
         """
         prof = cls(getattr(variant, "name", ""), **kw)
         for key, val in (getattr(variant, "latency_ms", None) or {}).items():
@@ -173,6 +188,9 @@ class LatencyProfile:
                 b, _, s = str(key).partition("x")
                 batch, seq = int(b), int(s) if s else None
                 if isinstance(val, Mapping):
+                    shapes = [v for v in (val.get("shape") or {}).values() if isinstance(v, list) and len(v) == 2]
+                    if seq is None and shapes:
+                        seq = int(shapes[0][1])
                     p50 = float(val.get("p50", val.get("median", val.get("mean"))))
                     p99 = float(val.get("p99", p50 * 1.3))
                     prof.set(batch, seq, p50, max(p99 - p50, 0.05 * p50) / prof.k_dev)
@@ -200,15 +218,10 @@ def measure(
     for seq in seqs:
         for b in sorted(set(int(x) for x in batch_sizes)):
             feed = make_inputs(b, seq)
-            run(feed)  # warm-up: ORT allocates buffers for a new shape on its first run
-            times = []
-            for _ in range(max(1, repeats)):
-                t0 = time.perf_counter()
-                run(feed)
-                times.append((time.perf_counter() - t0) * 1e3)
-            times.sort()
-            med = times[len(times) // 2]
-            profile.set(b, seq, med, max(times[-1] - med, 0.1 * med))
+            # one untimed run: ORT allocates buffers for a new shape on its first run
+            stats = time_calls(lambda: run(feed), iterations=max(1, repeats), warmup=1)
+            med = stats["p50"]
+            profile.set(b, seq, med, max(stats["max"] - med, 0.1 * med))
             if med > stop_ms:
                 break
     return profile

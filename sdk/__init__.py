@@ -4,6 +4,8 @@
     >>> s = dsedge.load("out/all-minilm-l6-v2-jetson-orin.dse")
     >>> s.providers           # what ONNX Runtime really gave us
     >>> s.run({"input_ids": ids, "attention_mask": mask, "token_type_ids": types})
+    >>> fut = s.submit(inputs, budget_ms=20)      # -> Future of dsedge.Result or dsedge.Rejected
+    >>> for r in s.stream(requests, budget_ms=20): ...
 """
 from __future__ import annotations
 

@@ -38,6 +38,12 @@ class Session:
         inputs / outputs: ``IOSpec`` lists (``.name``, ``.dtype``, ``.shape`` with symbolic dims as strings).
         providers: ORT providers really in use, e.g. ``["CPUExecutionProvider"]`` for a Jetson bundle on a laptop.
         backend_name: ``"onnxruntime"`` (or ``"tensorrt"`` where a TensorRT engine serves it).
+        budget_ms: the session's default latency budget for streaming (None: the manifest's, else the target's).
+
+    Streaming with latency budgets (built on first use; ``warmup()`` starts it early):
+        ``submit(inputs, budget_ms, priority) -> Future[Result | Rejected]``, ``stream(iterable)``,
+        ``await infer_async(...)``, ``async for r in stream_async(...)``, ``generate_stream(prompt, …)`` for
+        decoders, ``metrics()``, ``close(drain=True)``. See runtime/scheduler.py and runtime/decode.py.
     """
 
     def __init__(self, path: str | os.PathLike, manifest: Manifest, variant: Variant, backend: Any, *,
@@ -128,6 +134,11 @@ class Session:
             return self._sched
 
     def _build_scheduler(self) -> BudgetScheduler:
+        if self.is_decoder:
+            from .runtime.errors import InputError
+
+            raise InputError("this bundle is a decoder with past key/values: submit/stream serve one-shot models",
+                             "use session.generate_stream(prompt, max_new_tokens) for generation")
         layout = BatchLayout.of(self.inputs, self.outputs)
         batch_range = self.manifest.shape_ranges.get(layout.batch_symbol or "", {})
         max_batch = self._max_batch or int(batch_range.get("max", 32))
@@ -151,7 +162,8 @@ class Session:
         return BudgetScheduler(lanes, layout, self._metrics)
 
     def _make_lane(self, variant: Variant, run: Callable, layout: BatchLayout, max_batch: int) -> Lane:
-        prof = LatencyProfile.from_variant(variant) if self._profile_mode in ("auto", "bundle") else None
+        # build-time figures come from the build machine: used only when asked for; else a short warm-up here
+        prof = LatencyProfile.from_variant(variant) if self._profile_mode == "bundle" else None
         if prof is None or prof.empty:
             seq_range = self.manifest.shape_ranges.get(layout.seq_symbol or "", {})
             seqs: tuple = (None,)
@@ -184,10 +196,9 @@ class Session:
             InputError: inputs do not match the bundle (checked before queueing).
             SessionClosedError: the session is closed.
         """
-        self._check_open()
+        sched = self._scheduler()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
         budget = self.default_budget_ms() if budget_ms is None else float(budget_ms)
-        sched = self._scheduler()
         try:
             return sched.submit(checked, budget, priority, id)
         except RuntimeError:
@@ -346,6 +357,11 @@ class Session:
         if not self.is_decoder:
             raise InputError("generate_stream needs a decoder exported with past key/values",
                              "build the bundle from optimum's text-generation-with-past export; use submit() here")
+        if not hasattr(self._backend, "session"):
+            from .runtime.errors import BackendUnavailable
+
+            raise BackendUnavailable(f"generation runs on ONNX Runtime; this session uses {self.backend_name}",
+                                     "load the bundle with providers=['CPUExecutionProvider'] (or CUDA)")
         with self._start_lock:
             if self._decoder is None:
                 eos = self.manifest.source.get("eos_token_id")
@@ -363,11 +379,16 @@ class Session:
     def metrics(self) -> dict[str, Any]:
         """Counts, p50/p90/p99 latency (ms), goodput (answers within budget per s), rejection and budget-miss
         rates for everything submitted to this session (see ``StreamMetrics.snapshot`` for the keys), plus
-        ``queue_depth`` and ``batches`` per lane."""
+        ``queue_depth`` and ``batches`` per lane, and ``decode`` (steps, prefills, rows per step) for generation."""
         snap = self._metrics.snapshot()
         if self._sched is not None:
             snap["lanes"] = {l.name: {"queue_depth": l.depth, "max_queue_depth": l.max_depth, "batches": l.batches}
                              for l in self._sched.lanes}
+        if self._decoder is not None:
+            st = self._decoder.stats
+            snap["decode"] = {"steps": st.steps, "prefills": st.prefills, "max_rows": st.max_rows,
+                              "joins_while_running": st.joins_while_running,
+                              "mean_rows": round(float(np.mean(st.rows_per_step)), 3) if st.rows_per_step else None}
         return snap
 
     def export_prometheus(self, registry: Any = None) -> Any:
@@ -422,27 +443,31 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         max_batch: most rows per batch (default: the bundle's batch range max, else 32; 1 without a batch axis).
         max_queue: most queued requests per variant before rejecting with "overload".
         max_delay_ms: fixed longest hold of a batch open (None: adaptive, see runtime/scheduler.py).
-        profile: latency profile source: "auto" (bundle figures if present, else a short warm-up), "measure",
-            "bundle".
+        profile: latency profile source: "measure" or "auto" (a short warm-up on this machine when streaming
+            starts), or "bundle" (the variant's build-time ``latency_ms``; a warm-up if it has none). Either way
+            it is refreshed from every batch run.
     Raises:
         BundleError / BundleIntegrityError: missing, malformed, truncated or tampered bundle.
         BackendUnavailable: a requested provider is not installed.
     """
     manifest = verify_bundle(path)
     v = manifest.variant(variant)
-    backend = None
-    if not providers:  # a TensorRT engine when this machine has TensorRT and a GPU; else None
-        from .runtime.backends.tensorrt import open_engine_backend
 
-        backend = open_engine_backend(path, manifest, v)
-    if backend is None:
-        backend = OrtBackend(Path(path) / v.file, providers=providers, threads=threads)
-        if manifest.target.get("backend") == "tensorrt" and backend.providers[:1] == ["CPUExecutionProvider"]:
-            log.info("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
-                     manifest.target.get("name"))
+    def open_variant(name: str) -> Any:
+        var = manifest.variant(name)
+        found = None
+        if not providers:  # a TensorRT engine when this machine has TensorRT and a GPU; else None
+            from .runtime.backends.tensorrt import open_engine_backend
 
-    def open_variant(name: str) -> OrtBackend:
-        return OrtBackend(Path(path) / manifest.variant(name).file, providers=providers, threads=threads)
+            found = open_engine_backend(path, manifest, var)
+        if found is None:
+            found = OrtBackend(Path(path) / var.file, providers=providers, threads=threads)
+        return found
 
+    backend = open_variant(v.name)
+    if (manifest.target.get("backend") == "tensorrt"
+            and list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]):
+        log.info("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
+                 manifest.target.get("name"))
     return Session(path, manifest, v, backend, budget_ms=budget_ms, cascade=cascade, max_batch=max_batch,
                    max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile, open_variant=open_variant)

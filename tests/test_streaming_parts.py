@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 import threading
-from concurrent.futures import wait
+import time
+from concurrent.futures import Future, wait
 
 import numpy as np
 import pytest
@@ -13,10 +14,10 @@ from dsedge.runtime.batching import BatchLayout
 from dsedge.runtime.bundle import IOSpec, Variant
 from dsedge.runtime.latency_profile import LatencyProfile, measure, seq_bucket
 from dsedge.runtime.metrics import StreamMetrics
-from dsedge.runtime.results import Rejected, Result
+from dsedge.runtime.results import Result
 from dsedge.runtime.scheduler import BudgetScheduler, Lane
 
-from streaming_models import VOCAB, text_embedder, text_request
+from streaming_models import text_embedder, text_request
 
 TEXT_IO = ([IOSpec("input_ids", "int64", ("batch", "sequence")), IOSpec("attention_mask", "int64", ("batch", "sequence"))],
            [IOSpec("last_hidden_state", "float32", ("batch", "sequence", 32)),
@@ -43,6 +44,11 @@ def test_profile_interpolates_extrapolates_and_refreshes():
     for _ in range(50):
         p.observe(8, None, 19.0)  # the device got slower: the moving mean follows
     assert p.predict(8) == pytest.approx(19.0, abs=0.01)
+    p.observe(1, None, 5000.0)  # one stall moves a point at most 3× per sample …
+    assert p.predict(1, None, k_dev=0.0) == pytest.approx(2.0 + 0.2 * (6.0 - 2.0))
+    for _ in range(20):
+        p.observe(1, None, 5000.0)
+    assert p.predict(1) == pytest.approx(19.0, abs=0.01)  # … and never above a bigger batch's figure
     # a bucket never measured falls back to the token-linear fit over all points
     p2 = LatencyProfile(k_dev=0.0)
     p2.set(1, 16, 1.0, 0.0)
@@ -58,6 +64,10 @@ def test_profile_tail_margin_and_bundle_figures():
     assert p.predict(1) == pytest.approx(5.0)  # p50 + 3 · (p99 − p50) / 3
     assert p.predict(8, 64) == pytest.approx(10.0 + 3 * 1.0)  # default deviation 10 %
     assert {(1, 0), (8, 64)} == set(p.points())
+    assert p.predict(1, 32) == pytest.approx(5.0)  # a figure without a length stands for any length
+    built = Variant("fp32", "fp32", "m.onnx", latency_ms={"1": {"p50": 3.0, "p99": 3.3, "n": 50, "provider": "CPU",
+                                                                "shape": {"input_ids": [1, 32], "mask": [1, 32]}}})
+    assert set(LatencyProfile.from_variant(built).points()) == {(1, 32)}  # as `dsedge build` records it
     assert p.to_dict()["points"][0]["batch"] == 1
 
 
@@ -111,16 +121,20 @@ def _lane(backend, gate: threading.Event | None = None, **kw) -> Lane:
     return Lane("fp32", run, prof, layout, StreamMetrics(), **kw)
 
 
+def _blocked(lane: Lane, rng) -> tuple[BudgetScheduler, Future]:
+    """A scheduler over ``lane`` whose worker is inside a first batch, held by the lane's gate."""
+    sched = BudgetScheduler([lane], lane.layout, lane.metrics)
+    blocker = sched.submit(text_request(rng, 8), 10_000, id="blocker")
+    while lane._busy_until == 0.0:
+        time.sleep(0.001)
+    return sched, blocker
+
+
 def test_edf_order_then_priority_on_ties(backend):
     gate = threading.Event()
     lane = _lane(backend, gate, max_batch=1, tie_ms=1e9)  # every deadline ties: priority then arrival decide
-    sched = BudgetScheduler([lane], lane.layout, lane.metrics)
     rng = np.random.default_rng(0)
-    blocker = sched.submit(text_request(rng, 8), 10_000, id="blocker")
-    import time
-
-    while lane._busy_until == 0.0:  # the worker has taken the blocker and waits on the gate
-        time.sleep(0.001)
+    sched, blocker = _blocked(lane, rng)
     order = []
     futs = [sched.submit(text_request(rng, 8), 10_000, priority=p, id=f"p{p}") for p in (0, 5, 1, 5)]
     for f in futs:
@@ -132,10 +146,7 @@ def test_edf_order_then_priority_on_ties(backend):
 
     gate2 = threading.Event()
     lane2 = _lane(backend, gate2, max_batch=1)  # distinct deadlines: earliest first regardless of priority
-    sched2 = BudgetScheduler([lane2], lane2.layout, lane2.metrics)
-    b2 = sched2.submit(text_request(rng, 8), 10_000, id="blocker")
-    while lane2._busy_until == 0.0:
-        time.sleep(0.001)
+    sched2, b2 = _blocked(lane2, rng)
     order2 = []
     futs2 = [sched2.submit(text_request(rng, 8), budget, priority=p, id=budget)
              for budget, p in ((9000, 9), (3000, 0), (6000, 0))]
@@ -154,17 +165,45 @@ def test_batch_is_largest_that_meets_earliest_deadline(backend):
     prof.set(4, 8, 1.0, 0.0)
     prof.set(5, 8, 300.0, 0.0)  # batches above 4 are predicted far too slow for a 200 ms budget
     prof.set(32, 8, 400.0, 0.0)
-    sched = BudgetScheduler([lane], lane.layout, lane.metrics)
-    rng = np.random.default_rng(0)
-    first = sched.submit(text_request(rng, 8), 10_000)
-    import time
-
-    while lane._busy_until == 0.0:
-        time.sleep(0.001)
+    sched, first = _blocked(lane, np.random.default_rng(0))
+    rng = np.random.default_rng(1)
     futs = [sched.submit(text_request(rng, 8), 200) for _ in range(10)]
-    assert all(not f.done() for f in futs), [f.result() for f in futs if f.done()]  # admitted, waiting behind the blocker
+    assert all(not f.done() for f in futs), [f.result() for f in futs if f.done()]  # admitted, behind the blocker
     gate.set()
     results = [f.result(10) for f in [first, *futs]]
     sizes = [r.batch_size for r in results[1:] if isinstance(r, Result)]
     assert max(sizes) == 4 and sum(1 for s in sizes if s == 4) >= 8  # 10 requests: 4 + 4 + 2
     sched.close()
+
+
+def test_smaller_batch_chosen_when_clearly_more_rows_per_ms(backend):
+    gate = threading.Event()
+    lane = _lane(backend, gate, max_batch=32)
+    for b, ms in ((1, 2.0), (4, 4.0), (8, 16.0), (32, 64.0)):  # 4 rows: 1 ms/row; 8 or more: 2 ms/row
+        lane.profile.set(b, 8, ms, 0.0)
+    sched, first = _blocked(lane, np.random.default_rng(0))
+    rng = np.random.default_rng(1)
+    futs = [sched.submit(text_request(rng, 8), 10_000) for _ in range(8)]
+    gate.set()
+    sizes = [f.result(10).batch_size for f in futs]
+    assert sizes == [4] * 8 and first.result(10).ok
+    sched.close()
+
+
+def test_safety_factor_tracks_misses_and_relaxes(backend):
+    lane = _lane(backend, max_batch=4)
+    assert lane.safety == 1.0 and lane.predict(1, 8) == pytest.approx(1.0)
+    lane._calibrate(True)
+    lane._calibrate(True)
+    assert lane.safety == pytest.approx(1.21) and lane.predict(1, 8) == pytest.approx(1.21)
+    on_time = math.log(1.21) / -math.log(lane._down)  # on-time answers that undo two misses at a 0.5 % target
+    assert 350 < on_time < 420
+    for _ in range(int(on_time) + 1):
+        lane._calibrate(False)
+    assert lane.safety == 1.0
+    for _ in range(30):
+        lane._calibrate(True)
+    assert lane.safety == 4.0  # capped
+    lane._relax(lane._t_cal + 20.0)  # 20 s without answers: a quarter
+    assert lane.safety == pytest.approx(1.0)
+    lane.close()

@@ -55,6 +55,11 @@ def test_overload_every_request_answered_or_rejected_and_memory_bounded(heavy_bu
             time.sleep(next_t - now)
         futures.append(s.submit(pool[len(futures) % len(pool)]))
         next_t += rng.exponential(1.0 / rate)
+    for f in futures[-200:]:
+        f.result(timeout=30)
+    after = s.submit(pool[0]).result(timeout=30)  # the overload is over: the session serves again at once
+    assert isinstance(after, Result) and after.ok, after
+    futures.append(s.submit(pool[1]))
     s.close(drain=True)
     answers = [f.result(timeout=0) for f in futures]  # close() resolved every future: none may be pending
     n = len(futures)
@@ -64,8 +69,8 @@ def test_overload_every_request_answered_or_rejected_and_memory_bounded(heavy_bu
     assert len(rejected) > 0 and {r.reason for r in rejected} <= {"overload", "deadline", "budget"}
     assert all(r.ok for r in results) and len(results) > 0
     m = s.metrics()
-    assert m["submitted"] - before["submitted"] == n and m["in_flight"] == 0
-    assert m["answered"] - before["answered"] == len(results)
+    assert m["submitted"] - before["submitted"] == n + 1 and m["in_flight"] == 0
+    assert m["answered"] - before["answered"] == len(results) + 1
     assert sum(m["rejected"].values()) - sum(before["rejected"].values()) == len(rejected)
     lane = m["lanes"]["fp32"]
     assert lane["queue_depth"] == 0 and lane["max_queue_depth"] <= max_queue  # bounded queue
@@ -73,6 +78,9 @@ def test_overload_every_request_answered_or_rejected_and_memory_bounded(heavy_bu
     # admitted work mostly meets its budget even at 3× overload (loose: CI machines are shared and noisy; the
     # 99.5 % goal is measured by benchmarks/streaming.py)
     admitted = len(results) + sum(r.reason == "deadline" for r in rejected)
+    print(f"overload {OVERLOAD_S:g} s at {rate:.0f}/s: {n} sent, {len(results)} answered "
+          f"({sum(r.within_budget for r in results)} within budget), rejected {m['rejected']}, "
+          f"max queue {lane['max_queue_depth']}/{max_queue}")
     assert sum(r.within_budget for r in results) >= 0.5 * admitted, m
 
 
