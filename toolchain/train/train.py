@@ -219,8 +219,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
     train_ds, val_ds = build_data(cfg)
     example = as_inputs(train_ds[0][0])
     sampler = build_sampler(cfg, train_ds, env)
-    per_epoch = sampler.batches_per_epoch()
-    total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
+    total_steps = cfg.steps if cfg.steps is not None else sampler.steps_for_epochs(cfg.epochs)
     hard_loss = make_loss(cfg.loss)
     forward_loss = forward_loss_factory(hard_loss) if forward_loss_factory else None
 
@@ -245,9 +244,10 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         if p.data == "fsdp":
             model = par.apply_fsdp(model, env, policy)
         else:
-            if env.tp > 1:
-                raise ConfigError(f"{cfg.source}: data = 'ddp' cannot be combined with tensor parallel",
-                                  "use data = 'fsdp' with tensor > 1")
+            if env.tp > 1 or env.pp > 1:
+                # DDP's reducer asserts on several backward passes per step (pipeline micro-batches), measured
+                raise ConfigError(f"{cfg.source}: data = 'ddp' cannot be combined with tensor or pipeline parallel",
+                                  "use data = 'fsdp' when tensor > 1 or pipeline > 1")
             model, comm = par.apply_ddp(model, env, p.comm_hook, p.powersgd_rank)
     if env.pp > 1:
         def pp_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -284,7 +284,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
     collate = pad_collate if isinstance(sampler, TokenBudgetBatchSampler) else None
 
     def batches_from(s: int):
-        epoch, b = divmod(s, per_epoch)
+        epoch, b = sampler.locate(s)
         while True:
             sampler.set_position(epoch, b)
             yield from DataLoader(train_ds, batch_sampler=sampler, num_workers=cfg.data.num_workers,
@@ -381,7 +381,8 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
             continue
 
         if step % cfg.checkpoint.every == 0 or step == total_steps:
-            trainer = {"epoch": step // per_epoch, "batch": step % per_epoch, "rollbacks": rollbacks,
+            epoch, batch = sampler.locate(step)
+            trainer = {"epoch": epoch, "batch": batch, "rollbacks": rollbacks,
                        "scaler": scaler.state_dict() if scaler is not None else None}
             ckpt.save(step, model, optimizer.optimizers, trainer)
             ev: dict[str, Any] = {"step": step}
