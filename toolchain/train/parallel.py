@@ -199,6 +199,9 @@ def apply_ddp(model: torch.nn.Module, env: DistEnv, comm_hook: str | None = None
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     group = env.group("dp")
+    if comm_hook == "bf16" and dist.get_backend(group) == "gloo":
+        raise ConfigError("[parallel] comm_hook = 'bf16' needs the NCCL backend (GPU); gloo cannot reduce bf16",
+                          "use comm_hook = 'fp16' or 'powersgd' on CPU")
     ddp = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None, process_group=group)
     stats = CommStats()
     # hooks are left unannotated: DDP rejects annotations it cannot match (they are strings here)
