@@ -201,8 +201,11 @@ def test_cli_train(tmp_path, capsys):
 
     path = tmp_path / "c.toml"
     path.write_text(dump_toml(config(tmp_path / "cli", steps=2)))
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli" / "metrics.jsonl").write_text('{"step": 99, "loss": 5.0}\n')  # an earlier run's leftovers
     with pytest.raises(SystemExit) as e:
         main(["train", str(path)])
     assert e.value.code == 0
     assert "trained 2 steps" in capsys.readouterr().out
     assert (tmp_path / "cli" / "final" / "model.safetensors").is_file()
+    assert [r["step"] for r in read_metrics(tmp_path / "cli" / "metrics.jsonl")] == [1, 2]

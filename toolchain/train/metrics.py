@@ -90,6 +90,11 @@ class MetricsLog:
         tmp.write_text("".join(k + "\n" for k in keep))
         os.replace(tmp, self.path)
 
+    def reset(self) -> None:
+        """Start the log afresh (rank 0): remove what an earlier run left."""
+        if self.rank == 0 and self.path.is_file():
+            self.path.unlink()
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

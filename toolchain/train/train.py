@@ -250,10 +250,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
                                   "use data = 'fsdp' when tensor > 1 or pipeline > 1")
             model, comm = par.apply_ddp(model, env, p.comm_hook, p.powersgd_rank)
     if env.pp > 1:
-        def pp_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return hard_loss(out, y)
-        schedule = par.build_pipeline_schedule(model, env, p.pipeline_schedule,
-                                               p.microbatches or env.pp, pp_loss)
+        schedule = par.build_pipeline_schedule(model, env, p.pipeline_schedule, p.microbatches or env.pp, hard_loss)
 
     optimizer = HybridOptimizer(model, cfg.optim.lr, cfg.optim.weight_decay, tuple(cfg.optim.betas), cfg.optim.eps,
                                 cfg.optim.lamb_threshold)
@@ -278,6 +275,8 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         log.truncate_after(step)
         log.event("resumed", step=step, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
         log.message(f"resumed from checkpoint step_{step}")
+    else:
+        log.reset()  # a fresh start: records of an earlier run in this directory would mix trajectories
 
     from torch.utils.data import DataLoader
 
