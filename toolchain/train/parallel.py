@@ -225,9 +225,15 @@ def apply_ddp(model: torch.nn.Module, env: DistEnv, comm_hook: str | None = None
         state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
                                             start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
 
+        # PowerSGD issues its second all-reduce from a future callback; on gloo, with several buckets, ranks then
+        # issue collectives in different orders (a size-mismatch abort, measured), so finish each bucket in turn
+        serial = dist.get_backend(group) == "gloo"
+
         def hook(st, bucket):
             before = st.total_numel_after_compression
             fut = powerSGD_hook.powerSGD_hook(st, bucket)
+            if serial:
+                fut.wait()
             size = bucket.buffer().element_size()
             sent = st.total_numel_after_compression - before
             # before start_powerSGD_iter PowerSGD all-reduces the whole bucket uncompressed
