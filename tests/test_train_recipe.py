@@ -160,9 +160,11 @@ def test_activation_checkpointing_same_numbers(baseline, tmp_path):
 
 
 def test_two_inputs_and_token_budget(tmp_path):
-    train.run(from_dict(config(tmp_path / "two", steps=2, data={"factory": "train_models:make_two_input_data",
+    train.run(from_dict(config(tmp_path / "two", steps=3, data={"factory": "train_models:make_two_input_data",
                                                                 "kwargs": {}, "batch_size": 8},
+                               checkpoint={"every": 1, "keep": 2},
                                model={"factory": "train_models:make_two_input", "input_names": ["dense", "ids"]})))
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step_2", "step_3"]
     model, ex = load_trained(tmp_path / "two")
     assert {k: (tuple(v.shape), v.dtype) for k, v in ex.items()} == {"dense": ((1, 4), torch.float32),
                                                                      "ids": ((1,), torch.int64)}
@@ -193,6 +195,17 @@ def test_distill_student_from_teacher(baseline, tmp_path):
     cfg["out_dir"] = str(tmp_path / "nofeat")
     distill.run(from_dict(cfg, distill=True))
     assert with_feat > read_metrics(tmp_path / "nofeat" / "metrics.jsonl")[0]["loss"]
+
+
+def test_factory_errors_are_config_errors(tmp_path):
+    from dsedge.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\[model\] factory 'train_models:make_tiny' failed: .*widht"):
+        train.run(from_dict(config(tmp_path / "a", model={"kwargs": {"widht": 3}})))
+    with pytest.raises(ConfigError, match="input_names has 2 names but the data gives 1 inputs"):
+        train.run(from_dict(config(tmp_path / "b", model={"input_names": ["a", "b"]})))
+    with pytest.raises(ConfigError, match="module 'no_such_module' not found"):
+        train.run(from_dict(config(tmp_path / "c", data={"factory": "no_such_module:make"})))
 
 
 def test_cli_train(tmp_path, capsys):

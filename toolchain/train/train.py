@@ -56,7 +56,12 @@ def as_inputs(x: Any) -> tuple:
 
 def build_data(cfg: TrainConfig) -> tuple[Any, Any]:
     """``(train_dataset, val_dataset | None)`` from the data factory; ConfigError when it returns something else."""
-    out = resolve_callable(cfg.data.factory, "[data] factory")(**cfg.data.kwargs)
+    factory = resolve_callable(cfg.data.factory, "[data] factory")
+    try:
+        out = factory(**cfg.data.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{cfg.source}: [data] factory {cfg.data.factory!r} failed: {e}",
+                          "check [data] kwargs against the function's parameters") from None
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise ConfigError(f"[data] factory {cfg.data.factory!r} must return (train_dataset, val_dataset or None)",
                           "return a 2-tuple")
@@ -133,9 +138,6 @@ def write_final(run_dir: Path, cfg: TrainConfig, state: dict[str, torch.Tensor],
     from ...runtime.bundle import atomic_directory
 
     names = list(cfg.model.input_names) or [f"input_{i}" for i in range(len(example))]
-    if len(names) != len(example):
-        raise ConfigError(f"{cfg.source}: [model] input_names has {len(names)} names but the data gives "
-                          f"{len(example)} inputs", "list one name per model input")
     meta = {
         "format": "dsedge-trained-model", "version": 1, "step": step,
         "factory": cfg.model.factory, "kwargs": cfg.model.kwargs,
@@ -212,12 +214,20 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
 
     # model and data: same seed on every rank, so every rank builds the same initial weights
     torch.manual_seed(cfg.seed)
-    model = resolve_callable(cfg.model.factory, "[model] factory")(**cfg.model.kwargs)
+    factory = resolve_callable(cfg.model.factory, "[model] factory")
+    try:
+        model = factory(**cfg.model.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{cfg.source}: [model] factory {cfg.model.factory!r} failed: {e}",
+                          "check [model] kwargs against the function's parameters") from None
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"[model] factory {cfg.model.factory!r} returned {type(model).__name__}, not an nn.Module",
                           "return a torch.nn.Module")
     train_ds, val_ds = build_data(cfg)
     example = as_inputs(train_ds[0][0])
+    if cfg.model.input_names and len(cfg.model.input_names) != len(example):
+        raise ConfigError(f"{cfg.source}: [model] input_names has {len(cfg.model.input_names)} names but the data "
+                          f"gives {len(example)} inputs", "list one name per model input")
     sampler = build_sampler(cfg, train_ds, env)
     total_steps = cfg.steps if cfg.steps is not None else sampler.steps_for_epochs(cfg.epochs)
     hard_loss = make_loss(cfg.loss)
