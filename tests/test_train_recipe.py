@@ -222,3 +222,27 @@ def test_cli_train(tmp_path, capsys):
     assert "trained 2 steps" in capsys.readouterr().out
     assert (tmp_path / "cli" / "final" / "model.safetensors").is_file()
     assert [r["step"] for r in read_metrics(tmp_path / "cli" / "metrics.jsonl")] == [1, 2]
+
+
+def test_real_fraud_data_bce_with_pos_weight(shared_data, tmp_path):
+    """The fraud contract on the real ULB subsample: bce_with_logits + pos_weight, logits (N, 1), target (N,)."""
+    csv = shared_data / "creditcard-fraud-ulb" / "creditcard_fraud_subsample.csv"
+    cfg = config(tmp_path / "fraud", steps=40, model={"factory": "train_models:make_fraud_mlp",
+                                                      "input_names": ["dense"]},
+                 data={"factory": "train_models:make_fraud_data", "kwargs": {"csv": str(csv)}, "batch_size": 256},
+                 loss={"kind": "bce_with_logits", "pos_weight": 10.0}, optim={"lr": 1e-2},
+                 checkpoint={"every": 40})
+    train.run(from_dict(cfg))
+    got = losses(tmp_path / "fraud")
+    assert sum(got[-5:]) / 5 < 0.8 * sum(got[:5]) / 5
+    ev = [json.loads(x) for x in (tmp_path / "fraud" / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
+    assert ev and 0 < ev[-1]["val_loss"] < got[0]
+    model, ex = load_trained(tmp_path / "fraud")
+    assert ex["dense"].shape == (1, 30) and model(ex["dense"]).shape == (1, 1)
+    import train_models
+
+    _, val = train_models.make_fraud_data(str(csv))
+    x, y = val.tensors
+    with torch.no_grad():
+        score = model(x).squeeze(-1)
+    assert score[y == 1].mean() > score[y == 0].mean() + 1.0  # frauds score clearly higher
