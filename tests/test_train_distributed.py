@@ -164,7 +164,7 @@ def test_killed_rank_restarts_and_resumes_identically(tmp_path):
     """SIGKILL rank 1 after the step-4 checkpoint; torchrun --max-restarts 1 restarts both ranks, training resumes
     from step_4 and the loss trajectory and final weights equal an uninterrupted one-process run."""
     cfg = config(tmp_path / "run", steps=12, checkpoint={"every": 4},
-                 data={"kwargs": {"val": 0, "delay_s": 0.03}})
+                 data={"kwargs": {"val": 0, "delay_s": 0.05}})
     path = tmp_path / "kill.toml"
     path.write_text(dump_toml(cfg))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -234,3 +234,21 @@ def test_four_processes_2d_and_3d_meshes(references, tmp_path):
     for name, ref in (("fsdp_tp", "tiny"), ("pp_fsdp", "mlp")):
         assert losses(tmp_path / name) == pytest.approx(losses(references / ref), rel=1e-6, abs=1e-6)
         assert_same_weights(tmp_path / name, references / ref)
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_resumes_in_one_process(dist_runs, references, tmp_path):
+    """DCP reshards: the 2-rank FSDP step_3 checkpoint resumes in a single process on the same trajectory."""
+    import shutil
+
+    run = tmp_path / "fsdp"
+    shutil.copytree(dist_runs / "fsdp", run)
+    shutil.rmtree(run / "checkpoints" / "step_6")
+    shutil.rmtree(run / "final")
+    sys.path.insert(0, str(TESTS))
+    try:
+        train.run(from_dict(config(run)))
+    finally:
+        sys.path.remove(str(TESTS))
+    assert losses(run) == pytest.approx(losses(references / "tiny"), rel=1e-6, abs=1e-6)
+    assert_same_weights(run, references / "tiny")

@@ -193,7 +193,13 @@ def test_distill_student_from_teacher(baseline, tmp_path):
     with_feat = read_metrics(tmp_path / "feat" / "metrics.jsonl")[0]["loss"]
     cfg["distill"]["feature_weight"] = 0.0
     cfg["out_dir"] = str(tmp_path / "nofeat")
-    distill.run(from_dict(cfg, distill=True))
+    from dsedge.cli import main
+    from dsedge.toolchain.train.config import dump_toml
+
+    (tmp_path / "nofeat.toml").write_text(dump_toml(cfg))
+    with pytest.raises(SystemExit) as e:  # the `dsedge distill` command
+        main(["distill", str(tmp_path / "nofeat.toml")])
+    assert e.value.code == 0
     assert with_feat > read_metrics(tmp_path / "nofeat" / "metrics.jsonl")[0]["loss"]
 
 
