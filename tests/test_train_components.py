@@ -1,7 +1,6 @@
 """Training components on real tensors: LAMB vs a reference, the hybrid split, schedule, samplers, losses, precision."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -2,7 +2,6 @@
 non-finite steps and rollback, precision modes, distillation, `load_trained`."""
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 import sys
