@@ -147,11 +147,12 @@ def resume_time(tmp: Path) -> None:
     t_kill = None
     while t_kill is None and proc.poll() is None:
         if metrics.is_file() and '"event": "checkpoint", "step": 10' in metrics.read_text():
-            for task in Path(f"/proc/{proc.pid}/task").iterdir():
-                for pid in (task / "children").read_text().split():
-                    if b"RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                        os.kill(int(pid), signal.SIGKILL)
-                        t_kill = time.time()
+            from test_train_distributed import _worker_pids
+
+            pids = _worker_pids(proc.pid)
+            if 1 in pids:
+                os.kill(pids[1], signal.SIGKILL)
+                t_kill = time.time()
         time.sleep(0.01)
     proc.wait()
     recs = [json.loads(x) for x in metrics.read_text().splitlines()]

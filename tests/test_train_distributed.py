@@ -145,17 +145,21 @@ def test_fsdp_bf16_mixed_precision_and_distill(dist_runs, references):
 
 
 def _worker_pids(parent: int) -> dict[int, int]:
-    """rank -> pid of torchrun's worker processes (read from /proc)."""
+    """rank -> pid of torchrun's worker processes (children of ``parent``, found by scanning /proc)."""
     out = {}
-    for task in Path(f"/proc/{parent}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
                 continue
-            for kv in env:
-                if kv.startswith(b"RANK="):
-                    out[int(kv[5:])] = int(pid)
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        for kv in env:
+            if kv.startswith(b"RANK="):
+                out[int(kv[5:])] = int(proc.name)
     return out
 
 
