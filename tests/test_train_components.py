@@ -1,7 +1,6 @@
 """Training components on real tensors: LAMB vs a reference, the hybrid split, schedule, samplers, losses, precision."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -161,3 +160,12 @@ def test_bf16_policy_keeps_norms_fp32():
     assert policy.grad_scaler() is None
     scaler = PrecisionPolicy("fp16", "cpu", initial_scale=128.0, growth_interval=5).grad_scaler()
     assert scaler.get_scale() == 128.0 and scaler.get_growth_interval() == 5
+
+
+def test_token_budget_locate_walks_epochs():
+    lengths = [3, 9, 4, 12, 7, 2, 5, 8, 6, 11] * 4
+    s = TokenBudgetBatchSampler(lengths, max_tokens=24, seed=2)
+    n0, n1 = s.batches_per_epoch(0), s.batches_per_epoch(1)
+    assert s.locate(0) == (0, 0) and s.locate(n0 - 1) == (0, n0 - 1)
+    assert s.locate(n0) == (1, 0) and s.locate(n0 + n1) == (2, 0)
+    assert s.steps_for_epochs(2) == n0 + n1

@@ -145,17 +145,21 @@ def test_fsdp_bf16_mixed_precision_and_distill(dist_runs, references):
 
 
 def _worker_pids(parent: int) -> dict[int, int]:
-    """rank -> pid of torchrun's worker processes (read from /proc)."""
+    """rank -> pid of torchrun's worker processes (children of ``parent``, found by scanning /proc)."""
     out = {}
-    for task in Path(f"/proc/{parent}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
                 continue
-            for kv in env:
-                if kv.startswith(b"RANK="):
-                    out[int(kv[5:])] = int(pid)
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        for kv in env:
+            if kv.startswith(b"RANK="):
+                out[int(kv[5:])] = int(proc.name)
     return out
 
 
@@ -164,7 +168,7 @@ def test_killed_rank_restarts_and_resumes_identically(tmp_path):
     """SIGKILL rank 1 after the step-4 checkpoint; torchrun --max-restarts 1 restarts both ranks, training resumes
     from step_4 and the loss trajectory and final weights equal an uninterrupted one-process run."""
     cfg = config(tmp_path / "run", steps=12, checkpoint={"every": 4},
-                 data={"kwargs": {"val": 0, "delay_s": 0.03}})
+                 data={"kwargs": {"val": 0, "delay_s": 0.05}})
     path = tmp_path / "kill.toml"
     path.write_text(dump_toml(cfg))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -199,3 +203,56 @@ def test_killed_rank_restarts_and_resumes_identically(tmp_path):
     assert [r["step"] for r in read_metrics(metrics)] == list(range(1, 13))
     assert losses(tmp_path / "run") == pytest.approx(losses(tmp_path / "ref"), rel=1e-6, abs=1e-6)
     assert_same_weights(tmp_path / "run", tmp_path / "ref")
+
+
+@pytest.mark.slow
+def test_impossible_mesh_is_a_one_line_error_under_torchrun(tmp_path):
+    """`dsedge train --nproc-per-node 2` (launches torchrun) with tensor 2 x pipeline 2: each rank says why."""
+    path = tmp_path / "bad.toml"
+    path.write_text(dump_toml(config(tmp_path / "run", parallel={"data": "fsdp", "tensor": 2, "pipeline": 2})))
+    proc = subprocess.run([sys.executable, "-m", "dsedge.cli", "train", str(path), "--nproc-per-node", "2"],
+                          env=torchrun_env(), cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert out.count("tensor = 2 x pipeline = 2 does not divide the world size 2") == 2
+    assert "hint: launch a multiple of 4 processes" in out
+    assert "Traceback" not in out.split("error:")[1]  # the rank's own message carries no traceback
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 4, reason="4 processes on fewer than 4 cores: too slow for the suite")
+def test_four_processes_2d_and_3d_meshes(references, tmp_path):
+    """FSDP x TP on a (dp 2, tp 2) mesh and FSDP x pipeline on a (pp 2, dp 2) mesh match one process."""
+    runs = {"fsdp_tp": {"parallel": {"data": "fsdp", "tensor": 2}},
+            "pp_fsdp": {"model": {"factory": "train_models:make_mlp"},
+                        "parallel": {"data": "fsdp", "pipeline": 2, "microbatches": 2}}}
+    paths = []
+    for name, over in runs.items():
+        (tmp_path / f"{name}.toml").write_text(dump_toml(config(tmp_path / name, **over)))
+        paths.append(str(tmp_path / f"{name}.toml"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(TESTS / "train_dist_driver.py"), *paths]
+    proc = subprocess.run(cmd, env=torchrun_env(), cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    for name, ref in (("fsdp_tp", "tiny"), ("pp_fsdp", "mlp")):
+        assert losses(tmp_path / name) == pytest.approx(losses(references / ref), rel=1e-6, abs=1e-6)
+        assert_same_weights(tmp_path / name, references / ref)
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_resumes_in_one_process(dist_runs, references, tmp_path):
+    """DCP reshards: the 2-rank FSDP step_3 checkpoint resumes in a single process on the same trajectory."""
+    import shutil
+
+    run = tmp_path / "fsdp"
+    shutil.copytree(dist_runs / "fsdp", run)
+    shutil.rmtree(run / "checkpoints" / "step_6")
+    shutil.rmtree(run / "final")
+    sys.path.insert(0, str(TESTS))
+    try:
+        train.run(from_dict(config(run)))
+    finally:
+        sys.path.remove(str(TESTS))
+    assert losses(run) == pytest.approx(losses(references / "tiny"), rel=1e-6, abs=1e-6)
+    assert_same_weights(run, references / "tiny")

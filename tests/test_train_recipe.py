@@ -2,7 +2,6 @@
 non-finite steps and rollback, precision modes, distillation, `load_trained`."""
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 import sys
@@ -126,7 +125,7 @@ def test_rollback_after_k_nonfinite_steps(tmp_path, capsys):
                  model={"factory": "train_models:make_nan_burst", "kwargs": {"start": 5, "count": 3}})
     train.run(from_dict(cfg))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    rb = [e for e in lines if e.get("event") == "rollback"]
+    rb = [{k: v for k, v in e.items() if k != "time"} for e in lines if e.get("event") == "rollback"]
     assert rb == [{"event": "rollback", "from_step": 7, "to_step": 6, "nonfinite": 3, "rollbacks": 1}]
     assert "rolled back from step 7 to step_6" in capsys.readouterr().err
     recs = [r for r in lines if "event" not in r]
@@ -160,9 +159,11 @@ def test_activation_checkpointing_same_numbers(baseline, tmp_path):
 
 
 def test_two_inputs_and_token_budget(tmp_path):
-    train.run(from_dict(config(tmp_path / "two", steps=2, data={"factory": "train_models:make_two_input_data",
+    train.run(from_dict(config(tmp_path / "two", steps=3, data={"factory": "train_models:make_two_input_data",
                                                                 "kwargs": {}, "batch_size": 8},
+                               checkpoint={"every": 1, "keep": 2},
                                model={"factory": "train_models:make_two_input", "input_names": ["dense", "ids"]})))
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step_2", "step_3"]
     model, ex = load_trained(tmp_path / "two")
     assert {k: (tuple(v.shape), v.dtype) for k, v in ex.items()} == {"dense": ((1, 4), torch.float32),
                                                                      "ids": ((1,), torch.int64)}
@@ -191,8 +192,25 @@ def test_distill_student_from_teacher(baseline, tmp_path):
     with_feat = read_metrics(tmp_path / "feat" / "metrics.jsonl")[0]["loss"]
     cfg["distill"]["feature_weight"] = 0.0
     cfg["out_dir"] = str(tmp_path / "nofeat")
-    distill.run(from_dict(cfg, distill=True))
+    from dsedge.cli import main
+    from dsedge.toolchain.train.config import dump_toml
+
+    (tmp_path / "nofeat.toml").write_text(dump_toml(cfg))
+    with pytest.raises(SystemExit) as e:  # the `dsedge distill` command
+        main(["distill", str(tmp_path / "nofeat.toml")])
+    assert e.value.code == 0
     assert with_feat > read_metrics(tmp_path / "nofeat" / "metrics.jsonl")[0]["loss"]
+
+
+def test_factory_errors_are_config_errors(tmp_path):
+    from dsedge.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\[model\] factory 'train_models:make_tiny' failed: .*widht"):
+        train.run(from_dict(config(tmp_path / "a", model={"kwargs": {"widht": 3}})))
+    with pytest.raises(ConfigError, match="input_names has 2 names but the data gives 1 inputs"):
+        train.run(from_dict(config(tmp_path / "b", model={"input_names": ["a", "b"]})))
+    with pytest.raises(ConfigError, match="module 'no_such_module' not found"):
+        train.run(from_dict(config(tmp_path / "c", data={"factory": "no_such_module:make"})))
 
 
 def test_cli_train(tmp_path, capsys):
@@ -201,8 +219,35 @@ def test_cli_train(tmp_path, capsys):
 
     path = tmp_path / "c.toml"
     path.write_text(dump_toml(config(tmp_path / "cli", steps=2)))
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli" / "metrics.jsonl").write_text('{"step": 99, "loss": 5.0}\n')  # an earlier run's leftovers
     with pytest.raises(SystemExit) as e:
         main(["train", str(path)])
     assert e.value.code == 0
     assert "trained 2 steps" in capsys.readouterr().out
     assert (tmp_path / "cli" / "final" / "model.safetensors").is_file()
+    assert [r["step"] for r in read_metrics(tmp_path / "cli" / "metrics.jsonl")] == [1, 2]
+
+
+def test_real_fraud_data_bce_with_pos_weight(shared_data, tmp_path):
+    """The fraud contract on the real ULB subsample: bce_with_logits + pos_weight, logits (N, 1), target (N,)."""
+    csv = shared_data / "creditcard-fraud-ulb" / "creditcard_fraud_subsample.csv"
+    cfg = config(tmp_path / "fraud", steps=40, model={"factory": "train_models:make_fraud_mlp",
+                                                      "input_names": ["dense"]},
+                 data={"factory": "train_models:make_fraud_data", "kwargs": {"csv": str(csv)}, "batch_size": 256},
+                 loss={"kind": "bce_with_logits", "pos_weight": 10.0}, optim={"lr": 1e-2},
+                 checkpoint={"every": 40})
+    train.run(from_dict(cfg))
+    got = losses(tmp_path / "fraud")
+    assert sum(got[-5:]) / 5 < 0.8 * sum(got[:5]) / 5
+    ev = [json.loads(x) for x in (tmp_path / "fraud" / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
+    assert ev and 0 < ev[-1]["val_loss"] < got[0]
+    model, ex = load_trained(tmp_path / "fraud")
+    assert ex["dense"].shape == (1, 30) and model(ex["dense"]).shape == (1, 1)
+    import train_models
+
+    _, val = train_models.make_fraud_data(str(csv))
+    x, y = val.tensors
+    with torch.no_grad():
+        score = model(x).squeeze(-1)
+    assert score[y == 1].mean() > score[y == 0].mean() + 1.0  # frauds score clearly higher

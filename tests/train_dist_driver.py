@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import tomllib
 
 import torch.distributed as dist
 
@@ -13,14 +12,13 @@ from dsedge.toolchain.train.config import load_config
 
 def main(paths: list[str]) -> None:
     dist.init_process_group("gloo")
-    try:
-        for p in paths:
-            is_distill = "distill" in tomllib.loads(open(p).read())
-            cfg = load_config(p, distill=is_distill)
-            (distill.run if is_distill else train.run)(cfg)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    for p in paths:
+        cfg = load_config(p)
+        (distill.run if cfg.distill is not None else train.run)(cfg)
+    # on an exception the process exits without a barrier (peers may sit in another collective); torchrun then
+    # stops the group
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -145,3 +145,23 @@ def make_bag(**kw) -> nn.Module:
 
 def make_sequences(**kw):
     return Sequences(**kw), None
+
+
+def make_fraud_data(csv: str, n_val: int = 2000):
+    """The real ULB credit-card subsample: 30 standardized features, target Class (0/1), last n_val rows for val."""
+    import numpy as np
+    import pandas as pd
+
+    df = pd.read_csv(csv)
+    x = df.drop(columns=["Class"]).to_numpy(np.float32)
+    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
+    y = df["Class"].to_numpy(np.float32)
+    g = np.random.default_rng(0)
+    order = g.permutation(len(x))
+    x, y = torch.from_numpy(x[order]), torch.from_numpy(y[order])
+    ds = torch.utils.data.TensorDataset
+    return ds(x[:-n_val], y[:-n_val]), ds(x[-n_val:], y[-n_val:])
+
+
+def make_fraud_mlp(hidden: int = 32) -> nn.Module:
+    return nn.Sequential(nn.Linear(30, hidden), nn.ReLU(), nn.Linear(hidden, 1))

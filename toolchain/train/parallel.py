@@ -199,6 +199,9 @@ def apply_ddp(model: torch.nn.Module, env: DistEnv, comm_hook: str | None = None
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     group = env.group("dp")
+    if comm_hook == "bf16" and dist.get_backend(group) == "gloo":
+        raise ConfigError("[parallel] comm_hook = 'bf16' needs the NCCL backend (GPU); gloo cannot reduce bf16",
+                          "use comm_hook = 'fp16' or 'powersgd' on CPU")
     ddp = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None, process_group=group)
     stats = CommStats()
     # hooks are left unannotated: DDP rejects annotations it cannot match (they are strings here)
@@ -222,9 +225,15 @@ def apply_ddp(model: torch.nn.Module, env: DistEnv, comm_hook: str | None = None
         state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
                                             start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
 
+        # PowerSGD issues its second all-reduce from a future callback; on gloo, with several buckets, ranks then
+        # issue collectives in different orders (a size-mismatch abort, measured), so finish each bucket in turn
+        serial = dist.get_backend(group) == "gloo"
+
         def hook(st, bucket):
             before = st.total_numel_after_compression
             fut = powerSGD_hook.powerSGD_hook(st, bucket)
+            if serial:
+                fut.wait()
             size = bucket.buffer().element_size()
             sent = st.total_numel_after_compression - before
             # before start_powerSGD_iter PowerSGD all-reduces the whole bucket uncompressed

@@ -56,7 +56,12 @@ def as_inputs(x: Any) -> tuple:
 
 def build_data(cfg: TrainConfig) -> tuple[Any, Any]:
     """``(train_dataset, val_dataset | None)`` from the data factory; ConfigError when it returns something else."""
-    out = resolve_callable(cfg.data.factory, "[data] factory")(**cfg.data.kwargs)
+    factory = resolve_callable(cfg.data.factory, "[data] factory")
+    try:
+        out = factory(**cfg.data.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{cfg.source}: [data] factory {cfg.data.factory!r} failed: {e}",
+                          "check [data] kwargs against the function's parameters") from None
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise ConfigError(f"[data] factory {cfg.data.factory!r} must return (train_dataset, val_dataset or None)",
                           "return a 2-tuple")
@@ -133,9 +138,6 @@ def write_final(run_dir: Path, cfg: TrainConfig, state: dict[str, torch.Tensor],
     from ...runtime.bundle import atomic_directory
 
     names = list(cfg.model.input_names) or [f"input_{i}" for i in range(len(example))]
-    if len(names) != len(example):
-        raise ConfigError(f"{cfg.source}: [model] input_names has {len(names)} names but the data gives "
-                          f"{len(example)} inputs", "list one name per model input")
     meta = {
         "format": "dsedge-trained-model", "version": 1, "step": step,
         "factory": cfg.model.factory, "kwargs": cfg.model.kwargs,
@@ -212,15 +214,22 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
 
     # model and data: same seed on every rank, so every rank builds the same initial weights
     torch.manual_seed(cfg.seed)
-    model = resolve_callable(cfg.model.factory, "[model] factory")(**cfg.model.kwargs)
+    factory = resolve_callable(cfg.model.factory, "[model] factory")
+    try:
+        model = factory(**cfg.model.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{cfg.source}: [model] factory {cfg.model.factory!r} failed: {e}",
+                          "check [model] kwargs against the function's parameters") from None
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"[model] factory {cfg.model.factory!r} returned {type(model).__name__}, not an nn.Module",
                           "return a torch.nn.Module")
     train_ds, val_ds = build_data(cfg)
     example = as_inputs(train_ds[0][0])
+    if cfg.model.input_names and len(cfg.model.input_names) != len(example):
+        raise ConfigError(f"{cfg.source}: [model] input_names has {len(cfg.model.input_names)} names but the data "
+                          f"gives {len(example)} inputs", "list one name per model input")
     sampler = build_sampler(cfg, train_ds, env)
-    per_epoch = sampler.batches_per_epoch()
-    total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
+    total_steps = cfg.steps if cfg.steps is not None else sampler.steps_for_epochs(cfg.epochs)
     hard_loss = make_loss(cfg.loss)
     forward_loss = forward_loss_factory(hard_loss) if forward_loss_factory else None
 
@@ -245,15 +254,13 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         if p.data == "fsdp":
             model = par.apply_fsdp(model, env, policy)
         else:
-            if env.tp > 1:
-                raise ConfigError(f"{cfg.source}: data = 'ddp' cannot be combined with tensor parallel",
-                                  "use data = 'fsdp' with tensor > 1")
+            if env.tp > 1 or env.pp > 1:
+                # DDP's reducer asserts on several backward passes per step (pipeline micro-batches), measured
+                raise ConfigError(f"{cfg.source}: data = 'ddp' cannot be combined with tensor or pipeline parallel",
+                                  "use data = 'fsdp' when tensor > 1 or pipeline > 1")
             model, comm = par.apply_ddp(model, env, p.comm_hook, p.powersgd_rank)
     if env.pp > 1:
-        def pp_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return hard_loss(out, y)
-        schedule = par.build_pipeline_schedule(model, env, p.pipeline_schedule,
-                                               p.microbatches or env.pp, pp_loss)
+        schedule = par.build_pipeline_schedule(model, env, p.pipeline_schedule, p.microbatches or env.pp, hard_loss)
 
     optimizer = HybridOptimizer(model, cfg.optim.lr, cfg.optim.weight_decay, tuple(cfg.optim.betas), cfg.optim.eps,
                                 cfg.optim.lamb_threshold)
@@ -278,13 +285,15 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         log.truncate_after(step)
         log.event("resumed", step=step, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
         log.message(f"resumed from checkpoint step_{step}")
+    else:
+        log.reset()  # a fresh start: records of an earlier run in this directory would mix trajectories
 
     from torch.utils.data import DataLoader
 
     collate = pad_collate if isinstance(sampler, TokenBudgetBatchSampler) else None
 
     def batches_from(s: int):
-        epoch, b = divmod(s, per_epoch)
+        epoch, b = sampler.locate(s)
         while True:
             sampler.set_position(epoch, b)
             yield from DataLoader(train_ds, batch_sampler=sampler, num_workers=cfg.data.num_workers,
@@ -381,7 +390,8 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
             continue
 
         if step % cfg.checkpoint.every == 0 or step == total_steps:
-            trainer = {"epoch": step // per_epoch, "batch": step % per_epoch, "rollbacks": rollbacks,
+            epoch, batch = sampler.locate(step)
+            trainer = {"epoch": epoch, "batch": batch, "rollbacks": rollbacks,
                        "scaler": scaler.state_dict() if scaler is not None else None}
             ckpt.save(step, model, optimizer.optimizers, trainer)
             ev: dict[str, Any] = {"step": step}
