@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 
-from .data import DEFAULT_CSV, load_transactions, split_by_time
+from .data import DEFAULT_CSV, TimeSplit, load_transactions, split_by_time
 from .features import Preprocessor, SparseEncoder
 
 
 def fit_preprocessor(csv: str | os.PathLike = DEFAULT_CSV, hash_buckets: int = 10_000, dim: int = 128,
-                     combiner: str = "sum") -> tuple[Preprocessor, "object"]:
+                     combiner: str = "sum") -> tuple[Preprocessor, TimeSplit]:
     """Load, split by time (``data.split_by_time``) and fit the preprocessor on the train split.
 
     Returns:

@@ -19,7 +19,7 @@ import numpy as np
 
 from dsedge import InputError
 
-from .data import FEATURE_COLUMNS, V_COLUMNS
+from .data import FEATURE_COLUMNS
 from .features import Preprocessor
 
 DEFAULT_BUDGET_MS = 3.0
