@@ -217,10 +217,12 @@ def test_stream_scores_match_torch_and_malformed_rows_are_counted(student_bundle
     rows.insert(10, {k: v for k, v in rows[0].items() if k != "V7"})
     rows.insert(100, {**rows[1], "Amount": "abc"})
     rows.insert(200, {**rows[2], "V3": "NaN"})
-    scorer = StreamScorer(session, pre, threshold=0.0, budget_ms=50.0)
+    # on_reject="run": a request the scheduler rejects on a stalled machine is still scored (and counted)
+    scorer = StreamScorer(session, pre, threshold=0.0, budget_ms=50.0, on_reject="run")
     scored = scorer.replay(iter(rows))
     stats = scorer.stats.to_dict()
     assert stats["scored"] == 300 and len(scored) == 300
+    assert stats["served_late"] == stats["rejected_total"] == sum(s.late for s in scored)
     assert stats["malformed"] == {"missing_column": 1, "not_a_number": 1, "NaN_inf": 1}
     assert stats["malformed_total"] == 3 and stats["first_messages"][0] == "row 10: missing column 'V7'"
     assert [s.index for s in scored][:11] == list(range(10)) + [11]
@@ -321,9 +323,10 @@ every = 6
     pre, _ = fit_preprocessor(csv, hash_buckets=1000)
     with dsedge.load(bundle, threads=1) as session:
         assert [s.name for s in session.inputs] == ["dense", "sparse_ids"]
-        scorer = StreamScorer(session, pre, threshold=0.0, budget_ms=100.0)
+        scorer = StreamScorer(session, pre, threshold=0.0, budget_ms=100.0, on_reject="run")
         scored = scorer.replay(_csv_rows(split["stream"], 64))
-        assert scorer.stats.scored == 64 and not scorer.stats.malformed and not scorer.stats.rejected
+        assert scorer.stats.scored == 64 and not scorer.stats.malformed
+        assert scorer.stats.served_late == sum(scorer.stats.rejected.values())
         x = pre.transform(split["stream"].iloc[:64])
         logits = session.run(x)["logits"]
     np.testing.assert_allclose([s.score for s in scored], logits[:, 1] - logits[:, 0], atol=1e-5)
