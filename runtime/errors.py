@@ -64,6 +64,10 @@ class EngineError(DsedgeError):
     """A TensorRT engine file is corrupt, foreign (other GPU / TensorRT version) or failed to build."""
 
 
+class TrainingError(DsedgeError):
+    """Training cannot go on: the loss stayed non-finite after rolling back, or a run directory is unusable."""
+
+
 class SessionClosedError(DsedgeError):
     """``submit``/``stream``/``generate`` was called on a session after ``close()`` (a programming error)."""
 
