@@ -19,6 +19,8 @@ from ..runtime.errors import TargetError
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 MODEL_PRECISIONS = ("int4", "int8", "fp16", "bf16", "fp32")
+ENGINE_FLAGS = ("tf32", "fp8", "sparsity")  # builder modes, not model precisions
+BACKENDS = ("tensorrt", "onnxruntime")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class Target:
         workspace_mb: default TensorRT workspace memory pool, MiB.
         default_budget_ms: latency budget used when neither request nor bundle gives one.
         shapes: ``{"batch": {"min": 1, "opt": 8, "max": 32}, "sequence": {...}}`` for optimization profiles.
+        hardware_compatibility: TensorRT hardware-compatibility level the engine may be built with
+            (``"ampere+"`` on x86 data-center GPUs; ``""`` = engine tied to this exact GPU, e.g. Jetson).
+        version_compatible: build version-compatible engines (run on newer TensorRT of the same major).
     """
 
     name: str
@@ -56,11 +61,27 @@ class Target:
     workspace_mb: int = 0
     default_budget_ms: float = 50.0
     shapes: dict[str, dict[str, int]] = field(default_factory=dict)
+    hardware_compatibility: str = ""
+    version_compatible: bool = False
     notes: tuple[str, ...] = ()
     source: str = ""
 
     def supports(self, precision: str) -> bool:
         return precision in self.precisions
+
+    @property
+    def trt_version(self) -> tuple[int, int] | None:
+        """TensorRT version the target's software stack ships, as ``(major, minor)``; None for ORT-only targets."""
+        v = self.tensorrt.get("version")
+        if not v:
+            return None
+        major, _, rest = str(v).partition(".")
+        return int(major), int(rest.partition(".")[0] or 0)
+
+    @property
+    def sm(self) -> str:
+        """``"sm87"`` for compute capability ``"8.7"``; ``""`` for CPU targets."""
+        return "sm" + self.compute_capability.replace(".", "") if self.compute_capability else ""
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -118,9 +139,53 @@ def load_profile(path: str | os.PathLike) -> Target:
     try:
         kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
         kwargs.setdefault("precision_order", kwargs.get("precisions", ("fp32",)))
-        return Target(source=str(path), **kwargs)
+        target = Target(source=str(path), **kwargs)
     except TypeError as e:
         raise TargetError(f"target profile {path.name} is malformed: {e}", "compare with a built-in profile") from None
+    _check_values(target, path.name)
+    return target
+
+
+def _check_values(t: Target, fname: str) -> None:
+    """Reject values a build could not use (wrong types, impossible ranges). Raises TargetError naming the key."""
+
+    def bad(key: str, why: str) -> TargetError:
+        return TargetError(f"target profile {fname}: {key} {why}", "compare with a built-in profile in dsedge/targets/profiles")
+
+    if t.backend not in BACKENDS:
+        raise bad("backend", f"is {t.backend!r}; use one of {', '.join(BACKENDS)}")
+    unknown = [f for f in t.engine_flags if f not in ENGINE_FLAGS]
+    if unknown:
+        raise bad("engine_flags", f"has unknown flag {unknown[0]!r}; use some of {', '.join(ENGINE_FLAGS)}")
+    if not isinstance(t.dla_cores, int) or isinstance(t.dla_cores, bool) or t.dla_cores < 0:
+        raise bad("dla_cores", f"must be an integer >= 0, got {t.dla_cores!r}")
+    for key in ("memory_gb", "workspace_mb", "default_budget_ms"):
+        val = getattr(t, key)
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or val < 0:
+            raise bad(key, f"must be a number >= 0, got {val!r}")
+    if t.compute_capability is not None:
+        cc = str(t.compute_capability)
+        if not (cc.count(".") == 1 and all(part.isdigit() for part in cc.split("."))):
+            raise bad("compute_capability", f"must look like \"8.7\", got {cc!r}")
+    if t.backend == "tensorrt":
+        if not t.compute_capability:
+            raise bad("compute_capability", "is required for a tensorrt target")
+        try:
+            if t.trt_version is None:
+                raise ValueError
+        except ValueError:
+            raise bad("tensorrt", "needs version = \"MAJOR.MINOR\" (e.g. \"10.3\")") from None
+    if not isinstance(t.opset, dict) or not all(isinstance(t.opset.get(k), int) for k in ("min", "max")):
+        raise bad("opset", f"must be {{ min = N, max = M }} with integers, got {t.opset!r}")
+    if t.opset["min"] > t.opset["max"]:
+        raise bad("opset", f"min {t.opset['min']} is above max {t.opset['max']}")
+    for dim, rng in t.shapes.items():
+        try:
+            lo, opt, hi = (int(rng[k]) for k in ("min", "opt", "max"))
+        except (KeyError, TypeError, ValueError):
+            raise bad("shapes", f"{dim!r} must be {{ min = a, opt = b, max = c }}") from None
+        if not 1 <= lo <= opt <= hi:
+            raise bad("shapes", f"{dim!r} needs 1 <= min <= opt <= max, got {lo}/{opt}/{hi}")
 
 
 def list_targets() -> list[Target]:
@@ -140,7 +205,13 @@ def get_target(name_or_path: str | os.PathLike) -> Target:
     key = s.strip().lower()
     targets = list_targets()
     for t in targets:
-        if key == t.name or key in t.aliases:
+        if key == t.name:
             return t
+    claimed = [t for t in targets if key in t.aliases]
+    if len(claimed) > 1:
+        raise TargetError(f"target alias {s!r} is claimed by {claimed[0].source} and {claimed[1].source}",
+                          "use the full target name, or remove the alias from one profile")
+    if claimed:
+        return claimed[0]
     names = ", ".join(t.name + (f" ({'/'.join(t.aliases)})" if t.aliases else "") for t in targets)
     raise TargetError(f"unknown target {s!r}", f"known targets: {names}; or pass a profile file ./my-device.toml")

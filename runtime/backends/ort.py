@@ -40,6 +40,22 @@ def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
     return [p for p in have if p in PROVIDER_CHAIN]
 
 
+def _cpu_rewrites(path: str) -> tuple[str | bytes, int]:
+    """Apply ORT-CPU load-time rewrites; returns the serialized model if anything changed, else the path."""
+    try:
+        import onnx
+    except ModuleNotFoundError:  # the rewrites are a speed-up, never required
+        return path, 0
+    from .ort_rewrites import gather_block_quantized
+
+    try:
+        model = onnx.load(path)
+    except Exception:  # let ORT report an unreadable model with its own message
+        return path, 0
+    n = gather_block_quantized(model)
+    return (model.SerializeToString(), n) if n else (path, 0)
+
+
 class OrtBackend:
     """One ``onnxruntime.InferenceSession`` over an ONNX file.
 
@@ -62,9 +78,13 @@ class OrtBackend:
             opts.intra_op_num_threads = int(threads)
             opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
+        chosen = choose_providers(providers)
+        model: str | bytes = os.fspath(model_path)
+        self.rewrites = 0
+        if chosen and chosen[0] == "CPUExecutionProvider":
+            model, self.rewrites = _cpu_rewrites(model)
         try:
-            self.session = ort.InferenceSession(os.fspath(model_path), sess_options=opts,
-                                                providers=choose_providers(providers))
+            self.session = ort.InferenceSession(model, sess_options=opts, providers=chosen)
         except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph, …)
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise BundleError(f"ONNX Runtime cannot load {os.fspath(model_path)!r}: {first[:300]}",

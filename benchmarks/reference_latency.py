@@ -1,0 +1,67 @@
+"""INT4 bundle vs fp32 ONNX vs PyTorch eager on the real all-MiniLM-L6-v2, side by side in one run.
+
+    python benchmarks/reference_latency.py [--bundle out/all-minilm-l6-v2-jetson-orin.dse] [--threads 2]
+
+Builds the jetson bundle first when --bundle is not given. Prints median latency (ms) at batch 1 × seq 32 and
+batch 32 × seq 64, and each one's speed-up over PyTorch eager fp32 measured in the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+
+def median_ms(fn, runs: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=30)
+    args = ap.parse_args()
+
+    import torch
+
+    import dsedge
+    from dsedge.toolchain import reference
+
+    torch.set_num_threads(args.threads)
+    if not args.bundle:
+        from dsedge.toolchain.pipeline import BuildOptions, build
+
+        t = time.perf_counter()
+        args.bundle = str(build(BuildOptions(target="jetson", out_dir="out")).bundle)
+        print(f"built {args.bundle} in {time.perf_counter() - t:.1f} s")
+    d = reference.verified_model_dir()
+    tok = reference.load_tokenizer(d)
+    eager = reference.sentence_encoder(d)
+    sessions = {v: dsedge.load(args.bundle, variant=v, threads=args.threads) for v in ("fp32", "int4")}
+    print(f"threads {args.threads}, median of {args.runs}; providers {sessions['int4'].providers}")
+    print(f"{'shape':>10} | {'torch eager ms':>14} | {'fp32 ONNX ms':>12} {'×':>6} | {'int4 bundle ms':>14} {'×':>6}")
+    rng = np.random.default_rng(0)
+    for batch, seq in ((1, 32), (32, 64)):
+        ids = rng.integers(1000, 29000, (batch, seq)).astype(np.int64)
+        ids[:, 0], ids[:, -1] = tok.cls_token_id, tok.sep_token_id
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+        tt = [torch.from_numpy(v) for v in feeds.values()]
+        with torch.inference_mode():
+            t_eager = median_ms(lambda: eager(*tt), args.runs)
+        t32 = median_ms(lambda: sessions["fp32"].run(feeds), args.runs)
+        t4 = median_ms(lambda: sessions["int4"].run(feeds), args.runs)
+        print(f"{batch:>4}×{seq:<5} | {t_eager:14.2f} | {t32:12.2f} {t_eager / t32:5.2f}× | {t4:14.2f} {t_eager / t4:5.2f}×")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Load-time graph rewrites for ONNX Runtime, applied in memory (the bundle's files stay the standard Q/DQ form).
+
+ORT does not constant-fold DequantizeLinear, so a 4-bit embedding table written as DequantizeLinear → Gather would
+be dequantized whole on every run (30522 × 384 values for MiniLM). ORT's contrib op ``GatherBlockQuantized``
+(com.microsoft) gathers the 4-bit rows first and dequantizes only those; this pass swaps the pattern for it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def gather_block_quantized(model: Any) -> int:
+    """Rewrite ``DequantizeLinear(int4/uint4 initializer, axis=1, block_size) → Gather(axis=0)`` in place.
+
+    Returns the number of rewritten Gathers. Tables whose DequantizeLinear output feeds anything but Gathers (tied
+    weights) are left alone.
+    """
+    from onnx import TensorProto, helper
+
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    consumers: dict[str, list[Any]] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    outputs = {o.name for o in g.output}
+    rewritten = 0
+    for dq in list(g.node):
+        if dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
+            continue
+        data = inits[dq.input[0]]
+        if data.data_type not in (TensorProto.INT4, TensorProto.UINT4) or len(data.dims) != 2:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in dq.attribute}
+        users = consumers.get(dq.output[0], [])
+        if (attrs.get("axis") != 1 or not attrs.get("block_size") or dq.output[0] in outputs or not users
+                or any(u.op_type != "Gather" or u.input[0] != dq.output[0] for u in users)):
+            continue
+        for u in users:
+            gattrs = {a.name: helper.get_attribute_value(a) for a in u.attribute}
+            if gattrs.get("axis", 0) != 0:
+                break
+        else:
+            for u in users:
+                inputs = [dq.input[0], u.input[1], dq.input[1]] + ([dq.input[2]] if len(dq.input) > 2 else [])
+                new = helper.make_node("GatherBlockQuantized", inputs, list(u.output), name=u.name + "_gbq",
+                                       domain="com.microsoft", gather_axis=0, quantize_axis=1,
+                                       block_size=int(attrs["block_size"]), bits=4)
+                g.node.insert(list(g.node).index(u), new)
+                g.node.remove(u)
+                rewritten += 1
+            g.node.remove(dq)
+    if rewritten and not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return rewritten

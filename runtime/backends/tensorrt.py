@@ -1,0 +1,319 @@
+"""TensorRT backend: build an engine from a bundle's ONNX on the device (same settings as ``build/trtexec.sh``), cache
+it, load it, run it with device buffers. Written against the real ``tensorrt`` Python API (≥ 8.5: name-based I/O,
+``set_input_shape``/``set_tensor_address``/``execute_async_v3``) and cuda-python for device memory; both imported only
+when used, so this module imports anywhere.
+
+Verified here (tests, with a fake ``tensorrt`` module): the import guard, the builder calls (network flags, precision
+flags, optimization profile, workspace, DLA, sparsity, compatibility, timing cache), engine caching and staleness.
+Verified only on a device: that TensorRT accepts those calls and the engine's numbers, and ``run`` (device buffers).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..build_settings import EngineBuildSettings, engine_build_settings
+from ..engine_cache import EngineCache, EngineKey, SUFFIX, load_matching, settings_digest, write_engine
+from ..errors import BackendUnavailable, EngineError, TargetError
+from ..gpu_info import GpuInfo, detect_gpu
+
+log = logging.getLogger("dsedge.engine")
+MIN_TRT = (8, 5)
+INSTALL_HINT = ("TensorRT ships with JetPack on Jetson; on x86 `pip install tensorrt cuda-python`. "
+                "dsedge runs the bundle with ONNX Runtime meanwhile")
+
+
+def import_tensorrt() -> Any:
+    """The ``tensorrt`` module, checked to be ≥ 8.5.
+
+    Raises:
+        BackendUnavailable: not installed (or only the PyPI stub that cannot load libnvinfer), or too old.
+    """
+    try:
+        import tensorrt as trt
+    except (ImportError, OSError) as e:  # the PyPI stub raises at import when libnvinfer is absent
+        raise BackendUnavailable(f"TensorRT is not installed here (Python package 'tensorrt' >= "
+                                 f"{MIN_TRT[0]}.{MIN_TRT[1]}): {str(e).splitlines()[0][:120] if str(e) else 'missing'}",
+                                 INSTALL_HINT) from None
+    version = str(getattr(trt, "__version__", "0"))
+    parts = [int(p) for p in version.split(".")[:2] if p.isdigit()] + [0, 0]
+    if tuple(parts[:2]) < MIN_TRT:
+        raise BackendUnavailable(f"TensorRT {version} is too old: dsedge needs >= {MIN_TRT[0]}.{MIN_TRT[1]}",
+                                 "upgrade TensorRT (JetPack 5.1+ on Jetson)")
+    return trt
+
+
+def _trt_major(trt: Any) -> int:
+    return int(str(trt.__version__).split(".")[0])
+
+
+def build_serialized_engine(trt: Any, onnx_path: str | os.PathLike, s: EngineBuildSettings,
+                            timing_cache: str | os.PathLike | None = None) -> bytes:
+    """Parse the ONNX and build a serialized plan with settings ``s`` (the recipe's settings).
+
+    Raises:
+        EngineError: the ONNX parser rejects the model (first parser errors quoted), or the build fails.
+    """
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    major = _trt_major(trt)
+    flags = 0
+    if major < 10:  # explicit batch is the only mode from 10.0 (the flag was removed)
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
+    if s.strongly_typed and major == 10:  # 11.x: always strongly typed
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(os.fspath(onnx_path)):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise EngineError(f"TensorRT's ONNX parser rejected {Path(onnx_path).name}: "
+                          f"{'; '.join(errors[:2])[:300] or 'no detail'}",
+                          "check the opset/ops against the target's TensorRT (dsedge targets NAME)")
+    config = builder.create_builder_config()
+    if s.workspace_mb:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, s.workspace_mb << 20)
+    if major < 11:
+        for f in s.precision_flags:
+            config.set_flag(getattr(trt.BuilderFlag, f.upper()))
+    profile = builder.create_optimization_profile()
+    for name, (lo, opt, hi) in s.shapes.items():
+        profile.set_shape(name, lo, opt, hi)
+    config.add_optimization_profile(profile)
+    if s.dla_core is not None:
+        config.default_device_type = trt.DeviceType.DLA
+        config.DLA_core = s.dla_core
+        config.set_flag(trt.BuilderFlag.GPU_FALLBACK)
+    if s.sparsity:
+        config.set_flag(trt.BuilderFlag.SPARSE_WEIGHTS)
+    if s.version_compatible:
+        config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
+    if s.hardware_compatibility == "ampere+":
+        config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.AMPERE_PLUS
+    cache = None
+    if timing_cache is not None:
+        tc = Path(timing_cache)
+        cache = config.create_timing_cache(tc.read_bytes() if tc.is_file() else b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise EngineError(f"TensorRT failed to build the {s.variant} engine (see the TensorRT log above)",
+                          "try a larger workspace or another precision; run build/trtexec.sh --verbose by hand")
+    if cache is not None:
+        Path(timing_cache).parent.mkdir(parents=True, exist_ok=True)
+        Path(timing_cache).write_bytes(bytes(cache.serialize()))
+    return bytes(plan)
+
+
+def _cudart() -> Any:
+    try:
+        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
+    except ImportError:
+        try:
+            from cuda import cudart  # type: ignore[no-redef]
+        except ImportError:
+            raise BackendUnavailable("the TensorRT backend needs cuda-python for device buffers",
+                                     "pip install cuda-python") from None
+    return cudart
+
+
+def _check(result: Any) -> Any:
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise EngineError(f"CUDA call failed: {err}", "check the GPU and driver (nvidia-smi / tegrastats)")
+    return rest[0] if len(rest) == 1 else rest
+
+
+class TensorRTBackend:
+    """A deserialized engine and its execution context.
+
+    Args:
+        plan: serialized engine bytes (``EngineCache`` / ``read_engine``).
+        dla_core: the DLA core the engine was built for, or None.
+    Raises:
+        BackendUnavailable: TensorRT missing. EngineError: the plan cannot be deserialized (corrupt, or built by
+            another TensorRT version or for another GPU).
+    """
+
+    name = "tensorrt"
+
+    def __init__(self, plan: bytes, dla_core: int | None = None) -> None:
+        self.trt = trt = import_tensorrt()
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self.runtime = trt.Runtime(self._logger)
+        if dla_core is not None:
+            self.runtime.DLA_core = int(dla_core)
+        self.engine = self.runtime.deserialize_cuda_engine(plan)
+        if self.engine is None:
+            raise EngineError("TensorRT could not deserialize the engine (corrupt, or built by another TensorRT "
+                              "version or for another GPU)", "delete it; dsedge rebuilds it on the next load")
+        self.context = self.engine.create_execution_context()
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.input_names = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.output_names = [n for n in names if n not in self.input_names]
+        self.providers = [f"TensorRT {trt.__version__}" + (f" (DLA {dla_core})" if dla_core is not None else "")]
+        self._stream = None
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch: host arrays in, host arrays out, keyed by IO name. Inputs are cast to the engine's dtypes
+        (TensorRT 8.x engines take int32 where the ONNX says int64). Verified only on a device."""
+        trt, cudart = self.trt, _cudart()
+        if self._stream is None:
+            self._stream = _check(cudart.cudaStreamCreate())
+        allocs, outs = [], {}
+        try:
+            for name in self.input_names:
+                arr = np.ascontiguousarray(inputs[name], dtype=trt.nptype(self.engine.get_tensor_dtype(name)))
+                self.context.set_input_shape(name, arr.shape)
+                ptr = _check(cudart.cudaMalloc(max(arr.nbytes, 1)))
+                allocs.append(ptr)
+                _check(cudart.cudaMemcpyAsync(ptr, arr.ctypes.data, arr.nbytes,
+                                              cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self._stream))
+                self.context.set_tensor_address(name, int(ptr))
+            for name in self.output_names:
+                shape = tuple(self.context.get_tensor_shape(name))
+                host = np.empty(shape, dtype=trt.nptype(self.engine.get_tensor_dtype(name)))
+                ptr = _check(cudart.cudaMalloc(max(host.nbytes, 1)))
+                allocs.append(ptr)
+                self.context.set_tensor_address(name, int(ptr))
+                outs[name] = (host, ptr)
+            if not self.context.execute_async_v3(self._stream):
+                raise EngineError("TensorRT execution failed", "see the TensorRT log; check input shapes are in range")
+            for host, ptr in outs.values():
+                _check(cudart.cudaMemcpyAsync(host.ctypes.data, ptr, host.nbytes,
+                                              cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._stream))
+            _check(cudart.cudaStreamSynchronize(self._stream))
+        finally:
+            for ptr in allocs:
+                cudart.cudaFree(ptr)
+        return {name: host for name, (host, _) in outs.items()}
+
+
+def engine_key(trt: Any, gpu: GpuInfo, s: EngineBuildSettings, model_sha256: str) -> EngineKey:
+    """The cache key for settings ``s`` on this GPU and TensorRT."""
+    return EngineKey(variant=s.variant, gpu=gpu.name, compute_capability=gpu.compute_capability,
+                     sm_count=gpu.sm_count, tensorrt=str(trt.__version__), model_sha256=model_sha256,
+                     settings_sha256=settings_digest(s.digest_fields()))
+
+
+def _variant_dict(variant: Any) -> dict[str, Any]:
+    if isinstance(variant, Mapping):
+        return dict(variant)
+    return {"name": variant.name, "precision": variant.precision, "file": variant.file}
+
+
+def _settings(manifest: Any, variant: Any, dla_core: int | None) -> EngineBuildSettings:
+    return engine_build_settings(manifest.target, _variant_dict(variant), [i.to_dict() for i in manifest.inputs],
+                                 manifest.shape_ranges, dla_core=dla_core)
+
+
+def check_gpu_matches_target(gpu: GpuInfo, target: Mapping[str, Any]) -> None:
+    """Raises TargetError when this GPU's compute capability differs from the target's (an engine built here would
+    not run there)."""
+    cc = str(target.get("compute_capability") or "")
+    if cc and cc != gpu.compute_capability:
+        raise TargetError(f"this machine's GPU {gpu.name!r} is {gpu.sm}, target {target.get('name')} is "
+                          f"sm{cc.replace('.', '')}: an engine built here would not run there",
+                          "build the engine on the target device (dsedge.load builds it on first use)")
+
+
+def build_engine_file(bundle_dir: str | os.PathLike, manifest: Any, variant: Any, out_dir: str | os.PathLike,
+                      dla_core: int | None = None) -> Path:
+    """``dsedge build --engine``: build the variant's engine on this machine into ``out_dir`` (the bundle's
+    ``engines/``, inside the temporary bundle directory) under its cache-slot name, so ``dsedge.load`` on the same
+    GPU and TensorRT finds it.
+
+    Raises:
+        BackendUnavailable: no TensorRT or no GPU. TargetError: this GPU is not the target's. EngineError: build failed.
+    """
+    trt = import_tensorrt()
+    gpu = detect_gpu()
+    if gpu is None:
+        raise BackendUnavailable("no NVIDIA GPU found on this machine", "build engines on the target device")
+    check_gpu_matches_target(gpu, manifest.target)
+    s = _settings(manifest, variant, dla_core)
+    root = Path(bundle_dir)
+    plan = build_serialized_engine(trt, root / s.onnx_file, s, timing_cache=root / "build" / "timing.cache")
+    key = engine_key(trt, gpu, s, manifest.files.get(s.onnx_file) or _sha(root / s.onnx_file))
+    return write_engine(Path(out_dir) / key.slot(), plan, key, {"notes": list(s.notes)})
+
+
+def _sha(path: Path) -> str:
+    from ..bundle import sha256_file
+
+    return sha256_file(path)
+
+
+def open_engine_backend(bundle_dir: str | os.PathLike, manifest: Any, variant: Any, *,
+                        cache: EngineCache | None = None, gpu: GpuInfo | None = None,
+                        dla_core: int | None = None, strict: bool = False) -> TensorRTBackend | None:
+    """A TensorRT backend for ``variant`` when this machine can run one, else None (the caller uses ORT).
+
+    Order: a matching prebuilt engine in ``bundle/engines/``, then the engine cache, else build on this device and
+    cache it (keyed by GPU name, compute capability, SM count, TensorRT version, model sha256 and build settings).
+    A stale, foreign or corrupt engine is never loaded: it is rebuilt, with a log line on ``dsedge.engine`` saying why.
+
+    Args:
+        bundle_dir: the verified ``.dse`` directory. manifest / variant: its ``Manifest`` and ``Variant``.
+        cache: engine cache (default ``$DSEDGE_ENGINE_CACHE`` or ``~/.cache/dsedge/engines``).
+        gpu: this GPU (default: detected). dla_core: run on this DLA core (Jetson).
+        strict: raise instead of returning None when TensorRT is present but the engine cannot be built or loaded.
+    Returns:
+        a backend with ``.name == "tensorrt"``, ``.providers``, ``.run(inputs)``; or None when the target is not a
+        TensorRT target, TensorRT is not installed, or there is no GPU (each logged once at INFO).
+    """
+    target = manifest.target
+    if target.get("backend") != "tensorrt":
+        return None
+    try:
+        trt = import_tensorrt()
+    except BackendUnavailable as e:
+        log.info("%s; using ONNX Runtime", e)
+        return None
+    gpu = gpu or detect_gpu()
+    if gpu is None:
+        log.info("TensorRT is installed but no NVIDIA GPU was found; using ONNX Runtime")
+        return None
+    root = Path(bundle_dir)
+    try:
+        s = _settings(manifest, variant, dla_core)
+        key = engine_key(trt, gpu, s, manifest.files.get(s.onnx_file) or _sha(root / s.onnx_file))
+        plan = _prebuilt(root, key)
+        cache = cache or EngineCache()
+        if plan is None:
+            plan, built = cache.get_or_build(key, lambda: build_serialized_engine(
+                trt, root / s.onnx_file, s, timing_cache=cache.root / "timing.cache"))
+        try:
+            return TensorRTBackend(plan, dla_core=s.dla_core)
+        except EngineError as e:  # readable file, but TensorRT refuses it: rebuild once
+            log.warning("engine for %s: %s; rebuilding", s.variant, e)
+            plan = build_serialized_engine(trt, root / s.onnx_file, s, timing_cache=cache.root / "timing.cache")
+            cache.put(key, plan)
+            return TensorRTBackend(plan, dla_core=s.dla_core)
+    except (EngineError, TargetError) as e:
+        if strict:
+            raise
+        log.warning("TensorRT engine unavailable (%s); using ONNX Runtime", e)
+        return None
+
+
+def _prebuilt(root: Path, key: EngineKey) -> bytes | None:
+    """A matching engine shipped in the bundle's ``engines/``; logs why others of this variant do not match."""
+    engines = root / "engines"
+    plan, reason = load_matching(engines / key.slot(), key)
+    if plan is not None:
+        log.info("using prebuilt engine engines/%s", key.slot())
+        return plan
+    if reason:
+        log.warning("prebuilt engine engines/%s %s; building for this device", key.slot(), reason)
+    same_model = key.slot()[: key.slot().index(key.model_sha256[:16]) + 16]  # "<variant>-<model hash>"
+    for other in sorted(engines.glob(f"*{SUFFIX}")) if engines.is_dir() else []:
+        if other.name == key.slot() or not other.name.startswith(same_model):
+            continue
+        _, why = load_matching(other, key)
+        if why:
+            log.info("prebuilt engine engines/%s is not for this device: %s", other.name, why)
+    return None

@@ -1,0 +1,186 @@
+"""TensorRT engine files with metadata, and the on-device engine cache.
+
+An engine is valid only on the GPU model and TensorRT version it was built with, for the exact ONNX and build
+settings. Each ``.engine`` file therefore carries a header::
+
+    b"DSEDGE-ENGINE\\0" | u32 little-endian header length | header JSON (UTF-8) | serialized TensorRT plan
+
+The header holds the ``EngineKey`` (GPU name, compute capability, SM count, TensorRT version, model sha256, settings
+sha256) and the plan's sha256. Reading checks magic, length and plan hash (corrupt → ``EngineError``); a readable
+engine whose key differs from this machine's is stale or foreign and is never loaded: the caller rebuilds it and the
+cache logs one line saying why. Files are written to a temporary name and renamed, so a crash leaves no half engine.
+
+The cache lives in ``$DSEDGE_ENGINE_CACHE`` or ``~/.cache/dsedge/engines``; one slot per (variant, model hash,
+GPU), so a TensorRT upgrade on the same device overwrites the old engine instead of piling up.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import EngineError
+
+log = logging.getLogger("dsedge.engine")
+
+MAGIC = b"DSEDGE-ENGINE\x00"
+FORMAT_VERSION = 1
+SUFFIX = ".engine"
+_MAX_HEADER = 1 << 20
+
+
+def settings_digest(fields: dict[str, Any]) -> str:
+    """sha256 hex of the build settings that change an engine (canonical JSON)."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "gpu"
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    """What an engine is valid for. ``tensorrt`` is the full version string (``"10.3.0.30"``); engines are only
+    loadable by the TensorRT that built them (unless built version-compatible, which dsedge still keys exactly)."""
+
+    variant: str
+    gpu: str
+    compute_capability: str
+    sm_count: int
+    tensorrt: str
+    model_sha256: str
+    settings_sha256: str
+
+    def slot(self) -> str:
+        """Cache file name: variant, model and GPU, not the TensorRT version (an upgrade replaces the engine)."""
+        sm = "sm" + self.compute_capability.replace(".", "")
+        return f"{_slug(self.variant)}-{self.model_sha256[:16]}-{_slug(self.gpu)}-{sm}-{self.sm_count}{SUFFIX}"
+
+    def mismatch(self, other: dict[str, Any]) -> str | None:
+        """Why an engine with header key ``other`` must not be loaded for this key (one line), or None."""
+        o = other
+        if (o.get("gpu"), o.get("compute_capability"), o.get("sm_count")) != (self.gpu, self.compute_capability,
+                                                                              self.sm_count):
+            return (f"built for GPU {o.get('gpu')!r} (sm{str(o.get('compute_capability', '?')).replace('.', '')}, "
+                    f"{o.get('sm_count')} SMs), this is {self.gpu!r} (sm{self.compute_capability.replace('.', '')}, "
+                    f"{self.sm_count} SMs)")
+        if o.get("tensorrt") != self.tensorrt:
+            return f"built with TensorRT {o.get('tensorrt')}, this is TensorRT {self.tensorrt}"
+        if o.get("model_sha256") != self.model_sha256:
+            return "built from another model file (bundle hash differs)"
+        if o.get("settings_sha256") != self.settings_sha256:
+            return "built with other settings (precision, shapes, DLA, workspace)"
+        if o.get("variant") != self.variant:
+            return f"built for variant {o.get('variant')!r}, not {self.variant!r}"
+        return None
+
+
+def write_engine(path: str | os.PathLike, plan: bytes, key: EngineKey, extra: dict[str, Any] | None = None) -> Path:
+    """Write ``plan`` with its header to ``path`` atomically (temp file in the same folder, then ``os.replace``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = {"format": FORMAT_VERSION, "key": asdict(key), "plan_sha256": hashlib.sha256(plan).hexdigest(),
+              "plan_bytes": len(plan), **(extra or {})}
+    blob = json.dumps(header, sort_keys=True).encode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + struct.pack("<I", len(blob)) + blob + plan)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_engine(path: str | os.PathLike) -> tuple[dict[str, Any], bytes]:
+    """Return ``(header, plan)``.
+
+    Raises:
+        EngineError: not a dsedge engine file, truncated, malformed header, or plan sha256 mismatch (corrupt).
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise EngineError(f"cannot read engine {path.name}: {e.strerror}", "rebuild the engine") from None
+    hint = "delete it; dsedge rebuilds the engine on the next load"
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
+        raise EngineError(f"{path.name} is not a dsedge engine file (bad magic)", hint)
+    (n,) = struct.unpack_from("<I", data, len(MAGIC))
+    start = len(MAGIC) + 4
+    if n > _MAX_HEADER or start + n > len(data):
+        raise EngineError(f"engine {path.name} is truncated (header)", hint)
+    try:
+        header = json.loads(data[start:start + n])
+        key = header["key"]
+        if header.get("format") != FORMAT_VERSION or not isinstance(key, dict):
+            raise ValueError
+    except (ValueError, KeyError, TypeError):
+        raise EngineError(f"engine {path.name} has a malformed header", hint) from None
+    plan = data[start + n:]
+    if len(plan) != header.get("plan_bytes") or hashlib.sha256(plan).hexdigest() != header.get("plan_sha256"):
+        raise EngineError(f"engine {path.name} is corrupt or truncated (plan sha256 mismatch)", hint)
+    return header, plan
+
+
+def load_matching(path: str | os.PathLike, key: EngineKey) -> tuple[bytes | None, str | None]:
+    """``(plan, None)`` when ``path`` holds a sound engine for ``key``; else ``(None, reason)``; ``(None, None)`` when
+    there is no file."""
+    if not Path(path).is_file():
+        return None, None
+    try:
+        header, plan = read_engine(path)
+    except EngineError as e:
+        return None, str(e)
+    reason = key.mismatch(header["key"])
+    return (None, reason) if reason else (plan, None)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("DSEDGE_ENGINE_CACHE") or Path.home() / ".cache" / "dsedge" / "engines")
+
+
+class EngineCache:
+    """Engines built on this device, one file per slot (see ``EngineKey.slot``).
+
+    ``get_or_build(key, build)`` returns a plan for ``key``: the cached one when sound and matching, else
+    ``build()``'s result, stored for next time. A stale, foreign or corrupt file is replaced, with a log line on
+    ``dsedge.engine`` saying why.
+    """
+
+    def __init__(self, root: str | os.PathLike | None = None) -> None:
+        self.root = Path(root) if root is not None else default_cache_dir()
+
+    def path_for(self, key: EngineKey) -> Path:
+        return self.root / key.slot()
+
+    def get(self, key: EngineKey) -> bytes | None:
+        plan, reason = load_matching(self.path_for(key), key)
+        if reason:
+            log.warning("engine cache: %s %s; rebuilding", self.path_for(key).name, reason)
+        return plan
+
+    def put(self, key: EngineKey, plan: bytes, extra: dict[str, Any] | None = None) -> Path:
+        return write_engine(self.path_for(key), plan, key, extra)
+
+    def get_or_build(self, key: EngineKey, build: Callable[[], bytes]) -> tuple[bytes, bool]:
+        """``(plan, built)``: ``built`` is True when ``build()`` ran. Raises what ``build`` raises."""
+        plan = self.get(key)
+        if plan is not None:
+            log.info("engine cache: using %s", self.path_for(key))
+            return plan, False
+        log.info("engine cache: building %s engine for %s (%s, TensorRT %s); this takes minutes once", key.variant,
+                 key.gpu, key.compute_capability, key.tensorrt)
+        plan = build()
+        self.put(key, plan)
+        return plan, True

@@ -1,0 +1,52 @@
+"""``dsedge doctor``: what this machine can run bundles with."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import platform
+from typing import Any
+
+import click
+
+
+def _installed(module: str) -> str | None:
+    if importlib.util.find_spec(module) is None:
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module)
+    except PackageNotFoundError:
+        return "installed"
+
+
+def machine_report() -> dict[str, Any]:
+    """Backends, providers, GPU and package versions on this machine (no torch import)."""
+    import onnxruntime as ort
+
+    from ..runtime.backends.ort import available_providers
+    from ..runtime.bench import tensorrt_version
+    from ..runtime.gpu_info import detect_gpu
+
+    gpu = detect_gpu()
+    return {
+        "platform": platform.platform(), "python": platform.python_version(), "machine": platform.machine(),
+        "onnxruntime": ort.__version__, "ort_device": ort.get_device(), "providers": available_providers(),
+        "tensorrt": tensorrt_version(), "torch": _installed("torch"), "onnx": _installed("onnx"),
+        "gpus": [f"{gpu.name} (sm{gpu.compute_capability.replace('.', '')})"] if gpu else [],
+    }
+
+
+@click.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+def doctor(as_json: bool) -> None:
+    """Show the backends, providers and GPUs this machine has."""
+    r = machine_report()
+    if as_json:
+        click.echo(json.dumps(r, indent=2))
+        return
+    click.echo(f"platform      {r['platform']} ({r['machine']}), Python {r['python']}")
+    click.echo(f"onnxruntime   {r['onnxruntime']} ({r['ort_device']}); providers: {', '.join(r['providers'])}")
+    click.echo(f"tensorrt      {r['tensorrt'] or 'not installed: bundles run on ONNX Runtime'}")
+    click.echo(f"torch         {r['torch'] or 'not installed (not needed to run bundles)'}")
+    click.echo(f"gpus          {', '.join(r['gpus']) or 'none found'}")

@@ -1,0 +1,54 @@
+"""``dsedge inspect BUNDLE``: verify like ``dsedge.load``, then show what is inside and what would run it."""
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command("inspect")
+@click.argument("bundle", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of tables.")
+def inspect(bundle: str, as_json: bool) -> None:
+    """Verify a bundle and show its manifest, variants and the providers that would be used."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ..runtime.backends.ort import choose_providers
+    from ..runtime.bundle import verify_bundle
+
+    m = verify_bundle(bundle)
+    providers = choose_providers()
+    info = {
+        "bundle": bundle, "verified": True, "name": m.name, "target": m.target.get("name"),
+        "dsedge_version": m.dsedge_version, "schema_version": m.schema_version,
+        "inputs": [s.to_dict() for s in m.inputs], "outputs": [s.to_dict() for s in m.outputs],
+        "shape_ranges": m.shape_ranges, "latency_budget_ms": m.latency_budget_ms,
+        "default_variant": m.default_variant,
+        "variants": [{"name": v.name, "precision": v.precision, "file": v.file, "size_bytes": v.size_bytes,
+                      "accuracy": v.accuracy} for v in m.variants],
+        "files": len(m.files), "providers_here": providers,
+    }
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    c = Console()
+    c.print(f"[bold]{m.name}[/bold] for target [bold]{info['target']}[/bold]: manifest and {len(m.files)} file "
+            f"hashes verified (schema {m.schema_version}, built by dsedge {m.dsedge_version})")
+    io = Table(title="inputs / outputs")
+    for col in ("kind", "name", "dtype", "shape"):
+        io.add_column(col)
+    for kind, specs in (("input", m.inputs), ("output", m.outputs)):
+        for s in specs:
+            io.add_row(kind, s.name, s.dtype, escape("[" + ", ".join(map(str, s.shape)) + "]"))
+    c.print(io)
+    vt = Table(title=f"variants (default {m.default_variant})")
+    for col in ("variant", "precision", "file", "size MB", "accuracy vs fp32"):
+        vt.add_column(col)
+    for v in m.variants:
+        acc = ", ".join(f"{k} {val}" for k, val in v.accuracy.items() if k != "n") or "—"
+        vt.add_row(v.name, v.precision, v.file, f"{v.size_bytes / 1e6:.1f}", acc)
+    c.print(vt)
+    c.print(f"shape ranges: {m.shape_ranges}; latency budget: {m.latency_budget_ms} ms")
+    c.print(f"providers that would be used here: {', '.join(providers)}")

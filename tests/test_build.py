@@ -1,0 +1,195 @@
+"""`dsedge build` end to end on the real all-MiniLM-L6-v2 (built once per session) and on small sources."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto
+
+import dsedge
+from dsedge.runtime.bundle import verify_bundle
+from dsedge.runtime.errors import CalibrationError, PrecisionNotSupported, SourceError, TargetError
+from dsedge.toolchain.pipeline import BuildOptions, build
+from tiny_models import mlp_onnx
+
+
+def test_reference_bundle_layout_and_manifest(reference_build):
+    b = reference_build.bundle
+    assert b.name == "all-minilm-l6-v2-jetson-orin.dse"
+    m = verify_bundle(b)
+    assert m.default_variant == "int4" and {v.name for v in m.variants} == {"int4", "fp32"}
+    assert [(s.name, s.dtype, s.shape) for s in m.inputs] == [
+        (n, "int64", ("batch", "sequence")) for n in ("input_ids", "attention_mask", "token_type_ids")]
+    assert m.outputs[0].name == "last_hidden_state" and m.outputs[0].shape == ("batch", "sequence", 384)
+    assert m.outputs[1].name == "sentence_embedding" and m.outputs[1].shape == ("batch", 384)
+    assert set(m.files) >= {"models/int4.onnx", "models/fp32.onnx", "build/trtexec.sh", "report.json"}
+    assert m.source["sha256"] == "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+    assert m.target["name"] == "jetson-orin" and m.latency_budget_ms > 0
+
+
+def test_reference_int4_model_has_dq_on_every_weight_and_is_small(reference_build):
+    b = reference_build.bundle
+    q = onnx.load(str(b / "models/int4.onnx"))
+    assert q.opset_import[0].version == 21 and q.ir_version >= 10
+    producers = {o: n for n in q.graph.node for o in n.output}
+    inits = {t.name: t for t in q.graph.initializer}
+    linear = [n for n in q.graph.node if n.op_type in ("MatMul", "Gemm")]
+    weights = [n.input[1] for n in linear if n.input[1] in producers and producers[n.input[1]].op_type == "DequantizeLinear"]
+    assert len(weights) == 36  # 6 layers × (q, k, v, out, ffn in, ffn out)
+    assert not any(n.input[1] in inits for n in linear)  # no float weight left on a MatMul/Gemm
+    for w in weights:
+        dq = producers[w]
+        assert inits[dq.input[0]].data_type == TensorProto.INT4
+        assert {a.name: a.i for a in dq.attribute}["block_size"] == 32
+    report = reference_build.report
+    int4 = next(v for v in report["variants"] if v["name"] == "int4")
+    assert int4["size_vs_fp32"] <= 0.20
+    assert report["export"]["parity_max_abs_diff"] < 1e-3
+    acc = int4["accuracy"]
+    assert acc["n"] == 60 and 0.95 < acc["cosine_mean"] <= 1.0 and acc["cosine_min"] <= acc["cosine_mean"]
+    assert 0.5 <= acc["top1_agreement"] <= 1.0
+    assert int4["latency_ms"]["1"]["p50"] > 0 and int4["latency_ms"]["1"]["p99"] >= int4["latency_ms"]["1"]["p50"]
+    on_disk = json.loads((b / "report.json").read_text())
+    assert on_disk["variants"][0]["accuracy"] == acc
+
+
+def test_reference_bundle_serves_real_sentences(reference_build):
+    from dsedge.toolchain import reference
+
+    tok = reference.load_tokenizer(reference.verified_model_dir())
+    feeds = reference.tokenize(tok, ["The train was late again.", "Our flight was delayed by the storm.",
+                                     "She baked bread this morning."])
+    s4 = dsedge.load(reference_build.bundle)
+    s32 = dsedge.load(reference_build.bundle, variant="fp32")
+    assert s4.variant.name == "int4" and s4.providers == ["CPUExecutionProvider"]
+    e4, e32 = s4.run(feeds)["sentence_embedding"], s32.run(feeds)["sentence_embedding"]
+    assert e4.shape == (3, 384)
+    cos = (e4 * e32).sum(1) / np.linalg.norm(e4, axis=1) / np.linalg.norm(e32, axis=1)
+    assert cos.min() > 0.9
+    sim = e32 @ e32.T
+    assert sim[0, 1] > sim[0, 2]  # the two travel sentences are closer than the baking one
+
+
+def test_reference_recipe_uses_real_trtexec_flags(reference_build):
+    text = (reference_build.bundle / "build/trtexec.sh").read_text()
+    assert "trtexec" in text and "--onnx=models/int4.onnx" in text and "--saveEngine=" in text
+    assert "--minShapes=input_ids:1x1" in text and "--maxShapes=input_ids:32x256" in text
+
+
+def test_onnx_source_builds_for_cpu_with_example_validation(tmp_path):
+    r = build(BuildOptions(model=str(mlp_onnx(tmp_path / "clf.onnx")), target="cpu", out_dir=str(tmp_path / "out"),
+                           precision="int4", latency_iterations=5))
+    assert r.bundle.name == "clf-cpu.dse"
+    assert r.report["validation"]["inputs"] == "example inputs"
+    acc = r.report["variants"][0]["accuracy"]
+    assert acc["cosine_mean"] > 0.98 and "argmax_agreement" in acc
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["clf-cpu.dse"]  # no temp dirs left
+
+
+def test_calib_dir_is_split_and_reported(tmp_path):
+    rng = np.random.default_rng(0)
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    for i in range(2):
+        np.savez(calib / f"part{i}.npz", x=rng.standard_normal((10, 64)).astype(np.float32))
+    r = build(BuildOptions(model=str(mlp_onnx(tmp_path / "m.onnx")), target="cpu", out_dir=str(tmp_path / "o"),
+                           precision="int4", calib=str(calib), latency_iterations=3, keep_fp32=False))
+    assert r.report["validation"]["samples"] == 10 and "--calib" in r.report["validation"]["inputs"]
+    assert [v["name"] for v in r.report["variants"]] == ["int4"]
+    np.savez(calib / "part2.npz", y=np.zeros((1, 64), np.float32))
+    with pytest.raises(CalibrationError, match="part2.npz lacks input 'x'"):
+        build(BuildOptions(model=str(tmp_path / "m.onnx"), target="cpu", out_dir=str(tmp_path / "o2"),
+                           precision="int4", calib=str(calib)))
+
+
+def test_callable_source_exports_with_dynamic_batch(tmp_path, monkeypatch):
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))\n"
+        "    return m, {'features': torch.randn(4, 16)}\n")
+    monkeypatch.chdir(tmp_path)
+    r = build(BuildOptions(model="mymodels:make", target="cpu", out_dir="out", precision="int4", latency_iterations=3))
+    m = verify_bundle(r.bundle)
+    assert m.inputs[0].name == "features" and m.inputs[0].shape[0] == "batch"
+    assert r.report["export"]["parity_max_abs_diff"] < 1e-4
+    s = dsedge.load(r.bundle)
+    assert s.run({"features": np.ones((7, 16), np.float32)})[s.outputs[0].name].shape == (7, 3)
+
+
+@pytest.mark.parametrize("opts, error, message", [
+    (dict(target="nowhere"), TargetError, "unknown target 'nowhere'"),
+    (dict(model="missing.onnx"), SourceError, "does not exist"),
+    (dict(target="cpu", precision="fp16"), PrecisionNotSupported, "cpu does not support fp16"),
+])
+def test_bad_build_inputs_write_nothing(tmp_path, opts, error, message):
+    out = tmp_path / "out"
+    with pytest.raises(error, match=message):
+        build(BuildOptions(out_dir=str(out), **opts))
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_not_onnx_and_unknown_directory(tmp_path):
+    bad = tmp_path / "model.onnx"
+    bad.write_bytes(b"this is not a protobuf")
+    with pytest.raises(SourceError, match="is not a valid ONNX model"):
+        build(BuildOptions(model=str(bad), target="cpu", out_dir=str(tmp_path / "o"), precision="int4"))
+    (tmp_path / "weights.pt").write_bytes(b"x")
+    with pytest.raises(SourceError, match="is not an ONNX file"):
+        build(BuildOptions(model=str(tmp_path / "weights.pt"), target="cpu", out_dir=str(tmp_path / "o")))
+    with pytest.raises(SourceError, match="not a Hugging Face model"):
+        build(BuildOptions(model=str(tmp_path), target="cpu", out_dir=str(tmp_path / "o")))
+
+
+@pytest.mark.slow
+def test_hugging_face_directory_source(tmp_path):
+    """A local HF directory (a tiny BERT with the reference tokenizer) builds like the reference model."""
+    import shutil
+
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from dsedge.toolchain import reference
+
+    torch.manual_seed(0)
+    d = tmp_path / "Tiny_Bert"
+    BertModel(BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128)
+              ).save_pretrained(d, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(reference.verified_model_dir() / f, d / f)
+    r = build(BuildOptions(model=str(d), target="cpu", out_dir=str(tmp_path / "o"), precision="int4",
+                           latency_iterations=3, keep_fp32=False))
+    assert r.bundle.name == "tiny-bert-cpu.dse"
+    assert r.report["validation"]["inputs"].startswith("held-out real inputs")
+    assert r.report["variants"][0]["accuracy"]["n"] == 60
+    (d / "model.safetensors").unlink()
+    with pytest.raises(SourceError, match="no model.safetensors"):
+        build(BuildOptions(model=str(d), target="cpu", out_dir=str(tmp_path / "o")))
+
+
+@pytest.mark.parametrize("target, dla, message", [("cpu", 0, "cpu has no DLA"), ("jetson", 2, "not 2")])
+def test_dla_on_a_target_without_it_is_refused(tmp_path, target, dla, message):
+    with pytest.raises(TargetError, match=message):
+        build(BuildOptions(model=str(mlp_onnx(tmp_path / "m.onnx")), target=target, dla_core=dla,
+                           out_dir=str(tmp_path / "o")))
+
+
+def test_xavier_bundle_is_opset_17_and_int4_is_refused(tmp_path):
+    model = str(mlp_onnx(tmp_path / "m.onnx"))
+    r = build(BuildOptions(model=model, target="jetson-xavier", out_dir=str(tmp_path / "o"), latency_iterations=3))
+    assert r.report["export"]["opset"] == 17 and r.report["precision"] != "int4"
+    assert onnx.load(str(r.bundle / "models" / f"{r.report['precision']}.onnx")).opset_import[0].version == 17
+    with pytest.raises(PrecisionNotSupported, match="jetson-xavier does not support int4"):
+        build(BuildOptions(model=model, target="jetson-xavier", precision="int4", out_dir=str(tmp_path / "o")))
+
+
+def test_engine_build_without_tensorrt_fails_before_writing(tmp_path):
+    from dsedge.runtime.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match="TensorRT is not installed"):
+        build(BuildOptions(model=str(mlp_onnx(tmp_path / "m.onnx")), target="jetson", engine=True,
+                           out_dir=str(tmp_path / "o")))
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,115 @@
+"""INT4 blockwise Q/DQ: codes and scales, graph form, ORT execution, load-time Gather rewrite."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from dsedge.runtime.backends.ort import OrtBackend
+from dsedge.runtime.errors import QuantizationError
+from dsedge.toolchain.quantize.int4 import dequantize_blockwise, quantize_blockwise, quantize_int4
+from tiny_models import embedding_onnx, mlp_onnx
+
+
+def test_symmetric_rtn_known_values():
+    w = np.array([[7.0], [-3.5], [1.0], [0.49]], np.float32)  # one block of 4 along axis 0
+    codes, scales, zp = quantize_blockwise(w, axis=0, block_size=4)
+    assert zp is None and scales.shape == (1, 1) and scales[0, 0] == pytest.approx(1.0)
+    assert codes.ravel().tolist() == [7, -4, 1, 0]  # rint(-3.5) = -4 (half to even)
+    np.testing.assert_array_equal(dequantize_blockwise(codes, scales, 0, 4).ravel(), [7, -4, 1, 0])
+
+
+def test_asymmetric_uses_uint4_and_zero_points():
+    w = np.linspace(0, 3, 32, dtype=np.float32).reshape(32, 1)
+    codes, scales, zp = quantize_blockwise(w, axis=0, block_size=32, symmetric=False)
+    assert codes.min() == 0 and codes.max() == 15 and zp.ravel().tolist() == [0]
+    assert np.abs(dequantize_blockwise(codes, scales, 0, 32, zp) - w).max() <= scales.max() / 2 + 1e-6
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_error_is_bounded_by_half_a_step_and_k_need_not_divide(axis):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((80, 48) if axis == 0 else (48, 80)).astype(np.float32)  # K = 80: 3 blocks of 32
+    codes, scales, _ = quantize_blockwise(w, axis=axis, block_size=32)
+    assert scales.shape[axis] == 3 and codes.min() >= -8 and codes.max() <= 7
+    deq = dequantize_blockwise(codes, scales, axis, 32)
+    step = np.repeat(scales, 32, axis=axis).take(np.arange(80), axis=axis)
+    assert np.all(np.abs(deq - w) <= step / 2 + 1e-6)
+
+
+def test_matmul_and_gemm_weights_become_int4_dq_and_run_in_ort(tmp_path):
+    path = mlp_onnx(tmp_path / "mlp.onnx")
+    q, report = quantize_int4(onnx.load(str(path)), block_size=32)
+    onnx.checker.check_model(q)
+    dqs = [n for n in q.graph.node if n.op_type == "DequantizeLinear"]
+    assert {n.output[0] for n in dqs} == {"w1", "w2"}
+    attrs = {n.output[0]: {a.name: helper.get_attribute_value(a) for a in n.attribute} for n in dqs}
+    assert attrs["w1"] == {"axis": 0, "block_size": 32} and attrs["w2"] == {"axis": 1, "block_size": 32}  # Gemm transB
+    inits = {t.name: t for t in q.graph.initializer}
+    assert inits["w1_int4"].data_type == TensorProto.INT4 and "w1" not in inits
+    assert {layer["op"] for layer in report["layers"]} == {"MatMul", "Gemm"}
+    assert q.opset_import[0].version == 21 and q.ir_version >= 10
+    # ORT computes exactly what the numpy dequantization says.
+    x = np.random.default_rng(2).standard_normal((5, 64)).astype(np.float32)
+    deq = {}
+    for name, axis in (("w1", 0), ("w2", 1)):
+        deq[name] = dequantize_blockwise(numpy_helper.to_array(inits[f"{name}_int4"]),
+                                         numpy_helper.to_array(inits[f"{name}_scale"]), axis, 32)
+    b1 = numpy_helper.to_array(inits["b1"])
+    want = np.maximum(x @ deq["w1"] + b1, 0) @ deq["w2"].T
+    got = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_older_opset_is_upgraded_to_21(tmp_path):
+    q, _ = quantize_int4(onnx.load(str(mlp_onnx(tmp_path / "m17.onnx", opset=17))))
+    assert q.opset_import[0].version == 21 and q.ir_version >= 10
+    ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_embedding_table_quantized_and_rewritten_for_ort_cpu(tmp_path):
+    path = embedding_onnx(tmp_path / "emb.onnx")
+    q, report = quantize_int4(onnx.load(str(path)), block_size=32, embeddings=True)
+    assert {layer["op"] for layer in report["layers"]} == {"Gather", "MatMul"}
+    qpath = tmp_path / "q.onnx"
+    onnx.save(q, str(qpath))
+    ids = np.random.default_rng(0).integers(0, 2048, (2, 7))
+    plain = ort.InferenceSession(str(qpath), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    backend = OrtBackend(qpath, providers=["CPUExecutionProvider"])
+    assert backend.rewrites == 1  # DequantizeLinear → Gather became GatherBlockQuantized
+    np.testing.assert_allclose(backend.run({"ids": ids})["out"], plain, rtol=1e-5, atol=1e-5)
+    small, r2 = quantize_int4(onnx.load(str(path)), embeddings=True, min_vocab=4096)
+    assert {layer["op"] for layer in r2["layers"]} == {"MatMul"}
+
+
+def test_scale_search_never_worse_than_absmax():
+    w = np.random.default_rng(3).standard_t(3, (256, 64)).astype(np.float32)  # heavy tails
+    from dsedge.toolchain.quantize.int4 import search_clip_ratio
+
+    c0, s0, _ = quantize_blockwise(w, 0, 32)
+    ratio = search_clip_ratio(w, 0, 32)
+    c1, s1, _ = quantize_blockwise(w, 0, 32, clip_ratio=ratio)
+    e0 = np.mean((dequantize_blockwise(c0, s0, 0, 32) - w) ** 2)
+    e1 = np.mean((dequantize_blockwise(c1, s1, 0, 32) - w) ** 2)
+    assert e1 < e0 * 0.95
+
+
+def test_bad_inputs(tmp_path):
+    path = mlp_onnx(tmp_path / "mlp.onnx")
+    with pytest.raises(QuantizationError, match="block size 24"):
+        quantize_int4(onnx.load(str(path)), block_size=24)
+    model = onnx.load(str(path))
+    w1 = next(t for t in model.graph.initializer if t.name == "w1")
+    arr = numpy_helper.to_array(w1).copy()
+    arr[3, 5] = np.nan
+    w1.CopyFrom(numpy_helper.from_array(arr, "w1"))
+    with pytest.raises(QuantizationError, match="'w1' of MatMul node 'fc1' has NaN"):
+        quantize_int4(model)
+    relu_only = helper.make_model(helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]), opset_imports=[helper.make_opsetid("", 21)])
+    with pytest.raises(QuantizationError, match="no MatMul or Gemm"):
+        quantize_int4(relu_only)

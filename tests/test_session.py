@@ -1,0 +1,91 @@
+"""The SDK: load verifies, picks providers honestly, validates inputs; imports without torch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import dsedge
+from dsedge.runtime.errors import BackendUnavailable, BundleIntegrityError, InputError
+from tiny_models import tiny_bundle
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("session")
+    return dsedge.load(tiny_bundle(tmp / "mlp-cpu.dse", tmp))
+
+
+def test_run_matches_numpy_reference(session):
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(session.path / "models/fp32.onnx"))
+    w = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    want = np.maximum(x @ w["w1"] + w["b1"], 0) @ w["w2"].T + w["b2"]
+    got = session.run({"x": x})["logits"]
+    assert got.shape == (3, 4)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_io_specs_and_providers_are_reported(session):
+    assert [(s.name, s.dtype, s.shape) for s in session.inputs] == [("x", "float32", ("batch", 64))]
+    assert session.outputs[0].name == "logits"
+    assert session.providers and session.providers[-1] == "CPUExecutionProvider"
+    assert session.describe()["variant"] == "fp32"
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({}, "missing input 'x'"),
+    ({"x": np.zeros((1, 64), np.float32), "y": np.zeros(1)}, "unknown input 'y'"),
+    ({"x": np.zeros((1, 64), np.float64)}, "dtype float64, expected float32"),
+    ({"x": np.zeros((1, 63), np.float32)}, "dim 1 is 63, expected 64"),
+    ({"x": np.zeros((64,), np.float32)}, "expected rank 2"),
+    ({"x": np.zeros((33, 64), np.float32)}, "outside the bundle's range"),
+])
+def test_bad_inputs_raise_one_line_errors(session, inputs, message):
+    with pytest.raises(InputError, match=message) as e:
+        session.run(inputs)
+    assert "\n" not in str(e.value) and e.value.hint
+
+
+def test_symbolic_dims_must_agree_across_inputs():
+    from dsedge.runtime.bundle import IOSpec
+    from dsedge.runtime.io import validate_inputs
+
+    specs = [IOSpec("a", "int64", ("batch", "sequence")), IOSpec("b", "int64", ("batch", "sequence"))]
+    validate_inputs(specs, {"a": np.zeros((2, 5), np.int64), "b": np.zeros((2, 5), np.int64)})
+    with pytest.raises(InputError, match="'b' has sequence=4 but 'a' has sequence=5"):
+        validate_inputs(specs, {"a": np.zeros((2, 5), np.int64), "b": np.zeros((2, 4), np.int64)})
+
+
+def test_load_refuses_tampered_bundle(tmp_path):
+    b = tiny_bundle(tmp_path / "t.dse", tmp_path)
+    with open(b / "models/fp32.onnx", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(BundleIntegrityError):
+        dsedge.load(b)
+
+
+def test_unknown_provider_is_refused(tmp_path):
+    b = tiny_bundle(tmp_path / "t.dse", tmp_path)
+    with pytest.raises(BackendUnavailable, match="NoSuchExecutionProvider"):
+        dsedge.load(b, providers=["NoSuchExecutionProvider"])
+
+
+def test_sdk_imports_and_runs_without_torch(tmp_path):
+    b = tiny_bundle(tmp_path / "t.dse", tmp_path)
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
+        "import numpy as np, dsedge\n"
+        f"s = dsedge.load({str(b)!r})\n"
+        "print(s.run({'x': np.ones((2, 64), np.float32)})['logits'].shape)\n"
+        "import dsedge.runtime.bundle, dsedge.runtime.io, dsedge.cli, dsedge.targets\n"
+        "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "(2, 4)"

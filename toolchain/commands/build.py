@@ -1,0 +1,52 @@
+"""``dsedge build``."""
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command("build")
+@click.option("--target", "-t", default="jetson", show_default=True,
+              help="Target name or alias (jetson, cpu, …) or a profile file ./my-device.toml.")
+@click.option("--model", "-m", default=None,
+              help="ONNX file, Hugging Face model dir, training run dir, or module:function. Default: the reference "
+                   "model all-MiniLM-L6-v2.")
+@click.option("--out", "out_dir", default="out", show_default=True, type=click.Path(file_okay=False),
+              help="Output directory; the bundle is OUT/NAME-TARGET.dse.")
+@click.option("--precision", "-p", default="auto", show_default=True,
+              type=click.Choice(["auto", "int4", "int8", "fp16", "bf16", "fp32"]),
+              help="Model precision; auto = the best the target supports.")
+@click.option("--fallback", is_flag=True, help="If the target lacks --precision, fall back int4 → int8 → fp16.")
+@click.option("--calib", type=click.Path(), default=None,
+              help="Directory of .npz files with real inputs (first half calibrates, second half validates).")
+@click.option("--block-size", default=32, show_default=True, type=int, help="INT4 weights per scale along K.")
+@click.option("--no-embeddings", is_flag=True, help="Keep embedding tables in fp32 (INT4 only).")
+@click.option("--no-fp32", is_flag=True, help="Do not ship the fp32 variant beside the compressed one.")
+@click.option("--threads", type=int, default=None, help="CPU threads for the build-time latency measurement.")
+@click.option("--dla", "dla_core", type=int, default=None,
+              help="Use this DLA core in the engine recipe (targets with DLA; falls back to GPU where DLA cannot run).")
+@click.option("--engine", is_flag=True,
+              help="Also build the TensorRT engine into engines/ (needs TensorRT and the target's GPU here).")
+@click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON on stdout (last thing printed).")
+def build(target: str, model: str | None, out_dir: str, precision: str, fallback: bool, calib: str | None,
+          block_size: int, no_embeddings: bool, no_fp32: bool, threads: int | None, dla_core: int | None,
+          engine: bool, as_json: bool) -> None:
+    """Export, compress, validate and bundle a model for a target."""
+    from rich.console import Console
+
+    from ..pipeline import BuildOptions, build as run_build
+    from ..report import summary_table
+
+    console = Console(stderr=as_json)
+    opts = BuildOptions(model=model, target=target, out_dir=out_dir, precision=precision, calib=calib,
+                        fallback=fallback, block_size=block_size, embeddings=not no_embeddings,
+                        keep_fp32=not no_fp32, threads=threads, dla_core=dla_core, engine=engine)
+    result = run_build(opts, log=lambda s: console.print(f"[dim]·[/dim] {s}"))
+    console.print(summary_table(result.report))
+    for note in result.report["notes"]:
+        console.print(f"note: {note}")
+    console.print(f"validated on {result.report['validation']['inputs']}; "
+                  f"build wall time {result.report['wall_time_s']:.1f} s; bundle: {result.bundle}")
+    if as_json:
+        click.echo(json.dumps(result.report, default=str))

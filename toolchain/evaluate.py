@@ -1,0 +1,69 @@
+"""Stage 3 of ``dsedge build``: compare a compressed model with its fp32 ONNX on held-out inputs (ORT CPU)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+
+def _session(path: str | os.PathLike) -> Any:
+    from ..runtime.backends.ort import OrtBackend
+
+    return OrtBackend(path, providers=["CPUExecutionProvider"])
+
+
+def _run_batches(backend: Any, feeds: dict[str, np.ndarray], batch: int = 16) -> dict[str, np.ndarray]:
+    n = len(next(iter(feeds.values())))
+    parts: dict[str, list[np.ndarray]] = {}
+    for i in range(0, n, batch):
+        for k, v in backend.run({k: v[i:i + batch] for k, v in feeds.items()}).items():
+            parts.setdefault(k, []).append(v)
+    return {k: np.concatenate(v) for k, v in parts.items()}
+
+
+def _cos_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a.reshape(len(a), -1).astype(np.float64)
+    b = b.reshape(len(b), -1).astype(np.float64)
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12)
+
+
+def top1_neighbour_agreement(ref: np.ndarray, test: np.ndarray) -> float:
+    """Fraction of rows whose nearest other row (cosine) is the same under ``ref`` and ``test`` embeddings [N, D]."""
+    def nn(e: np.ndarray) -> np.ndarray:
+        e = e / (np.linalg.norm(e, axis=1, keepdims=True) + 1e-12)
+        sim = e @ e.T
+        np.fill_diagonal(sim, -np.inf)
+        return sim.argmax(1)
+
+    return float(np.mean(nn(ref.astype(np.float64)) == nn(test.astype(np.float64))))
+
+
+def sentence_embedding_metrics(ref: np.ndarray, test: np.ndarray) -> dict[str, float]:
+    """Mean-pooled embeddings [N, D]: cosine mean/min per row and top-1 neighbour agreement."""
+    cos = _cos_rows(ref, test)
+    return {"cosine_mean": round(float(cos.mean()), 5), "cosine_min": round(float(cos.min()), 5),
+            "top1_agreement": round(top1_neighbour_agreement(ref, test), 4), "n": int(len(ref))}
+
+
+def compare_models(reference_onnx: str | os.PathLike, test_onnx: str | os.PathLike, feeds: dict[str, np.ndarray],
+                   task: str = "generic", embedding_output: str = "sentence_embedding") -> dict[str, Any]:
+    """Accuracy of ``test_onnx`` against ``reference_onnx`` on ``feeds`` (numpy arrays, batch axis 0).
+
+    ``task="sentence-embedding"``: metrics on the ``embedding_output`` [N, D] (cosine mean/min, top-1 neighbour
+    agreement). Otherwise: per-sample cosine of the first output, max abs diff, and argmax agreement when the first
+    output's last dim is > 1 (classifier logits).
+    """
+    ref = _run_batches(_session(reference_onnx), feeds)
+    test = _run_batches(_session(test_onnx), feeds)
+    if task == "sentence-embedding" and embedding_output in ref:
+        out = sentence_embedding_metrics(ref[embedding_output], test[embedding_output])
+    else:
+        name = next(iter(ref))
+        r, t = ref[name], test[name]
+        cos = _cos_rows(r, t)
+        out = {"output": name, "cosine_mean": round(float(cos.mean()), 5), "cosine_min": round(float(cos.min()), 5),
+               "max_abs_diff": float(np.max(np.abs(r - t))), "n": int(len(r))}
+        if r.ndim >= 2 and r.shape[-1] > 1:
+            out["argmax_agreement"] = round(float(np.mean(r.argmax(-1) == t.argmax(-1))), 4)
+    return out

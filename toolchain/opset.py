@@ -1,0 +1,147 @@
+"""Write the ONNX at an opset the target's TensorRT / ONNX Runtime reads (``target.opset``), with a matching IR version.
+
+Facts used: INT4 block DequantizeLinear (``block_size``, 4-bit types) exists only from opset 21 (ONNX operators spec),
+so it cannot be converted down for TensorRT 8.5 (opset ≤ 17); ``onnx.version_converter`` keeps the old IR version
+(e.g. IR 8 at opset 21), so the IR version is set from ``onnx.helper.find_min_ir_version_for``.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper, version_converter
+
+from ..runtime.errors import TargetError
+from ..targets import Target
+
+INT4_OPSET = 21
+_FOUR_BIT = {TensorProto.INT4, TensorProto.UINT4}
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def model_opset(model: onnx.ModelProto) -> int:
+    """The ``ai.onnx`` opset the model imports. Raises TargetError when it imports none."""
+    for op in model.opset_import:
+        if op.domain in _DEFAULT_DOMAINS:
+            return int(op.version)
+    raise TargetError("the ONNX model imports no ai.onnx opset", "re-export the model")
+
+
+def uses_int4(model: onnx.ModelProto) -> bool:
+    """True when the graph holds 4-bit tensors or a blocked DequantizeLinear (both opset ≥ 21)."""
+    g = model.graph
+    if any(t.data_type in _FOUR_BIT for t in g.initializer):
+        return True
+    for n in g.node:
+        if n.op_type == "DequantizeLinear" and any(a.name == "block_size" and a.i for a in n.attribute):
+            return True
+        if n.op_type == "Constant":
+            for a in n.attribute:
+                if a.name == "value" and a.t.data_type in _FOUR_BIT:
+                    return True
+    return False
+
+
+def custom_ops(model: onnx.ModelProto) -> list[str]:
+    """``domain::op_type`` of nodes outside ai.onnx (e.g. ``com.microsoft::MatMulNBits``), sorted, unique."""
+    return sorted({f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain not in _DEFAULT_DOMAINS})
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    inferred = onnx.shape_inference.infer_shapes(model)
+    g = inferred.graph
+    return {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.value_info, *g.output]}
+
+
+def lower_gelu(model: onnx.ModelProto) -> int:
+    """Rewrite each ai.onnx ``Gelu`` (opset 20, no earlier version) in place into the ops older parsers read:
+    ``0.5·x·(1 + erf(x/√2))``, or for ``approximate="tanh"`` ``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``
+    (the Gelu definition in the ONNX operators spec; Hendrycks & Gimpel 2016). Returns how many were rewritten."""
+    gelus = [n for n in model.graph.node if n.op_type == "Gelu" and n.domain in _DEFAULT_DOMAINS]
+    if not gelus:
+        return 0
+    types = _elem_types(model)
+    out_nodes, inits = [], []
+    for i, n in enumerate(model.graph.node):
+        if n not in gelus:
+            out_nodes.append(n)
+            continue
+        x, y = n.input[0], n.output[0]
+        approx = next((a.s.decode() for a in n.attribute if a.name == "approximate"), "none")
+        dtype = helper.tensor_dtype_to_np_dtype(types.get(x) or TensorProto.FLOAT)
+        p = f"{n.name or 'gelu'}_{i}_lowered"
+
+        def const(name: str, value: float) -> str:
+            inits.append(numpy_helper.from_array(np.array(value, dtype=dtype), f"{p}/{name}"))
+            return f"{p}/{name}"
+
+        def node(op: str, ins: list[str], out: str) -> str:
+            out_nodes.append(helper.make_node(op, ins, [out], name=f"{p}/{out.rsplit('/', 1)[-1]}"))
+            return out
+
+        if approx == "tanh":
+            x3 = node("Mul", [node("Mul", [x, x], f"{p}/x2"), x], f"{p}/x3")
+            inner = node("Add", [x, node("Mul", [x3, const("c", 0.044715)], f"{p}/cx3")], f"{p}/inner")
+            t = node("Tanh", [node("Mul", [inner, const("k", math.sqrt(2 / math.pi))], f"{p}/kin")], f"{p}/tanh")
+        else:
+            t = node("Erf", [node("Div", [x, const("sqrt2", math.sqrt(2.0))], f"{p}/xs")], f"{p}/erf")
+        one_plus = node("Add", [t, const("one", 1.0)], f"{p}/onep")
+        out_nodes.append(helper.make_node("Mul", [node("Mul", [x, one_plus], f"{p}/xm"), const("half", 0.5)], [y],
+                                          name=f"{p}/out"))
+    del model.graph.node[:]
+    model.graph.node.extend(out_nodes)
+    model.graph.initializer.extend(inits)
+    return len(gelus)
+
+
+def convert_for_target(model: onnx.ModelProto, target: Target) -> onnx.ModelProto:
+    """Return ``model`` at an opset within ``target.opset`` (unchanged opset when already inside) and the lowest
+    IR version that opset allows, so an older parser (TensorRT 8.5 ships ONNX 1.12, IR 8) can read it.
+
+    Args:
+        model: an ONNX model (not modified).
+        target: the profile; ``target.opset = {"min": 13, "max": 17}``.
+    Returns:
+        a new ModelProto, checked with ``onnx.checker``.
+    Raises:
+        TargetError: the model needs INT4 (opset ≥ 21) and the target reads less; a TensorRT target and the model
+            holds non-standard ops (ORT contrib ops such as MatMulNBits, which TensorRT cannot parse); or the
+            version converter cannot move an op to the wanted opset.
+    """
+    lo, hi = int(target.opset["min"]), int(target.opset["max"])
+    current = model_opset(model)
+    backend = "TensorRT " + str(target.tensorrt.get("version")) if target.backend == "tensorrt" else "ONNX Runtime"
+    if uses_int4(model) and hi < INT4_OPSET:
+        raise TargetError(
+            f"the model uses INT4 block DequantizeLinear (opset {INT4_OPSET}), but {target.name}'s {backend} "
+            f"reads opset ≤ {hi}",
+            f"build int8 or fp16 for {target.name} (--precision int8, or --fallback)")
+    if target.backend == "tensorrt":
+        foreign = custom_ops(model)
+        if foreign:
+            raise TargetError(f"the model holds {foreign[0]} ({len(foreign)} non-standard op type(s)), which "
+                              f"TensorRT's ONNX parser cannot read",
+                              "write standard Q/DQ (DequantizeLinear + MatMul) instead of ONNX Runtime contrib ops")
+    want = min(max(current, lo), hi)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    if want != current:
+        if want < 20:
+            lower_gelu(out)  # Gelu has no version before 20: the converter cannot move it down
+        try:
+            out = version_converter.convert_version(out, want)
+        except Exception as e:  # the converter raises RuntimeError / ConvertError with multi-line text
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise TargetError(f"cannot convert the model from opset {current} to {want} for {target.name}: {first}",
+                              f"{target.name} reads opset {lo}–{hi}; re-export the model at an opset in that range"
+                              ) from None
+    ids = [helper.make_opsetid(op.domain, op.version) for op in out.opset_import]
+    out.ir_version = helper.find_min_ir_version_for(ids, ignore_unknown=True)
+    try:
+        onnx.checker.check_model(out)
+    except onnx.checker.ValidationError as e:
+        first = (str(e).strip().splitlines() or ["invalid"])[0][:200]
+        raise TargetError(f"the model is not valid at opset {want} / IR {out.ir_version}: {first}",
+                          "re-export the model at an opset the target reads") from None
+    return out

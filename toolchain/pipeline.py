@@ -1,0 +1,309 @@
+"""``dsedge build``: the ordered stages, each a function from artifact to artifact.
+
+resolve source → export ONNX (+ parity) → compress (per precision) → fit the target's opset → validate vs fp32 →
+measure CPU latency → write the bundle atomically (manifest, models/, build/trtexec.sh, report.json).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..runtime.bundle import Variant
+from ..runtime.errors import CalibrationError, PrecisionNotSupported, TargetError
+from ..runtime.latency import time_calls
+from ..targets import Target, get_target
+from .bundle_writer import bundle_path, write_bundle
+from .evaluate import compare_models
+from .export import Exported, export_onnx
+from .opset import convert_for_target, model_opset
+from .precision import choose_precision
+from .recipe import recipe_notes, trtexec_script
+from .sources import Source, resolve_source
+
+REPORT_SCHEMA = "dsedge.build-report/1"
+
+
+@dataclass
+class BuildOptions:
+    """What ``dsedge build`` was asked for (CLI flags map one to one)."""
+
+    model: str | None = None
+    target: str = "jetson"
+    out_dir: str = "out"
+    precision: str = "auto"
+    calib: str | None = None
+    fallback: bool = False
+    block_size: int = 32
+    embeddings: bool = True
+    keep_fp32: bool = True
+    latency_iterations: int = 50
+    threads: int | None = None
+    dla_core: int | None = None
+    engine: bool = False
+
+
+@dataclass
+class BuildResult:
+    bundle: Path
+    report: dict[str, Any]
+
+
+@dataclass
+class Compressed:
+    """A compressed ONNX file and what the compressor reported (layers, bytes, algorithm)."""
+
+    path: Path
+    precision: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _compress_int4(exported: Exported, work: Path, opts: BuildOptions, source: Source) -> Compressed:
+    import onnx
+
+    from .quantize.int4 import quantize_int4
+
+    model, details = quantize_int4(onnx.load(os.fspath(exported.path)), block_size=opts.block_size,
+                                   embeddings=opts.embeddings)
+    out = work / "models" / "int4.onnx"
+    onnx.save(model, os.fspath(out))
+    return Compressed(out, "int4", details)
+
+
+# precision → compressor(exported, workdir, options, source). The compression toolchain registers more here.
+COMPRESSORS: dict[str, Callable[[Exported, Path, BuildOptions, Source], Compressed]] = {"int4": _compress_int4}
+
+
+def resolve_precision(target: Target, requested: str, fallback: bool) -> tuple[str, list[str]]:
+    """The precision to build. ``auto`` takes the target's first preference this dsedge can build.
+
+    Raises:
+        PrecisionNotSupported: the target lacks it (see ``choose_precision``) or it is not implemented yet.
+    """
+    implemented = set(COMPRESSORS) | {"fp32"}
+    if requested == "auto":
+        for p in target.precision_order:
+            if p in implemented:
+                skipped = [q for q in target.precision_order[:target.precision_order.index(p)]]
+                note = f"auto chose {p} for {target.name}" + (f" ({', '.join(skipped)} not built by this version)" if skipped else "")
+                return p, [note]
+        return "fp32", [f"auto chose fp32 for {target.name}"]
+    precision, notes = choose_precision(target, requested, fallback)
+    if precision not in implemented:
+        raise PrecisionNotSupported(f"precision {precision} is not yet supported by dsedge build",
+                                    f"use --precision int4 or fp32 (or auto)")
+    return precision, notes
+
+
+def load_calibration_dir(path: str | os.PathLike, input_names: list[str]) -> tuple[dict, dict]:
+    """Real inputs from ``*.npz`` files (arrays named like the model's inputs, batch axis 0), concatenated in file
+    order and split in half: (calibration, validation).
+
+    Raises:
+        CalibrationError: missing/empty directory, unreadable file, missing input names, fewer than 2 samples.
+    """
+    d = Path(path)
+    files = sorted(d.glob("*.npz")) if d.is_dir() else []
+    if not files:
+        raise CalibrationError(f"calibration directory {str(d)!r} has no .npz files",
+                               f"save real inputs with np.savez(f, {', '.join(n + '=…' for n in input_names)})")
+    parts: dict[str, list[np.ndarray]] = {n: [] for n in input_names}
+    for f in files:
+        try:
+            with np.load(f, allow_pickle=False) as z:
+                missing = [n for n in input_names if n not in z.files]
+                if missing:
+                    raise CalibrationError(f"{f.name} lacks input {missing[0]!r}", f"each file needs: {', '.join(input_names)}")
+                for n in input_names:
+                    parts[n].append(z[n])
+        except (ValueError, OSError) as e:
+            raise CalibrationError(f"{f.name} is not a readable .npz file ({e})", "write it with numpy.savez") from None
+    data = {n: np.concatenate(v) for n, v in parts.items()}
+    count = len(next(iter(data.values())))
+    if count < 2:
+        raise CalibrationError(f"calibration directory {str(d)!r} holds {count} sample(s)", "give at least 2 (more is better)")
+    half = count // 2
+    return {n: v[:half] for n, v in data.items()}, {n: v[half:] for n, v in data.items()}
+
+
+def check_dla(target: Target, dla_core: int | None) -> None:
+    """Raises TargetError when ``--dla N`` names a DLA core the target does not have."""
+    if dla_core is None:
+        return
+    if target.dla_cores == 0:
+        raise TargetError(f"{target.name} has no DLA", "drop --dla; DLA exists on jetson-orin and jetson-xavier")
+    if not 0 <= dla_core < target.dla_cores:
+        raise TargetError(f"{target.name} has DLA cores 0–{target.dla_cores - 1}, not {dla_core}",
+                          f"pass --dla 0 … {target.dla_cores - 1}")
+
+
+def fit_target(path: Path, target: Target) -> int:
+    """Rewrite the ONNX file at ``path`` at an opset ``target`` reads (see ``convert_for_target``); returns the opset.
+
+    Raises:
+        TargetError: impossible for the target (e.g. INT4 block DequantizeLinear on an opset ≤ 17 target).
+    """
+    import onnx
+
+    model = convert_for_target(onnx.load(os.fspath(path)), target)
+    onnx.save(model, os.fspath(path))
+    return model_opset(model)
+
+
+def shape_ranges_for(exported: Exported, target: Target, source: Source) -> dict[str, dict[str, int]]:
+    """min/opt/max per symbolic dim: the target profile's for ``batch``/``sequence``, else the example's size."""
+    ranges: dict[str, dict[str, int]] = {}
+    for spec in exported.inputs:
+        for axis, d in enumerate(spec.shape):
+            if isinstance(d, str) and d not in ranges:
+                if d in target.shapes:
+                    ranges[d] = dict(target.shapes[d])
+                else:
+                    n = int(source.example_inputs[spec.name].shape[axis]) if spec.name in source.example_inputs else 1
+                    ranges[d] = {"min": 1, "opt": n, "max": max(n, 1)}
+    return ranges
+
+
+def measure_latency(onnx_path: Path, exported: Exported, iterations: int, threads: int | None,
+                    vocab_size: int | None = None) -> dict[str, Any]:
+    """ORT CPU latency at batch 1 (sequence 32 for text), ms."""
+    from ..runtime.backends.ort import OrtBackend
+    from ..runtime.bench import synthetic_inputs
+
+    backend = OrtBackend(onnx_path, providers=["CPUExecutionProvider"], threads=threads)
+    feeds = synthetic_inputs(exported.inputs, batch=1, seq_len=32, vocab_size=vocab_size)
+    stats = time_calls(lambda: backend.run(feeds), iterations=iterations, warmup=5)
+    return {"1": {**stats, "shape": {k: list(v.shape) for k, v in feeds.items()}, "provider": backend.providers[0]}}
+
+
+def _op_types(path: Path) -> list[str]:
+    import onnx
+
+    return sorted({n.op_type for n in onnx.load(os.fspath(path), load_external_data=False).graph.node})
+
+
+def build_engines(work: Path, target: Target, exported: Exported, variants: list[Variant],
+                  ranges: dict[str, dict[str, int]], name: str, dla_core: int | None) -> dict[str, bytes]:
+    """``--engine``: build each variant's TensorRT engine on this machine (TensorRT and the target's GPU needed).
+
+    Raises:
+        BackendUnavailable: no TensorRT or no GPU here. TargetError: this GPU is not the target's.
+    """
+    from ..runtime.backends.tensorrt import build_engine_file
+    from ..runtime.bundle import Manifest
+
+    manifest = Manifest(name=name, target=target.to_dict(), inputs=exported.inputs, outputs=exported.outputs,
+                        variants=variants, default_variant=variants[0].name, shape_ranges=ranges)
+    out: dict[str, bytes] = {}
+    for v in variants:
+        path = build_engine_file(work, manifest, v, work / "engines", dla_core=dla_core)
+        out[f"engines/{path.name}"] = path.read_bytes()
+    return out
+
+
+def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> BuildResult:
+    """Run every stage and publish the bundle. Returns its path and the report (also in ``report.json``).
+
+    Raises:
+        TargetError / PrecisionNotSupported / SourceError / CalibrationError / QuantizationError: bad input, with
+            nothing written to ``opts.out_dir`` except, at most, the empty directory itself.
+    """
+    t_start = time.perf_counter()
+    target = get_target(opts.target)
+    precision, notes = resolve_precision(target, opts.precision, opts.fallback)
+    check_dla(target, opts.dla_core)
+    if opts.engine:  # fail before any work when this machine cannot build engines
+        from ..runtime.backends.tensorrt import import_tensorrt
+
+        import_tensorrt()
+    log(f"target {target.name}: precision {precision}")
+    source = resolve_source(opts.model)
+    log(f"source {source.kind}: {source.ref or source.name}")
+    out_dir = Path(opts.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".dsedge-build-", dir=out_dir))
+    (work / "models").mkdir()
+    try:
+        timings: dict[str, float] = {}
+        t = time.perf_counter()
+        exported = export_onnx(source, work / "models" / "fp32.onnx")
+        timings["export_s"] = time.perf_counter() - t
+        log(f"exported ONNX ({exported.exporter}); parity max abs diff {exported.parity_max_abs_diff}")
+        if opts.calib:
+            source.calibration, source.validation = load_calibration_dir(opts.calib, [s.name for s in exported.inputs])
+            source.validation_kind = f"--calib {opts.calib} (second half, not used for calibration)"
+        validation = source.validation if source.validation is not None else source.example_inputs
+
+        t = time.perf_counter()
+        compressed = (COMPRESSORS[precision](exported, work, opts, source) if precision != "fp32"
+                      else Compressed(exported.path, "fp32", {}))
+        timings["compress_s"] = time.perf_counter() - t
+        log(f"compressed to {precision}")
+        reference_onnx = work / "reference-fp32.onnx"  # validation compares against the untouched export
+        shutil.copyfile(exported.path, reference_onnx)
+        opsets = {precision: fit_target(compressed.path, target)}
+        if opts.keep_fp32 and precision != "fp32":
+            opsets["fp32"] = fit_target(exported.path, target)
+        log(f"fitted to {target.name}: opset {opsets[precision]}")
+
+        t = time.perf_counter()
+        variants: list[Variant] = []
+        models: dict[str, Path] = {}
+        candidates = [(precision, compressed.path)]
+        if opts.keep_fp32 and precision != "fp32":
+            candidates.append(("fp32", exported.path))
+        fp32_size = reference_onnx.stat().st_size
+        for name, path in candidates:
+            acc = ({"reference": "self"} if name == "fp32" and opsets["fp32"] == 21 else
+                   compare_models(reference_onnx, path, validation, task=source.task))
+            lat = measure_latency(path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
+            rel = f"models/{name}.onnx"
+            models[rel] = path
+            variants.append(Variant(name=name, precision=name, file=rel, accuracy=acc, latency_ms=lat,
+                                    notes=[f"size vs fp32: {path.stat().st_size / fp32_size:.3f}"]))
+        timings["validate_s"] = time.perf_counter() - t
+
+        ranges = shape_ranges_for(exported, target, source)
+        vdicts = [{"name": v.name, "precision": v.precision, "file": v.file, "ops": _op_types(models[v.file])}
+                  for v in variants]
+        io = [s.to_dict() for s in exported.inputs]
+        recipe = trtexec_script(target, vdicts, io, ranges, dla_core=opts.dla_core)
+        engine_notes = recipe_notes(target, vdicts, io, ranges, dla_core=opts.dla_core)
+        dest = bundle_path(out_dir, source.name, target.name)
+        report = {
+            "schema": REPORT_SCHEMA, "bundle": dest.name, "target": target.name, "precision": precision,
+            "notes": notes + source.notes,
+            "source": {"kind": source.kind, "ref": source.ref, "sha256": source.fingerprint,
+                       **({"vocab_size": source.vocab_size} if source.vocab_size else {})},
+            "export": {"exporter": exported.exporter, "opset": opsets[precision],
+                       "parity_max_abs_diff": exported.parity_max_abs_diff},
+            "engine_recipe": engine_notes,
+            "compression": {k: v for k, v in compressed.details.items() if k != "layers"},
+            "layers": compressed.details.get("layers", []),
+            "validation": {"inputs": source.validation_kind,
+                           "samples": int(len(next(iter(validation.values()))))},
+            "variants": [{"name": v.name, "precision": v.precision, "size_bytes": int(models[v.file].stat().st_size),
+                          "size_vs_fp32": round(models[v.file].stat().st_size / fp32_size, 4),
+                          "accuracy": v.accuracy, "latency_ms": v.latency_ms} for v in variants],
+            "fp32_size_bytes": fp32_size,
+            "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        }
+        extra: dict[str, str | bytes] = {"build/trtexec.sh": recipe}
+        if opts.engine:
+            extra.update(build_engines(work, target, exported, variants, ranges, source.name, opts.dla_core))
+            report["engines"] = sorted(k for k in extra if k.startswith("engines/"))
+        report["wall_time_s"] = round(time.perf_counter() - t_start, 2)
+        write_bundle(dest, name=source.name, target=target.to_dict(), inputs=exported.inputs,
+                     outputs=exported.outputs, models=models, variants=variants, default_variant=precision,
+                     shape_ranges=ranges, latency_budget_ms=target.default_budget_ms,
+                     source=report["source"], report=report, extra_files=extra)
+        log(f"wrote {dest}")
+        return BuildResult(dest, report)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

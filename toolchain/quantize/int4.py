@@ -1,0 +1,228 @@
+"""INT4 weight-only (W4A16) blockwise quantization in standard Q/DQ ONNX form.
+
+Every MatMul and Gemm weight initializer (and, optionally, vocabulary-sized Gather tables) is replaced by a 4-bit
+initializer plus fp32 scales feeding ``DequantizeLinear(axis, block_size)`` (ONNX opset 21 spec: blocked
+quantization), whose output keeps the weight's original name, so every consumer is unchanged. Blocks run along the
+input dimension K (``block_size`` weights share one scale). TensorRT (10.x) reads this form for GEMM weights; ORT CPU
+fuses DequantizeLinear+MatMul into MatMulNBits at load.
+
+Round-to-nearest (RTN) is the baseline algorithm; AWQ (arXiv:2306.00978) and GPTQ (arXiv:2210.17323) produce codes and
+scales that ``write_int4_dq`` places in the same form.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+from ...runtime.errors import QuantizationError
+
+INT4_MIN, INT4_MAX = -8, 7
+UINT4_MAX = 15
+
+
+@dataclass
+class WeightSite:
+    """A weight initializer to quantize: ``axis`` is its K (reduction) axis, ``op`` the consuming node type."""
+
+    name: str
+    op: str
+    node: str
+    axis: int
+    shape: tuple[int, ...]
+
+
+def quantize_blockwise(w: np.ndarray, axis: int, block_size: int, symmetric: bool = True,
+                       clip_ratio: float | np.ndarray = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Round-to-nearest 4-bit quantization of a 2-D weight in blocks of ``block_size`` along ``axis``.
+
+    Args:
+        w: float weight, 2-D.
+        axis: the blocked axis (K).
+        block_size: weights per scale (>= 16, a power of two as TensorRT requires).
+        symmetric: int4 codes in [-8, 7] with scale = amax / 7 and no zero point; else uint4 codes in [0, 15] with a
+            uint4 zero point per block.
+        clip_ratio: multiplies the block range before rounding (< 1 clips outliers; scalar or per-block array).
+    Returns:
+        (codes int8/uint8 same shape as ``w``, scales float32, zero_points uint8 or None); scales and zero points have
+        ``w``'s shape with ``axis`` reduced to ceil(K / block_size), as DequantizeLinear's blocked form requires.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    wt = np.moveaxis(w, axis, 0)
+    k, n = wt.shape
+    nb = -(-k // block_size)
+    pad = nb * block_size - k
+    blocks = np.pad(wt, ((0, pad), (0, 0))).reshape(nb, block_size, n)
+    if isinstance(clip_ratio, np.ndarray):
+        clip_ratio = np.moveaxis(clip_ratio, axis, 0)
+    if symmetric:
+        amax = np.abs(blocks).max(axis=1) * clip_ratio
+        scale = np.where(amax > 0, amax / INT4_MAX, 1.0).astype(np.float32)
+        q = np.clip(np.rint(blocks / scale[:, None, :]), INT4_MIN, INT4_MAX).astype(np.int8)
+        zp = None
+    else:
+        lo = np.minimum(blocks.min(axis=1), 0) * clip_ratio
+        hi = np.maximum(blocks.max(axis=1), 0) * clip_ratio
+        scale = np.where(hi > lo, (hi - lo) / UINT4_MAX, 1.0).astype(np.float32)
+        zp8 = np.clip(np.rint(-lo / scale), 0, UINT4_MAX).astype(np.uint8)
+        q = np.clip(np.rint(blocks / scale[:, None, :]) + zp8[:, None, :], 0, UINT4_MAX).astype(np.uint8)
+        zp = np.moveaxis(zp8, 0, axis)
+    codes = np.moveaxis(q.reshape(nb * block_size, n)[:k], 0, axis)
+    return codes, np.ascontiguousarray(np.moveaxis(scale, 0, axis)), zp
+
+
+def search_clip_ratio(w: np.ndarray, axis: int, block_size: int, symmetric: bool = True,
+                      grid: np.ndarray | None = None) -> np.ndarray:
+    """Per-block clip ratio minimizing the block's squared rounding error (an MSE-optimal scale for RTN).
+
+    Tries each ratio in ``grid`` (default 0.70 … 1.14) on every block and keeps the best; the result has the scale's
+    shape (``w``'s shape with ``axis`` reduced to ceil(K / block_size)) and is passed to ``quantize_blockwise``.
+    """
+    grid = np.linspace(0.70, 8 / 7, 23) if grid is None else grid
+    wt = np.moveaxis(np.asarray(w, dtype=np.float32), axis, 0)
+    k, n = wt.shape
+    nb = -(-k // block_size)
+    blocks = np.pad(wt, ((0, nb * block_size - k), (0, 0))).reshape(nb, block_size, n)
+    best_err = np.full((nb, n), np.inf, dtype=np.float32)
+    best = np.ones((nb, n), dtype=np.float32)
+    for r in grid:
+        codes, scale, zp = quantize_blockwise(w, axis, block_size, symmetric, clip_ratio=float(r))
+        deq = np.moveaxis(dequantize_blockwise(codes, scale, axis, block_size, zp), axis, 0)
+        deq = np.pad(deq, ((0, nb * block_size - k), (0, 0))).reshape(nb, block_size, n)
+        err = ((deq - blocks) ** 2).sum(axis=1)
+        better = err < best_err
+        best_err[better] = err[better]
+        best[better] = r
+    return np.ascontiguousarray(np.moveaxis(best, 0, axis))
+
+
+def dequantize_blockwise(codes: np.ndarray, scales: np.ndarray, axis: int, block_size: int,
+                         zero_points: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of ``quantize_blockwise``: float32 weights (what DequantizeLinear computes)."""
+    k = codes.shape[axis]
+    s = np.repeat(scales, block_size, axis=axis).take(np.arange(k), axis=axis)
+    c = codes.astype(np.float32)
+    if zero_points is not None:
+        c = c - np.repeat(zero_points, block_size, axis=axis).take(np.arange(k), axis=axis).astype(np.float32)
+    return (c * s).astype(np.float32)
+
+
+def find_weight_sites(model: Any, embeddings: bool = True, min_vocab: int = 1024,
+                      nodes: Iterable[str] | None = None) -> list[WeightSite]:
+    """MatMul/Gemm weight initializers (rank 2) and, with ``embeddings``, Gather tables with >= ``min_vocab`` rows.
+
+    Position and token-type tables stay in float: they are small and accuracy-sensitive. ``nodes`` restricts the
+    search to those node names. Each initializer appears once (its first consumer decides the axis).
+    """
+    from onnx import helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    wanted = set(nodes) if nodes is not None else None
+    sites: dict[str, WeightSite] = {}
+    for node in model.graph.node:
+        if wanted is not None and node.name not in wanted:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in inits:
+            t = inits[node.input[1]]
+            if len(t.dims) != 2:
+                continue
+            axis = 1 if (node.op_type == "Gemm" and attrs.get("transB", 0)) else 0
+            sites.setdefault(t.name, WeightSite(t.name, node.op_type, node.name, axis, tuple(t.dims)))
+        elif embeddings and node.op_type == "Gather" and node.input[0] in inits and attrs.get("axis", 0) == 0:
+            t = inits[node.input[0]]
+            if len(t.dims) == 2 and t.dims[0] >= min_vocab:
+                sites.setdefault(t.name, WeightSite(t.name, "Gather", node.name, 1, tuple(t.dims)))
+    return list(sites.values())
+
+
+def write_int4_dq(model: Any, site: WeightSite, codes: np.ndarray, scales: np.ndarray, block_size: int,
+                  zero_points: np.ndarray | None = None) -> Any:
+    """Replace initializer ``site.name`` by INT4/UINT4 codes + scales feeding a DequantizeLinear named after it."""
+    import ml_dtypes
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    idx = next(i for i, t in enumerate(g.initializer) if t.name == site.name)
+    del g.initializer[idx]
+    for i, vi in enumerate(g.input):  # older exporters also list initializers as inputs
+        if vi.name == site.name:
+            del g.input[i]
+            break
+    qtype = ml_dtypes.int4 if zero_points is None else ml_dtypes.uint4
+    q_name, s_name = f"{site.name}_int4", f"{site.name}_scale"
+    g.initializer.extend([numpy_helper.from_array(codes.astype(qtype), q_name),
+                          numpy_helper.from_array(scales.astype(np.float32), s_name)])
+    inputs = [q_name, s_name]
+    if zero_points is not None:
+        z_name = f"{site.name}_zero_point"
+        g.initializer.append(numpy_helper.from_array(zero_points.astype(ml_dtypes.uint4), z_name))
+        inputs.append(z_name)
+    dq = helper.make_node("DequantizeLinear", inputs, [site.name], name=f"{site.name}_DequantizeLinear",
+                          axis=site.axis, block_size=block_size)
+    g.node.insert(0, dq)
+    return model
+
+
+def ensure_opset21(model: Any) -> Any:
+    """Blocked DequantizeLinear needs opset >= 21 (and IR version >= 10)."""
+    version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if version < 21:
+        from ..opset_tools import upgrade_opset
+
+        model = upgrade_opset(model, 21)
+    model.ir_version = max(model.ir_version, 10)
+    return model
+
+
+def quantize_int4(model: Any, *, block_size: int = 32, symmetric: bool = True, embeddings: bool = True,
+                  nodes: Iterable[str] | None = None, min_vocab: int = 1024,
+                  scale_search: bool = True) -> tuple[Any, dict[str, Any]]:
+    """RTN INT4 weight-only quantization of an ONNX model (modified in place and returned).
+
+    Args:
+        model: ``onnx.ModelProto`` with float32 weights as initializers.
+        block_size: weights per scale along K: 16, 32, 64 or 128.
+        symmetric: int4 without zero points (TensorRT's INT4 dequantize needs symmetric); else uint4 + zero points.
+        embeddings: also quantize vocabulary Gather tables (rows >= ``min_vocab``), blocked along the hidden dim.
+        nodes: only these node names (default: all).
+        scale_search: pick each block's scale by a grid search minimizing its rounding MSE (still round-to-nearest
+            codes); False gives plain absmax RTN.
+    Returns:
+        (model, report) — report has ``layers`` (name, op, shape, axis, bytes before/after, relative RMS error),
+        ``bytes_before``/``bytes_after`` (weight bytes), ``block_size``, ``symmetric``.
+    Raises:
+        QuantizationError: bad block size, no MatMul/Gemm weight found, or NaN/Inf in a weight (names the layer).
+    """
+    from onnx import numpy_helper
+
+    if block_size not in (16, 32, 64, 128):
+        raise QuantizationError(f"block size {block_size} is not supported", "use 16, 32, 64 or 128")
+    model = ensure_opset21(model)
+    sites = find_weight_sites(model, embeddings=embeddings, min_vocab=min_vocab, nodes=nodes)
+    if not any(s.op in ("MatMul", "Gemm") for s in sites):
+        raise QuantizationError("no MatMul or Gemm with a constant 2-D weight was found",
+                                "INT4 weight-only needs linear layers whose weights are initializers")
+    inits = {t.name: t for t in model.graph.initializer}
+    layers = []
+    before = after = 0
+    for site in sites:
+        w = numpy_helper.to_array(inits[site.name]).astype(np.float32)
+        if not np.isfinite(w).all():
+            raise QuantizationError(f"weight {site.name!r} of {site.op} node {site.node!r} has NaN or Inf values",
+                                    "fix the checkpoint before quantizing")
+        ratio = search_clip_ratio(w, site.axis, block_size, symmetric) if scale_search else 1.0
+        codes, scales, zp = quantize_blockwise(w, site.axis, block_size, symmetric, clip_ratio=ratio)
+        deq = dequantize_blockwise(codes, scales, site.axis, block_size, zp)
+        err = float(np.sqrt(np.mean((deq - w) ** 2)) / (np.sqrt(np.mean(w ** 2)) + 1e-12))
+        write_int4_dq(model, site, codes, scales, block_size, zp)
+        b0 = w.size * 4
+        b1 = (w.size + 1) // 2 + scales.size * 4 + (0 if zp is None else (zp.size + 1) // 2)
+        before += b0
+        after += b1
+        layers.append({"name": site.name, "op": site.op, "node": site.node, "shape": list(site.shape),
+                       "axis": site.axis, "bytes_before": b0, "bytes_after": b1, "rel_rms_error": round(err, 5)})
+    report = {"algorithm": "rtn-mse" if scale_search else "rtn", "block_size": block_size, "symmetric": symmetric, "embeddings": embeddings,
+              "layers": layers, "bytes_before": before, "bytes_after": after}
+    return model, report

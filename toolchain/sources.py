@@ -1,0 +1,177 @@
+"""Resolve ``--model`` into a ``Source``: the reference model, a Hugging Face directory, an ONNX file, a training run
+directory, or a Python ``module:function`` returning ``(torch.nn.Module, example_inputs[, dynamic_axes])``."""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..runtime.bundle import sha256_file
+from ..runtime.errors import SourceError
+from . import reference
+
+TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+@dataclass
+class Source:
+    """A model ready to export (``module``) or already ONNX (``onnx_path``).
+
+    Attributes:
+        kind: ``reference`` | ``hf`` | ``onnx`` | ``callable`` | ``run``.
+        example_inputs: name → numpy array used for export and the parity check.
+        dynamic_axes: name → {axis: symbol}, e.g. ``{"input_ids": {0: "batch", 1: "sequence"}}``.
+        calibration / validation: name → numpy array batches of real inputs (validation never overlaps calibration).
+        validation_kind: ``"held-out real inputs"``, ``"calib dir"`` or ``"example inputs"`` (said in the report).
+        task: ``"sentence-embedding"`` (metrics on mean-pooled embeddings) or ``"generic"``.
+        fingerprint: sha256 over the source's files (weights / ONNX / callable spec).
+    """
+
+    kind: str
+    name: str
+    example_inputs: dict[str, np.ndarray]
+    dynamic_axes: dict[str, dict[int, str]]
+    output_names: list[str] | None = None
+    module: Any = None
+    onnx_path: Path | None = None
+    calibration: dict[str, np.ndarray] | None = None
+    validation: dict[str, np.ndarray] | None = None
+    validation_kind: str = "example inputs"
+    task: str = "generic"
+    fingerprint: str = ""
+    ref: str = ""
+    vocab_size: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _fingerprint(paths: list[Path], extra: str = "") -> str:
+    h = hashlib.sha256(extra.encode())
+    for p in sorted(paths):
+        h.update(p.name.encode())
+        h.update(sha256_file(p).encode())
+    return h.hexdigest()
+
+
+def _text_source(kind: str, name: str, model_path: Path, fingerprint: str) -> Source:
+    tok = reference.load_tokenizer(model_path)
+    calib = reference.tokenize(tok, reference.sentences("calibration"))
+    val = reference.tokenize(tok, reference.sentences("heldout"))
+    example = {k: v[:2] for k, v in calib.items()}
+    dyn = {k: {0: "batch", 1: "sequence"} for k in TEXT_INPUTS}
+    return Source(kind=kind, name=name, example_inputs=example, dynamic_axes=dyn,
+                  output_names=["last_hidden_state", "sentence_embedding"],
+                  module=reference.sentence_encoder(model_path), calibration=calib, validation=val,
+                  validation_kind="held-out real inputs (60 sentences)", task="sentence-embedding",
+                  fingerprint=fingerprint, ref=str(model_path), vocab_size=int(tok.vocab_size))
+
+
+def _reference() -> Source:
+    d = reference.verified_model_dir()
+    return _text_source("reference", reference.NAME, d, reference.UPSTREAM_SHA256)
+
+
+def _hf_dir(path: Path) -> Source:
+    weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".json", ".txt")]
+    if not any(p.suffix == ".safetensors" for p in weights):
+        raise SourceError(f"{path} has config.json but no model.safetensors",
+                          "save the model with save_pretrained(safe_serialization=True); .bin (pickle) is not loaded")
+    name = path.resolve().name.lower().replace("_", "-")
+    return _text_source("hf", name, path, _fingerprint(weights))
+
+
+def _onnx_file(path: Path) -> Source:
+    import onnx
+
+    try:
+        model = onnx.load(os.fspath(path), load_external_data=False)
+        onnx.checker.check_model(model)
+    except Exception as e:  # onnx raises DecodeError, ValidationError, …
+        raise SourceError(f"{path} is not a valid ONNX model ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
+                          "pass a .onnx file written by torch.onnx.export or another ONNX exporter") from None
+    from .export import io_specs
+
+    from ..runtime.bench import synthetic_inputs
+
+    inputs, _ = io_specs(model)
+    example = synthetic_inputs(inputs, batch=2, seq_len=16)
+    dyn = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in inputs}
+    name = path.stem.lower().replace("_", "-")
+    return Source(kind="onnx", name=name, example_inputs=example, dynamic_axes=dyn, onnx_path=path,
+                  fingerprint=_fingerprint([path]), ref=str(path))
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+
+
+def _callable(spec: str) -> Source:
+    module_name, _, fn_name = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `--model mypkg.models:make` resolves from the working directory
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise SourceError(f"cannot import {spec!r}: {e}", "use module.path:function, importable from this directory") from None
+    result = fn()
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise SourceError(f"{spec} must return (torch.nn.Module, example_inputs[, dynamic_axes])",
+                          "return the model and a tuple or dict of example tensors")
+    module, example = result[0], result[1]
+    if isinstance(example, dict):
+        example_np = {str(k): _to_numpy(v) for k, v in example.items()}
+    else:
+        example = example if isinstance(example, (tuple, list)) else (example,)
+        example_np = {f"input_{i}": _to_numpy(v) for i, v in enumerate(example)}
+    dyn = result[2] if len(result) == 3 else {k: {0: "batch"} for k in example_np}
+    module.eval()
+    return Source(kind="callable", name=fn_name.lower().replace("_", "-"), example_inputs=example_np,
+                  dynamic_axes=dyn, module=module, fingerprint=hashlib.sha256(spec.encode()).hexdigest(), ref=spec)
+
+
+def _run_dir(path: Path) -> Source:
+    try:
+        from .train.export_source import load_trained
+    except ImportError:
+        raise SourceError(f"{path} looks like a training run, but this dsedge cannot read runs yet",
+                          "export the model yourself and pass an ONNX file") from None
+    module, example = load_trained(path)
+    example_np = {k: _to_numpy(v) for k, v in example.items()}
+    meta = json.loads((path / "final" / "model.json").read_text())
+    files = [p for p in (path / "final").iterdir() if p.is_file()]
+    return Source(kind="run", name=path.resolve().name.lower().replace("_", "-"), example_inputs=example_np,
+                  dynamic_axes={k: {0: "batch"} for k in example_np}, output_names=meta.get("output_names"),
+                  module=module, fingerprint=_fingerprint(files), ref=str(path))
+
+
+def resolve_source(model: str | None) -> Source:
+    """Turn ``--model`` into a Source. ``None`` means the reference model.
+
+    Raises:
+        SourceError: missing path, a file that is not ONNX, an unimportable callable, a directory of unknown kind.
+    """
+    if model is None or model == reference.NAME:
+        return _reference()
+    path = Path(model)
+    if path.exists():
+        if path.is_file():
+            if path.suffix.lower() != ".onnx":
+                raise SourceError(f"{model} is not an ONNX file", "pass a .onnx file, a HF model directory, a "
+                                  "training run directory or module:function")
+            return _onnx_file(path)
+        if (path / "final" / "model.json").is_file():
+            return _run_dir(path)
+        if (path / "config.json").is_file():
+            return _hf_dir(path)
+        raise SourceError(f"{model} is a directory but not a Hugging Face model or a dsedge training run",
+                          "a HF directory has config.json + model.safetensors; a run has final/model.json")
+    if ":" in model and not model.endswith(".onnx") and "/" not in model.split(":")[0]:
+        return _callable(model)
+    raise SourceError(f"model path {model!r} does not exist",
+                      "pass an existing .onnx file, a HF model directory, a run directory or module:function")
