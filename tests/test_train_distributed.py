@@ -43,6 +43,13 @@ def losses(run_dir):
     return [r["loss"] for r in read_metrics(Path(run_dir) / "metrics.jsonl")]
 
 
+def val_losses(run_dir):
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    vals = [json.loads(x)["val_loss"] for x in lines if '"val_loss"' in x]
+    assert len(vals) == 2
+    return vals
+
+
 def weights(run_dir):
     return load_file(Path(run_dir) / "final" / "model.safetensors")
 
@@ -117,6 +124,8 @@ def test_pipeline_matches_one_process(dist_runs, references, name):
     assert losses(dist_runs / name) == pytest.approx(losses(references / "mlp"), rel=1e-6, abs=1e-6)
     # the final model is gathered from both stages into one state dict
     assert_same_weights(dist_runs / name, references / "mlp")
+    # validation through the pipeline (schedule.eval) gives the one-process value
+    assert val_losses(dist_runs / name) == pytest.approx(val_losses(references / "mlp"), rel=1e-6)
 
 
 @pytest.mark.slow

@@ -161,16 +161,29 @@ def write_resolved_config(run_dir: Path, cfg: TrainConfig) -> None:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset: Any, cfg: TrainConfig, env: par.DistEnv, policy: PrecisionPolicy,
-             loss_fn: Callable) -> dict[str, float]:
-    """Mean loss (and accuracy for cross_entropy) over the whole validation set; every rank runs the same batches
-    (so FSDP/TP collectives match), no extra communication."""
+             loss_fn: Callable, schedule: Any = None) -> dict[str, float]:
+    """Mean loss (and accuracy for cross_entropy, without pipeline) over the validation set; every rank runs the same
+    batches (so FSDP/TP/pipeline collectives match). With a pipeline ``schedule`` the last stage computes the loss
+    (``schedule.eval``), the tail that does not fill the micro-batches is left out, and the mean is shared."""
     from torch.utils.data import DataLoader
 
     model.eval()
     total, n, correct = 0.0, 0, 0
-    for x, y in DataLoader(dataset, batch_size=max(1, cfg.data.batch_size // env.dp), shuffle=False):
+    loader = DataLoader(dataset, batch_size=max(1, cfg.data.batch_size // env.dp), shuffle=False,
+                        drop_last=schedule is not None)
+    for x, y in loader:
         x, y = to_device(as_inputs(x), env.device), to_device(y, env.device)
         with policy.autocast():
+            if schedule is not None:
+                losses: list = []
+                if env.is_first_stage:
+                    schedule.eval(*x, target=y if env.is_last_stage else None, losses=losses)
+                else:
+                    schedule.eval(target=y if env.is_last_stage else None, losses=losses)
+                if losses:
+                    total += float(torch.stack([v.float() for v in losses]).mean()) * len(y)
+                n += len(y)
+                continue
             out = model(*x)
         out = out[0] if isinstance(out, (tuple, list)) else out
         total += float(loss_fn(out, y)) * len(y)
@@ -178,6 +191,8 @@ def evaluate(model: torch.nn.Module, dataset: Any, cfg: TrainConfig, env: par.Di
         if cfg.loss.kind == "cross_entropy":
             correct += int((out.argmax(-1) == y).sum())
     model.train()
+    if schedule is not None:
+        return {"val_loss": global_loss(torch.tensor(total / max(n, 1)), env)}
     res = {"val_loss": total / max(n, 1)}
     if cfg.loss.kind == "cross_entropy":
         res["val_accuracy"] = correct / max(n, 1)
@@ -395,8 +410,8 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
                        "scaler": scaler.state_dict() if scaler is not None else None}
             ckpt.save(step, model, optimizer.optimizers, trainer)
             ev: dict[str, Any] = {"step": step}
-            if val_ds is not None and env.pp == 1:
-                ev.update(evaluate(model, val_ds, cfg, env, policy, hard_loss))
+            if val_ds is not None:
+                ev.update(evaluate(model, val_ds, cfg, env, policy, hard_loss, schedule))
             log.event("checkpoint", **ev)
 
     state_dict = model_state_for_export(model, env)
