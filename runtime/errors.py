@@ -74,3 +74,4 @@ class SessionClosedError(DsedgeError):
 
 class BenchError(DsedgeError):
     """A benchmark cannot run or compare: no samples, a missing/malformed/foreign baseline report."""
+

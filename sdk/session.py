@@ -16,7 +16,7 @@ from .runtime.backends.ort import OrtBackend
 from .runtime.batching import BatchLayout, example_feed
 from .runtime.decode import GenerationStream
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
-from .runtime.errors import SessionClosedError
+from .runtime.errors import DsedgeError, SessionClosedError
 from .runtime.io import validate_inputs
 from .runtime.latency_profile import LatencyProfile, measure
 from .runtime.metrics import StreamMetrics
@@ -450,6 +450,10 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         BundleError / BundleIntegrityError: missing, malformed, truncated or tampered bundle.
         BackendUnavailable: a requested provider is not installed.
     """
+    if isinstance(providers, str):
+        providers = [providers]
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise DsedgeError(f"threads must be a positive integer, got {threads!r}", "pass threads=2, or None for ORT's default")
     manifest = verify_bundle(path)
     v = manifest.variant(variant)
 
@@ -467,7 +471,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     backend = open_variant(v.name)
     if (manifest.target.get("backend") == "tensorrt"
             and list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]):
-        log.info("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
+        log.warning("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
                  manifest.target.get("name"))
     return Session(path, manifest, v, backend, budget_ms=budget_ms, cascade=cascade, max_batch=max_batch,
                    max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile, open_variant=open_variant)

@@ -248,7 +248,7 @@ def test_cli_over_budget_exits_1(bundles: dict[str, Path], capsys: pytest.Captur
     ("dyn", ["--iterations", "5", "--duration", "1"], "--duration or --iterations, not both"),
     ("dyn", ["--percentile", "p42"], "unknown percentile"),
     ("dyn", ["--compare", "nothing.json"], "baseline report"),
-    ("mismatch", [], "the model failed at batch 1 (input_ids [1, 8], attention_mask [1, 8], token_type_ids [1, 8])"),
+    ("mismatch", [], "manifest inputs do not match fp32.onnx (differ at 'token_type_ids')"),
 ])
 def test_cli_usage_errors_exit_2(bundles: dict[str, Path], capsys: pytest.CaptureFixture, tmp_path: Path,
                                  key: str, args: list[str], message: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..runtime.bundle import Variant
+from ..runtime.bundle import IOSpec, Variant, remove_stale_temp
 from ..runtime.errors import CalibrationError, PrecisionNotSupported, TargetError
 from ..runtime.latency import time_calls
 from ..targets import Target, get_target
@@ -95,20 +95,37 @@ def resolve_precision(target: Target, requested: str, fallback: bool) -> tuple[s
                 return p, [note]
         return "fp32", [f"auto chose fp32 for {target.name}"]
     precision, notes = choose_precision(target, requested, fallback)
+    while precision not in implemented and fallback:
+        lower = [p for p in ("int4", "int8", "fp16", "fp32") if p != precision]
+        chain = lower[lower.index(next(p for p in lower if _rank(p) > _rank(precision))):]
+        nxt = next((p for p in chain if target.supports(p) or p == "fp32"), "fp32")
+        notes.append(f"{precision} is not built by this version; fell back to {nxt}")
+        precision = nxt
     if precision not in implemented:
         raise PrecisionNotSupported(f"precision {precision} is not yet supported by dsedge build",
-                                    f"use --precision int4 or fp32 (or auto)")
+                                    f"this version builds: {', '.join(sorted(implemented))} (or pass --fallback)")
     return precision, notes
 
 
-def load_calibration_dir(path: str | os.PathLike, input_names: list[str]) -> tuple[dict, dict]:
+def _rank(precision: str) -> int:
+    return {"int4": 0, "int8": 1, "fp16": 2, "bf16": 2, "fp32": 3}[precision]
+
+
+def load_calibration_dir(path: str | os.PathLike, specs: list[IOSpec]) -> tuple[dict, dict]:
     """Real inputs from ``*.npz`` files (arrays named like the model's inputs, batch axis 0), concatenated in file
     order and split in half: (calibration, validation).
 
     Raises:
-        CalibrationError: missing/empty directory, unreadable file, missing input names, fewer than 2 samples.
+        CalibrationError: missing/empty directory, unreadable file, missing input names, dtypes or shapes that do
+            not match the model's inputs, fewer than 2 samples.
     """
+    from ..runtime.errors import InputError
+    from ..runtime.io import validate_inputs
+
+    input_names = [s.name for s in specs]
     d = Path(path)
+    if not d.is_dir():
+        raise CalibrationError(f"calibration directory {str(d)!r} does not exist", "pass a directory of .npz files")
     files = sorted(d.glob("*.npz")) if d.is_dir() else []
     if not files:
         raise CalibrationError(f"calibration directory {str(d)!r} has no .npz files",
@@ -120,8 +137,13 @@ def load_calibration_dir(path: str | os.PathLike, input_names: list[str]) -> tup
                 missing = [n for n in input_names if n not in z.files]
                 if missing:
                     raise CalibrationError(f"{f.name} lacks input {missing[0]!r}", f"each file needs: {', '.join(input_names)}")
+                arrays = {n: z[n] for n in input_names}
+                try:
+                    validate_inputs(specs, arrays)
+                except InputError as e:
+                    raise CalibrationError(f"{f.name}: {e}", e.hint) from None
                 for n in input_names:
-                    parts[n].append(z[n])
+                    parts[n].append(arrays[n])
         except (ValueError, OSError) as e:
             raise CalibrationError(f"{f.name} is not a readable .npz file ({e})", "write it with numpy.savez") from None
     data = {n: np.concatenate(v) for n, v in parts.items()}
@@ -224,10 +246,11 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         import_tensorrt()
     log(f"target {target.name}: precision {precision}")
     source = resolve_source(opts.model)
-    log(f"source {source.kind}: {source.ref or source.name}")
+    log(f"source {source.kind}: {source.name}")
     out_dir = Path(opts.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".dsedge-build-", dir=out_dir))
+    remove_stale_temp(out_dir)
+    work = Path(tempfile.mkdtemp(prefix=f".dsedge-build-{os.getpid()}-", dir=out_dir))
     (work / "models").mkdir()
     try:
         timings: dict[str, float] = {}
@@ -235,8 +258,9 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         exported = export_onnx(source, work / "models" / "fp32.onnx")
         timings["export_s"] = time.perf_counter() - t
         log(f"exported ONNX ({exported.exporter}); parity max abs diff {exported.parity_max_abs_diff}")
+        exported.inputs = [IOSpec(s.name, s.dtype, s.shape, source.value_ranges.get(s.name)) for s in exported.inputs]
         if opts.calib:
-            source.calibration, source.validation = load_calibration_dir(opts.calib, [s.name for s in exported.inputs])
+            source.calibration, source.validation = load_calibration_dir(opts.calib, exported.inputs)
             source.validation_kind = f"--calib {opts.calib} (second half, not used for calibration)"
         validation = source.validation if source.validation is not None else source.example_inputs
 
@@ -244,7 +268,8 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         compressed = (COMPRESSORS[precision](exported, work, opts, source) if precision != "fp32"
                       else Compressed(exported.path, "fp32", {}))
         timings["compress_s"] = time.perf_counter() - t
-        log(f"compressed to {precision}")
+        if precision != "fp32":
+            log(f"compressed to {precision}")
         reference_onnx = work / "reference-fp32.onnx"  # validation compares against the untouched export
         shutil.copyfile(exported.path, reference_onnx)
         opsets = {precision: fit_target(compressed.path, target)}

@@ -48,6 +48,7 @@ class Source:
     fingerprint: str = ""
     ref: str = ""
     vocab_size: int | None = None
+    value_ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -69,7 +70,20 @@ def _text_source(kind: str, name: str, model_path: Path, fingerprint: str) -> So
                   output_names=["last_hidden_state", "sentence_embedding"],
                   module=reference.sentence_encoder(model_path), calibration=calib, validation=val,
                   validation_kind="held-out real inputs (60 sentences)", task="sentence-embedding",
-                  fingerprint=fingerprint, ref=str(model_path), vocab_size=int(tok.vocab_size))
+                  fingerprint=fingerprint, ref=str(model_path), vocab_size=int(tok.vocab_size),
+                  value_ranges=_text_value_ranges(model_path, int(tok.vocab_size)))
+
+
+def _text_value_ranges(model_path: Path, vocab_size: int) -> dict[str, tuple[int, int]]:
+    """Valid integer ranges of the text inputs, from the tokenizer and config.json (ids outside them index past
+    the embedding tables: ORT's INT4 Gather would return garbage instead of failing)."""
+    try:
+        cfg = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    vocab = int(cfg.get("vocab_size", vocab_size))
+    return {"input_ids": (0, vocab - 1), "attention_mask": (0, 1),
+            "token_type_ids": (0, int(cfg.get("type_vocab_size", 2)) - 1)}
 
 
 def _reference() -> Source:
@@ -131,7 +145,7 @@ def _callable(spec: str) -> Source:
         example_np = {f"input_{i}": _to_numpy(v) for i, v in enumerate(example)}
     dyn = result[2] if len(result) == 3 else {k: {0: "batch"} for k in example_np}
     module.eval()
-    return Source(kind="callable", name=fn_name.lower().replace("_", "-"), example_inputs=example_np,
+    return Source(kind="callable", name=f"{module_name.rsplit('.', 1)[-1]}-{fn_name}".lower().replace("_", "-"), example_inputs=example_np,
                   dynamic_axes=dyn, module=module, fingerprint=hashlib.sha256(spec.encode()).hexdigest(), ref=spec)
 
 

@@ -18,9 +18,10 @@ import click
               type=click.Choice(["auto", "int4", "int8", "fp16", "bf16", "fp32"]),
               help="Model precision; auto = the best the target supports.")
 @click.option("--fallback", is_flag=True, help="If the target lacks --precision, fall back int4 → int8 → fp16.")
-@click.option("--calib", type=click.Path(), default=None,
+@click.option("--calib", type=click.Path(exists=True, file_okay=False), default=None,
               help="Directory of .npz files with real inputs (first half calibrates, second half validates).")
-@click.option("--block-size", default=32, show_default=True, type=int, help="INT4 weights per scale along K.")
+@click.option("--block-size", default="32", show_default=True, type=click.Choice(["16", "32", "64", "128"]),
+              help="INT4 weights per scale along K.")
 @click.option("--no-embeddings", is_flag=True, help="Keep embedding tables in fp32 (INT4 only).")
 @click.option("--no-fp32", is_flag=True, help="Do not ship the fp32 variant beside the compressed one.")
 @click.option("--threads", type=int, default=None, help="CPU threads for the build-time latency measurement.")
@@ -40,7 +41,7 @@ def build(target: str, model: str | None, out_dir: str, precision: str, fallback
 
     console = Console(stderr=as_json)
     opts = BuildOptions(model=model, target=target, out_dir=out_dir, precision=precision, calib=calib,
-                        fallback=fallback, block_size=block_size, embeddings=not no_embeddings,
+                        fallback=fallback, block_size=int(block_size), embeddings=not no_embeddings,
                         keep_fp32=not no_fp32, threads=threads, dla_core=dla_core, engine=engine)
     result = run_build(opts, log=lambda s: console.print(f"[dim]·[/dim] {s}"))
     console.print(summary_table(result.report))

@@ -97,7 +97,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self._barrier()
         msd, osd = get_state_dict(model, optimizers)
-        save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(tmp, sync_files=True))
+        save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(tmp, sync_files=True),
+             no_dist=not dist.is_initialized())
         torch.save(rng_state(), tmp / f"rng_rank{self.rank}.pt")
         self._barrier()
         if self.rank == 0:
@@ -155,7 +156,7 @@ class Checkpointer:
                         o.zero_grad(set_to_none=True)
                     msd, osd = get_state_dict(model, optimizers)
                     state = {"model": msd, "optim": osd}
-                    load(state, storage_reader=FileSystemReader(path))
+                    load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())
                     ok = True
                 except Exception as e:  # noqa: BLE001 - any failure means: try the next older checkpoint
                     ok, reason = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -2,7 +2,7 @@
 
 Each step record: ``step``, ``loss``, ``lr``, ``grad_norm``, ``loss_scale`` (fp16), ``samples_per_s``,
 ``tokens_per_s`` (token-budget batches), ``step_time_ms``, ``data_wait_fraction`` (share of the step spent waiting
-for the data loader), ``skipped`` (non-finite). Events (``resumed``, ``rollback``, ``checkpoint``, ``eval``) are
+for the data loader), ``skipped`` (non-finite), ``time`` (unix seconds). Events (``resumed``, ``rollback``, ``checkpoint``, ``eval``) are
 records with an ``event`` key.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ class MetricsLog:
         if self.rank != 0:
             return
         rec = {k: self._clean(v) for k, v in record.items()}
+        rec.setdefault("time", round(time.time(), 3))
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if "event" in rec:
@@ -87,6 +89,11 @@ class MetricsLog:
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in keep))
         os.replace(tmp, self.path)
+
+    def reset(self) -> None:
+        """Start the log afresh (rank 0): remove what an earlier run left."""
+        if self.rank == 0 and self.path.is_file():
+            self.path.unlink()
 
     def close(self) -> None:
         if self.bar is not None:

@@ -101,7 +101,9 @@ class HybridOptimizer:
                       {"params": buckets[(kind, False)], "weight_decay": 0.0}]
             groups = [g for g in groups if g["params"]]
             if groups:
-                extra = {"foreach": False} if cls is torch.optim.AdamW else {}
+                # foreach kernels cannot mix DTensor and plain tensors (tensor parallel shards only some layers)
+                kinds = {hasattr(q, "device_mesh") for g in groups for q in g["params"]}
+                extra = {"foreach": False} if cls is torch.optim.AdamW and len(kinds) > 1 else {}
                 opt = cls(groups, lr=lr, betas=tuple(betas), eps=eps, **extra)
                 for g in opt.param_groups:
                     g["initial_lr"] = lr

@@ -36,6 +36,7 @@ class DistEnv:
     tp_rank: int = 0
     pp_rank: int = 0
     mesh: Any = None
+    owns_group: bool = False  # this run created the process group (and so destroys it)
 
     @property
     def distributed(self) -> bool:
@@ -83,6 +84,7 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     if world == 1:
         return env
     if not dist.is_initialized():
+        env.owns_group = True
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=int(os.environ.get("DSEDGE_PG_TIMEOUT",
                                                                                                     600))))
@@ -97,9 +99,14 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
 
 
 def teardown(env: DistEnv) -> None:
-    """Collect, barrier, then destroy the group (in this order, or DDP processes sometimes abort at exit)."""
+    """Collect, barrier, then destroy the group (in this order, or DDP processes sometimes abort at exit).
+
+    A group this run did not create (the caller's) is left up, after the barrier."""
     gc.collect()
     if dist.is_initialized():
+        if not env.owns_group:
+            dist.barrier()
+            return
         try:
             dist.barrier()
         finally:
@@ -192,19 +199,24 @@ def apply_ddp(model: torch.nn.Module, env: DistEnv, comm_hook: str | None = None
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     group = env.group("dp")
+    if comm_hook == "bf16" and dist.get_backend(group) == "gloo":
+        raise ConfigError("[parallel] comm_hook = 'bf16' needs the NCCL backend (GPU); gloo cannot reduce bf16",
+                          "use comm_hook = 'fp16' or 'powersgd' on CPU")
     ddp = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None, process_group=group)
     stats = CommStats()
+    # hooks are left unannotated: DDP rejects annotations it cannot match (they are strings here)
     if comm_hook is None:
-        def hook(state: Any, bucket: Any) -> Any:
-            n = bucket.buffer().numel() * bucket.buffer().element_size()
-            stats.bytes_sent += n
-            stats.bytes_uncompressed += n
-            return default_hooks.allreduce_hook(state, bucket)
-        ddp.register_comm_hook(group, hook)
+        # the built-in C++ all-reduce (fastest); count bytes per backward with a post-accumulate hook on the root
+        nbytes = sum(q.numel() * q.element_size() for q in model.parameters() if q.requires_grad)
+
+        def count(*_):
+            stats.bytes_sent += nbytes
+            stats.bytes_uncompressed += nbytes
+        ddp.register_forward_pre_hook(lambda *_: count() if torch.is_grad_enabled() else None)
     elif comm_hook in ("fp16", "bf16"):
         inner = default_hooks.fp16_compress_hook if comm_hook == "fp16" else default_hooks.bf16_compress_hook
 
-        def hook(state: Any, bucket: Any) -> Any:
+        def hook(state, bucket):
             stats.bytes_sent += bucket.buffer().numel() * 2
             stats.bytes_uncompressed += bucket.buffer().numel() * bucket.buffer().element_size()
             return inner(state, bucket)
@@ -213,9 +225,15 @@ def apply_ddp(model: torch.nn.Module, env: DistEnv, comm_hook: str | None = None
         state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
                                             start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
 
-        def hook(st: Any, bucket: Any) -> Any:
+        # PowerSGD issues its second all-reduce from a future callback; on gloo, with several buckets, ranks then
+        # issue collectives in different orders (a size-mismatch abort, measured), so finish each bucket in turn
+        serial = dist.get_backend(group) == "gloo"
+
+        def hook(st, bucket):
             before = st.total_numel_after_compression
             fut = powerSGD_hook.powerSGD_hook(st, bucket)
+            if serial:
+                fut.wait()
             size = bucket.buffer().element_size()
             sent = st.total_numel_after_compression - before
             # before start_powerSGD_iter PowerSGD all-reduces the whole bucket uncompressed

@@ -38,6 +38,13 @@ class ShardedBatchSampler:
     def set_position(self, epoch: int, batch: int) -> None:
         self.epoch, self.start = epoch, batch
 
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, batch) of global step ``step`` (0-based count of batches consumed)."""
+        return divmod(step, self.batches_per_epoch())
+
+    def steps_for_epochs(self, epochs: int) -> int:
+        return epochs * self.batches_per_epoch()
+
     def _perm(self) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(self.n)
@@ -105,11 +112,25 @@ class TokenBudgetBatchSampler:
         per_rank = len(batches) // self.dp
         return batches[self.dp_rank:per_rank * self.dp:self.dp]
 
-    def batches_per_epoch(self) -> int:
-        return len(self._batches(0))
+    def batches_per_epoch(self, epoch: int = 0) -> int:
+        """Batches this rank gets in ``epoch`` (packing depends on the epoch's shuffle, so counts vary a little)."""
+        return len(self._batches(epoch))
 
     def set_position(self, epoch: int, batch: int) -> None:
         self.epoch, self.start = epoch, batch
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, batch) of global step ``step``, walking the per-epoch batch counts."""
+        epoch = 0
+        while step >= (n := self.batches_per_epoch(epoch)):
+            if n == 0:
+                raise ConfigError("the token-budget sampler gives no batch", "lower max_tokens or dp degree")
+            step -= n
+            epoch += 1
+        return epoch, step
+
+    def steps_for_epochs(self, epochs: int) -> int:
+        return sum(self.batches_per_epoch(e) for e in range(epochs))
 
     def __iter__(self) -> Iterator[list[int]]:
         yield from self._batches(self.epoch)[self.start:]

@@ -56,7 +56,12 @@ def as_inputs(x: Any) -> tuple:
 
 def build_data(cfg: TrainConfig) -> tuple[Any, Any]:
     """``(train_dataset, val_dataset | None)`` from the data factory; ConfigError when it returns something else."""
-    out = resolve_callable(cfg.data.factory, "[data] factory")(**cfg.data.kwargs)
+    factory = resolve_callable(cfg.data.factory, "[data] factory")
+    try:
+        out = factory(**cfg.data.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{cfg.source}: [data] factory {cfg.data.factory!r} failed: {e}",
+                          "check [data] kwargs against the function's parameters") from None
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise ConfigError(f"[data] factory {cfg.data.factory!r} must return (train_dataset, val_dataset or None)",
                           "return a 2-tuple")
@@ -116,7 +121,8 @@ def model_state_for_export(model: torch.nn.Module, env: par.DistEnv) -> dict[str
     """Full (unsharded) fp32 state dict on CPU, gathered from every pipeline stage; complete on rank 0 (collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # cpu_offload keeps the full dict on global rank 0 only: pipeline stages need it on each stage's first rank
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=env.pp == 1))
     sd = {k: v.detach().to("cpu").clone().contiguous() for k, v in sd.items()}
     if env.pp > 1:
         parts: list[Any] = [None] * env.world_size
@@ -132,9 +138,6 @@ def write_final(run_dir: Path, cfg: TrainConfig, state: dict[str, torch.Tensor],
     from ...runtime.bundle import atomic_directory
 
     names = list(cfg.model.input_names) or [f"input_{i}" for i in range(len(example))]
-    if len(names) != len(example):
-        raise ConfigError(f"{cfg.source}: [model] input_names has {len(names)} names but the data gives "
-                          f"{len(example)} inputs", "list one name per model input")
     meta = {
         "format": "dsedge-trained-model", "version": 1, "step": step,
         "factory": cfg.model.factory, "kwargs": cfg.model.kwargs,
@@ -158,16 +161,29 @@ def write_resolved_config(run_dir: Path, cfg: TrainConfig) -> None:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset: Any, cfg: TrainConfig, env: par.DistEnv, policy: PrecisionPolicy,
-             loss_fn: Callable) -> dict[str, float]:
-    """Mean loss (and accuracy for cross_entropy) over the whole validation set; every rank runs the same batches
-    (so FSDP/TP collectives match), no extra communication."""
+             loss_fn: Callable, schedule: Any = None) -> dict[str, float]:
+    """Mean loss (and accuracy for cross_entropy, without pipeline) over the validation set; every rank runs the same
+    batches (so FSDP/TP/pipeline collectives match). With a pipeline ``schedule`` the last stage computes the loss
+    (``schedule.eval``), the tail that does not fill the micro-batches is left out, and the mean is shared."""
     from torch.utils.data import DataLoader
 
     model.eval()
     total, n, correct = 0.0, 0, 0
-    for x, y in DataLoader(dataset, batch_size=max(1, cfg.data.batch_size // env.dp), shuffle=False):
+    loader = DataLoader(dataset, batch_size=max(1, cfg.data.batch_size // env.dp), shuffle=False,
+                        drop_last=schedule is not None)
+    for x, y in loader:
         x, y = to_device(as_inputs(x), env.device), to_device(y, env.device)
         with policy.autocast():
+            if schedule is not None:
+                losses: list = []
+                if env.is_first_stage:
+                    schedule.eval(*x, target=y if env.is_last_stage else None, losses=losses)
+                else:
+                    schedule.eval(target=y if env.is_last_stage else None, losses=losses)
+                if losses:
+                    total += float(torch.stack([v.float() for v in losses]).mean()) * len(y)
+                n += len(y)
+                continue
             out = model(*x)
         out = out[0] if isinstance(out, (tuple, list)) else out
         total += float(loss_fn(out, y)) * len(y)
@@ -175,6 +191,8 @@ def evaluate(model: torch.nn.Module, dataset: Any, cfg: TrainConfig, env: par.Di
         if cfg.loss.kind == "cross_entropy":
             correct += int((out.argmax(-1) == y).sum())
     model.train()
+    if schedule is not None:
+        return {"val_loss": global_loss(torch.tensor(total / max(n, 1)), env)}
     res = {"val_loss": total / max(n, 1)}
     if cfg.loss.kind == "cross_entropy":
         res["val_accuracy"] = correct / max(n, 1)
@@ -198,7 +216,7 @@ def run(cfg: TrainConfig, forward_loss: Callable[[Callable], ForwardLoss] | None
     finally:
         if ok:
             par.teardown(env)
-        elif dist.is_initialized():
+        elif env.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -211,15 +229,22 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
 
     # model and data: same seed on every rank, so every rank builds the same initial weights
     torch.manual_seed(cfg.seed)
-    model = resolve_callable(cfg.model.factory, "[model] factory")(**cfg.model.kwargs)
+    factory = resolve_callable(cfg.model.factory, "[model] factory")
+    try:
+        model = factory(**cfg.model.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{cfg.source}: [model] factory {cfg.model.factory!r} failed: {e}",
+                          "check [model] kwargs against the function's parameters") from None
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"[model] factory {cfg.model.factory!r} returned {type(model).__name__}, not an nn.Module",
                           "return a torch.nn.Module")
     train_ds, val_ds = build_data(cfg)
     example = as_inputs(train_ds[0][0])
+    if cfg.model.input_names and len(cfg.model.input_names) != len(example):
+        raise ConfigError(f"{cfg.source}: [model] input_names has {len(cfg.model.input_names)} names but the data "
+                          f"gives {len(example)} inputs", "list one name per model input")
     sampler = build_sampler(cfg, train_ds, env)
-    per_epoch = sampler.batches_per_epoch()
-    total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
+    total_steps = cfg.steps if cfg.steps is not None else sampler.steps_for_epochs(cfg.epochs)
     hard_loss = make_loss(cfg.loss)
     forward_loss = forward_loss_factory(hard_loss) if forward_loss_factory else None
 
@@ -244,15 +269,13 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         if p.data == "fsdp":
             model = par.apply_fsdp(model, env, policy)
         else:
-            if env.tp > 1:
-                raise ConfigError(f"{cfg.source}: data = 'ddp' cannot be combined with tensor parallel",
-                                  "use data = 'fsdp' with tensor > 1")
+            if env.tp > 1 or env.pp > 1:
+                # DDP's reducer asserts on several backward passes per step (pipeline micro-batches), measured
+                raise ConfigError(f"{cfg.source}: data = 'ddp' cannot be combined with tensor or pipeline parallel",
+                                  "use data = 'fsdp' when tensor > 1 or pipeline > 1")
             model, comm = par.apply_ddp(model, env, p.comm_hook, p.powersgd_rank)
     if env.pp > 1:
-        def pp_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return hard_loss(out, y)
-        schedule = par.build_pipeline_schedule(model, env, p.pipeline_schedule,
-                                               p.microbatches or env.pp, pp_loss)
+        schedule = par.build_pipeline_schedule(model, env, p.pipeline_schedule, p.microbatches or env.pp, hard_loss)
 
     optimizer = HybridOptimizer(model, cfg.optim.lr, cfg.optim.weight_decay, tuple(cfg.optim.betas), cfg.optim.eps,
                                 cfg.optim.lamb_threshold)
@@ -277,13 +300,15 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         log.truncate_after(step)
         log.event("resumed", step=step, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
         log.message(f"resumed from checkpoint step_{step}")
+    else:
+        log.reset()  # a fresh start: records of an earlier run in this directory would mix trajectories
 
     from torch.utils.data import DataLoader
 
     collate = pad_collate if isinstance(sampler, TokenBudgetBatchSampler) else None
 
     def batches_from(s: int):
-        epoch, b = divmod(s, per_epoch)
+        epoch, b = sampler.locate(s)
         while True:
             sampler.set_position(epoch, b)
             yield from DataLoader(train_ds, batch_sampler=sampler, num_workers=cfg.data.num_workers,
@@ -380,12 +405,13 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
             continue
 
         if step % cfg.checkpoint.every == 0 or step == total_steps:
-            trainer = {"epoch": step // per_epoch, "batch": step % per_epoch, "rollbacks": rollbacks,
+            epoch, batch = sampler.locate(step)
+            trainer = {"epoch": epoch, "batch": batch, "rollbacks": rollbacks,
                        "scaler": scaler.state_dict() if scaler is not None else None}
             ckpt.save(step, model, optimizer.optimizers, trainer)
             ev: dict[str, Any] = {"step": step}
-            if val_ds is not None and env.pp == 1:
-                ev.update(evaluate(model, val_ds, cfg, env, policy, hard_loss))
+            if val_ds is not None:
+                ev.update(evaluate(model, val_ds, cfg, env, policy, hard_loss, schedule))
             log.event("checkpoint", **ev)
 
     state_dict = model_state_for_export(model, env)
