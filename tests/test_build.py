@@ -115,6 +115,7 @@ def test_callable_source_exports_with_dynamic_batch(tmp_path, monkeypatch):
     r = build(BuildOptions(model="mymodels:make", target="cpu", out_dir="out", precision="int4", latency_iterations=3))
     m = verify_bundle(r.bundle)
     assert m.inputs[0].name == "features" and m.inputs[0].shape[0] == "batch"
+    assert r.bundle.name == "mymodels-make-cpu.dse" and [o.name for o in m.outputs] == ["output"]
     assert r.report["export"]["parity_max_abs_diff"] < 1e-4
     s = dsedge.load(r.bundle)
     assert s.run({"features": np.ones((7, 16), np.float32)})[s.outputs[0].name].shape == (7, 3)

@@ -145,8 +145,15 @@ def _callable(spec: str) -> Source:
         example_np = {f"input_{i}": _to_numpy(v) for i, v in enumerate(example)}
     dyn = result[2] if len(result) == 3 else {k: {0: "batch"} for k in example_np}
     module.eval()
-    return Source(kind="callable", name=f"{module_name.rsplit('.', 1)[-1]}-{fn_name}".lower().replace("_", "-"), example_inputs=example_np,
-                  dynamic_axes=dyn, module=module, fingerprint=hashlib.sha256(spec.encode()).hexdigest(), ref=spec)
+    import torch
+
+    with torch.no_grad():  # name the outputs: "output", or output_0, output_1 … for a tuple
+        out = module(*[torch.from_numpy(v) for v in example_np.values()])
+    n_out = len(out) if isinstance(out, (tuple, list)) else 1
+    names = ["output"] if n_out == 1 else [f"output_{i}" for i in range(n_out)]
+    name = f"{module_name.rsplit('.', 1)[-1]}-{fn_name}".lower().replace("_", "-")
+    return Source(kind="callable", name=name, example_inputs=example_np, dynamic_axes=dyn, output_names=names,
+                  module=module, fingerprint=hashlib.sha256(spec.encode()).hexdigest(), ref=spec)
 
 
 def _run_dir(path: Path) -> Source:
