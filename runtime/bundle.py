@@ -35,19 +35,27 @@ class IOSpec:
     name: str
     dtype: str
     shape: tuple[int | str, ...]
+    value_range: tuple[int, int] | None = None  # inclusive [min, max] for integer inputs (token ids < vocab size)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "IOSpec":
         try:
             name, dtype, shape = d["name"], d["dtype"], d["shape"]
-        except (KeyError, TypeError) as e:
-            raise BundleError(f"manifest IO spec {d!r} lacks {e}", "rebuild the bundle with `dsedge build`") from None
+            vr = d.get("value_range")
+            value_range = (int(vr[0]), int(vr[1])) if vr is not None else None
+            if not isinstance(shape, list) or not all(isinstance(x, (int, str)) for x in shape):
+                raise TypeError("shape must be a list of ints and names")
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise BundleError(f"manifest IO spec {d!r} is malformed ({e})", "rebuild the bundle with `dsedge build`") from None
         if dtype not in _DTYPES:
             raise BundleError(f"manifest IO spec {name!r} has unknown dtype {dtype!r}", f"use one of {sorted(_DTYPES)}")
-        return cls(str(name), str(dtype), tuple(shape))
+        return cls(str(name), str(dtype), tuple(shape), value_range)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.value_range is not None:
+            d["value_range"] = list(self.value_range)
+        return d
 
 
 @dataclass
@@ -122,7 +130,7 @@ class Manifest:
                 "rebuild the bundle with this dsedge version",
             )
         try:
-            return cls(
+            m = cls(
                 name=d["name"], target=dict(d["target"]),
                 inputs=[IOSpec.from_dict(x) for x in d["inputs"]],
                 outputs=[IOSpec.from_dict(x) for x in d["outputs"]],
@@ -132,8 +140,15 @@ class Manifest:
                 latency_budget_ms=d.get("latency_budget_ms"), dsedge_version=d.get("dsedge_version", ""),
                 schema_version=version,
             )
-        except (KeyError, TypeError) as e:
+            for sym, rng in m.shape_ranges.items():
+                if not all(isinstance(rng.get(k), int) for k in ("min", "max")) or rng["min"] > rng["max"]:
+                    raise TypeError(f"shape_ranges[{sym!r}] needs integer min <= max")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise BundleError(f"manifest.json lacks or mangles field {e}", "rebuild the bundle") from None
+        if not m.variants:
+            raise BundleError("manifest.json lists no variants", "rebuild the bundle")
+        m.variant(m.default_variant)  # the default must exist
+        return m
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -187,7 +202,33 @@ def verify_bundle(bundle: str | os.PathLike) -> Manifest:
                 f"bundle file {rel!r} is corrupt or was modified (sha256 {actual[:12]}… ≠ {expected[:12]}…)",
                 "copy the bundle again or rebuild it with `dsedge build`",
             )
+    for v in m.variants:
+        check_model_io(m, root / v.file)
     return m
+
+
+def check_model_io(manifest: Manifest, model_path: Path) -> None:
+    """The ONNX graph's inputs must be the manifest's inputs (names, dtypes, ranks). Raises BundleError.
+
+    Reads only the graph's value infos (onnx's protobuf, no weights are interpreted, nothing is executed).
+    """
+    try:
+        import onnx
+        from onnx import helper
+    except ModuleNotFoundError:  # onnx is a base dependency; without it only ORT will notice a mismatch
+        return
+    graph = onnx.load(os.fspath(model_path), load_external_data=False).graph
+    inits = {t.name for t in graph.initializer}
+    actual = {}
+    for vi in graph.input:
+        if vi.name not in inits:
+            t = vi.type.tensor_type
+            actual[vi.name] = (str(helper.tensor_dtype_to_np_dtype(t.elem_type)), len(t.shape.dim))
+    declared = {s.name: (s.dtype, len(s.shape)) for s in manifest.inputs}
+    if actual != declared:
+        diff = sorted(set(actual.items()) ^ set(declared.items()))
+        raise BundleError(f"manifest inputs do not match {model_path.name} (differ at {diff[0][0]!r})",
+                          "the manifest was edited or belongs to another model: rebuild the bundle")
 
 
 def hash_files(root: str | os.PathLike, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, str]:
@@ -207,6 +248,34 @@ def write_manifest(root: str | os.PathLike, manifest: Manifest) -> None:
     (Path(root) / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n", encoding="utf-8")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temp(parent: str | os.PathLike) -> list[Path]:
+    """Remove temporary directories (``.NAME.tmp-PID-…``, ``.dsedge-build-PID-…``) left in ``parent`` by a process
+    that was killed (SIGKILL runs no clean-up) and is no longer alive. Returns what was removed."""
+    removed = []
+    parent = Path(parent)
+    if not parent.is_dir():
+        return removed
+    for p in parent.iterdir():
+        if not (p.is_dir() and p.name.startswith(".") and ("-tmp-" in p.name or ".tmp-" in p.name
+                                                            or p.name.startswith(".dsedge-build-"))):
+            continue
+        pid = next((int(part) for part in p.name.replace(".tmp-", "-").split("-") if part.isdigit()), None)
+        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``final``; on success rename it to ``final``.
@@ -217,12 +286,16 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    remove_stale_temp(final.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a published bundle gets the user's usual mode
     try:
         yield tmp
         old = None
         if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-old-", dir=final.parent))
             os.replace(final, old / final.name)
         os.replace(tmp, final)
         if old is not None:

@@ -62,3 +62,16 @@ class ConfigError(DsedgeError):
 
 class EngineError(DsedgeError):
     """A TensorRT engine file is corrupt, foreign (other GPU / TensorRT version) or failed to build."""
+
+
+class TrainingError(DsedgeError):
+    """Training cannot go on: the loss stayed non-finite after rolling back, or a run directory is unusable."""
+
+
+class SessionClosedError(DsedgeError):
+    """``submit``/``stream``/``generate`` was called on a session after ``close()`` (a programming error)."""
+
+
+class BenchError(DsedgeError):
+    """A benchmark cannot run or compare: no samples, a missing/malformed/foreign baseline report."""
+

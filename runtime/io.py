@@ -54,5 +54,12 @@ def validate_inputs(
                 if rng and not (rng.get("min", 0) <= dim <= rng.get("max", dim)):
                     raise InputError(f"input {spec.name!r} has {want}={dim}, outside the bundle's range "
                                      f"[{rng.get('min')}, {rng.get('max')}]", f"split or pad the request to fit {want}")
+        if spec.value_range is not None and arr.size:
+            lo, hi = spec.value_range
+            amin, amax = arr.min(), arr.max()
+            if amin < lo or amax > hi:
+                bad = amin if amin < lo else amax
+                raise InputError(f"input {spec.name!r} holds {bad}, outside the model's range [{lo}, {hi}]",
+                                 "use the tokenizer / encoder the bundle was built with")
         out[spec.name] = arr
     return out

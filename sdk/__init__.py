@@ -4,6 +4,8 @@
     >>> s = dsedge.load("out/all-minilm-l6-v2-jetson-orin.dse")
     >>> s.providers           # what ONNX Runtime really gave us
     >>> s.run({"input_ids": ids, "attention_mask": mask, "token_type_ids": types})
+    >>> fut = s.submit(inputs, budget_ms=20)      # -> Future of dsedge.Result or dsedge.Rejected
+    >>> for r in s.stream(requests, budget_ms=20): ...
 """
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ from .runtime.errors import (
     BundleIntegrityError,
     DsedgeError,
     InputError,
+    SessionClosedError,
     SourceError,
     TargetError,
 )
+from .runtime.results import Rejected, Result
 from .session import Session, load
 
 try:
@@ -27,5 +31,5 @@ except PackageNotFoundError:  # running from a source tree without install
 
 __all__ = [
     "load", "Session", "DsedgeError", "BundleError", "BundleIntegrityError", "InputError", "SourceError",
-    "TargetError", "BackendUnavailable", "__version__",
+    "TargetError", "BackendUnavailable", "SessionClosedError", "Result", "Rejected", "__version__",
 ]

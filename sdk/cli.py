@@ -63,8 +63,18 @@ def report_error(err: DsedgeError) -> None:
         click.echo(f"  hint: {err.hint}", err=True)
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds like Ctrl-C, so temporary build directories are removed
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors exit non-zero with one line and a hint; usage errors exit 2."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread (embedded use): keep the default
+        pass
     try:
         rv = cli.main(args=argv, prog_name="dsedge", standalone_mode=False)
     except DsedgeError as e:

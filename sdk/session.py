@@ -1,16 +1,30 @@
 """``dsedge.load`` and ``Session``: a verified bundle bound to the best backend this machine has."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import queue as _queue
+import threading
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from .runtime.backends.ort import OrtBackend
+from .runtime.batching import BatchLayout, example_feed
+from .runtime.decode import GenerationStream
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
+from .runtime.errors import DsedgeError, SessionClosedError
 from .runtime.io import validate_inputs
+from .runtime.latency_profile import LatencyProfile, measure
+from .runtime.metrics import StreamMetrics
+from .runtime.results import Rejected, Result
+from .runtime.scheduler import BudgetScheduler, Lane
+
+_FALLBACK_BUDGET_MS = 50.0
+_WARMUP_SEQS = (16, 64)
 
 log = logging.getLogger("dsedge")
 
@@ -24,15 +38,37 @@ class Session:
         inputs / outputs: ``IOSpec`` lists (``.name``, ``.dtype``, ``.shape`` with symbolic dims as strings).
         providers: ORT providers really in use, e.g. ``["CPUExecutionProvider"]`` for a Jetson bundle on a laptop.
         backend_name: ``"onnxruntime"`` (or ``"tensorrt"`` where a TensorRT engine serves it).
+        budget_ms: the session's default latency budget for streaming (None: the manifest's, else the target's).
+
+    Streaming with latency budgets (built on first use; ``warmup()`` starts it early):
+        ``submit(inputs, budget_ms, priority) -> Future[Result | Rejected]``, ``stream(iterable)``,
+        ``await infer_async(...)``, ``async for r in stream_async(...)``, ``generate_stream(prompt, …)`` for
+        decoders, ``metrics()``, ``close(drain=True)``. See runtime/scheduler.py and runtime/decode.py.
     """
 
-    def __init__(self, path: str | os.PathLike, manifest: Manifest, variant: Variant, backend: Any) -> None:
+    def __init__(self, path: str | os.PathLike, manifest: Manifest, variant: Variant, backend: Any, *,
+                 budget_ms: float | None = None, cascade: bool = False, max_batch: int | None = None,
+                 max_queue: int = 1024, max_delay_ms: float | None = None, profile: str = "auto",
+                 open_variant: Callable[[str], Any] | None = None) -> None:
         self.path = Path(path)
         self.manifest = manifest
         self.variant = variant
         self._backend = backend
         self.inputs: list[IOSpec] = list(manifest.inputs)
         self.outputs: list[IOSpec] = list(manifest.outputs)
+        # streaming (submit/stream/infer_async): built on first use, see _scheduler()
+        self.budget_ms = budget_ms
+        self._cascade = cascade
+        self._max_batch = max_batch
+        self._max_queue = max_queue
+        self._max_delay_ms = max_delay_ms
+        self._profile_mode = profile
+        self._open_variant = open_variant
+        self._metrics = StreamMetrics()
+        self._sched: BudgetScheduler | None = None
+        self._decoder: Any = None
+        self._start_lock = threading.Lock()
+        self._closed = False
 
     @property
     def providers(self) -> list[str]:
@@ -55,7 +91,9 @@ class Session:
             numpy arrays keyed by output name.
         Raises:
             InputError: a missing/unknown name, wrong dtype or shape (checked before the backend runs).
+            SessionClosedError: after ``close()``.
         """
+        self._check_open()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
         return self._backend.run(checked)
 
@@ -67,7 +105,314 @@ class Session:
             "backend": self.backend_name, "providers": self.providers,
         }
 
-    def close(self) -> None:
+    # -- streaming with latency budgets -----------------------------------------------------------------------
+    def default_budget_ms(self) -> float:
+        """The budget a request gets when it names none: the session's (``load(budget_ms=)``), else the
+        manifest's ``latency_budget_ms``, else the target profile's ``default_budget_ms`` (ms)."""
+        if self.budget_ms is not None:
+            return float(self.budget_ms)
+        if self.manifest.latency_budget_ms is not None:
+            return float(self.manifest.latency_budget_ms)
+        if "default_budget_ms" in self.manifest.target:
+            return float(self.manifest.target["default_budget_ms"])
+        try:
+            from .targets import get_target
+
+            return float(get_target(self.target).default_budget_ms)
+        except Exception:  # an unknown or custom target name: no profile here to ask
+            return _FALLBACK_BUDGET_MS
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError("this session is closed", "call dsedge.load() again to open a new session")
+
+    def _scheduler(self) -> BudgetScheduler:
+        self._check_open()
+        with self._start_lock:
+            if self._sched is None:
+                self._sched = self._build_scheduler()
+            return self._sched
+
+    def _build_scheduler(self) -> BudgetScheduler:
+        if self.is_decoder:
+            from .runtime.errors import InputError
+
+            raise InputError("this bundle is a decoder with past key/values: submit/stream serve one-shot models",
+                             "use session.generate_stream(prompt, max_new_tokens) for generation")
+        layout = BatchLayout.of(self.inputs, self.outputs)
+        batch_range = self.manifest.shape_ranges.get(layout.batch_symbol or "", {})
+        max_batch = self._max_batch or int(batch_range.get("max", 32))
+        if not layout.dynamic:
+            max_batch = 1
+        primary = self._make_lane(self.variant, self._backend.run, layout, max_batch)
+        lanes = [primary]
+        if self._cascade and self._open_variant is not None:
+            alone = primary.profile.predict(1, 16 if layout.seq_symbol else None)
+            cheaper = []
+            for v in self.manifest.variants:
+                if v.name == self.variant.name:
+                    continue
+                lane = self._make_lane(v, self._open_variant(v.name).run, layout, max_batch)
+                cost = lane.profile.predict(1, 16 if layout.seq_symbol else None)
+                if cost < alone:
+                    cheaper.append((cost, lane))
+                else:
+                    lane.close(drain=False)
+            lanes += [lane for _, lane in sorted(cheaper, key=lambda x: -x[0])]  # most accurate cheaper first
+        return BudgetScheduler(lanes, layout, self._metrics)
+
+    def _make_lane(self, variant: Variant, run: Callable, layout: BatchLayout, max_batch: int) -> Lane:
+        # build-time figures come from the build machine: used only when asked for; else a short warm-up here
+        prof = LatencyProfile.from_variant(variant) if self._profile_mode == "bundle" else None
+        if prof is None or prof.empty:
+            seq_range = self.manifest.shape_ranges.get(layout.seq_symbol or "", {})
+            seqs: tuple = (None,)
+            if layout.seq_symbol:
+                seqs = tuple(sorted({min(max(s, seq_range.get("min", 1)), seq_range.get("max", s))
+                                     for s in _WARMUP_SEQS}))
+            sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max_batch] + [max_batch]
+            prof = measure(LatencyProfile(variant.name), run, lambda b, s: example_feed(layout, b, s), sizes, seqs,
+                           repeats=3, stop_ms=2 * self.default_budget_ms())
+        return Lane(variant.name, run, prof, layout, self._metrics, max_batch=max_batch, max_queue=self._max_queue,
+                    max_delay_ms=self._max_delay_ms)
+
+    def warmup(self) -> dict[str, Any]:
+        """Start the streaming scheduler now (measuring latency profiles) instead of on the first ``submit``.
+
+        Returns ``{variant: LatencyProfile.to_dict()}`` for every lane (primary, then cascade variants).
+        """
+        return {lane.name: lane.profile.to_dict() for lane in self._scheduler().lanes}
+
+    def submit(self, inputs: Mapping[str, Any], budget_ms: float | None = None, priority: int = 0,
+               id: Any = None) -> "Future[Result | Rejected]":
+        """Queue one request; thread-safe. The future resolves to a ``Result`` or a ``Rejected``, never raises.
+
+        Args:
+            inputs: numpy arrays keyed by input name (usually one row on the batch axis).
+            budget_ms: latency budget, ms (default ``default_budget_ms()``).
+            priority: higher wins among equal deadlines.
+            id: reported back in the answer (default: a per-session counter).
+        Raises:
+            InputError: inputs do not match the bundle (checked before queueing).
+            SessionClosedError: the session is closed.
+        """
+        sched = self._scheduler()
+        checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
+        budget = self.default_budget_ms() if budget_ms is None else float(budget_ms)
+        try:
+            return sched.submit(checked, budget, priority, id)
+        except RuntimeError:
+            raise SessionClosedError("this session is closed", "call dsedge.load() again") from None
+
+    def stream(self, inputs: Iterable[Mapping[str, Any]], budget_ms: float | None = None, ordered: bool = False,
+               priority: int = 0, window: int | None = None) -> Iterator[Result | Rejected]:
+        """Submit each item of ``inputs`` and yield answers: completion order, or input order with ``ordered``.
+
+        Each answer's ``id`` is the item's index. At most ``window`` requests are in flight (default two full
+        batches): the iterable is read as answers come back, so a long stream does not flood the queue. A
+        separate thread reads ``inputs``, so a slow source does not hold back finished answers.
+        Raises InputError (from the item that failed validation) or SessionClosedError.
+        """
+        sched = self._scheduler()
+        window = window or max(2, 2 * sched.lanes[0].max_batch)
+        slots = threading.Semaphore(window)
+        done: _queue.Queue = _queue.Queue()
+        stop = threading.Event()
+        order: list[Future] = []
+        state = {"submitted": 0, "finished": False, "error": None}
+
+        def feed() -> None:
+            try:
+                for i, item in enumerate(inputs):
+                    while not slots.acquire(timeout=0.1):
+                        if stop.is_set():
+                            return
+                    if stop.is_set():
+                        return
+                    fut = self.submit(item, budget_ms=budget_ms, priority=priority, id=i)
+                    state["submitted"] += 1
+                    if ordered:
+                        order.append(fut)
+                    fut.add_done_callback(lambda f: (slots.release(), done.put(f)))
+            except BaseException as e:  # handed to the consumer, raised there
+                state["error"] = e
+            finally:
+                state["finished"] = True
+                done.put(None)
+
+        feeder = threading.Thread(target=feed, name="dsedge-stream-feed", daemon=True)
+        feeder.start()
+        yielded, next_index, finished, fed_all = 0, 0, set(), False
+        try:
+            while True:
+                item = done.get()
+                if item is None:
+                    fed_all = True
+                elif not ordered:
+                    yielded += 1
+                    yield item.result()
+                else:
+                    finished.add(id(item))
+                # in input order: release every leading finished future (a future can finish before it is listed)
+                while ordered and next_index < len(order) and id(order[next_index]) in finished:
+                    fut = order[next_index]
+                    finished.discard(id(fut))
+                    next_index += 1
+                    yielded += 1
+                    yield fut.result()
+                if fed_all:
+                    if state["error"] is not None:
+                        raise state["error"]
+                    if yielded >= state["submitted"]:
+                        return
+        finally:
+            stop.set()
+
+    async def infer_async(self, inputs: Mapping[str, Any], budget_ms: float | None = None,
+                          priority: int = 0, id: Any = None) -> Result | Rejected:
+        """``await`` form of ``submit(...).result()`` for asyncio code (same arguments and errors)."""
+        return await asyncio.wrap_future(self.submit(inputs, budget_ms=budget_ms, priority=priority, id=id))
+
+    async def stream_async(self, inputs: Iterable[Mapping[str, Any]] | AsyncIterator[Mapping[str, Any]],
+                           budget_ms: float | None = None, ordered: bool = False, priority: int = 0,
+                           window: int | None = None) -> AsyncIterator[Result | Rejected]:
+        """``async for`` form of ``stream`` over a sync or async iterable (same ids, order and window)."""
+        sched = self._scheduler()
+        window = window or max(2, 2 * sched.lanes[0].max_batch)
+        slots = asyncio.Semaphore(window)
+        pending: list[asyncio.Future] = []
+        out: asyncio.Queue = asyncio.Queue()
+
+        async def items() -> AsyncIterator[Mapping[str, Any]]:
+            if hasattr(inputs, "__aiter__"):
+                async for x in inputs:  # type: ignore[union-attr]
+                    yield x
+            else:
+                for x in inputs:  # type: ignore[union-attr]
+                    yield x
+
+        async def feed() -> None:
+            try:
+                i = 0
+                async for item in items():
+                    await slots.acquire()
+                    fut = asyncio.wrap_future(self.submit(item, budget_ms=budget_ms, priority=priority, id=i))
+                    fut.add_done_callback(lambda f: (slots.release(), out.put_nowait(f)))
+                    pending.append(fut)
+                    i += 1
+                out.put_nowait(None)
+            except BaseException as e:
+                out.put_nowait(e)
+
+        task = asyncio.ensure_future(feed())
+        try:
+            yielded, fed_all = 0, False
+            next_index = 0
+            while not (fed_all and yielded >= len(pending)):
+                got = await out.get()
+                if isinstance(got, BaseException):
+                    raise got
+                if got is None:
+                    fed_all = True
+                    continue
+                if not ordered:
+                    yielded += 1
+                    yield got.result()
+                    continue
+                while next_index < len(pending) and pending[next_index].done():
+                    next_index += 1
+                    yielded += 1
+                    yield pending[next_index - 1].result()
+        finally:
+            task.cancel()
+
+    @property
+    def is_decoder(self) -> bool:
+        """True for a decoder exported with past key/values (``generate_stream`` works on it)."""
+        from .runtime.decode import is_decoder
+
+        return is_decoder([s.name for s in self.inputs])
+
+    def generate_stream(self, prompt: Sequence[int] | np.ndarray, max_new_tokens: int = 32,
+                        budget_ms: float | None = None, token_budget_ms: float | None = None, id: Any = None,
+                        eos_token_id: int | None = None) -> "GenerationStream":
+        """Greedy generation with continuous batching; iterate the result to get token ids as they come.
+
+        Args:
+            prompt: 1-D token ids (int).
+            max_new_tokens: tokens to generate at most (fewer when ``eos_token_id`` comes).
+            budget_ms: time-to-first-token budget, ms (default ``default_budget_ms()``).
+            token_budget_ms: budget between consecutive tokens, ms (default: ``budget_ms``).
+            eos_token_id: stop token (default: the manifest's ``source["eos_token_id"]``, if any).
+        Returns:
+            a ``GenerationStream``: ``for token in stream``; ``.rejected`` says why when refused; ``.ttft_ms``,
+            ``.token_gaps_ms``, ``.finish_reason`` once done.
+        Raises:
+            InputError: not a decoder bundle, or a malformed prompt. SessionClosedError after ``close()``.
+        """
+        from .runtime.decode import DecodeLoop
+        from .runtime.errors import InputError
+
+        self._check_open()
+        if not self.is_decoder:
+            raise InputError("generate_stream needs a decoder exported with past key/values",
+                             "build the bundle from optimum's text-generation-with-past export; use submit() here")
+        if not hasattr(self._backend, "session"):
+            from .runtime.errors import BackendUnavailable
+
+            raise BackendUnavailable(f"generation runs on ONNX Runtime; this session uses {self.backend_name}",
+                                     "load the bundle with providers=['CPUExecutionProvider'] (or CUDA)")
+        with self._start_lock:
+            if self._decoder is None:
+                eos = self.manifest.source.get("eos_token_id")
+                self._decoder = DecodeLoop(self._backend, max_batch=self._max_batch or 8,
+                                           max_waiting=self._max_queue, eos_token_id=eos)
+                self._decoder.warmup()
+        budget = self.default_budget_ms() if budget_ms is None else float(budget_ms)
+        try:
+            return self._decoder.submit(prompt, max_new_tokens, budget,
+                                        budget if token_budget_ms is None else float(token_budget_ms), id=id,
+                                        eos_token_id=eos_token_id)
+        except RuntimeError:
+            raise SessionClosedError("this session is closed", "call dsedge.load() again") from None
+
+    def metrics(self) -> dict[str, Any]:
+        """Counts, p50/p90/p99 latency (ms), goodput (answers within budget per s), rejection and budget-miss
+        rates for everything submitted to this session (see ``StreamMetrics.snapshot`` for the keys), plus
+        ``queue_depth`` and ``batches`` per lane, and ``decode`` (steps, prefills, rows per step) for generation."""
+        snap = self._metrics.snapshot()
+        if self._sched is not None:
+            snap["lanes"] = {l.name: {"queue_depth": l.depth, "max_queue_depth": l.max_depth, "batches": l.batches}
+                             for l in self._sched.lanes}
+        if self._decoder is not None:
+            st = self._decoder.stats
+            snap["decode"] = {"steps": st.steps, "prefills": st.prefills, "max_rows": st.max_rows,
+                              "joins_while_running": st.joins_while_running,
+                              "mean_rows": round(float(np.mean(st.rows_per_step)), 3) if st.rows_per_step else None}
+        return snap
+
+    def export_prometheus(self, registry: Any = None) -> Any:
+        """Register this session's metrics with a prometheus-client registry (default: the global one).
+
+        Raises BackendUnavailable without prometheus-client (``pip install 'dsedge[serve]'``).
+        """
+        return self._metrics.register_prometheus(registry)
+
+    def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Stop accepting requests; finish (``drain=True``) or reject with "shutdown" what is queued.
+
+        After ``timeout_s`` seconds of draining, whatever is still queued is rejected with "shutdown". Every
+        submitted future is resolved when this returns. Further ``submit`` calls raise SessionClosedError;
+        ``run`` is no longer available either.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        with self._start_lock:
+            if self._sched is not None:
+                self._sched.close(drain=drain, timeout_s=timeout_s)
+            if self._decoder is not None:
+                self._decoder.close(drain=drain, timeout_s=timeout_s)
         self._backend = None
 
     def __enter__(self) -> "Session":
@@ -82,7 +427,9 @@ class Session:
 
 
 def load(path: str | os.PathLike, variant: str | None = None, providers: Sequence[str] | None = None,
-         threads: int | None = None) -> Session:
+         threads: int | None = None, *, budget_ms: float | None = None, cascade: bool = False,
+         max_batch: int | None = None, max_queue: int = 1024, max_delay_ms: float | None = None,
+         profile: str = "auto") -> Session:
     """Verify a bundle (manifest and every sha256) and open a variant on the best available backend.
 
     Args:
@@ -90,20 +437,41 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         variant: variant name (default: the manifest's ``default_variant``).
         providers: ORT providers to use (default: TensorRT EP → CUDA EP → CPU EP, whichever exist).
         threads: intra-op CPU threads (default: ORT's choice).
+        budget_ms: default latency budget for ``submit``/``stream`` (else the manifest's, else the target's), ms.
+        cascade: let requests that cannot meet their budget on ``variant`` be served by a cheaper variant of the
+            bundle (each variant is opened and profiled when streaming starts).
+        max_batch: most rows per batch (default: the bundle's batch range max, else 32; 1 without a batch axis).
+        max_queue: most queued requests per variant before rejecting with "overload".
+        max_delay_ms: fixed longest hold of a batch open (None: adaptive, see runtime/scheduler.py).
+        profile: latency profile source: "measure" or "auto" (a short warm-up on this machine when streaming
+            starts), or "bundle" (the variant's build-time ``latency_ms``; a warm-up if it has none). Either way
+            it is refreshed from every batch run.
     Raises:
         BundleError / BundleIntegrityError: missing, malformed, truncated or tampered bundle.
         BackendUnavailable: a requested provider is not installed.
     """
+    if isinstance(providers, str):
+        providers = [providers]
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise DsedgeError(f"threads must be a positive integer, got {threads!r}", "pass threads=2, or None for ORT's default")
     manifest = verify_bundle(path)
     v = manifest.variant(variant)
-    backend = None
-    if not providers:  # a TensorRT engine when this machine has TensorRT and a GPU; else None
-        from .runtime.backends.tensorrt import open_engine_backend
 
-        backend = open_engine_backend(path, manifest, v)
-    if backend is None:
-        backend = OrtBackend(Path(path) / v.file, providers=providers, threads=threads)
-        if manifest.target.get("backend") == "tensorrt" and backend.providers[:1] == ["CPUExecutionProvider"]:
-            log.info("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
-                     manifest.target.get("name"))
-    return Session(path, manifest, v, backend)
+    def open_variant(name: str) -> Any:
+        var = manifest.variant(name)
+        found = None
+        if not providers:  # a TensorRT engine when this machine has TensorRT and a GPU; else None
+            from .runtime.backends.tensorrt import open_engine_backend
+
+            found = open_engine_backend(path, manifest, var)
+        if found is None:
+            found = OrtBackend(Path(path) / var.file, providers=providers, threads=threads)
+        return found
+
+    backend = open_variant(v.name)
+    if (manifest.target.get("backend") == "tensorrt"
+            and list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]):
+        log.warning("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
+                 manifest.target.get("name"))
+    return Session(path, manifest, v, backend, budget_ms=budget_ms, cascade=cascade, max_batch=max_batch,
+                   max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile, open_variant=open_variant)

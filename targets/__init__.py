@@ -120,7 +120,7 @@ def load_profile(path: str | os.PathLike) -> Target:
     except FileNotFoundError:
         raise TargetError(f"target profile {str(path)!r} does not exist", "pass a .toml profile or a target name") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise TargetError(f"target profile {path.name} is not valid TOML: {e}", "fix the file's syntax") from None
+        raise TargetError(f"target profile {path} is not valid TOML: {e}", "fix the file's syntax") from None
     unknown = sorted(set(data) - _FIELDS)
     if unknown:
         raise TargetError(f"target profile {path.name} has unknown key {unknown[0]!r}",
@@ -189,8 +189,22 @@ def _check_values(t: Target, fname: str) -> None:
 
 
 def list_targets() -> list[Target]:
-    """All profiles: built-in ones and the user's, sorted by name."""
-    return sorted((load_profile(p) for p in _profile_files()), key=lambda t: t.name)
+    """All profiles: built-in ones and the user's, sorted by name.
+
+    A malformed user profile is skipped with a warning naming its path (one bad file must not hide every target);
+    a malformed built-in profile raises TargetError.
+    """
+    import logging
+
+    out = []
+    for path in _profile_files():
+        try:
+            out.append(load_profile(path))
+        except TargetError as e:
+            if path.parent == PROFILE_DIR:
+                raise
+            logging.getLogger("dsedge").warning("skipping target profile %s: %s", path, e)
+    return sorted(out, key=lambda t: t.name)
 
 
 def get_target(name_or_path: str | os.PathLike) -> Target:

@@ -115,6 +115,7 @@ def test_callable_source_exports_with_dynamic_batch(tmp_path, monkeypatch):
     r = build(BuildOptions(model="mymodels:make", target="cpu", out_dir="out", precision="int4", latency_iterations=3))
     m = verify_bundle(r.bundle)
     assert m.inputs[0].name == "features" and m.inputs[0].shape[0] == "batch"
+    assert r.bundle.name == "mymodels-make-cpu.dse" and [o.name for o in m.outputs] == ["output"]
     assert r.report["export"]["parity_max_abs_diff"] < 1e-4
     s = dsedge.load(r.bundle)
     assert s.run({"features": np.ones((7, 16), np.float32)})[s.outputs[0].name].shape == (7, 3)
@@ -193,3 +194,35 @@ def test_engine_build_without_tensorrt_fails_before_writing(tmp_path):
         build(BuildOptions(model=str(mlp_onnx(tmp_path / "m.onnx")), target="jetson", engine=True,
                            out_dir=str(tmp_path / "o")))
     assert not (tmp_path / "o").exists()
+
+
+def test_reference_bundle_refuses_token_ids_outside_the_vocabulary(reference_build):
+    from dsedge.runtime.errors import InputError
+
+    s = dsedge.load(reference_build.bundle)
+    spec = {i.name: i for i in s.inputs}
+    assert spec["input_ids"].value_range == (0, 30521) and spec["token_type_ids"].value_range == (0, 1)
+    ids = np.array([[101, 30522, 102]], np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+    with pytest.raises(InputError, match="'input_ids' holds 30522, outside the model's range"):
+        s.run(feeds)
+    feeds["input_ids"] = np.array([[101, 2000, 102]], np.int64)
+    feeds["token_type_ids"] = np.full_like(ids, 5)
+    with pytest.raises(InputError, match="'token_type_ids' holds 5"):
+        s.run(feeds)
+
+
+def test_fallback_steps_down_to_what_the_target_and_this_version_build(tmp_path):
+    r = build(BuildOptions(model=str(mlp_onnx(tmp_path / "m.onnx")), target="t4", precision="int4", fallback=True,
+                           out_dir=str(tmp_path / "o"), latency_iterations=3))
+    assert r.report["precision"] in ("int8", "fp16", "fp32")
+    assert any("fell back" in n for n in r.report["notes"])
+
+
+def test_calib_arrays_with_the_wrong_dtype_are_a_calibration_error(tmp_path):
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    np.savez(calib / "a.npz", x=np.zeros((4, 64), np.float64))
+    with pytest.raises(CalibrationError, match="a.npz: input 'x' has dtype float64"):
+        build(BuildOptions(model=str(mlp_onnx(tmp_path / "m.onnx")), target="cpu", precision="int4",
+                           calib=str(calib), out_dir=str(tmp_path / "o")))

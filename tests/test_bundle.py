@@ -94,3 +94,57 @@ def test_rebuild_replaces_existing_bundle_and_failed_rebuild_keeps_it(tmp_path):
             raise ValueError("crash")
     assert (dest / "a.txt").read_text() == "two"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.dse"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(target="jetson"), "mangles field"),
+    (lambda d: d.update(default_variant="nope"), "no variant 'nope'"),
+    (lambda d: d.update(variants=[]), "lists no variants"),
+    (lambda d: d["shape_ranges"]["batch"].update(min="a"), "integer min <= max"),
+    (lambda d: d["inputs"][0].update(dtype="int64"), "manifest inputs do not match fp32.onnx"),
+    (lambda d: d["inputs"][0].update(name="y"), "manifest inputs do not match fp32.onnx"),
+])
+def test_edited_manifest_fields_are_bundle_errors(bundle, edit, message):
+    path = bundle / "manifest.json"
+    d = json.loads(path.read_text())
+    edit(d)
+    path.write_text(json.dumps(d))
+    with pytest.raises(BundleError, match=message):
+        verify_bundle(bundle)
+
+
+def test_published_bundle_has_the_users_usual_mode(bundle):
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(bundle.stat().st_mode) == 0o777 & ~umask
+
+
+def test_stale_temp_dirs_of_dead_processes_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    from dsedge.runtime.bundle import remove_stale_temp
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    stale = tmp_path / f".dsedge-build-{pid}-abc"
+    stale.mkdir()
+    (stale / "fp32.onnx").write_bytes(b"x" * 100)
+    mine = tmp_path / f".x.dse.tmp-{__import__('os').getpid()}-def"
+    mine.mkdir()
+    keep = tmp_path / "user-folder"
+    keep.mkdir()
+    assert remove_stale_temp(tmp_path) == [stale]
+    assert mine.exists() and keep.exists()
+
+
+def test_refuses_to_replace_a_folder_that_is_not_a_bundle(tmp_path):
+    dest = tmp_path / "mlp-cpu.dse"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("mine")
+    with pytest.raises(BundleError, match="is not a dsedge bundle"):
+        tiny_bundle(dest, tmp_path)
+    assert (dest / "notes.txt").read_text() == "mine"

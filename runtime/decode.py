@@ -1,0 +1,413 @@
+"""Continuous batching for decoders exported with past key/values (optimum ``text-generation-with-past``).
+
+One loop thread owns a running batch. Between decode steps it retires finished sequences and admits waiting ones
+(iteration-level scheduling, Yu et al., "Orca", OSDI 2022): a new prompt is prefilled alone, then its key/value
+cache joins the batch. The batch's caches are kept left-padded to a common length ``L`` — ``[B, heads, L, head_dim]``
+per layer with an attention mask ``[B, L]`` marking real positions and explicit ``position_ids`` per row — so rows
+of different lengths decode together and give the tokens each would give alone. Columns that are padding in every
+row are trimmed when sequences retire. Decoding is greedy (argmax).
+
+Budgets: ``budget_ms`` bounds the time to first token (TTFT), ``token_budget_ms`` the gap between tokens. A
+prompt whose predicted prefill cannot meet its TTFT budget is rejected at once ("budget"); one that waited too long
+is rejected when its turn comes ("deadline"). New prompts join only while the predicted step time plus their
+prefill keeps every running sequence within its per-token budget. Latencies are learned online per
+(batch, length bucket) with ``LatencyProfile``.
+
+Model IO (as optimum exports it): inputs ``input_ids`` [batch, seq] int64, ``attention_mask`` [batch, past+seq]
+int64, optional ``position_ids`` [batch, seq] int64, ``past_key_values.{i}.key|value`` [batch, heads, past, dim];
+outputs ``logits`` [batch, seq, vocab] and ``present.{i}.key|value`` [batch, heads, past+seq, dim].
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue as _queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+import numpy as np
+
+from .errors import InputError
+from .latency_profile import LatencyProfile
+from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected
+
+_clock = time.perf_counter
+_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+_DONE = object()
+
+
+def is_decoder(input_names: Sequence[str]) -> bool:
+    """True when the model takes ``past_key_values.N.key/value`` and ``input_ids`` (a decoder with past)."""
+    return "input_ids" in input_names and any(_PAST.match(n) for n in input_names)
+
+
+class GenerationStream:
+    """Tokens of one request as they are produced: ``for token in stream`` or ``async for token in stream``.
+
+    Attributes (final once iteration ends):
+        id: request id.
+        tokens: the generated token ids so far.
+        rejected: a ``Rejected`` when the request was refused (iteration then yields nothing), else None.
+        finish_reason: "length" (max_new_tokens), "eos", "rejected", "shutdown" or "error".
+        error: ``"Type: message"`` when the backend failed this sequence's step, else None.
+        ttft_ms: submit → first token, ms.
+        token_gaps_ms: time between consecutive tokens, ms.
+        budget_ms / token_budget_ms: the TTFT and per-token budgets it was admitted with.
+    """
+
+    def __init__(self, rid: Any, prompt: np.ndarray, max_new_tokens: int, budget_ms: float,
+                 token_budget_ms: float, eos_token_id: int | None = None) -> None:
+        self.id = rid
+        self.eos_token_id = eos_token_id
+        self.prompt = prompt
+        self.max_new_tokens = int(max_new_tokens)
+        self.budget_ms = float(budget_ms)
+        self.token_budget_ms = float(token_budget_ms)
+        self.tokens: list[int] = []
+        self.rejected: Rejected | None = None
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.ttft_ms: float | None = None
+        self.token_gaps_ms: list[float] = []
+        self.t_submit = _clock()
+        self._t_last: float | None = None
+        self._q: _queue.Queue = _queue.Queue()
+        self._done = threading.Event()
+
+    @property
+    def deadline(self) -> float:
+        return self.t_submit + self.budget_ms / 1e3
+
+    @property
+    def within_budget(self) -> bool:
+        """TTFT within ``budget_ms`` and every token gap within ``token_budget_ms`` (and no rejection/error)."""
+        return (self.rejected is None and self.error is None and self.ttft_ms is not None
+                and self.ttft_ms <= self.budget_ms and all(g <= self.token_budget_ms for g in self.token_gaps_ms))
+
+    def _emit(self, token: int) -> None:
+        now = _clock()
+        if self._t_last is None:
+            self.ttft_ms = (now - self.t_submit) * 1e3
+        else:
+            self.token_gaps_ms.append((now - self._t_last) * 1e3)
+        self._t_last = now
+        self.tokens.append(int(token))
+        self._q.put(int(token))
+
+    def _finish(self, reason: str, rejected: Rejected | None = None, error: str | None = None) -> None:
+        if self._done.is_set():
+            return
+        self.finish_reason, self.rejected, self.error = reason, rejected, error
+        self._done.set()
+        self._q.put(_DONE)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the request finished; True if it did within ``timeout`` s."""
+        return self._done.wait(timeout)
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            item = self._q.get()
+            if item is _DONE:
+                return
+            yield item
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        """``async for token in stream``: waits for each token in a worker thread, not on the event loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            item = await loop.run_in_executor(None, self._q.get)
+            if item is _DONE:
+                return
+            yield item
+
+
+@dataclass(eq=False)
+class _Row:
+    stream: GenerationStream
+    length: int  # real tokens so far (prompt + generated), = next position id
+    last: int  # last token, fed at the next step
+
+
+@dataclass
+class DecodeStats:
+    """Counters of the loop: steps run, most rows in one step, prompts that joined a running batch."""
+
+    steps: int = 0
+    max_rows: int = 0
+    joins_while_running: int = 0
+    prefills: int = 0
+    rows_per_step: list[int] = field(default_factory=list)
+
+
+class DecodeLoop:
+    """Continuous-batching greedy generation over a decoder backend (see the module doc).
+
+    Args:
+        backend: an object with ``run(dict) -> dict`` and an ORT ``session`` (for IO names and shapes).
+        max_batch: most sequences decoded together.
+        max_waiting: most prompts waiting to join; more are rejected with "overload".
+        eos_token_id: default end-of-sequence token (a request may name its own; None: only max_new_tokens
+            stops a sequence).
+    """
+
+    def __init__(self, backend: Any, max_batch: int = 8, max_waiting: int = 256,
+                 eos_token_id: int | None = None) -> None:
+        self.backend = backend
+        ins = {i.name: i for i in backend.session.get_inputs()}
+        self.layers = sorted({int(m.group(1)) for n in ins if (m := _PAST.match(n))})
+        if not is_decoder(list(ins)):
+            raise InputError("this model is not a decoder with past key/values",
+                             "export it with optimum's text-generation-with-past task")
+        k0 = ins[f"past_key_values.{self.layers[0]}.key"]
+        self.heads, self.head_dim = int(k0.shape[1]), int(k0.shape[3])
+        self.kv_dtype = np.float16 if "float16" in k0.type else np.float32
+        self.has_positions = "position_ids" in ins
+        self.max_batch = int(max_batch)
+        self.max_waiting = int(max_waiting)
+        self.eos = eos_token_id
+        self.prefill_profile = LatencyProfile("prefill")
+        self.step_profile = LatencyProfile("decode")
+        self.stats = DecodeStats()
+        self._waiting: list[GenerationStream] = []
+        self._rows: list[_Row] = []
+        self._kv: dict[str, np.ndarray] = {}
+        self._mask = np.zeros((0, 0), dtype=np.int64)
+        self._cond = threading.Condition()
+        self._closing = False
+        self._drain = True
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    # -- model calls --------------------------------------------------------------------------------------------
+    def _empty_past(self, batch: int) -> dict[str, np.ndarray]:
+        z = np.zeros((batch, self.heads, 0, self.head_dim), dtype=self.kv_dtype)
+        return {f"past_key_values.{i}.{kv}": z for i in self.layers for kv in ("key", "value")}
+
+    def _prefill(self, prompt: np.ndarray) -> tuple[int, dict[str, np.ndarray]]:
+        n = prompt.shape[0]
+        feed = {"input_ids": prompt[None, :], "attention_mask": np.ones((1, n), dtype=np.int64),
+                **self._empty_past(1)}
+        if self.has_positions:
+            feed["position_ids"] = np.arange(n, dtype=np.int64)[None, :]
+        t0 = _clock()
+        out = self.backend.run(feed)
+        self.prefill_profile.observe(1, n, (_clock() - t0) * 1e3)
+        kv = {f"past_key_values.{i}.{k}": out[f"present.{i}.{k}"] for i in self.layers for k in ("key", "value")}
+        return int(np.argmax(out["logits"][0, -1])), kv
+
+    def _join(self, kv: dict[str, np.ndarray], length: int) -> None:
+        """Append one prefilled row to the batch, left-padding whichever side is shorter."""
+        cur = self._mask.shape[1]
+        width = max(cur, length)
+        if self._rows:
+            if width > cur:
+                self._kv = {k: np.pad(v, [(0, 0), (0, 0), (width - cur, 0), (0, 0)]) for k, v in self._kv.items()}
+                self._mask = np.pad(self._mask, [(0, 0), (width - cur, 0)])
+            new = {k: np.pad(v, [(0, 0), (0, 0), (width - length, 0), (0, 0)]) for k, v in kv.items()}
+            self._kv = {k: np.concatenate([self._kv[k], new[k]], axis=0) for k in self._kv}
+        else:
+            self._kv = dict(kv)
+        row_mask = np.concatenate([np.zeros(width - length, np.int64), np.ones(length, np.int64)])[None, :]
+        self._mask = row_mask if not self._rows else np.concatenate([self._mask, row_mask], axis=0)
+
+    def _retire(self, keep: list[int]) -> None:
+        self._rows = [self._rows[i] for i in keep]
+        if not self._rows:
+            self._kv, self._mask = {}, np.zeros((0, 0), dtype=np.int64)
+            return
+        idx = np.asarray(keep)
+        mask = self._mask[idx]
+        first = int(np.argmax(mask.any(axis=0)))  # leading columns that are padding in every row go
+        self._mask = mask[:, first:]
+        self._kv = {k: v[idx][:, :, first:] for k, v in self._kv.items()}
+
+    def _step(self) -> list[int]:
+        b = len(self._rows)
+        mask = np.concatenate([self._mask, np.ones((b, 1), np.int64)], axis=1)
+        feed = {"input_ids": np.array([[r.last] for r in self._rows], dtype=np.int64), "attention_mask": mask,
+                **self._kv}
+        if self.has_positions:
+            feed["position_ids"] = np.array([[r.length] for r in self._rows], dtype=np.int64)
+        t0 = _clock()
+        out = self.backend.run(feed)
+        self.step_profile.observe(b, mask.shape[1], (_clock() - t0) * 1e3)
+        self._kv = {f"past_key_values.{i}.{k}": out[f"present.{i}.{k}"] for i in self.layers for k in ("key", "value")}
+        self._mask = mask
+        return [int(t) for t in np.argmax(out["logits"][:, -1], axis=-1)]
+
+    # -- admission ----------------------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int] | np.ndarray, max_new_tokens: int, budget_ms: float,
+               token_budget_ms: float, id: Any = None, eos_token_id: int | None = None) -> GenerationStream:
+        """Queue a prompt (1-D token ids); returns its ``GenerationStream`` (maybe already rejected).
+
+        Raises:
+            InputError: empty or non-integer prompt, max_new_tokens < 1.
+            RuntimeError: after ``close()``.
+        """
+        p = np.asarray(prompt)
+        if p.ndim != 1 or p.size == 0 or p.dtype.kind not in "iu":
+            raise InputError(f"prompt must be a non-empty 1-D sequence of token ids, got shape {list(p.shape)} "
+                             f"dtype {p.dtype}", "pass a list of ints from your tokenizer")
+        if int(max_new_tokens) < 1:
+            raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}", "ask for at least one token")
+        s = GenerationStream(next(self._ids) if id is None else id, p.astype(np.int64), max_new_tokens, budget_ms,
+                             token_budget_ms, self.eos if eos_token_id is None else eos_token_id)
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("decode loop is closed")
+            self._ensure_thread()
+            prefill = self.prefill_profile.predict(1, p.size)
+            if not self.prefill_profile.empty and prefill > budget_ms:
+                self._reject(s, BUDGET, f"predicted prefill {prefill:.1f} ms > TTFT budget {budget_ms:g} ms")
+            elif len(self._waiting) >= self.max_waiting:
+                self._reject(s, OVERLOAD, f"{len(self._waiting)} prompts already waiting")
+            else:
+                self._waiting.append(s)
+                self._waiting.sort(key=lambda x: x.deadline)
+                self._cond.notify()
+        return s
+
+    def _reject(self, s: GenerationStream, reason: str, detail: str) -> None:
+        s._finish("shutdown" if reason == SHUTDOWN else "rejected",
+                  Rejected(s.id, reason, detail, s.budget_ms, (_clock() - s.t_submit) * 1e3))
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="dsedge-decode", daemon=True)
+            self._thread.start()
+
+    def _admit(self) -> list[GenerationStream]:
+        """Waiting prompts to prefill before the next step, earliest TTFT deadline first (lock held)."""
+        now = _clock()
+        out: list[GenerationStream] = []
+        rows = len(self._rows)
+        width = self._mask.shape[1] + 1 if rows else 0
+        tight = min((r.stream.token_budget_ms for r in self._rows), default=float("inf"))
+        spent = 0.0
+        for s in list(self._waiting):
+            if rows + len(out) >= self.max_batch:
+                break
+            prefill = self.prefill_profile.predict(1, s.prompt.size)
+            prefill = 0.0 if prefill == float("inf") else prefill
+            if not self.prefill_profile.empty and now + prefill / 1e3 > s.deadline:
+                self._waiting.remove(s)
+                self._reject(s, DEADLINE, f"TTFT deadline passed while waiting (needs {prefill:.1f} ms more)")
+                continue
+            step = self.step_profile.predict(rows + len(out) + 1, max(width, s.prompt.size + 1))
+            step = 0.0 if step == float("inf") else step
+            # running rows wait for this prefill: join only while their per-token budget still holds
+            if rows and spent + prefill + step > tight:
+                break
+            spent += prefill
+            out.append(s)
+            self._waiting.remove(s)
+        return out
+
+    # -- loop ---------------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._rows and not self._closing:
+                    self._cond.wait()
+                if self._closing and not self._drain:
+                    for s in self._waiting:
+                        self._reject(s, SHUTDOWN, "session closed before this prompt ran")
+                    self._waiting.clear()
+                    for r in self._rows:
+                        r.stream._finish("shutdown")
+                    self._rows, self._kv, self._mask = [], {}, np.zeros((0, 0), dtype=np.int64)
+                    return
+                if self._closing and not self._waiting and not self._rows:
+                    return
+                joining = self._admit()
+            for s in joining:
+                try:
+                    token, kv = self._prefill(s.prompt)
+                except Exception as e:  # fails this prompt only
+                    s._finish("error", error=f"{type(e).__name__}: {str(e).strip()[:300]}")
+                    continue
+                self.stats.prefills += 1
+                if self._rows:
+                    self.stats.joins_while_running += 1
+                s._emit(token)
+                if self._finished(s, token):
+                    continue
+                self._join(kv, s.prompt.size)
+                self._rows.append(_Row(s, s.prompt.size, token))
+            if not self._rows:
+                continue
+            try:
+                tokens = self._step()
+            except Exception as e:  # a failed step fails the sequences in it; the loop keeps serving
+                err = f"{type(e).__name__}: {str(e).strip()[:300]}"
+                for r in self._rows:
+                    r.stream._finish("error", error=err)
+                self._retire([])
+                continue
+            self.stats.steps += 1
+            self.stats.max_rows = max(self.stats.max_rows, len(self._rows))
+            if len(self.stats.rows_per_step) < 10_000:
+                self.stats.rows_per_step.append(len(self._rows))
+            keep = []
+            for i, (r, t) in enumerate(zip(self._rows, tokens)):
+                r.stream._emit(t)
+                r.length += 1
+                r.last = t
+                if not self._finished(r.stream, t):
+                    keep.append(i)
+            if len(keep) < len(self._rows):
+                self._retire(keep)
+
+    def _finished(self, s: GenerationStream, token: int) -> bool:
+        if s.eos_token_id is not None and token == s.eos_token_id:
+            s._finish("eos")
+            return True
+        if len(s.tokens) >= s.max_new_tokens:
+            s._finish("length")
+            return True
+        return False
+
+    def warmup(self, prompt_lens: Sequence[int] = (8, 32), batch_sizes: Sequence[int] = (1, 2, 4, 8),
+               past_len: int = 32) -> None:
+        """Time prefill at a few prompt lengths and decode steps at a few batch sizes (first run discarded)."""
+        for n in prompt_lens:
+            p = np.ones(n, dtype=np.int64)
+            for _ in range(3):
+                self._prefill(p)
+        for b in batch_sizes:
+            if b > self.max_batch:
+                break
+            feed = {"input_ids": np.ones((b, 1), np.int64), "attention_mask": np.ones((b, past_len + 1), np.int64)}
+            z = np.zeros((b, self.heads, past_len, self.head_dim), dtype=self.kv_dtype)
+            feed.update({f"past_key_values.{i}.{k}": z for i in self.layers for k in ("key", "value")})
+            if self.has_positions:
+                feed["position_ids"] = np.full((b, 1), past_len, np.int64)
+            self.backend.run(feed)
+            for _ in range(3):
+                t0 = _clock()
+                self.backend.run(feed)
+                self.step_profile.observe(b, past_len + 1, (_clock() - t0) * 1e3)
+
+    def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Stop admitting; finish (drain) or end with "shutdown" every waiting and running sequence."""
+        with self._cond:
+            self._closing = True
+            self._drain = drain
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                with self._cond:
+                    self._drain = False
+                self._thread.join()
+        with self._cond:  # never started, or stopped: nothing may stay pending
+            for s in self._waiting:
+                self._reject(s, SHUTDOWN, "session closed before this prompt ran")
+            self._waiting.clear()

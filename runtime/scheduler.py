@@ -1,0 +1,381 @@
+"""Budget-aware batching: earliest-deadline-first queues, admission control and cascade across variants.
+
+One ``Lane`` per served variant: a backend, its ``LatencyProfile``, a bounded EDF queue and one worker thread.
+When the worker is free it takes the earliest deadline in its queue (priority, then arrival, break ties) and forms
+a batch of compatible requests, in deadline order, whose predicted completion still meets the earliest deadline
+in it (the EDF rule, Liu & Layland 1973, applied to batches as in Clipper, Crankshaw et al., NSDI 2017): the
+largest such batch, unless a smaller one serves clearly more rows per ms (>5 %; padding short rows to the longest
+one can make a big batch slower per row than a small one). It holds
+the batch open only while arrivals outpace what that batch size can serve *and* one more row still fits the
+deadline; it dispatches at once when waiting would break a deadline. A queued request whose deadline can no longer
+be met even alone is answered with ``Rejected("deadline")`` instead of running late (under overload EDF would
+otherwise make every request late).
+
+Admission (``BudgetScheduler.submit``), against predicted latency, in the order of lanes (primary first, then
+cheaper variants — the cascade):
+  * alone the request cannot meet its budget → next lane, else ``Rejected("budget")``;
+  * the queue is full, or the predicted queueing delay of earlier-deadline work breaks the budget → next lane,
+    else ``Rejected("overload")``.
+Every request resolves its future exactly once: a ``Result`` (maybe carrying a backend error) or a ``Rejected``.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .batching import BatchLayout
+from .latency_profile import LatencyProfile
+from .metrics import StreamMetrics
+from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
+
+_clock = time.perf_counter
+
+
+@dataclass(eq=False)
+class Request:
+    """One queued request. Times are ``time.perf_counter()`` seconds."""
+
+    id: Any
+    feed: dict[str, np.ndarray]
+    rows: int
+    seq: int | None
+    group: tuple
+    budget_ms: float
+    priority: int
+    t_submit: float
+    deadline: float
+    future: Future = field(default_factory=Future)
+
+    def sort_key(self, order: int, tie_s: float) -> tuple:
+        # deadlines within ``tie_s`` of each other count as equal, so priority can break the tie
+        return (int(self.deadline / tie_s), -self.priority, order)
+
+
+class Lane:
+    """One variant's backend, latency profile, EDF queue and worker thread.
+
+    Args:
+        name: the variant name reported in each ``Result``.
+        run: ``dict[str, ndarray] -> dict[str, ndarray]`` (a backend's ``run``).
+        profile: the variant's ``LatencyProfile`` (must not be empty before requests arrive).
+        layout: the model's ``BatchLayout``.
+        max_batch: most rows per batch (1 when the model has no dynamic batch axis).
+        max_queue: most queued requests; more are rejected with "overload".
+        max_delay_ms: None = adaptive holding (see module doc); a number = hold a batch open at most that long
+            (still never past what the earliest deadline allows).
+        margin_ms: safety margin kept between predicted completion and deadline (scheduling overhead), ms.
+        tie_ms: deadlines closer than this count as equal; ``priority`` then orders them, ms.
+        miss_target: share of admitted requests allowed to miss their budget; every prediction is scaled by a
+            factor (1…4) that grows 10 % per late answer and shrinks slowly per on-time answer (and halves every
+            10 s without answers), so that misses settle at this rate on a machine noisier than the profile says.
+    """
+
+    _UP = 1.1
+
+    def __init__(self, name: str, run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+                 profile: LatencyProfile, layout: BatchLayout, metrics: StreamMetrics, max_batch: int = 32,
+                 max_queue: int = 1024, max_delay_ms: float | None = None, margin_ms: float = 0.5,
+                 tie_ms: float = 1.0, miss_target: float = 0.005) -> None:
+        self.name = name
+        self.run = run
+        self.profile = profile
+        self.layout = layout
+        self.metrics = metrics
+        self.max_batch = max(1, int(max_batch)) if layout.dynamic else 1
+        self.max_queue = int(max_queue)
+        self.max_delay_ms = max_delay_ms
+        self.margin_s = margin_ms / 1e3
+        self.miss_target = float(miss_target)
+        self.safety = 1.0
+        self._t_cal = _clock()
+        p = min(max(self.miss_target, 1e-4), 0.5)
+        self._down = math.exp(-p * math.log(self._UP) / (1.0 - p))
+        self.tie_s = max(tie_ms, 1e-3) / 1e3
+        self._queue: list[tuple[tuple, Request]] = []
+        self._order = itertools.count()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._drain = True
+        self._busy_until = 0.0
+        self._gap_s: float | None = None  # moving mean gap between arrivals
+        self._last_arrival: float | None = None
+        self.batches = 0
+        self.max_depth = 0
+        self._thread = threading.Thread(target=self._loop, name=f"dsedge-lane-{name}", daemon=True)
+        self._thread.start()
+
+    # -- prediction, calibrated by outcomes -------------------------------------------------------------------
+    def predict(self, rows: int, seq: int | None, k_dev: float | None = None) -> float:
+        """The profile's prediction (ms) times ``safety``, the factor that keeps misses at ``miss_target``."""
+        return self.profile.predict(rows, seq, k_dev) * self.safety
+
+    def _calibrate(self, missed: bool) -> None:
+        # quantile tracking by stochastic approximation: up by ``_UP`` per late answer, down by a step chosen so
+        # that the factor is stable exactly when the miss rate equals the target (p·ln up = (1 − p)·−ln down)
+        self.safety = min(self.safety * self._UP, 4.0) if missed else max(self.safety * self._down, 1.0)
+        self._t_cal = _clock()
+
+    def _relax(self, now: float) -> None:
+        # with no answers to learn from (all rejected) the factor halves every 10 s, so it cannot lock the lane
+        if self.safety > 1.0 and now - self._t_cal > 1.0:
+            self.safety = max(1.0, self.safety * 0.5 ** ((now - self._t_cal) / 10.0))
+            self._t_cal = now
+
+    # -- admission --------------------------------------------------------------------------------------------
+    def alone_ms(self, req: Request) -> float:
+        self._relax(req.t_submit)
+        return self.predict(req.rows, req.seq)
+
+    def estimate_done(self, req: Request, now: float) -> float:
+        """Predicted completion time (s) of ``req`` if queued now, counting earlier-deadline work and the running
+        batch; each backlog batch takes the largest size that fits the request's own budget."""
+        with self._cond:
+            ahead = sum(r.rows for _, r in self._queue if r.deadline <= req.deadline)
+            busy = max(0.0, self._busy_until - now)
+        b = max(1, self.profile.max_batch_within(req.budget_ms / self.safety, req.seq, self.max_batch))
+        total = ahead + req.rows
+        full, rest = divmod(total, b)
+        if rest == 0:
+            full, rest = full - 1, b
+        # the backlog at its expected time, the request's own batch with the tail margin (margins do not add up)
+        ms = full * self.predict(b, req.seq, k_dev=0.0) + self.predict(rest, req.seq)
+        return now + busy + ms / 1e3 + self.margin_s
+
+    def enqueue(self, req: Request) -> bool:
+        """Queue ``req``; False when the queue is full or closing."""
+        with self._cond:
+            if self._closing or len(self._queue) >= self.max_queue:
+                return False
+            now = _clock()
+            if self._last_arrival is not None:
+                gap = now - self._last_arrival
+                self._gap_s = gap if self._gap_s is None else self._gap_s + 0.1 * (gap - self._gap_s)
+            self._last_arrival = now
+            item = (req.sort_key(next(self._order), self.tie_s), req)
+            bisect.insort(self._queue, item, key=lambda x: x[0])
+            self.max_depth = max(self.max_depth, len(self._queue))
+            self._cond.notify()
+            return True
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    # -- worker -----------------------------------------------------------------------------------------------
+    def _answer(self, req: Request, answer: Result | Rejected) -> None:
+        if req.future.set_running_or_notify_cancel():
+            req.future.set_result(answer)
+        self.metrics.on_answer(answer)
+
+    def _reject(self, req: Request, reason: str, detail: str) -> None:
+        now = _clock()
+        self._answer(req, Rejected(req.id, reason, detail, req.budget_ms, (now - req.t_submit) * 1e3))
+
+    def _pick(self, now: float) -> tuple[list[Request], float]:
+        """Choose the batch to run now (``[]`` plus a wait in s when holding it open is worth it)."""
+        head = self._queue[0][1]
+        cands, rows = [], 0
+        for _, r in self._queue:
+            if r.group != head.group:
+                continue
+            if cands and rows + r.rows > self.max_batch:
+                break
+            cands.append(r)
+            rows += r.rows
+        # prefixes whose predicted completion meets every deadline in them; of those, the one serving the most
+        # rows per ms (padding to the longest row can make a bigger batch slower per row), the largest on ties
+        feasible, rows, seq, dl = [], 0, 0, math.inf
+        for r in cands:
+            rows, seq, dl = rows + r.rows, max(seq, r.seq or 0), min(dl, r.deadline)
+            if now + self.predict(rows, seq or None) / 1e3 + self.margin_s > dl:
+                break
+            feasible.append((rows, seq, dl))
+        if not feasible:
+            return [head], -1.0  # cannot make it even alone: caller rejects
+        rate = [n / max(self.predict(n, s or None, k_dev=0.0), 1e-9) for n, s, _ in feasible]
+        best = max(range(len(feasible)), key=lambda i: (round(rate[i], 6) >= 0.95 * max(rate), i)) + 1
+        rows, seq, dl = feasible[best - 1]
+        batch = cands[:best]
+        more_waiting = best < len(self._queue)  # others queued (any group): holding would only delay them
+        if rows >= self.max_batch or more_waiting or self._closing:
+            return batch, 0.0
+        slack = dl - now - self.predict(rows + 1, seq or None) / 1e3 - self.margin_s
+        if slack <= 0:
+            return batch, 0.0  # waiting for one more would break the earliest deadline
+        if self.max_delay_ms is not None:
+            held = now - max(r.t_submit for r in batch)
+            wait = min(slack, self.max_delay_ms / 1e3 - held)
+        else:
+            # hold only while arrivals outpace what this batch size serves, and only until the next arrival is
+            # overdue (twice the mean gap since the last one: the burst is over)
+            if self._gap_s is None or self._last_arrival is None:
+                return batch, 0.0
+            since_last = now - self._last_arrival
+            gap = max(self._gap_s, since_last)
+            serve_s = self.predict(rows, seq or None) / 1e3
+            rate_in, rate_out = 1.0 / max(gap, 1e-6), rows / max(serve_s, 1e-6)
+            if rate_in <= rate_out:
+                return batch, 0.0
+            wait = min(slack, 2.0 * self._gap_s - since_last)
+        return (batch, 0.0) if wait <= 0 else ([], wait)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return  # closing and drained
+                if self._closing and not self._drain:
+                    pending = [r for _, r in self._queue]
+                    self._queue.clear()
+                    for r in pending:
+                        self._reject(r, SHUTDOWN, "session closed before this request ran")
+                    continue
+                now = _clock()
+                try:
+                    batch, wait = self._pick(now)
+                except Exception:  # a planning failure must not strand queued futures: serve the head alone
+                    batch, wait = [self._queue[0][1]], 0.0
+                if wait < 0:
+                    r = batch[0]
+                    self._queue = [it for it in self._queue if it[1] is not r]
+                    alone = self.predict(r.rows, r.seq)
+                    self._reject(r, DEADLINE, f"deadline in {(r.deadline - now) * 1e3:.1f} ms < predicted "
+                                              f"{alone:.1f} ms on {self.name}")
+                    continue
+                if not batch:
+                    self._cond.wait(timeout=wait)
+                    continue
+                chosen = set(map(id, batch))
+                self._queue = [it for it in self._queue if id(it[1]) not in chosen]
+                rows = sum(r.rows for r in batch)
+                self._busy_until = now + self.predict(rows, max(r.seq or 0 for r in batch) or None) / 1e3
+            self._execute(batch)
+            with self._cond:
+                self._busy_until = 0.0
+                self.batches += 1
+                self._cond.notify_all()
+
+    def _execute(self, batch: list[Request]) -> None:
+        t0 = _clock()
+        rows = sum(r.rows for r in batch)
+        try:
+            feed, seq = self.layout.stack([r.feed for r in batch])
+            outputs = self.run(feed)
+            parts = self.layout.split(outputs, [r.feed for r in batch])
+            error = None
+        except Exception as e:  # a backend failure fails this batch only; the lane keeps serving
+            parts, seq = [{} for _ in batch], None
+            error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        t1 = _clock()
+        if error is None:
+            self.profile.observe(rows, seq, (t1 - t0) * 1e3)
+        for r, part in zip(batch, parts):
+            res = Result(r.id, part, (t1 - r.t_submit) * 1e3, (t0 - r.t_submit) * 1e3, rows, self.name,
+                         r.budget_ms, error)
+            if error is None:
+                self._calibrate(not res.within_budget)
+            self._answer(r, res)
+
+    # -- shutdown ---------------------------------------------------------------------------------------------
+    def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Stop admitting; run (drain) or reject ("shutdown") what is queued; wait for the worker to finish.
+
+        After ``timeout_s`` of draining, whatever is still queued is rejected with "shutdown".
+        """
+        with self._cond:
+            self._closing = True
+            self._drain = drain
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            with self._cond:
+                self._drain = False
+                self._cond.notify_all()
+            self._thread.join()
+
+
+class BudgetScheduler:
+    """Admission control and cascade over one or more lanes (primary variant first, cheaper ones after).
+
+    Args:
+        lanes: ``Lane`` objects; ``lanes[0]`` serves the session's variant, the others are cascade candidates
+            tried in order.
+        layout: the model's ``BatchLayout`` (shared by all variants).
+        metrics: where every request's fate is counted.
+    """
+
+    def __init__(self, lanes: Sequence[Lane], layout: BatchLayout, metrics: StreamMetrics) -> None:
+        if not lanes:
+            raise ValueError("BudgetScheduler needs at least one lane")
+        self.lanes = list(lanes)
+        self.layout = layout
+        self.metrics = metrics
+        self._ids = itertools.count()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def submit(self, feed: dict[str, np.ndarray], budget_ms: float, priority: int = 0, id: Any = None) -> Future:
+        """Admit or reject one validated request; returns a Future resolving to ``Result`` or ``Rejected``.
+
+        Raises:
+            RuntimeError: after ``close()`` (callers turn it into their own error type).
+        """
+        now = _clock()
+        if self._closed:
+            raise RuntimeError("scheduler is closed")
+        rid = next(self._ids) if id is None else id
+        rows, seq = self.layout.rows(feed), self.layout.seq_len(feed)
+        req = Request(rid, feed, rows, seq, self.layout.group_key(feed), float(budget_ms), int(priority), now,
+                      now + budget_ms / 1e3)
+        self.metrics.on_submit()
+        reasons = []
+        for lane in self.lanes:
+            alone = lane.alone_ms(req)
+            if alone + lane.margin_s * 1e3 > budget_ms:
+                reasons.append((BUDGET, f"predicted {alone:.1f} ms alone on {lane.name} > budget {budget_ms:g} ms"))
+                continue
+            if lane.depth >= lane.max_queue:
+                reasons.append((OVERLOAD, f"queue of {lane.name} full ({lane.max_queue} requests)"))
+                continue
+            done = lane.estimate_done(req, now)
+            if done > req.deadline:
+                reasons.append((OVERLOAD, f"predicted {(done - now) * 1e3:.1f} ms with {lane.depth} queued on "
+                                          f"{lane.name} > budget {budget_ms:g} ms"))
+                continue
+            if lane.enqueue(req):
+                if lane is not self.lanes[0]:
+                    self.metrics.on_cascade(lane.name)
+                return req.future
+            if self._closed:  # close() began while this request was being admitted
+                reasons = [(SHUTDOWN, "session closed while admitting this request")]
+                break
+            reasons.append((OVERLOAD, f"queue of {lane.name} full"))
+        # the reason the caller can act on: "budget" only when no lane could meet it even alone
+        reason, _ = next(((r, d) for r, d in reasons if r in (OVERLOAD, SHUTDOWN)), reasons[0])
+        rej = Rejected(rid, reason, "; ".join(d for _, d in reasons), req.budget_ms, (_clock() - now) * 1e3)
+        req.future.set_running_or_notify_cancel()
+        req.future.set_result(rej)
+        self.metrics.on_answer(rej)
+        return req.future
+
+    def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Stop admitting, then drain or reject each lane's queue (see ``Lane.close``)."""
+        self._closed = True
+        deadline = None if timeout_s is None else _clock() + timeout_s
+        for lane in self.lanes:
+            left = None if deadline is None else max(0.0, deadline - _clock())
+            lane.close(drain=drain, timeout_s=left)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed

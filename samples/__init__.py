@@ -1,0 +1,1 @@
+"""Sample applications built on dsedge's public API and CLI (run from the repository root)."""

@@ -1,0 +1,200 @@
+"""``python -m samples.ct STEP``: the CT sample end to end, each step runnable alone (run from the repo root).
+
+    python -m samples.ct train       # dsedge train samples/ct/teacher.toml; dsedge distill samples/ct/student.toml
+    python -m samples.ct build       # dsedge build --model runs/ct-{teacher,student} --target cpu / jetson
+    python -m samples.ct evaluate    # FROC + timing on the held-out NIfTI volume → runs/ct-report/report.{json,png}
+    python -m samples.ct all
+
+Only dsedge's CLI (train, distill, build) and public API (dsedge.load, Session) are used.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+
+from dsedge import DsedgeError
+
+HERE = Path(__file__).resolve().parent
+HELD_OUT = "../shared/data/ct-totalsegmentator-example/example_ct.nii.gz"
+TIMING_VOLUME = "../shared/data/ct-chest-lung-pet-ct-dx-a0002"   # the whole chest: many more lung windows
+# (target, precision) builds tried per model; precisions this dsedge version cannot build are reported, not fatal
+# (int8 Conv3d Q/DQ is measured ~13x slower than fp32 on ORT CPU, so cpu's choice is made by measuring, below)
+BUILDS = {"teacher": [("cpu", "fp32")],
+          "student": [("cpu", "fp32"), ("cpu", "int8"), ("jetson", "fp16"), ("jetson", "int8"), ("jetson", "int4")]}
+
+
+def _dsedge(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dsedge", *args]
+    click.echo("$ dsedge " + " ".join(args), err=True)
+    return subprocess.run(cmd, text=True, capture_output=True)
+
+
+@click.group()
+def main() -> None:
+    """The CT sample: synthetic lesions in real chest CT, 3-D detector, budgeted sliding-window inference."""
+
+
+@main.command()
+@click.option("--runs", default="runs", show_default=True, help="Where the run directories go (set in the TOMLs).")
+def train(runs: str) -> None:
+    """Train the teacher, then distill the student (dsedge train / dsedge distill)."""
+    for verb, cfg in (("train", HERE / "teacher.toml"), ("distill", HERE / "student.toml")):
+        p = _dsedge(verb, str(cfg))
+        sys.stderr.write(p.stderr[-2000:])
+        if p.returncode:
+            raise DsedgeError(f"dsedge {verb} {cfg.name} failed (exit {p.returncode})", "see the output above")
+
+
+@main.command()
+@click.option("--runs", default="runs", show_default=True)
+@click.option("--out", default="runs/bundles", show_default=True)
+def build(runs: str, out: str) -> None:
+    """Build bundles per target and precision; writes OUT/builds.json (what built, what was refused and why)."""
+    results = []
+    for model, plans in BUILDS.items():
+        for target, precision in plans:
+            dest = Path(out) / f"{model}-{target}-{precision}"
+            p = _dsedge("build", "--model", f"{runs}/ct-{model}", "--target", target, "--precision", precision,
+                        "--out", str(dest), "--threads", "2", "--no-fp32", "--json")
+            row = {"model": model, "target": target, "precision": precision, "ok": p.returncode == 0}
+            if p.returncode == 0:
+                row["bundle"] = str(next(dest.glob("*.dse")))
+                try:
+                    rep = json.loads(p.stdout.strip().splitlines()[-1])
+                    row["wall_time_s"] = rep.get("wall_time_s")
+                    row["variants"] = rep.get("variants")
+                except (ValueError, IndexError):
+                    pass
+            else:
+                lines = [ln.strip() for ln in p.stderr.strip().splitlines() if ln.strip()]
+                row["error"] = " ".join(lines[-2:])[:400] if lines else f"exit {p.returncode}"
+            click.echo(f"{model} {target} {precision}: {'ok ' + row['bundle'] if row['ok'] else row['error']}",
+                       err=True)
+            results.append(row)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "builds.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+@main.command()
+@click.option("--runs", default="runs", show_default=True)
+@click.option("--bundles", default="runs/bundles", show_default=True)
+@click.option("--out", default="runs/ct-report", show_default=True)
+@click.option("--volume", default=HELD_OUT, show_default=True, help="The held-out volume (NIfTI or DICOM dir).")
+@click.option("--scans", "n_scans", default=4, show_default=True, help="Lesion draws on the held-out volume.")
+@click.option("--lesions", default=6, show_default=True, help="Lesions per draw (fewer if the lung is too small).")
+@click.option("--budget-ms", default=250.0, show_default=True, help="Per-batch latency budget (batch planning).")
+@click.option("--threads", default=2, show_default=True)
+@click.option("--stream", is_flag=True, help="Also run the student bundle through session.stream (per-window budget).")
+@click.option("--timing-volume", default=TIMING_VOLUME, show_default=True,
+              help="A whole chest volume timed (no scoring) for volume time and patches/s; '' to skip.")
+def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesions: int, budget_ms: float,
+             threads: int, stream: bool, timing_volume: str) -> None:
+    """FROC and timing on the held-out volume: runs/ct-report/report.json and report.png."""
+    from .scans import make_scans
+    from .evaluate import ANCHORS, ModelEntry, evaluate as run_eval
+    from .report import write_json, write_png
+
+    builds = json.loads((Path(bundles) / "builds.json").read_text())
+    ok = {(b["model"], b["target"], b["precision"]): b["bundle"] for b in builds if b["ok"]}
+    entries = [ModelEntry("student torch fp32", "torch", f"{runs}/ct-student", batch_from="student cpu fp32")]
+    for (model, target, precision), path in ok.items():
+        entries.append(ModelEntry(f"{model} {target} {precision}", "bundle", path))
+    entries.append(ModelEntry("teacher torch fp32", "torch", f"{runs}/ct-teacher", batch_from="teacher cpu fp32"))
+    entries = [e for e in entries if e.kind == "bundle" or e.batch_from in {x.name for x in entries}]
+    scans = make_scans(volume, n_scans, lesions, seed=100)
+    res = run_eval(entries, scans, budget_ms=budget_ms, threads=threads)
+    models = res["models"]
+    if stream and ("student", "cpu", "fp32") in ok:
+        sres = run_eval([ModelEntry("student cpu fp32 (stream)", "bundle", ok[("student", "cpu", "fp32")])], scans,
+                        budget_ms=budget_ms, threads=threads, stream=True)
+        models.update(sres["models"])
+    timing = {}
+    if timing_volume:
+        chest = make_scans(timing_volume, 1, 0, seed=0)
+        same = {k: v["batch_plan"]["batch_size"] for k, v in models.items()}
+        tres = run_eval(entries, chest, budget_ms=budget_ms, threads=threads, repeats=2, batch_sizes=same)["models"]
+        timing = {"volume": timing_volume, "shape": list(chest[0].image.shape),
+                  "models": {k: {"volume_seconds_median": v["volume_seconds_median"],
+                                 "patches_per_s": v["patches_per_s"], "windows": v["per_scan"][0]["windows"],
+                                 "batch_size": v["batch_plan"]["batch_size"]} for k, v in tres.items()}}
+        for key, (fast, slow) in SPEEDUPS.items():
+            if fast in tres and slow in tres:
+                timing[key] = round(tres[slow]["volume_seconds_median"] / tres[fast]["volume_seconds_median"], 2)
+    summary = _summary(models)
+    report = {
+        "data": {"held_out": volume, "scans": n_scans, "lesions": sum(len(s.lesions) for s in scans),
+                 "lesion_diameters_mm": [round(le.diameter_mm, 1) for s in scans for le in s.lesions],
+                 "lung_ml": round(float(scans[0].mask.sum()) * float(np.prod(scans[0].spacing_mm)) / 1000.0, 1),
+                 "synthetic_lesions": True},
+        "builds": builds, "summary": summary, "chest_timing": timing, "anchors": ANCHORS, "models": models,
+    }
+    write_json(Path(out) / "report.json", report)
+    curves = {k: v["froc"] for k, v in models.items()}
+    best = "student cpu fp32" if "student cpu fp32" in res["detections"] else next(iter(res["detections"]))
+    write_png(Path(out) / "report.png", scans[0], res["detections"][best][0], curves,
+              title=f"{best}: synthetic lesions in the held-out volume (green: truth, red: detections)")
+    click.echo(json.dumps({"summary": summary, "chest_timing": timing}, indent=2))
+
+
+SPEEDUPS = {"student_bundle_vs_student_torch_speedup": ("student cpu fp32", "student torch fp32"),
+            "teacher_bundle_vs_teacher_torch_speedup": ("teacher cpu fp32", "teacher torch fp32"),
+            "student_bundle_vs_teacher_torch_speedup": ("student cpu fp32", "teacher torch fp32")}
+
+
+def _summary(models: dict) -> dict:
+    """One line per model plus the bundle-vs-torch speed-up for the student and teacher."""
+    rows = {k: {"sensitivity_at": v["froc"]["sensitivity_at"], "cpm": v["froc"]["cpm"],
+                "volume_seconds": v["volume_seconds_median"], "patches_per_s": v["patches_per_s"],
+                "batch_size": v["batch_plan"]["batch_size"]} for k, v in models.items()}
+    out: dict = {"models": rows}
+    for key, (fast, slow) in SPEEDUPS.items():
+        if fast in models and slow in models:
+            out[key] = round(models[slow]["volume_seconds_median"] / models[fast]["volume_seconds_median"], 2)
+    out["chosen_precision"] = choose_precisions(models)
+    return out
+
+
+def choose_precisions(models: dict, max_cpm_drop: float = 0.02) -> dict:
+    """Per target, the student variant with the lowest measured volume time whose CPM is within ``max_cpm_drop`` of
+    the student fp32 bundle's (measured here on ORT CPU; jetson variants are timed on this CPU too, which says
+    nothing about TensorRT speed: their choice is by accuracy only, then the lowest precision)."""
+    ref = models.get("student cpu fp32")
+    if ref is None:
+        return {}
+    ok = {k: v for k, v in models.items() if k.startswith("student ") and v["kind"] == "bundle"
+          and "(stream)" not in k and v["froc"]["cpm"] >= ref["froc"]["cpm"] - max_cpm_drop}
+    out = {}
+    cpu = [k for k in ok if " cpu " in k]
+    if cpu:
+        out["cpu"] = min(cpu, key=lambda k: ok[k]["volume_seconds_median"]).split()[-1]
+    order = ["int4", "int8", "fp16", "fp32"]
+    jet = [k for k in ok if " jetson " in k]
+    if jet:
+        out["jetson"] = min(jet, key=lambda k: order.index(k.split()[-1]) if k.split()[-1] in order else 9).split()[-1]
+    return out
+
+
+@main.command("all")
+@click.pass_context
+def all_steps(ctx: click.Context) -> None:
+    """train → build → evaluate."""
+    ctx.invoke(train)
+    ctx.invoke(build)
+    ctx.invoke(evaluate)
+
+
+def _entry() -> None:
+    try:
+        main(standalone_mode=True)
+    except DsedgeError as e:
+        click.echo(f"error: {e}" + (f"\nhint: {e.hint}" if e.hint else ""), err=True)
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    _entry()

@@ -1,0 +1,99 @@
+"""Load the ULB card-fraud transactions and split them by time without leakage (pandas).
+
+The split rule (also stated in README.md):
+
+1. ``stream``: the contiguous stretch ``Time <= 3641`` s (the original's first 4,002 rows, true fraud rate). It is
+   held out of training and evaluation and replayed by the streaming scorer.
+2. The remaining rows, in time order, are cut at the 50 % and 70 % quantiles of ``Time``: ``train`` (earliest),
+   ``val`` (threshold choice), ``test`` (latest; every reported metric).
+3. Repeated vectors: the original repeats some (V1..V28, Amount) vectors at different times (recurring payments, 19
+   duplicated frauds). A vector belongs to the split of its first occurrence in time; later copies that fall into a
+   different split are dropped, so no vector is seen in training and again in validation, test or the stream.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+V_COLUMNS = [f"V{i}" for i in range(1, 29)]
+FEATURE_COLUMNS = ["Time", *V_COLUMNS, "Amount"]
+COLUMNS = [*FEATURE_COLUMNS, "Class"]
+DEFAULT_CSV = Path("../shared/data/creditcard-fraud-ulb/creditcard_fraud_subsample.csv")
+STREAM_END_S = 3641.0          # last Time (s) of the contiguous stretch at the true fraud rate
+REAL_BASE_RATE = 492 / 284_807  # 0.172 %: fraud rate of the full ULB data set
+SPLITS = ("stream", "train", "val", "test")
+
+
+def load_transactions(csv: str | os.PathLike = DEFAULT_CSV) -> pd.DataFrame:
+    """Read the ULB CSV (``Time, V1..V28, Amount, Class``), checked and sorted stably by ``Time``.
+
+    Returns:
+        DataFrame with float64 features and an int64 ``Class`` (1 = fraud).
+    Raises:
+        FileNotFoundError: no file at ``csv``.
+        ValueError: a column is missing, or a value is non-numeric / NaN.
+    """
+    df = pd.read_csv(csv)
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"{csv}: missing column(s) {missing}; expected {COLUMNS}")
+    df = df[COLUMNS].apply(pd.to_numeric, errors="coerce")
+    if df.isna().any().any():
+        bad = df.columns[df.isna().any()].tolist()
+        raise ValueError(f"{csv}: non-numeric or empty values in column(s) {bad}")
+    df["Class"] = df["Class"].astype(np.int64)
+    return df.sort_values("Time", kind="stable").reset_index(drop=True)
+
+
+def vector_key(df: pd.DataFrame) -> pd.Series:
+    """One hashable key per row: (V1..V28, Amount) rounded to 8 decimals (the provenance's duplicate rule)."""
+    return pd.util.hash_pandas_object(df[[*V_COLUMNS, "Amount"]].round(8), index=False)
+
+
+@dataclass
+class TimeSplit:
+    """The four splits (DataFrames in time order) and how the rule was applied."""
+
+    frames: dict[str, pd.DataFrame]
+    boundaries_s: dict[str, float]
+    dropped_repeats: dict[str, int] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> pd.DataFrame:
+        return self.frames[name]
+
+    def summary(self) -> dict:
+        """JSON-able: rows, frauds and fraud rate per split, boundaries (s) and dropped repeats."""
+        out = {"rule": "stream = Time <= 3641 s; rest cut at Time quantiles 0.5/0.7 into train/val/test; "
+                       "a repeated (V1..V28, Amount) vector stays in the split of its first occurrence",
+               "boundaries_s": self.boundaries_s, "dropped_repeats": self.dropped_repeats, "splits": {}}
+        for name, f in self.frames.items():
+            n, pos = len(f), int(f["Class"].sum())
+            out["splits"][name] = {"rows": n, "frauds": pos, "fraud_rate": pos / n if n else 0.0}
+        return out
+
+
+def split_by_time(df: pd.DataFrame, stream_end_s: float = STREAM_END_S,
+                  quantiles: tuple[float, float] = (0.5, 0.7)) -> TimeSplit:
+    """Split transactions by time with the repeated-vector rule (module docstring).
+
+    Args:
+        df: rows as returned by ``load_transactions`` (sorted by ``Time``).
+        stream_end_s: rows with ``Time <= stream_end_s`` form the ``stream`` split.
+        quantiles: ``Time`` quantiles of the non-stream rows where ``train``|``val`` and ``val``|``test`` are cut.
+    Returns:
+        A ``TimeSplit`` whose frames keep the input's columns and index.
+    """
+    df = df.sort_values("Time", kind="stable")
+    rest = df["Time"] > stream_end_s
+    t_val, t_test = (float(df.loc[rest, "Time"].quantile(q)) for q in quantiles)
+    label = np.select([~rest, df["Time"] < t_val, df["Time"] < t_test], ["stream", "train", "val"], "test")
+    label = pd.Series(label, index=df.index)
+    first = label.groupby(vector_key(df).to_numpy()).transform("first")  # split of each vector's first occurrence
+    keep = label == first
+    dropped = {s: int(((label == s) & ~keep).sum()) for s in SPLITS}
+    frames = {s: df[(label == s) & keep] for s in SPLITS}
+    return TimeSplit(frames, {"stream_end": stream_end_s, "val_start": t_val, "test_start": t_test}, dropped)

@@ -1,0 +1,409 @@
+"""`dsedge bench`, the measurement core (dsedge.runtime.bench) and the latency pytest plugin, on tiny real ONNX
+models run by real ONNX Runtime. Latency *values* are never asserted against speed targets (those live in
+benchmarks/); budgets here are chosen far above (1000 ms) or far below (1e-6 ms) any real latency."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsedge.cli import main
+from dsedge.runtime import bench as core
+from dsedge.runtime.bundle import IOSpec
+from dsedge.runtime.errors import BenchError, InputError
+
+pytest_plugins = ["pytester"]
+
+VOCAB, HIDDEN = 128, 16
+
+
+def text_model(path: Path, static_batch: int | None = None, opset: int = 17) -> Path:
+    """input_ids, attention_mask int64 [batch, sequence] → Gather(embedding) · mask → MatMul → [batch, sequence, 16].
+
+    The embedding has ``VOCAB`` rows, so token ids ≥ VOCAB make ONNX Runtime fail (bench must stay within vocab).
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    b = static_batch if static_batch else "batch"
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, [b, "sequence"])
+    mask = helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [b, "sequence"])
+    out = helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, [b, "sequence", HIDDEN])
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32), "embedding"),
+        numpy_helper.from_array(rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32), "w"),
+        numpy_helper.from_array(np.array([-1], dtype=np.int64), "last_axis"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["embedding", "input_ids"], ["emb"]),
+        helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["maskf", "last_axis"], ["mask3"]),
+        helper.make_node("Mul", ["emb", "mask3"], ["masked"]),
+        helper.make_node("MatMul", ["masked", "w"], ["last_hidden_state"]),
+    ]
+    graph = helper.make_graph(nodes, "tiny_text", [ids, mask], [out], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def text_bundle(dest: Path, work: Path, *, static_batch: int | None = None, budget_ms: float | None = 1000.0,
+                batch_max: int = 16, vocab_size: int | None = VOCAB, variants: tuple[str, ...] = ("fp32",),
+                target: str = "cpu", built_batches: tuple[int, ...] = (), extra_input: str | None = None) -> Path:
+    """A real bundle (``write_bundle``) around ``text_model``; one identical ONNX file per variant name."""
+    from dsedge.runtime.bundle import IOSpec, Variant
+    from dsedge.toolchain.bundle_writer import write_bundle
+
+    work.mkdir(parents=True, exist_ok=True)
+    onnx_path = text_model(work / f"tiny-{static_batch or 'dyn'}.onnx", static_batch=static_batch)
+    b = static_batch if static_batch else "batch"
+    ranges = {"sequence": {"min": 1, "opt": 8, "max": 64}}
+    if not static_batch:
+        ranges["batch"] = {"min": 1, "opt": 1, "max": batch_max}
+    return write_bundle(
+        dest, name="tiny-text", target={"name": target},
+        inputs=[IOSpec("input_ids", "int64", (b, "sequence")), IOSpec("attention_mask", "int64", (b, "sequence"))]
+        + ([IOSpec(extra_input, "int64", (b, "sequence"))] if extra_input else []),
+        outputs=[IOSpec("last_hidden_state", "float32", (b, "sequence", HIDDEN))],
+        models={f"models/{v}.onnx": onnx_path for v in variants},
+        variants=[Variant(name=v, precision="fp32", file=f"models/{v}.onnx",
+                          latency_ms={str(b): {"p50": 1.0, "p99": 2.0, "shape": {"input_ids": [b, 12]}}
+                                      for b in built_batches}) for v in variants],
+        default_variant=variants[0], shape_ranges=ranges, latency_budget_ms=budget_ms,
+        source={"vocab_size": vocab_size} if vocab_size else {},
+    )
+
+
+# --------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Real bundles: dynamic batch (two variants), static batch 1, a Jetson (GPU) one, one without any budget."""
+    root = tmp_path_factory.mktemp("bench")
+    work = root / "work"
+    return {
+        "dyn": text_bundle(root / "tiny-cpu.dse", work, variants=("fp32", "int8")),
+        "built": text_bundle(root / "built-cpu.dse", work, built_batches=(1, 4)),
+        "static": text_bundle(root / "static-cpu.dse", work, static_batch=1),
+        "gpu": text_bundle(root / "tiny-jetson-orin.dse", work, target="jetson-orin"),
+        "nobudget": text_bundle(root / "tiny-myboard.dse", work, target="my-board", budget_ms=None),
+        "novocab": text_bundle(root / "novocab-cpu.dse", work, vocab_size=None),
+        # the manifest lists an input the model does not have (as an exporter that drops token_type_ids would)
+        "mismatch": text_bundle(root / "mismatch-cpu.dse", work, extra_input="token_type_ids"),
+    }
+
+
+def run_cli(capsys: pytest.CaptureFixture, *args: object) -> tuple[int, str, str]:
+    """``dsedge ARGS`` in-process through the real entry point ``main``; returns (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out, err
+
+
+# ------------------------------------------------------------------------------------------------- core
+def test_latency_stats_are_nearest_rank_percentiles() -> None:
+    samples = np.random.default_rng(1).permutation(np.arange(1, 101, dtype=float))
+    s = core.latency_stats(samples)
+    assert (s["min"], s["p50"], s["p90"], s["p95"], s["p99"], s["max"]) == (1, 50, 90, 95, 99, 100)
+    assert s["mean"] == pytest.approx(50.5)
+    assert core.latency_stats([3.0, 7.0])["p50"] == 3.0  # an observed value, never interpolated
+    with pytest.raises(BenchError):
+        core.latency_stats([])
+
+
+def test_synthetic_inputs_follow_specs_and_vocab() -> None:
+    specs = [IOSpec("input_ids", "int64", ("batch", "sequence")), IOSpec("attention_mask", "int64", ("batch", "sequence")),
+             IOSpec("token_type_ids", "int64", ("batch", "sequence")), IOSpec("pixel", "float32", ("batch", 3))]
+    x = core.synthetic_inputs(specs, {"batch": {"min": 1, "max": 8}}, batch=4, seq_len=12, vocab_size=30522)
+    assert {k: v.shape for k, v in x.items()} == {"input_ids": (4, 12), "attention_mask": (4, 12),
+                                                   "token_type_ids": (4, 12), "pixel": (4, 3)}
+    assert x["input_ids"].dtype == np.int64 and x["pixel"].dtype == np.float32
+    assert (x["attention_mask"] == 1).all() and (x["token_type_ids"] == 0).all()
+    assert 0 <= x["input_ids"].min() and x["input_ids"].max() < 30522 and len(np.unique(x["input_ids"])) > 10
+    small = core.synthetic_inputs(specs[:1], None, batch=64, seq_len=64)  # no vocab known: stay below 100
+    assert small["input_ids"].max() < core.DEFAULT_ID_RANGE
+
+
+def test_resolve_dims_takes_range_opt_and_rejects_bad_shapes() -> None:
+    specs = [IOSpec("input_ids", "int64", ("batch", "sequence"))]
+    ranges = {"batch": {"min": 1, "max": 16}, "sequence": {"min": 1, "opt": 24, "max": 64}}
+    assert core.resolve_dims(specs, ranges, batch=2) == {"batch": 2, "sequence": 24}
+    assert core.resolve_dims(specs, {}, batch=2) == {"batch": 2, "sequence": 128}
+    with pytest.raises(InputError, match=r"batch size 32 is outside the bundle's range for 'batch' \[1, 16\]"):
+        core.resolve_dims(specs, ranges, batch=32)
+    with pytest.raises(InputError, match="sequence length 65 is outside"):
+        core.resolve_dims(specs, ranges, batch=1, seq_len=65)
+    with pytest.raises(InputError, match="static batch axis of 1"):
+        core.resolve_dims([IOSpec("x", "float32", (1, 4))], {}, batch=8)
+    assert core.resolve_dims([IOSpec("x", "float32", (1, 4))], {}, batch=1) == {}
+
+
+def test_measure_counts_warmup_iterations_and_duration() -> None:
+    calls = []
+    samples, wall = core.measure(lambda: calls.append(1), core.BenchSettings(warmup=3, iterations=7))
+    assert len(calls) == 10 and samples.shape == (7,) and (samples >= 0).all()
+    import time
+    samples, wall = core.measure(lambda: time.sleep(0.002), core.BenchSettings(warmup=0, duration_s=0.05))
+    assert wall >= 0.05 and samples.size >= core.BenchSettings().min_iterations
+    assert samples.min() >= 2.0  # ms: each call slept 2 ms
+    with pytest.raises(InputError):
+        core.BenchSettings(iterations=0)
+    assert core.normalize_percentile(99) == core.normalize_percentile("P99") == "p99"
+
+
+def test_bench_session_on_real_ort(bundles: dict[str, Path]) -> None:
+    import dsedge
+
+    with dsedge.load(bundles["dyn"], threads=1) as s:
+        settings = core.BenchSettings(warmup=2, iterations=15)
+        ok = core.bench_session(s, [1, 4], seq_len=16, settings=settings, budget_ms=1000.0)
+        bad = core.bench_session(s, [2], settings=settings, budget_ms=1e-6)
+        report = core.build_report(s, ok, settings, seq_len=16, threads=1, budget_source="option")
+    assert [(r.batch, r.shapes["input_ids"], r.iterations, r.passed) for r in ok] == [(1, [1, 16], 15, True), (4, [4, 16], 15, True)]
+    assert bad[0].passed is False and bad[0].shapes["input_ids"] == [2, 8]  # sequence from the range's opt
+    r4 = report["results"][1]
+    assert r4["throughput"]["samples_per_s"] == pytest.approx(4 * r4["throughput"]["inferences_per_s"], rel=1e-3)
+    assert r4["latency_ms"]["min"] <= r4["latency_ms"]["p50"] <= r4["latency_ms"]["p99"] <= r4["latency_ms"]["max"]
+    assert report["schema"] == "dsedge.bench" and report["schema_version"] == 1 and report["passed"] is True
+    assert report["device"]["providers"] == ["CPUExecutionProvider"] and report["device"]["backend"] == "onnxruntime"
+    assert report["bundle"]["variant"] == "fp32" and report["settings"]["budget_source"] == "option"
+
+
+def test_compare_reports_flags_regressions_beyond_tolerance() -> None:
+    def rep(p99: float, batch: int = 1) -> dict:
+        return {"results": [{"variant": "fp32", "batch": batch, "shapes": {"x": [batch, 8]},
+                             "latency_ms": {"p99": p99, "p50": p99 / 2}}]}
+
+    (c,) = core.compare_reports(rep(12.0), rep(10.0), tolerance=0.10)
+    assert c.ratio == pytest.approx(1.2) and c.regressed
+    (c,) = core.compare_reports(rep(10.5), rep(10.0), tolerance=0.10)
+    assert not c.regressed
+    (c,) = core.compare_reports(rep(5.5), rep(10.0), tolerance=0.10, percentile="p50")
+    assert c.ratio == pytest.approx(0.55) and not c.regressed
+    (c,) = core.compare_reports(rep(99.0, batch=8), rep(1.0), tolerance=0.10)
+    assert c.baseline_ms is None and not c.regressed  # nothing to compare with
+
+
+def test_load_report_rejects_foreign_files(tmp_path: Path) -> None:
+    bad = tmp_path / "b.json"
+    bad.write_text("{nope")
+    with pytest.raises(BenchError, match="not valid JSON"):
+        core.load_report(bad)
+    bad.write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(BenchError, match="not a dsedge bench report"):
+        core.load_report(bad)
+    bad.write_text(json.dumps({"schema": "dsedge.bench", "schema_version": 99, "results": []}))
+    with pytest.raises(BenchError, match="schema version 99"):
+        core.load_report(bad)
+
+
+# -------------------------------------------------------------------------------------------------- CLI
+def test_cli_json_report_and_pass(bundles: dict[str, Path], capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--batch", "1,4", "--iterations", 10, "--warmup", 1,
+                           "--threads", 1, "--seq-len", 8, "--json", "-o", tmp_path / "r.json")
+    assert code == 0
+    rep = json.loads(out)
+    assert rep == json.loads((tmp_path / "r.json").read_text())
+    assert [r["batch"] for r in rep["results"]] == [1, 4] and rep["passed"] is True and rep["notes"] == []
+    assert set(rep["results"][0]["latency_ms"]) == {"min", "mean", "p50", "p90", "p95", "p99", "max", "std"}
+    assert rep["settings"] | {"budget_ms": 1000.0, "budget_source": "manifest", "threads": 1, "seq_len": 8} == rep["settings"]
+    code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--variant", "int8", "--iterations", 5)
+    assert code == 0
+    assert out.index("providers in use: CPUExecutionProvider") < out.index("p99")  # device first, then numbers
+    assert "variant int8" in out and "PASS: every batch size within 1000 ms at p99" in out
+
+
+def test_cli_over_budget_exits_1(bundles: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--budget-ms", 1e-6, "--percentile", "p50")
+    assert code == 1 and "FAIL: batch 1 p50" in out
+    # no budget anywhere (unknown target, none in the manifest): measured, not judged
+    code, out, _ = run_cli(capsys, "bench", bundles["nobudget"], "--iterations", 5)
+    assert code == 0 and "measured, not judged" in out
+    # a Jetson bundle runs on this CPU, judged against jetson-orin's default budget, and says whose figures these are
+    code, out, _ = run_cli(capsys, "bench", bundles["gpu"], "--iterations", 5, "--json")
+    rep = json.loads(out)
+    assert code == 0 and rep["settings"]["budget_source"] == "manifest"
+    assert rep["notes"] == ["bundle is for jetson-orin (tensorrt) but ran here on CPUExecutionProvider: "
+                            "these are not jetson-orin figures"]
+
+
+@pytest.mark.parametrize("key, args, message", [
+    ("missing", [], "does not exist"),
+    ("dyn", ["--variant", "int4"], "bundle has no variant 'int4'"),
+    ("dyn", ["--batch", "32"], "batch size 32 is outside the bundle's range"),
+    ("static", ["--batch", "1,8"], "static batch axis of 1"),
+    ("dyn", ["--seq-len", "100"], "sequence length 100 is outside"),
+    ("dyn", ["--batch", "1,x"], "'x' is not an integer"),
+    ("dyn", ["--iterations", "5", "--duration", "1"], "--duration or --iterations, not both"),
+    ("dyn", ["--percentile", "p42"], "unknown percentile"),
+    ("dyn", ["--compare", "nothing.json"], "baseline report"),
+    ("mismatch", [], "manifest inputs do not match fp32.onnx (differ at 'token_type_ids')"),
+])
+def test_cli_usage_errors_exit_2(bundles: dict[str, Path], capsys: pytest.CaptureFixture, tmp_path: Path,
+                                 key: str, args: list[str], message: str) -> None:
+    path = bundles.get(key, tmp_path / "missing-cpu.dse")
+    code, out, err = run_cli(capsys, "bench", path, "--iterations", 2, *args) if "--duration" not in args else \
+        run_cli(capsys, "bench", path, *args)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_cli_corrupt_bundle_exits_2(bundles: dict[str, Path], capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    broken = shutil.copytree(bundles["dyn"], tmp_path / "broken-cpu.dse")
+    model = broken / "models" / "fp32.onnx"
+    model.write_bytes(model.read_bytes()[:100])
+    code, _, err = run_cli(capsys, "bench", broken, "--iterations", 2)
+    assert code == 2 and "corrupt or was modified" in err
+
+
+def test_cli_compare_flags_regression(bundles: dict[str, Path], capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    base = tmp_path / "base.json"
+    code, _, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "-o", base)
+    assert code == 0
+    rep = json.loads(base.read_text())
+    for r in rep["results"]:
+        r["latency_ms"]["p99"] = 1e-6  # a baseline no real run can match
+    fast = tmp_path / "fast.json"
+    fast.write_text(json.dumps(rep))
+    code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--compare", fast)
+    assert code == 1 and "REGRESSED" in out and "REGRESSION: batch 1 p99" in out
+    assert "other hardware" not in out  # same machine
+    rep["device"]["cpu"] = "Some Other CPU"
+    for r in rep["results"]:
+        r["latency_ms"]["p99"] = 1e6
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(rep))
+    code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--compare", slow, "--json")
+    cmp = json.loads(out)["comparison"]
+    assert code == 0 and cmp["regressed"] is False and cmp["same_device"] is False
+    assert cmp["results"][0]["ratio"] < 1e-3 and cmp["baseline_device"]["cpu"] == "Some Other CPU"
+    code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--compare", slow)
+    assert code == 0 and "note: the baseline was measured on other hardware (Some Other CPU" in out
+
+
+def test_cli_plot_writes_png(bundles: dict[str, Path], capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    png = tmp_path / "plots" / "cdf.png"
+    code, _, _ = run_cli(capsys, "bench", bundles["dyn"], "--batch", "1,2", "--iterations", 20, "--plot", png)
+    assert code == 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert not [p for p in png.parent.iterdir() if p.name != "cdf.png"]  # no temp file left behind
+
+
+def test_installed_command_exit_code_and_no_torch(bundles: dict[str, Path]) -> None:
+    """The real console script: exit 1 over budget; bench, the core and the plugin import without torch."""
+    exe = Path(sys.executable).with_name("dsedge")
+    proc = subprocess.run([str(exe), "bench", str(bundles["novocab"]), "--iterations", "3", "--budget-ms", "1e-6",
+                           "--batch", "2", "--seq-len", "64"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "FAIL" in proc.stdout  # ids stayed below the model's 128-row embedding with no vocab_size in the manifest
+    code = ("import sys, dsedge.commands.bench, dsedge.runtime.bench, dsedge.pytest_plugin; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ----------------------------------------------------------------------------------------- pytest plugin
+def _plugin_args() -> list[str]:
+    """Load the plugin explicitly only where its pytest11 entry point is not installed (an old editable install)."""
+    installed = any(ep.value == "dsedge.pytest_plugin" for ep in entry_points(group="pytest11"))
+    quiet = ["-p", "no:cacheprovider", "-p", "no:benchmark", "-p", "no:hypothesispytest"]  # faster inner runs
+    return quiet + ([] if installed else ["-p", "dsedge.pytest_plugin"])
+
+
+def test_plugin_runs_latency_tests_from_the_manifest(bundles: dict[str, Path], pytester: pytest.Pytester) -> None:
+    xml = pytester.path / "latency.xml"
+    res = pytester.runpytest(*_plugin_args(), "--dsedge-bundle", str(bundles["dyn"]), "--dsedge-bundle",
+                             str(bundles["built"]), "--dsedge-iterations", "5", "--dsedge-warmup", "1",
+                             f"--junitxml={xml}")
+    # dyn: 2 variants × batch range {min 1, max 16}; built: 1 variant × build-time batch sizes {1, 4}
+    res.assert_outcomes(passed=6)
+    cases = ET.parse(xml).getroot().iter("testcase")
+    names = {c.get("name"): {p.get("name"): p.get("value") for p in c.iter("property")} for c in cases}
+    assert set(names) == {"latency[fp32-b1]", "latency[fp32-b16]", "latency[int8-b1]", "latency[int8-b16]", "latency[fp32-b4]"}
+    props = names["latency[fp32-b4]"]
+    assert props["budget_ms"] == "1000.0" and props["providers"] == "CPUExecutionProvider" and props["iterations"] == "5"
+    assert props["shape"] == "input_ids=4x12;attention_mask=4x12"  # the sequence length the build measured at
+    assert names["latency[fp32-b16]"]["shape"] == "input_ids=16x8;attention_mask=16x8"  # the range's opt
+    assert 0 < float(props["p50_ms"]) <= float(props["p99_ms"])
+
+
+def test_plugin_fails_over_budget_and_skips_with_reasons(bundles: dict[str, Path], pytester: pytest.Pytester) -> None:
+    res = pytester.runpytest(*_plugin_args(), "--dsedge-bundle", str(bundles["static"]), "--dsedge-iterations", "3",
+                             "--dsedge-budget-ms", "1e-6")
+    res.assert_outcomes(failed=1)
+    res.stdout.fnmatch_lines(["*static-cpu/fp32/b1: p99 * ms > budget 1e-06 ms (option)*"])
+    res = pytester.runpytest(*_plugin_args(), "-rs", "--dsedge-iterations", "3",
+                             "--dsedge-bundle", str(bundles["gpu"]), "--dsedge-bundle", str(bundles["nobudget"]),
+                             "--dsedge-bundle", "nowhere-cpu.dse")
+    res.assert_outcomes(skipped=5)  # gpu and nobudget: batches 1 and 16 each; the missing bundle: one
+    res.stdout.fnmatch_lines_random([
+        "*bundle for 'jetson-orin' needs a GPU (TensorRT/CUDA); none is reachable here*CPUExecutionProvider*",
+        "*no latency budget in the manifest or target profile*",
+        "*bundle 'nowhere-cpu.dse' not found*",
+    ])
+    res = pytester.runpytest(*_plugin_args(), "-rs", "--dsedge-bundle", str(bundles["dyn"]),
+                             "--dsedge-target", "jetson")
+    res.assert_outcomes(skipped=1)  # one skip for the whole bundle
+    res.stdout.fnmatch_lines(["*bundle is for target 'cpu', not --dsedge-target 'jetson-orin'*"])
+
+
+def test_plugin_fixture_for_sample_tests(bundles: dict[str, Path], pytester: pytest.Pytester) -> None:
+    shutil.copytree(bundles["built"], pytester.path / "out" / "built-cpu.dse")  # as a sample's build would leave it
+    pytester.makepyfile(test_sample_latency="""
+        import pytest
+
+        @pytest.mark.dsedge_bundle("out/built-cpu.dse")
+        def test_latency(dsedge_latency):
+            r = dsedge_latency.check()
+            assert r.batch in (1, 4) and r.iterations == 4
+
+        def test_latency_from_option(dsedge_latency):
+            dsedge_latency.check()
+    """)
+    res = pytester.runpytest(*_plugin_args(), "-rs", "--dsedge-iterations", "4")
+    res.assert_outcomes(passed=2, skipped=1)  # no --dsedge-bundle: the unmarked test skips, never passes
+    res.stdout.fnmatch_lines(["*no bundle: pass --dsedge-bundle*"])
+    res = pytester.runpytest(*_plugin_args(), "--dsedge-iterations", "4",
+                             "--dsedge-bundle", str(bundles["static"]), "-k", "from_option")
+    res.assert_outcomes(passed=1, deselected=3)  # the marked test (2 cases) and the plugin's own static-cpu item
+
+
+def test_sdk_overhead_benchmark_runs(bundles: dict[str, Path]) -> None:
+    """benchmarks/sdk_overhead.py prints one side-by-side row per batch size (its numbers are not judged here)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sdk_overhead.py"
+    proc = subprocess.run([sys.executable, str(script), "--bundle", str(bundles["dyn"]), "--batch", "1,2",
+                           "--rounds", "2", "--block", "3", "--warmup", "1", "--threads", "1", "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout[proc.stdout.index("\n[") + 1:])
+    assert [(r["batch"], r["shape"], r["n"]) for r in rows] == [(1, [1, 8], 6), (2, [2, 8], 6)]
+    assert all(r["p50_ratio"] > 0 for r in rows) and "bare=['CPUExecutionProvider']" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dsedge-target", "mars-rover"], "*dsedge: unknown target 'mars-rover'*"),
+    (["--dsedge-batch", "1,x"], "*--dsedge-batch '1,x': use positive integers*"),
+    (["--dsedge-percentile", "p42"], "*dsedge: unknown percentile 'p42'*"),
+])
+def test_plugin_bad_options_are_usage_errors(pytester: pytest.Pytester, args: list[str], message: str) -> None:
+    res = pytester.runpytest(*_plugin_args(), *args)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines([message])
+
+
+def test_uses_gpu_reads_backend_and_providers() -> None:
+    from types import SimpleNamespace as NS
+
+    assert core.uses_gpu(NS(backend_name="tensorrt", providers=["TensorRT 10.3.0 (DLA 0)"]))
+    assert core.uses_gpu(NS(backend_name="onnxruntime", providers=["CUDAExecutionProvider", "CPUExecutionProvider"]))
+    assert not core.uses_gpu(NS(backend_name="onnxruntime", providers=["CPUExecutionProvider"]))

@@ -1,0 +1,181 @@
+"""Session.submit / stream / infer_async / metrics / cascade on real bundles of tiny models built here."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+import dsedge
+from dsedge import Rejected, Result
+
+from streaming_models import static_bundle, text_bundle, text_request
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    root = tmp_path_factory.mktemp("streaming")
+    return {
+        "text": text_bundle(root / "text", budget_ms=500),
+        "nobudget": text_bundle(root / "nobudget", name="toy-nobudget"),
+        "static": static_bundle(root / "static"),
+        # fp32 is listed slow at build time, int8 fast: budgets between the two exercise the cascade
+        "cascade": text_bundle(root / "cascade", variants={"fp32": 3, "int8": 1}, name="toy-cascade",
+                               latency_ms={"fp32": {"1": {"p50": 40.0, "p99": 45.0}, "32": {"p50": 60.0, "p99": 70.0}},
+                                           "int8": {"1": {"p50": 0.5, "p99": 1.0}, "32": {"p50": 5.0, "p99": 8.0}}}),
+    }
+
+
+@pytest.fixture(scope="module")
+def text_session(bundles):
+    s = dsedge.load(bundles["text"], threads=1)
+    s.warmup()
+    yield s
+    s.close()
+
+
+def test_submit_answers_match_run_row_for_row(text_session):
+    rng = np.random.default_rng(0)
+    reqs = [text_request(rng, int(n)) for n in rng.integers(2, 40, size=40)]
+    futs = [text_session.submit(r, id=f"r{i}") for i, r in enumerate(reqs)]
+    answers = [f.result(10) for f in futs]
+    assert all(isinstance(a, Result) and a.ok for a in answers), answers[:3]
+    for i, (req, ans) in enumerate(zip(reqs, answers)):
+        assert ans.id == f"r{i}" and ans.variant == "fp32" and ans.budget_ms == 500.0
+        assert 0 <= ans.queue_ms <= ans.latency_ms and ans.batch_size >= 1
+        alone = text_session.run(req)
+        assert ans.outputs["last_hidden_state"].shape == alone["last_hidden_state"].shape  # padding cut back
+        np.testing.assert_allclose(ans.outputs["sentence_embedding"], alone["sentence_embedding"], rtol=1e-5, atol=1e-6)
+
+
+def test_burst_forms_batches_within_budget(text_session):
+    before = text_session.metrics()
+    rng = np.random.default_rng(1)
+    futs = [text_session.submit(text_request(rng, 16), budget_ms=2000) for _ in range(96)]
+    answers = [f.result(20) for f in futs]
+    assert all(a.within_budget for a in answers)
+    assert max(a.batch_size for a in answers) > 1  # a burst is served in batches, not one by one
+    m = text_session.metrics()
+    assert m["answered"] - before["answered"] == 96 and m["lanes"]["fp32"]["batches"] > 0
+    assert m["mean_batch_size"] > 1.0
+
+
+def test_budget_that_cannot_be_met_is_rejected_at_once(text_session):
+    t0 = time.perf_counter()
+    fut = text_session.submit(text_request(np.random.default_rng(2), 8), budget_ms=0.001)
+    assert fut.done() and (time.perf_counter() - t0) < 0.5  # answered at admission, not after queueing
+    rej = fut.result()
+    assert isinstance(rej, Rejected) and rej.reason == "budget" and not rej.ok and not rej.within_budget
+    assert "budget 0.001 ms" in rej.detail and text_session.metrics()["rejected"]["budget"] >= 1
+
+
+def test_budget_defaults_request_then_session_then_manifest_then_target(bundles):
+    with dsedge.load(bundles["text"], threads=1) as s:
+        assert s.default_budget_ms() == 500.0  # the manifest's
+    with dsedge.load(bundles["text"], threads=1, budget_ms=77) as s:
+        assert s.default_budget_ms() == 77.0
+        ans = s.submit(text_request(np.random.default_rng(3), 8)).result(10)
+        assert ans.budget_ms == 77.0
+        assert s.submit(text_request(np.random.default_rng(3), 8), budget_ms=300).result(10).budget_ms == 300.0
+    with dsedge.load(bundles["nobudget"], threads=1) as s:
+        assert s.default_budget_ms() == 50.0  # targets/profiles/cpu.toml default_budget_ms
+
+
+def test_stream_input_order_and_completion_order(text_session):
+    rng = np.random.default_rng(4)
+    reqs = [text_request(rng, int(n)) for n in rng.integers(2, 30, size=50)]
+    ordered = list(text_session.stream(reqs, budget_ms=2000, ordered=True))
+    assert [a.id for a in ordered] == list(range(50)) and all(a.ok for a in ordered)
+    np.testing.assert_allclose(ordered[7].outputs["sentence_embedding"],
+                               text_session.run(reqs[7])["sentence_embedding"], rtol=1e-5, atol=1e-6)
+    unordered = list(text_session.stream(iter(reqs), budget_ms=2000, window=8))
+    assert sorted(a.id for a in unordered) == list(range(50))
+
+
+def test_stream_raises_input_error_from_bad_item(text_session):
+    good = text_request(np.random.default_rng(5), 4)
+    bad = {"input_ids": good["input_ids"].astype(np.int32), "attention_mask": good["attention_mask"]}
+    with pytest.raises(dsedge.InputError, match="dtype int32"):
+        list(text_session.stream([good, bad, good]))
+
+
+def test_asyncio_face(text_session):
+    rng = np.random.default_rng(6)
+    reqs = [text_request(rng, 12) for _ in range(20)]
+
+    async def main():
+        one = await text_session.infer_async(reqs[0], budget_ms=1000, id="a")
+        many = [r async for r in text_session.stream_async(reqs, budget_ms=1000, ordered=True)]
+
+        async def agen():
+            for r in reqs[:5]:
+                await asyncio.sleep(0)
+                yield r
+        some = [r async for r in text_session.stream_async(agen(), budget_ms=1000)]
+        return one, many, some
+
+    one, many, some = asyncio.run(main())
+    assert one.id == "a" and one.ok
+    assert [r.id for r in many] == list(range(20)) and all(r.ok for r in many)
+    assert sorted(r.id for r in some) == list(range(5))
+
+
+def test_model_without_batch_axis_runs_alone(bundles):
+    with dsedge.load(bundles["static"], threads=1, budget_ms=2000) as s:
+        xs = [{"x": np.full((1, 8), i, np.float32)} for i in range(12)]
+        answers = list(s.stream(xs, ordered=True))
+        assert [a.batch_size for a in answers] == [1] * 12
+        np.testing.assert_array_equal(answers[5].outputs["y"], np.full((1, 8), 10.0, np.float32))
+
+
+def test_cascade_serves_cheaper_variant_when_primary_cannot_meet_budget(bundles):
+    rng = np.random.default_rng(7)
+    with dsedge.load(bundles["cascade"], threads=1, cascade=True, profile="bundle") as s:
+        profiles = s.warmup()
+        assert list(profiles) == ["fp32", "int8"]
+        fast = s.submit(text_request(rng, 8), budget_ms=20).result(10)  # fp32 predicted 45 ms alone
+        assert isinstance(fast, Result) and fast.variant == "int8"
+        slow = s.submit(text_request(rng, 8), budget_ms=1000).result(10)
+        assert slow.variant == "fp32"
+        assert s.submit(text_request(rng, 8), budget_ms=0.01).result().reason == "budget"  # no variant fits
+        assert s.metrics()["cascaded"] == {"int8": 1}
+    with dsedge.load(bundles["cascade"], threads=1, profile="bundle") as s:  # cascade off: explicit rejection
+        rej = s.submit(text_request(rng, 8), budget_ms=20).result()
+        assert isinstance(rej, Rejected) and rej.reason == "budget" and "fp32" in rej.detail
+
+
+def test_metrics_counts_percentiles_and_prometheus(bundles):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    with dsedge.load(bundles["text"], threads=1) as s:
+        rng = np.random.default_rng(8)
+        answers = list(s.stream([text_request(rng, 10) for _ in range(30)], budget_ms=2000))
+        s.submit(text_request(rng, 10), budget_ms=0.001).result()
+        m = s.metrics()
+        assert m["submitted"] == 31 and m["answered"] == 30 and m["rejected"] == {"budget": 1}
+        assert m["within_budget"] == sum(a.within_budget for a in answers) == 30
+        assert m["p50_ms"] <= m["p90_ms"] <= m["p99_ms"] and m["goodput_per_s"] > 0
+        assert m["rejection_rate"] == pytest.approx(1 / 31, abs=1e-4) and m["budget_miss_rate"] == 0.0
+        reg = prometheus_client.CollectorRegistry()
+        s.export_prometheus(reg)
+        text = prometheus_client.generate_latest(reg).decode()
+        assert "dsedge_requests_submitted_total 31.0" in text
+        assert 'dsedge_requests_rejected_total{reason="budget"} 1.0' in text
+        assert 'dsedge_latency_ms{quantile="p99"}' in text
+
+
+def test_streaming_face_imports_no_torch(bundles):
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np, dsedge\n"
+            f"s = dsedge.load({str(bundles['text'])!r}, threads=1)\n"
+            "ids = np.ones((1, 4), np.int64)\n"
+            "r = s.submit({'input_ids': ids, 'attention_mask': ids}).result(30)\n"
+            "s.close()\n"
+            "assert r.ok, r\n"
+            "import dsedge.runtime.decode, dsedge.runtime.scheduler, dsedge.runtime.metrics\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

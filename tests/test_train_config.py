@@ -1,0 +1,123 @@
+"""The training config: TOML/YAML loading, clear errors for unknown keys, bad values and impossible meshes."""
+from __future__ import annotations
+
+import pytest
+
+from dsedge.runtime.errors import ConfigError
+from dsedge.toolchain.train.config import check_world, dump_toml, from_dict, load_config
+
+BASE = """
+seed = 3
+out_dir = "runs/x"
+steps = 10
+[model]
+factory = "pkg.model:make"
+kwargs = { hidden = 8 }
+input_names = ["dense", "ids"]
+[data]
+factory = "pkg.data:make"
+batch_size = 8
+[optim]
+lr = 0.002
+betas = [0.9, 0.95]
+[parallel]
+data = "fsdp"
+tensor = 2
+"""
+
+
+def write(tmp_path, text, name="c.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_toml_loads_with_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, BASE))
+    assert (cfg.seed, cfg.steps, cfg.out_dir) == (3, 10, "runs/x")
+    assert cfg.model.kwargs == {"hidden": 8} and cfg.model.input_names == ["dense", "ids"]
+    assert cfg.optim.lr == 0.002 and cfg.optim.betas == [0.9, 0.95]
+    assert cfg.optim.weight_decay == 0.01 and cfg.optim.eps == 1e-6 and cfg.optim.lamb_threshold == 1024
+    assert cfg.optim.clip_grad_norm == 1.0 and cfg.schedule.warmup_fraction == 0.1
+    assert (cfg.parallel.data, cfg.parallel.tensor, cfg.parallel.pipeline) == ("fsdp", 2, 1)
+    assert cfg.distill is None
+
+
+def test_yaml_equals_toml(tmp_path):
+    yaml_text = """
+seed: 3
+out_dir: runs/x
+steps: 10
+model: {factory: "pkg.model:make", kwargs: {hidden: 8}, input_names: [dense, ids]}
+data: {factory: "pkg.data:make", batch_size: 8}
+optim: {lr: 0.002, betas: [0.9, 0.95]}
+parallel: {data: fsdp, tensor: 2}
+"""
+    a = load_config(write(tmp_path, BASE)).to_dict()
+    b = load_config(write(tmp_path, yaml_text, "c.yaml")).to_dict()
+    assert a == b
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(write(tmp_path, BASE))
+    again = load_config(write(tmp_path, dump_toml(cfg.to_dict()), "resolved.toml"))
+    assert again.to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("edit, message, hint", [
+    (("lr = 0.002", "lrr = 0.002"), "unknown key 'lrr' in [optim]", "did you mean 'lr'?"),
+    (("seed = 3", "sed = 3"), "unknown key 'sed' in the top level", "did you mean 'seed'?"),
+    (("batch_size = 8", "batch_size = \"8\""), "[data] batch_size must be int", ""),
+    (("data = \"fsdp\"", "data = \"zero3\""), "[parallel] data = 'zero3' is not one of", "ddp"),
+    (("steps = 10", "steps = 10\nepochs = 2"), "give exactly one of steps or epochs", ""),
+    (("factory = \"pkg.model:make\"", "factory = \"pkg.model\""), "[model] factory must be 'module:function'", ""),
+    (("betas = [0.9, 0.95]", "betas = [0.9]"), "[optim] betas must be two numbers", ""),
+])
+def test_errors_name_file_section_and_key(tmp_path, edit, message, hint):
+    path = write(tmp_path, BASE.replace(*edit))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert message in str(e.value) and str(path) in str(e.value)
+    assert hint in e.value.hint
+    assert "\n" not in str(e.value)
+
+
+def test_parse_error_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "steps = = 3"))
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_impossible_mesh_for_world_size(tmp_path):
+    cfg = load_config(write(tmp_path, BASE))  # tensor = 2
+    assert check_world(cfg, 4) == 2
+    with pytest.raises(ConfigError, match="does not divide the world size 3"):
+        check_world(cfg, 3)
+    cfg.data.batch_size = 6
+    with pytest.raises(ConfigError, match="batch_size = 6 is not divisible by the data-parallel degree 4"):
+        check_world(cfg, 8)
+
+
+def test_distill_needs_teacher(tmp_path):
+    with pytest.raises(ConfigError, match=r"needs a \[distill\] section"):
+        load_config(write(tmp_path, BASE), distill=True)
+    cfg = load_config(write(tmp_path, BASE + '\n[distill]\nteacher = "runs/t"\nalpha = 0.5\n'), distill=True)
+    assert cfg.distill.teacher == "runs/t" and cfg.distill.temperature == 4.0 and cfg.distill.alpha == 0.5
+
+
+def test_cli_prints_one_line_error_without_traceback(tmp_path, capsys):
+    from dsedge.cli import main
+
+    path = write(tmp_path, BASE.replace("lr = 0.002", "lrr = 0.002"))
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "unknown key 'lrr'" in err and "hint: did you mean 'lr'?" in err
+    assert "Traceback" not in err
+
+
+def test_from_dict_validates():
+    with pytest.raises(ConfigError, match="out_dir is missing"):
+        from_dict({"steps": 1, "model": {"factory": "a:b"}, "data": {"factory": "a:b"}})

@@ -1,0 +1,365 @@
+"""The training config (TOML or YAML): one file drives `dsedge train` and `dsedge distill`.
+
+The contract is TRAIN_CONFIG.md (shared with the samples). Every section is a dataclass below; unknown keys, wrong
+types and impossible settings raise :class:`~dsedge.runtime.errors.ConfigError` with the file, section and key in one
+line and a hint (the closest known key, or what would work). Keys beyond the contract are optional and default to
+the documented behaviour: ``device``; ``[data] num_workers, shuffle, max_tokens, max_batch_size, memory_limit_mb,
+bytes_per_token``; ``[optim] lamb_threshold``; ``[schedule] min_lr_ratio``; ``[parallel] comm_hook, powersgd_rank,
+tensor_plan``; ``[checkpoint] keep``; ``[health]``; ``[distill] features, feature_weight``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ...runtime.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    factory: str = ""
+    kwargs: dict = field(default_factory=dict)
+    input_names: list = field(default_factory=list)
+    output_names: list = field(default_factory=lambda: ["logits"])
+
+
+@dataclass
+class DataConfig:
+    factory: str = ""
+    kwargs: dict = field(default_factory=dict)
+    batch_size: int = 32  # global batch (all data-parallel ranks together), samples
+    num_workers: int = 0
+    shuffle: bool = True
+    # token-budget sampler (variable-length sequences): any of these switches it on
+    max_tokens: typing.Optional[int] = None
+    max_batch_size: typing.Optional[int] = None
+    memory_limit_mb: typing.Optional[float] = None
+    bytes_per_token: typing.Optional[float] = None  # activation bytes per token, to turn memory_limit_mb into tokens
+
+
+@dataclass
+class LossConfig:
+    kind: str = "cross_entropy"  # cross_entropy | bce_with_logits | mse | module:function(logits, target)
+    pos_weight: typing.Optional[float] = None
+    class_weights: typing.Optional[list] = None
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: list = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-6
+    lamb_threshold: int = 1024
+    clip_grad_norm: typing.Optional[float] = 1.0
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_fraction: float = 0.1
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class PrecisionConfig:
+    mode: str = "fp32"  # fp32 | bf16 | fp16
+    initial_scale: float = 65536.0
+    growth_interval: int = 2000
+
+
+@dataclass
+class ParallelConfig:
+    data: str = "ddp"  # ddp | fsdp
+    tensor: int = 1
+    pipeline: int = 1
+    pipeline_schedule: str = "gpipe"  # gpipe | 1f1b
+    microbatches: typing.Optional[int] = None
+    comm_hook: typing.Optional[str] = None  # DDP gradient compression: fp16 | bf16 | powersgd
+    powersgd_rank: int = 1
+    tensor_plan: typing.Optional[dict] = None  # module fqn (glob) -> "colwise" | "rowwise"
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100
+    activation_checkpointing: bool = False
+    keep: typing.Optional[int] = None  # keep the newest N complete checkpoints (None: all)
+
+
+@dataclass
+class HealthConfig:
+    max_nonfinite: int = 3  # consecutive non-finite steps before rolling back to the last checkpoint
+    max_rollbacks: int = 2
+    progress: typing.Optional[bool] = None  # None: a bar when stderr is a terminal
+    tensorboard: bool = False
+
+
+@dataclass
+class DistillConfig:
+    teacher: str = ""
+    temperature: float = 4.0
+    alpha: float = 0.7
+    features: dict = field(default_factory=dict)  # student module fqn -> teacher module fqn (same shape)
+    feature_weight: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = ""
+    seed: int = 0
+    steps: typing.Optional[int] = None
+    epochs: typing.Optional[int] = None
+    device: str = "auto"  # auto | cpu | cuda
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    distill: typing.Optional[DistillConfig] = None
+    source: str = field(default="<dict>", metadata={"internal": True})  # the file it came from
+
+    def to_dict(self) -> dict:
+        """Plain data (TOML-serialisable: ``None`` values dropped), the resolved config written to the run dir."""
+        return _drop_none({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                           if not f.metadata.get("internal")})
+
+
+def _drop_none(v: Any) -> Any:
+    if dataclasses.is_dataclass(v):
+        v = dataclasses.asdict(v)
+    if isinstance(v, dict):
+        return {k: _drop_none(x) for k, x in v.items() if x is not None}
+    if isinstance(v, (list, tuple)):
+        return [_drop_none(x) for x in v]
+    return v
+
+
+def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(ok, coerced value) for the few types configs use; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return True, None
+        return _type_ok(value, args[0])
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False, value
+        return True, float(value)
+    if tp is int:
+        return (isinstance(value, int) and not isinstance(value, bool)), value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is str:
+        return isinstance(value, str), value
+    if tp is list:
+        return isinstance(value, list), value
+    if tp is dict:
+        return isinstance(value, dict), value
+    return True, value
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return _type_name([a for a in typing.get_args(tp) if a is not type(None)][0])
+    return getattr(tp, "__name__", str(tp))
+
+
+def _build(cls: type, data: Any, where: str, source: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {where or 'the file'} must be a table, got {type(data).__name__}",
+                          "see TRAIN_CONFIG.md for the layout")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(fields))}"
+            raise ConfigError(f"{source}: unknown key {key!r} in {where or 'the top level'}", hint)
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp) or (typing.get_origin(tp) in (typing.Union, types.UnionType)
+                                            and dataclasses.is_dataclass(typing.get_args(tp)[0])):
+            sub = tp if dataclasses.is_dataclass(tp) else typing.get_args(tp)[0]
+            kwargs[key] = _build(sub, value, f"[{key}]", source)
+            continue
+        ok, coerced = _type_ok(value, tp)
+        if not ok:
+            raise ConfigError(f"{source}: {where + ' ' if where else ''}{key} must be {_type_name(tp)}, "
+                              f"got {value!r}", "fix the value's type in the config file")
+        kwargs[key] = coerced
+    return cls(**kwargs)
+
+
+def _choice(value: Any, allowed: tuple, key: str, source: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{source}: {key} = {value!r} is not one of {', '.join(map(repr, allowed))}",
+                          f"use one of {', '.join(map(str, allowed))}")
+
+
+def _positive(value: Any, key: str, source: str, allow_zero: bool = False) -> None:
+    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+        raise ConfigError(f"{source}: {key} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}",
+                          "fix the value in the config file")
+
+
+def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
+    """Check values that do not depend on the world size; raises ConfigError."""
+    s = cfg.source
+    if not cfg.out_dir:
+        raise ConfigError(f"{s}: out_dir is missing", 'add out_dir = "runs/NAME" at the top level')
+    if (cfg.steps is None) == (cfg.epochs is None):
+        raise ConfigError(f"{s}: give exactly one of steps or epochs", "e.g. steps = 1000")
+    _positive(cfg.steps, "steps", s)
+    _positive(cfg.epochs, "epochs", s)
+    for name, sec in (("model", cfg.model), ("data", cfg.data)):
+        if not sec.factory or ":" not in sec.factory:
+            raise ConfigError(f"{s}: [{name}] factory must be 'module:function', got {sec.factory!r}",
+                              f'e.g. factory = "samples.fraud.{name}:make_{name}"')
+    _positive(cfg.data.batch_size, "[data] batch_size", s)
+    _positive(cfg.data.num_workers, "[data] num_workers", s, allow_zero=True)
+    if cfg.loss.kind not in ("cross_entropy", "bce_with_logits", "mse") and ":" not in cfg.loss.kind:
+        raise ConfigError(f"{s}: [loss] kind = {cfg.loss.kind!r} is unknown",
+                          "use cross_entropy, bce_with_logits, mse or 'module:function'")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"{s}: [optim] betas must be two numbers in [0, 1), got {cfg.optim.betas!r}",
+                          "e.g. betas = [0.9, 0.98]")
+    _positive(cfg.optim.lr, "[optim] lr", s)
+    _positive(cfg.optim.clip_grad_norm, "[optim] clip_grad_norm", s)
+    if not 0 <= cfg.schedule.warmup_fraction < 1:
+        raise ConfigError(f"{s}: [schedule] warmup_fraction must be in [0, 1), got {cfg.schedule.warmup_fraction}",
+                          "e.g. warmup_fraction = 0.1")
+    _choice(cfg.precision.mode, ("fp32", "bf16", "fp16"), "[precision] mode", s)
+    _choice(cfg.device, ("auto", "cpu", "cuda"), "device", s)
+    p = cfg.parallel
+    _choice(p.data, ("ddp", "fsdp"), "[parallel] data", s)
+    _choice(p.pipeline_schedule, ("gpipe", "1f1b"), "[parallel] pipeline_schedule", s)
+    _choice(p.comm_hook, (None, "fp16", "bf16", "powersgd"), "[parallel] comm_hook", s)
+    _positive(p.tensor, "[parallel] tensor", s)
+    _positive(p.pipeline, "[parallel] pipeline", s)
+    _positive(p.microbatches, "[parallel] microbatches", s)
+    if p.comm_hook and p.data != "ddp":
+        raise ConfigError(f"{s}: [parallel] comm_hook needs data = 'ddp'", "FSDP has no DDP comm hooks; remove it")
+    _positive(cfg.checkpoint.every, "[checkpoint] every", s)
+    _positive(cfg.health.max_nonfinite, "[health] max_nonfinite", s)
+    if distill:
+        if cfg.distill is None or not cfg.distill.teacher:
+            raise ConfigError(f"{s}: dsedge distill needs a [distill] section with teacher = RUN_DIR",
+                              'add [distill] teacher = "runs/teacher"')
+        if not 0 <= cfg.distill.alpha <= 1:
+            raise ConfigError(f"{s}: [distill] alpha must be in [0, 1], got {cfg.distill.alpha}", "e.g. alpha = 0.7")
+        _positive(cfg.distill.temperature, "[distill] temperature", s)
+    return cfg
+
+
+def check_world(cfg: TrainConfig, world_size: int) -> int:
+    """The data-parallel degree for ``world_size`` processes; ConfigError if the mesh cannot be laid out."""
+    p = cfg.parallel
+    model_par = p.tensor * p.pipeline
+    if world_size % model_par:
+        raise ConfigError(
+            f"{cfg.source}: tensor = {p.tensor} x pipeline = {p.pipeline} does not divide the world size {world_size}",
+            f"launch a multiple of {model_par} processes (torchrun --nproc-per-node) or lower the degrees")
+    dp = world_size // model_par
+    if cfg.data.batch_size % dp:
+        raise ConfigError(f"{cfg.source}: [data] batch_size = {cfg.data.batch_size} is not divisible by the "
+                          f"data-parallel degree {dp}", f"use a batch_size that is a multiple of {dp}")
+    mb = p.microbatches or p.pipeline
+    if p.pipeline > 1 and (cfg.data.batch_size // dp) % mb:
+        raise ConfigError(f"{cfg.source}: per-rank batch {cfg.data.batch_size // dp} is not divisible by "
+                          f"microbatches = {mb}", "make batch_size / data-parallel degree a multiple of microbatches")
+    return dp
+
+
+def from_dict(data: dict, source: str = "<dict>", *, distill: bool = False) -> TrainConfig:
+    """Build and validate a TrainConfig from plain data (a parsed TOML/YAML file)."""
+    cfg = _build(TrainConfig, data, "", source)
+    cfg.source = source
+    return validate(cfg, distill=distill)
+
+
+def load_config(path: str | Path, *, distill: bool = False) -> TrainConfig:
+    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) training config.
+
+    Raises ConfigError: missing file, parse error (with line), unknown key, wrong type, impossible value.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}", "pass the path of a .toml or .yaml training config")
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ModuleNotFoundError:
+            raise ConfigError(f"{path}: reading YAML needs PyYAML", "pip install pyyaml, or write the config as TOML")
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}", "fix the syntax") from None
+    else:
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover
+            import tomli as tomllib
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}", "fix the syntax (or use .yaml for YAML)") from None
+    return from_dict(data, str(path), distill=distill)
+
+
+def dump_toml(data: dict) -> str:
+    """Serialise plain config data as TOML (tables after scalars; inline tables for dict values)."""
+    import json
+
+    def val(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{json.dumps(str(k))} = {val(x)}" for k, x in v.items()) + " }"
+        raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+    lines, tables = [], []
+    for k, v in data.items():
+        if isinstance(v, dict) and k in {f.name for f in dataclasses.fields(TrainConfig)}:
+            tables.append((k, v))
+        else:
+            lines.append(f"{k} = {val(v)}")
+    for k, v in tables:
+        lines.append(f"\n[{k}]")
+        lines.extend(f"{kk} = {val(vv)}" for kk, vv in v.items())
+    return "\n".join(lines) + "\n"
+
+
+def resolve_callable(spec: str, what: str) -> Callable:
+    """Import ``module:function``; the working directory is importable (configs name e.g. ``samples.x:make``)."""
+    module, _, attr = spec.partition(":")
+    cwd = str(Path.cwd())
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"{what} {spec!r}: module {e.name!r} not found",
+                          "run from the folder that contains the package, or install it") from None
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"{what} {spec!r}: {module} has no callable {attr!r}", "check the function name")
+    return fn

@@ -1,0 +1,75 @@
+"""Training losses from the config's ``[loss]`` section, and the knowledge-distillation loss.
+
+KD: Hinton, Vinyals, Dean, "Distilling the Knowledge in a Neural Network", arXiv:1503.02531 — KL(teacher_T ||
+student_T) on temperature-softened logits, scaled by T^2 so its gradient magnitude does not shrink with T, weighted
+``alpha``; the hard-label loss weighted ``1 - alpha``. Optional feature matching: MSE between named intermediate
+activations (FitNets, arXiv:1412.6550), weighted ``feature_weight``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .config import LossConfig, resolve_callable
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def make_loss(cfg: LossConfig) -> LossFn:
+    """``loss(logits, target) -> scalar`` (mean over the batch, computed in fp32).
+
+    cross_entropy: logits (N, C) float, target (N,) int64 class ids; ``class_weights`` (C floats).
+    bce_with_logits: logits and target same shape (a trailing size-1 axis is squeezed), ``pos_weight``.
+    mse: same shape. ``module:function``: the user's function, called as-is.
+    """
+    if cfg.kind == "cross_entropy":
+        w = torch.tensor(cfg.class_weights, dtype=torch.float32) if cfg.class_weights else None
+
+        def ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits.float(), target.long(),
+                                   weight=None if w is None else w.to(logits.device))
+        return ce
+    if cfg.kind == "bce_with_logits":
+        pw = torch.tensor([cfg.pos_weight], dtype=torch.float32) if cfg.pos_weight is not None else None
+
+        def bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            if logits.ndim == target.ndim + 1 and logits.shape[-1] == 1:
+                logits = logits.squeeze(-1)
+            return F.binary_cross_entropy_with_logits(logits.float(), target.float(),
+                                                      pos_weight=None if pw is None else pw.to(logits.device))
+        return bce
+    if cfg.kind == "mse":
+        return lambda logits, target: F.mse_loss(logits.float(), target.float())
+    return resolve_callable(cfg.kind, "[loss] kind")
+
+
+def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T^2 * KL(softmax(teacher/T) || softmax(student/T)), averaged over the batch (all leading axes), fp32.
+
+    Both (..., C); for a single logit (binary, C == 1) the two-class distribution [0, z] is used."""
+    s, t = student_logits.float(), teacher_logits.float()
+    if s.shape[-1] == 1:
+        s, t = torch.cat([torch.zeros_like(s), s], -1), torch.cat([torch.zeros_like(t), t], -1)
+    s, t = s.reshape(-1, s.shape[-1]), t.reshape(-1, t.shape[-1])
+    log_p_s = F.log_softmax(s / temperature, dim=-1)
+    log_p_t = F.log_softmax(t / temperature, dim=-1)
+    return F.kl_div(log_p_s, log_p_t, log_target=True, reduction="batchmean") * temperature ** 2
+
+
+class DistillLoss:
+    """``alpha * kd_kl(student, teacher, T) + (1 - alpha) * hard(student, target) + feature_weight * feature MSE``."""
+
+    def __init__(self, hard: LossFn, temperature: float = 4.0, alpha: float = 0.7, feature_weight: float = 0.0
+                 ) -> None:
+        self.hard, self.temperature, self.alpha, self.feature_weight = hard, temperature, alpha, feature_weight
+
+    def __call__(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, target: torch.Tensor,
+                 features: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
+        loss = self.alpha * kd_kl(student_logits, teacher_logits, self.temperature)
+        if self.alpha < 1:
+            loss = loss + (1 - self.alpha) * self.hard(student_logits, target)
+        if self.feature_weight and features:
+            loss = loss + self.feature_weight * sum(F.mse_loss(s.float(), t.float()) for s, t in features)
+        return loss
