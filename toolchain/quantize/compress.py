@@ -1,13 +1,14 @@
 """The compressors ``dsedge build`` calls per precision: (exported ONNX, work dir, options, source) → Compressed.
 
-- ``int4``: W4A16 weight-only (symmetric: TensorRT's INT4 needs it) with ``--algorithm`` (rtn | awq | gptq | awq+gptq; default gptq) and, with
+- ``int4``: W4A16 weight-only (symmetric: TensorRT's INT4 needs it) with ``--algorithm`` (auto = gptq with
+  calibration data, else rtn | rtn | awq | gptq | awq+gptq) and, with
   ``--accuracy-gate``, mixed precision (sensitive layers raised to INT8 / float until the gate passes on the
   held-out data); word-embedding tables INT4 too unless ``--no-embeddings`` — asymmetric (UINT4 + zero point:
   TensorRT folds the table to FP16 at build anyway, ORT gathers UINT4 rows; measured on MiniLM: cosine cost of the
   table 0.0008 vs 0.0012 symmetric).
 - ``int8``: for ORT targets (cpu) dynamic INT8 after ORT's transformer fusions (the fastest ORT CPU form);
   for TensorRT targets W8A8 explicit Q/DQ calibrated with MinMax after SmoothQuant (alpha 0.5) (needs calibration data; under
-  ``--precision auto`` without any, INT8 weight-only per-channel Q/DQ, said in the report).
+  ``--precision auto`` or ``--fallback`` without any, INT8 weight-only per-channel Q/DQ, said in the report).
 - ``fp16`` / ``bf16``: 16-bit with FP32 islands.
 Calibration data: ``source.calibration`` (the reference model's committed sentences, or ``--calib``).
 """
@@ -138,8 +139,9 @@ def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
         details["fusion_export"] = "torchscript (parity-checked)" if fusable is not None else "none"
     elif calib is not None:
         q, details = quantize_int8_static(model, calib, smooth_alpha=0.5)
-    elif getattr(opts, "precision", "") == "auto":
-        # no calibration data for activation ranges: INT8 weights only (per-channel DQ); said in the report
+    elif getattr(opts, "precision", "") != "int8" or getattr(opts, "fallback", False):
+        # int8 chosen for the user (auto, or --fallback from int4) and no calibration data:
+        # INT8 weights only (per-channel DQ); said in the report
         q, details = quantize_weight_only(model, None, algorithm="rtn", bits=8)
         details["note"] = ("no calibration data: INT8 weight-only (W8A16 per-channel Q/DQ); pass --calib for "
                            "W8A8 with calibrated activations")
