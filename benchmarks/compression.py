@@ -10,8 +10,9 @@ an ONNX file (e.g. the int4 model of a bundle built with ``dsedge build --accura
 For each variant: size vs the fp32 ONNX, cosine mean/min and top-1 neighbour agreement of the mean-pooled
 embeddings vs PyTorch eager fp32 on the 60 committed held-out sentences (the 60 calibration sentences are
 separate), and ORT CPU median latency (``--threads``, median of ``--runs``) at batch 1 × seq 32 and batch 32 ×
-seq 64 with the speed-up over PyTorch eager measured in the same process. Latency rows are measured interleaved
-so that load on a shared machine hits every variant alike; still, read them as ratios, not absolutes.
+seq 64 with the speed-up over PyTorch eager measured in the same process. Latency rows are measured
+one variant after another (ORT's spinning thread pools make interleaved sessions fight); read them as
+ratios measured in one run, not absolutes.
 Sessions get the runtime's load-time rewrite (INT4 embedding DequantizeLinear → Gather becomes GatherBlockQuantized).
 ORT runs 4-bit Q/DQ as MatMulNBits, whose default accuracy level 4 quantizes activations to INT8 on the fly;
 ``cos mean W4A16`` is the same model at accuracy level 1 (float activations, what TensorRT's W4A16 computes).
@@ -184,7 +185,7 @@ def main() -> None:
               f"  top1 {acc['top1_agreement']:.3f}  (W4A16 {exact['cosine_mean']:.4f})  built in {build_s:.0f} s",
               flush=True)
 
-    # latency, interleaved: for each shape, every variant and eager once per round
+    # latency: for each shape, each variant (and eager) in its own block of runs
     tok = reference.load_tokenizer(reference.verified_model_dir())
     rng = np.random.default_rng(0)
     sessions = {name: session(p, args.threads) for name, p in paths.items()}
@@ -198,21 +199,17 @@ def main() -> None:
                for name, s in sessions.items()}
         with torch.inference_mode():
             fns["eager"] = lambda: source.module(*tt)
-            for fn in fns.values():
-                for _ in range(3):
-                    fn()
-            for _ in range(args.runs):
-                for name, fn in fns.items():
-                    t = time.perf_counter()
-                    fn()
-                    samples[name].append((time.perf_counter() - t) * 1e3)
+            # one variant at a time: ORT's idle thread pools spin after each run, so interleaving sessions on
+            # 2 cores makes them fight each other (and torch)
+            for name, fn in fns.items():
+                samples[name] = [median_ms(fn, args.runs)]
         eager = statistics.median(samples["eager"])
         for row in rows:
             ms = statistics.median(samples[row["variant"]])
             row[f"b{batch}_ms"] = round(ms, 2)
             row[f"b{batch}_speedup_vs_eager"] = round(eager / ms, 2)
         print(f"eager b{batch}x{seq}: {eager:.2f} ms", flush=True)
-    print(f"\nthreads {args.threads}, median of {args.runs}, interleaved; cosine vs PyTorch eager fp32 on "
+    print(f"\nthreads {args.threads}, median of {args.runs}; cosine vs PyTorch eager fp32 on "
           f"{len(ref)} held-out sentences; block size {bs}")
     hdr = (f"{'variant':32s} | {'size':>5} | {'cos mean':>8} | {'cos min':>7} | {'top1':>5} | {'W4A16':>6} | "
            f"{'b1 ms':>6} {'×eager':>6} | {'b32 ms':>7} {'×eager':>6}")
