@@ -1,4 +1,4 @@
-"""INT4 bundle vs fp32 ONNX vs PyTorch eager on the real all-MiniLM-L6-v2, side by side in one run.
+"""A bundle's default variant (e.g. INT4) vs its fp32 ONNX vs PyTorch eager on the real all-MiniLM-L6-v2, side by side in one run.
 
     python benchmarks/reference_latency.py [--bundle out/all-minilm-l6-v2-jetson-orin.dse] [--threads 2]
 
@@ -47,9 +47,11 @@ def main() -> None:
     d = reference.verified_model_dir()
     tok = reference.load_tokenizer(d)
     eager = reference.sentence_encoder(d)
-    sessions = {v: dsedge.load(args.bundle, variant=v, threads=args.threads) for v in ("fp32", "int4")}
-    print(f"threads {args.threads}, median of {args.runs}; providers {sessions['int4'].providers}")
-    print(f"{'shape':>10} | {'torch eager ms':>14} | {'fp32 ONNX ms':>12} {'×':>6} | {'int4 bundle ms':>14} {'×':>6}")
+    default = dsedge.load(args.bundle, threads=args.threads)
+    name = default.variant.name
+    sessions = {"fp32": dsedge.load(args.bundle, variant="fp32", threads=args.threads), name: default}
+    print(f"{args.bundle}: threads {args.threads}, median of {args.runs}; providers {default.providers}")
+    print(f"{'shape':>10} | {'torch eager ms':>14} | {'fp32 ONNX ms':>12} {'×':>6} | {name + ' bundle ms':>14} {'×':>6}")
     rng = np.random.default_rng(0)
     for batch, seq in ((1, 32), (32, 64)):
         ids = rng.integers(1000, 29000, (batch, seq)).astype(np.int64)
@@ -59,7 +61,7 @@ def main() -> None:
         with torch.inference_mode():
             t_eager = median_ms(lambda: eager(*tt), args.runs)
         t32 = median_ms(lambda: sessions["fp32"].run(feeds), args.runs)
-        t4 = median_ms(lambda: sessions["int4"].run(feeds), args.runs)
+        t4 = median_ms(lambda: sessions[name].run(feeds), args.runs)
         print(f"{batch:>4}×{seq:<5} | {t_eager:14.2f} | {t32:12.2f} {t_eager / t32:5.2f}× | {t4:14.2f} {t_eager / t4:5.2f}×")
 
 
