@@ -43,6 +43,8 @@ class Target:
         hardware_compatibility: TensorRT hardware-compatibility level the engine may be built with
             (``"ampere+"`` on x86 data-center GPUs; ``""`` = engine tied to this exact GPU, e.g. Jetson).
         version_compatible: build version-compatible engines (run on newer TensorRT of the same major).
+        auto_by_latency: ``--precision auto`` builds every precision in ``precision_order``, measures each, and keeps
+            the fastest that stays accurate (ORT CPU: INT8 Conv3d can be slower than fp32).
     """
 
     name: str
@@ -63,6 +65,7 @@ class Target:
     shapes: dict[str, dict[str, int]] = field(default_factory=dict)
     hardware_compatibility: str = ""
     version_compatible: bool = False
+    auto_by_latency: bool = False
     notes: tuple[str, ...] = ()
     source: str = ""
 

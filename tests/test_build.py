@@ -226,3 +226,17 @@ def test_calib_arrays_with_the_wrong_dtype_are_a_calibration_error(tmp_path):
     with pytest.raises(CalibrationError, match="a.npz: input 'x' has dtype float64"):
         build(BuildOptions(model=str(mlp_onnx(tmp_path / "m.onnx")), target="cpu", precision="int4",
                            calib=str(calib), out_dir=str(tmp_path / "o")))
+
+
+def test_cpu_auto_measures_each_precision_and_keeps_the_fastest_accurate_one(tmp_path):
+    r = build(BuildOptions(model=str(mlp_onnx(tmp_path / "m.onnx")), target="cpu", out_dir=str(tmp_path / "o"),
+                           latency_iterations=5))
+    choice = r.report["precision_choice"]
+    measured = [c for c in choice["candidates"] if "b1_p50_ms" in c]
+    assert {c["precision"] for c in measured} >= {"int4", "fp32"}
+    qualified = [c for c in measured if c["qualifies"]]
+    assert all(c["cosine_mean"] >= 0.99 for c in qualified if c["precision"] != "fp32")
+    assert choice["chosen"] == r.report["precision"] == min(qualified, key=lambda c: c["b1_p50_ms"])["precision"]
+    assert "by measured latency" in r.report["notes"][0]
+    chosen = next(v for v in r.report["variants"] if v["name"] == choice["chosen"])
+    assert chosen["latency_ms"]["1"]["p50"] == next(c for c in measured if c["precision"] == choice["chosen"])["b1_p50_ms"]

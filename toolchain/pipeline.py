@@ -236,6 +236,58 @@ def build_engines(work: Path, target: Target, exported: Exported, variants: list
     return out
 
 
+AUTO_MIN_COSINE = 0.99  # --precision auto on a measured target keeps only variants at least this close to fp32
+
+
+@dataclass
+class Measured:
+    """A candidate variant built, fitted, validated and timed during the measured ``auto`` choice."""
+
+    compressed: Compressed
+    opset: int
+    accuracy: dict[str, Any]
+    latency_ms: dict[str, Any]
+
+
+def choose_by_latency(target: Target, exported: Exported, reference_onnx: Path, work: Path, opts: BuildOptions,
+                      source: Source, validation: dict[str, np.ndarray],
+                      log: Callable[[str], None]) -> tuple[str, dict[str, Measured], dict[str, Any]]:
+    """``--precision auto`` on a target with ``auto_by_latency``: build every implemented precision of the target's
+    order, measure batch-1 latency (ORT CPU) and accuracy vs fp32, and keep the fastest whose cosine mean is at least
+    ``AUTO_MIN_COSINE`` (fp32 always qualifies). A candidate whose compressor refuses the model is skipped and said.
+
+    Returns:
+        (chosen precision, measured candidates by precision, the choice's record for report.json).
+    """
+    from ..runtime.errors import DsedgeError
+
+    implemented = set(COMPRESSORS) | {"fp32"}
+    order = [p for p in dict.fromkeys([*target.precision_order, "fp32"]) if p in implemented]
+    measured: dict[str, Measured] = {}
+    record: dict[str, Any] = {"rule": f"fastest b1 p50 with cosine_mean >= {AUTO_MIN_COSINE}", "candidates": []}
+    for p in order:
+        try:
+            if p == "fp32":
+                comp = Compressed(exported.path, "fp32", {})
+            else:
+                comp = COMPRESSORS[p](exported, work, opts, source)
+            opset = fit_target(comp.path, target)
+        except DsedgeError as e:
+            record["candidates"].append({"precision": p, "skipped": str(e)})
+            continue
+        acc = compare_models(reference_onnx, comp.path, validation, task=source.task)
+        lat = measure_latency(comp.path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
+        measured[p] = Measured(comp, opset, acc, lat)
+        ok = p == "fp32" or acc.get("cosine_mean", 0.0) >= AUTO_MIN_COSINE
+        record["candidates"].append({"precision": p, "b1_p50_ms": lat["1"]["p50"],
+                                     "cosine_mean": acc.get("cosine_mean"), "qualifies": ok})
+        log(f"auto candidate {p}: b1 p50 {lat['1']['p50']:.2f} ms, cosine mean {acc.get('cosine_mean')}")
+    qualified = [c for c in record["candidates"] if c.get("qualifies")]
+    chosen = min(qualified, key=lambda c: c["b1_p50_ms"])["precision"]
+    record["chosen"] = chosen
+    return chosen, measured, record
+
+
 def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> BuildResult:
     """Run every stage and publish the bundle. Returns its path and the report (also in ``report.json``).
 
@@ -271,16 +323,26 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
             source.validation_kind = f"--calib {opts.calib} (second half, not used for calibration)"
         validation = source.validation if source.validation is not None else source.example_inputs
 
+        reference_onnx = work / "reference-fp32.onnx"  # validation compares against the untouched export
+        shutil.copyfile(exported.path, reference_onnx)
         t = time.perf_counter()
-        compressed = (COMPRESSORS[precision](exported, work, opts, source) if precision != "fp32"
-                      else Compressed(exported.path, "fp32", {}))
+        measured: dict[str, Measured] = {}
+        choice = None
+        if opts.precision == "auto" and target.auto_by_latency:
+            precision, measured, choice = choose_by_latency(target, exported, reference_onnx, work, opts, source,
+                                                            validation, log)
+            notes = [f"auto chose {precision} for {target.name} by measured latency ({choice['rule']})"]
+            compressed = measured[precision].compressed
+        else:
+            compressed = (COMPRESSORS[precision](exported, work, opts, source) if precision != "fp32"
+                          else Compressed(exported.path, "fp32", {}))
         timings["compress_s"] = time.perf_counter() - t
         if precision != "fp32":
             log(f"compressed to {precision}")
-        reference_onnx = work / "reference-fp32.onnx"  # validation compares against the untouched export
-        shutil.copyfile(exported.path, reference_onnx)
-        opsets = {precision: fit_target(compressed.path, target)}
-        if opts.keep_fp32 and precision != "fp32":
+        opsets = {p: m.opset for p, m in measured.items()}
+        if precision not in opsets:
+            opsets[precision] = fit_target(compressed.path, target)
+        if opts.keep_fp32 and "fp32" not in opsets:
             opsets["fp32"] = fit_target(exported.path, target)
         log(f"fitted to {target.name}: opset {opsets[precision]}")
 
@@ -292,9 +354,12 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
             candidates.append(("fp32", exported.path))
         fp32_size = reference_onnx.stat().st_size
         for name, path in candidates:
-            acc = ({"reference": "self"} if name == "fp32" and opsets["fp32"] == 21 else
-                   compare_models(reference_onnx, path, validation, task=source.task))
-            lat = measure_latency(path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
+            if name in measured:  # already validated and timed by the measured auto choice
+                acc, lat = measured[name].accuracy, measured[name].latency_ms
+            else:
+                acc = ({"reference": "self"} if name == "fp32" and opsets["fp32"] == 21 else
+                       compare_models(reference_onnx, path, validation, task=source.task))
+                lat = measure_latency(path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
             rel = f"models/{name}.onnx"
             models[rel] = path
             variants.append(Variant(name=name, precision=name, file=rel, accuracy=acc, latency_ms=lat,
@@ -316,6 +381,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
             "export": {"exporter": exported.exporter, "opset": opsets[precision],
                        "parity_max_abs_diff": exported.parity_max_abs_diff},
             "engine_recipe": engine_notes,
+            **({"precision_choice": choice} if choice else {}),
             "compression": {k: v for k, v in compressed.details.items() if k != "layers"},
             "layers": compressed.details.get("layers", []),
             "validation": {"inputs": source.validation_kind,
