@@ -29,14 +29,9 @@ import numpy as np
 
 
 def median_ms(fn, runs: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(samples)
+    from dsedge.runtime.latency import time_calls
+
+    return time_calls(fn, iterations=runs, warmup=warmup)["p50"]
 
 
 def session(path: Path, threads: int, accuracy_level: int | None = None):

@@ -8,21 +8,15 @@ batch 32 × seq 64, and each one's speed-up over PyTorch eager fp32 measured in 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
 
 
 def median_ms(fn, runs: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(samples)
+    from dsedge.runtime.latency import time_calls
+
+    return time_calls(fn, iterations=runs, warmup=warmup)["p50"]
 
 
 def main() -> None:

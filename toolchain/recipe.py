@@ -13,7 +13,7 @@ The settings come from ``dsedge.runtime.build_settings``, the same the on-device
 from __future__ import annotations
 
 import shlex
-from typing import Any, Mapping, Sequence
+from typing import Mapping
 
 from .. import __version__
 from ..runtime.build_settings import EngineBuildSettings, engine_build_settings

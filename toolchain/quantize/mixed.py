@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from ...runtime.errors import AccuracyGateError, ConfigError
+from ..evaluate import top1_neighbour_agreement
 from .calibration import CalibrationSource, check_batches, load_calibration, ort_session, read_batches
 from .graph import ensure_qdq_opset, name_nodes, select_layers
 from .weight_only import QuantizedLayer, assemble, layer_activations, quantize_layers
@@ -76,16 +77,6 @@ def parse_gates(spec: str) -> list[AccuracyGate]:
     return gates
 
 
-def _top1(ref: np.ndarray, test: np.ndarray) -> float:
-    def nn(e: np.ndarray) -> np.ndarray:
-        e = e / (np.linalg.norm(e, axis=1, keepdims=True) + 1e-12)
-        sim = e @ e.T
-        np.fill_diagonal(sim, -np.inf)
-        return sim.argmax(1)
-
-    return float(np.mean(nn(ref) == nn(test)))
-
-
 def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list, *, output: int | str = 0,
                   reduce: str | None = None) -> Callable[[onnx.ModelProto], dict[str, float] | float]:
     """Metric ``model -> {"cosine", "cosine-min", "top1"}`` of output ``output`` (index or name) per sample vs
@@ -114,7 +105,7 @@ def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list,
         c = (y * r).sum(1) / (np.linalg.norm(y, axis=1) * np.linalg.norm(r, axis=1) + 1e-30)
         if reduce is not None:
             return float(c.mean() if reduce == "mean" else c.min())
-        return {"cosine": float(c.mean()), "cosine-min": float(c.min()), "top1": _top1(r, y)}
+        return {"cosine": float(c.mean()), "cosine-min": float(c.min()), "top1": top1_neighbour_agreement(r, y)}
 
     return metric
 
