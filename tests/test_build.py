@@ -44,6 +44,7 @@ def test_reference_int4_model_has_dq_on_every_weight_and_is_small(reference_buil
         assert inits[dq.input[0]].data_type == TensorProto.INT4
         assert {a.name: a.i for a in dq.attribute}["block_size"] == 32
     report = reference_build.report
+    assert report["precision_choice"]["chosen"] == "int4" and report["precision_choice"]["candidates"][0]["qualifies"]
     int4 = next(v for v in report["variants"] if v["name"] == "int4")
     assert int4["size_vs_fp32"] <= 0.20
     assert report["export"]["parity_max_abs_diff"] < 1e-3

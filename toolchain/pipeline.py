@@ -236,7 +236,7 @@ def build_engines(work: Path, target: Target, exported: Exported, variants: list
     return out
 
 
-AUTO_MIN_COSINE = 0.99  # --precision auto on a measured target keeps only variants at least this close to fp32
+AUTO_MIN_COSINE = 0.98  # --precision auto keeps only variants at least this close to fp32 (cosine mean, held-out)
 
 
 @dataclass
@@ -249,12 +249,14 @@ class Measured:
     latency_ms: dict[str, Any]
 
 
-def choose_by_latency(target: Target, exported: Exported, reference_onnx: Path, work: Path, opts: BuildOptions,
-                      source: Source, validation: dict[str, np.ndarray],
-                      log: Callable[[str], None]) -> tuple[str, dict[str, Measured], dict[str, Any]]:
-    """``--precision auto`` on a target with ``auto_by_latency``: build every implemented precision of the target's
-    order, measure batch-1 latency (ORT CPU) and accuracy vs fp32, and keep the fastest whose cosine mean is at least
-    ``AUTO_MIN_COSINE`` (fp32 always qualifies). A candidate whose compressor refuses the model is skipped and said.
+def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: Path, opts: BuildOptions,
+                source: Source, validation: dict[str, np.ndarray],
+                log: Callable[[str], None]) -> tuple[str, dict[str, Measured], dict[str, Any]]:
+    """``--precision auto``: walk the target's precision order (this version's compressors, then fp32), building,
+    validating and timing each candidate. A candidate qualifies when its cosine mean vs fp32 on held-out inputs is at
+    least ``AUTO_MIN_COSINE`` (fp32 always does). Targets with ``auto_by_latency`` (ORT CPU) measure every candidate
+    and keep the fastest qualifying one at batch 1; others keep the first qualifying one in their order. A candidate
+    whose compressor refuses the model is skipped and said.
 
     Returns:
         (chosen precision, measured candidates by precision, the choice's record for report.json).
@@ -264,7 +266,8 @@ def choose_by_latency(target: Target, exported: Exported, reference_onnx: Path, 
     implemented = set(COMPRESSORS) | {"fp32"}
     order = [p for p in dict.fromkeys([*target.precision_order, "fp32"]) if p in implemented]
     measured: dict[str, Measured] = {}
-    record: dict[str, Any] = {"rule": f"fastest b1 p50 with cosine_mean >= {AUTO_MIN_COSINE}", "candidates": []}
+    rule = "fastest b1 p50" if target.auto_by_latency else "first in the target's order"
+    record: dict[str, Any] = {"rule": f"{rule} with cosine_mean >= {AUTO_MIN_COSINE}", "candidates": []}
     for p in order:
         try:
             if p == "fp32":
@@ -282,6 +285,8 @@ def choose_by_latency(target: Target, exported: Exported, reference_onnx: Path, 
         record["candidates"].append({"precision": p, "b1_p50_ms": lat["1"]["p50"],
                                      "cosine_mean": acc.get("cosine_mean"), "qualifies": ok})
         log(f"auto candidate {p}: b1 p50 {lat['1']['p50']:.2f} ms, cosine mean {acc.get('cosine_mean')}")
+        if ok and not target.auto_by_latency:
+            break
     qualified = [c for c in record["candidates"] if c.get("qualifies")]
     chosen = min(qualified, key=lambda c: c["b1_p50_ms"])["precision"]
     record["chosen"] = chosen
@@ -328,10 +333,13 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         t = time.perf_counter()
         measured: dict[str, Measured] = {}
         choice = None
-        if opts.precision == "auto" and target.auto_by_latency:
-            precision, measured, choice = choose_by_latency(target, exported, reference_onnx, work, opts, source,
-                                                            validation, log)
-            notes = [f"auto chose {precision} for {target.name} by measured latency ({choice['rule']})"]
+        if opts.precision == "auto":
+            precision, measured, choice = choose_auto(target, exported, reference_onnx, work, opts, source,
+                                                      validation, log)
+            how = "by measured latency" if target.auto_by_latency else "as the first accurate precision"
+            skipped = [c["precision"] for c in choice["candidates"] if not c.get("qualifies")]
+            notes = [f"auto chose {precision} for {target.name} {how} ({choice['rule']})"
+                     + (f"; rejected: {', '.join(skipped)}" if skipped else "")]
             compressed = measured[precision].compressed
         else:
             compressed = (COMPRESSORS[precision](exported, work, opts, source) if precision != "fp32"
