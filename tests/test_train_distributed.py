@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from train_models import config
 import torch
 from safetensors.torch import load_file
 
@@ -21,16 +22,6 @@ from dsedge.toolchain.train.metrics import read_metrics
 pytestmark = pytest.mark.distributed
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
-
-
-def config(out, **over):
-    d = {"out_dir": str(out), "steps": 6, "seed": 0,
-         "model": {"factory": "train_models:make_tiny", "input_names": ["features"]},
-         "data": {"factory": "train_models:make_data", "kwargs": {"val": 16}, "batch_size": 8},
-         "optim": {"lamb_threshold": 16}, "checkpoint": {"every": 3}, "health": {"progress": False}}
-    for k, v in over.items():
-        d[k] = {**d[k], **v} if isinstance(v, dict) and isinstance(d.get(k), dict) else v
-    return d
 
 
 def torchrun_env():

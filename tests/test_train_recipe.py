@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_models import config
 import torch
 from safetensors.torch import load_file
 
@@ -29,19 +30,6 @@ def one_thread():
     yield
     torch.set_num_threads(n)
     sys.path.remove(TESTS)
-
-
-def config(out, **over):
-    d = {"out_dir": str(out), "steps": 6, "seed": 0,
-         "model": {"factory": "train_models:make_tiny", "input_names": ["features"]},
-         "data": {"factory": "train_models:make_data", "kwargs": {"val": 16}, "batch_size": 8},
-         "optim": {"lamb_threshold": 16}, "checkpoint": {"every": 3}, "health": {"progress": False}}
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(d.get(k), dict):
-            d[k] = {**d[k], **v}
-        else:
-            d[k] = v
-    return d
 
 
 def losses(run_dir):

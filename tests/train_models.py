@@ -165,3 +165,14 @@ def make_fraud_data(csv: str, n_val: int = 2000):
 
 def make_fraud_mlp(hidden: int = 32) -> nn.Module:
     return nn.Sequential(nn.Linear(30, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+
+def config(out, **over):
+    """A small training config dict (tiny model, 6 steps) with sections of ``over`` merged in."""
+    d = {"out_dir": str(out), "steps": 6, "seed": 0,
+         "model": {"factory": "train_models:make_tiny", "input_names": ["features"]},
+         "data": {"factory": "train_models:make_data", "kwargs": {"val": 16}, "batch_size": 8},
+         "optim": {"lamb_threshold": 16}, "checkpoint": {"every": 3}, "health": {"progress": False}}
+    for k, v in over.items():
+        d[k] = {**d[k], **v} if isinstance(v, dict) and isinstance(d.get(k), dict) else v
+    return d

@@ -54,14 +54,19 @@ def as_inputs(x: Any) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
+def call_factory(cfg: TrainConfig, section: str, spec: str, kwargs: dict) -> Any:
+    """Call the config's ``[section] factory`` (``module:function``) with its kwargs; ConfigError on a bad call."""
+    factory = resolve_callable(spec, f"[{section}] factory")
+    try:
+        return factory(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{cfg.source}: [{section}] factory {spec!r} failed: {e}",
+                          f"check [{section}] kwargs against the function's parameters") from None
+
+
 def build_data(cfg: TrainConfig) -> tuple[Any, Any]:
     """``(train_dataset, val_dataset | None)`` from the data factory; ConfigError when it returns something else."""
-    factory = resolve_callable(cfg.data.factory, "[data] factory")
-    try:
-        out = factory(**cfg.data.kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{cfg.source}: [data] factory {cfg.data.factory!r} failed: {e}",
-                          "check [data] kwargs against the function's parameters") from None
+    out = call_factory(cfg, "data", cfg.data.factory, cfg.data.kwargs)
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise ConfigError(f"[data] factory {cfg.data.factory!r} must return (train_dataset, val_dataset or None)",
                           "return a 2-tuple")
@@ -229,12 +234,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
 
     # model and data: same seed on every rank, so every rank builds the same initial weights
     torch.manual_seed(cfg.seed)
-    factory = resolve_callable(cfg.model.factory, "[model] factory")
-    try:
-        model = factory(**cfg.model.kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{cfg.source}: [model] factory {cfg.model.factory!r} failed: {e}",
-                          "check [model] kwargs against the function's parameters") from None
+    model = call_factory(cfg, "model", cfg.model.factory, cfg.model.kwargs)
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"[model] factory {cfg.model.factory!r} returned {type(model).__name__}, not an nn.Module",
                           "return a torch.nn.Module")
