@@ -1,5 +1,5 @@
 """``dsedge quantize``: ONNX in, ONNX out — INT4 weight-only (RTN/AWQ/GPTQ), INT8 (static Q/DQ or dynamic),
-FP16/BF16 with FP32 islands, or INT4 mixed precision under an accuracy gate."""
+FP16/BF16 with FP32 islands, or INT4 / INT8 mixed precision under an accuracy gate."""
 from __future__ import annotations
 
 import json
@@ -50,7 +50,7 @@ def save_model_atomic(model, dest: Path) -> None:
 @click.option("--calib", type=click.Path(path_type=Path), help="Calibration data: a .npz or a directory of .npz.")
 @click.option("--heldout", type=click.Path(path_type=Path), help="Held-out data for --accuracy-gate (.npz or dir).")
 @click.option("--accuracy-gate", "gate", help="METRIC:THRESHOLD[,…], e.g. cosine:0.99 or cosine:0.99,top1:1 "
-              "(INT4: raise sensitive layers until all pass).")
+              "(INT4: raise sensitive layers until all pass; INT8 static: keep the most sensitive layers float).")
 @click.option("--method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",
               show_default=True, help="INT8 activation calibration.")
 @click.option("--int8-mode", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,
@@ -65,6 +65,7 @@ def quantize(model: Path, output: Path, precision: str, algorithm: str, block_si
     """Quantize an ONNX MODEL and write the result to --output (written atomically)."""
     from ..quantize.fp16 import convert_float16
     from ..quantize.int8 import quantize_int8_dynamic, quantize_int8_static
+    from ..quantize.int8_gate import quantize_int8_gated
     from ..quantize.mixed import parse_gates, quantize_mixed
     from ..quantize.weight_only import quantize_weight_only
 
@@ -79,6 +80,12 @@ def quantize(model: Path, output: Path, precision: str, algorithm: str, block_si
     elif precision == "int4":
         out, report = quantize_weight_only(m, calib, algorithm=algorithm, block_size=block_size,
                                            symmetric=not asymmetric, nodes=node_list)
+    elif precision == "int8" and int8_mode == "static" and gate:
+        if heldout is None:
+            raise SourceError("--accuracy-gate needs --heldout data", "pass --heldout DIR_OR_NPZ")
+        out, report = quantize_int8_gated(m, calib, gate=parse_gates(gate), heldout=heldout, method=method,
+                                          smooth_alpha=smooth_alpha,
+                                          on_step=lambda msg: click.echo(f"  {msg}", err=True))
     elif precision == "int8" and int8_mode == "static":
         out, report = quantize_int8_static(m, calib, method=method, smooth_alpha=smooth_alpha)
     elif precision == "int8":
@@ -94,3 +101,5 @@ def quantize(model: Path, output: Path, precision: str, algorithm: str, block_si
     click.echo(f"wrote {output} ({precision}, {report['size_bytes'] / 1e6:.2f} MB, {ratio:.1%} of the source)")
     for r in report.get("raised", []):
         click.echo(f"  kept {r['to']}: {r['node']} — {r['reason']}")
+    for r in report.get("kept_float", []):
+        click.echo(f"  kept float: {r['node']} — {r['reason']}")

@@ -7,8 +7,10 @@
   TensorRT folds the table to FP16 at build anyway, ORT gathers UINT4 rows; measured on MiniLM: cosine cost of the
   table 0.0008 vs 0.0012 symmetric).
 - ``int8``: for ORT targets (cpu) dynamic INT8 after ORT's transformer fusions (the fastest ORT CPU form);
-  for TensorRT targets W8A8 explicit Q/DQ calibrated with MinMax after SmoothQuant (alpha 0.5) (needs calibration data; under
-  ``--precision auto`` or ``--fallback`` without any, INT8 weight-only per-channel Q/DQ, said in the report).
+  for TensorRT targets W8A8 explicit Q/DQ calibrated with MinMax after SmoothQuant (alpha 0.5); with held-out
+  data, under an accuracy gate (``--accuracy-gate``, default ``cosine:0.99``): the layers whose INT8 costs the most
+  stay float (:mod:`.int8_gate`). Needs calibration data; under ``--precision auto`` or ``--fallback`` without
+  any, INT8 weight-only per-channel Q/DQ, said in the report.
 - ``fp16`` / ``bf16``: 16-bit with FP32 islands.
 Calibration data: ``source.calibration`` (the reference model's committed sentences, or ``--calib``).
 """
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ...runtime.errors import CalibrationError
+
+DEFAULT_INT8_GATE = "cosine:0.99"   # W8A8 on TensorRT targets when held-out data exists and no --accuracy-gate
 
 
 def _save(model: Any, path: Path) -> None:
@@ -126,17 +130,23 @@ def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
     from ...targets import get_target
     from ..pipeline import Compressed
     from .int8 import quantize_int8_dynamic, quantize_int8_static
+    from .int8_gate import quantize_int8_gated
     from .weight_only import quantize_weight_only
 
     target = get_target(opts.target)
     model = onnx.load(os.fspath(exported.path))
     calib = getattr(source, "calibration", None)
+    heldout = getattr(source, "validation", None)
     if target.backend == "onnxruntime":
         fusable = fusable_export(exported, source, work)
         if fusable is not None:
             model = onnx.load(os.fspath(fusable))
         q, details = quantize_int8_dynamic(model, fuse="bert" if fusable is not None else None)
         details["fusion_export"] = "torchscript (parity-checked)" if fusable is not None else "none"
+    elif calib is not None and heldout is not None:
+        gate = getattr(opts, "accuracy_gate", None) or DEFAULT_INT8_GATE
+        q, details = quantize_int8_gated(model, calib, gate=gate, heldout=heldout, smooth_alpha=0.5,
+                                         output=_embedding_output(exported, source))
     elif calib is not None:
         q, details = quantize_int8_static(model, calib, smooth_alpha=0.5)
     elif getattr(opts, "precision", "") != "int8" or getattr(opts, "fallback", False):

@@ -154,8 +154,11 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
         nodes_to_exclude = list(nodes_to_exclude or []) + activation_matmuls(model)
     cal = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
            "percentile": CalibrationMethod.Percentile}[method]
+    # Q/DQ on the inputs of the quantized layers only (TensorRT's explicit-quantization placement): no Q/DQ on
+    # their outputs, and a dedicated Q/DQ pair per consumer, so residual Adds and LayerNorms read float tensors.
     extra = {"ActivationSymmetric": symmetric_activations, "WeightSymmetric": True,
-             "CalibMovingAverage": False}
+             "CalibMovingAverage": False, "OpTypesToExcludeOutputQuantization": list(op_types),
+             "DedicatedQDQPair": True}
     if method == "percentile":
         extra["CalibPercentile"] = percentile
     if method == "entropy":
