@@ -83,6 +83,7 @@ def main() -> None:
     from dsedge.toolchain.quantize.fp16 import convert_float16
     from dsedge.toolchain.quantize.int4 import quantize_int4
     from dsedge.toolchain.quantize.int8 import quantize_int8_dynamic, quantize_int8_static
+    from dsedge.toolchain.quantize.int8_gate import quantize_int8_gated
     from dsedge.toolchain.quantize.mixed import quantize_mixed
     from dsedge.toolchain.quantize.weight_only import (layer_activations, quantize_embedding_tables,
                                                        quantize_weight_only)
@@ -130,6 +131,13 @@ def main() -> None:
             return q, {"raised": len(rep["raised"]), "raised_layers": [(r["node"], r["to"]) for r in rep["raised"]]}
         return make
 
+    def int8_gated(gate: str):
+        def make():
+            q, rep = quantize_int8_gated(fp32, calib, gate=gate, heldout=held, smooth_alpha=0.5,
+                                         output="sentence_embedding")
+            return q, {"kept_float": [k["node"] for k in rep["kept_float"]]}
+        return make
+
     def lead_rtn():
         m = onnx.ModelProto()
         m.CopyFrom(fp32)
@@ -145,6 +153,7 @@ def main() -> None:
         "int8 dynamic (no fusion)": lambda: quantize_int8_dynamic(fp32, fuse=None),
         "int8 static W8A8 Q/DQ minmax": lambda: quantize_int8_static(fp32, calib),
         "int8 static W8A8 + SmoothQuant": lambda: quantize_int8_static(fp32, calib, smooth_alpha=0.5),
+        "int8 static W8A8 + SQ, gate cosine:0.99": int8_gated("cosine:0.99"),
         "fp16 + fp32 islands": lambda: convert_float16(fp32),
     }
     if args.slow:

@@ -39,11 +39,30 @@ def top1_neighbour_agreement(ref: np.ndarray, test: np.ndarray) -> float:
     return float(np.mean(nn(ref.astype(np.float64)) == nn(test.astype(np.float64))))
 
 
-def sentence_embedding_metrics(ref: np.ndarray, test: np.ndarray) -> dict[str, float]:
-    """Mean-pooled embeddings [N, D]: cosine mean/min per row and top-1 neighbour agreement."""
+def top1_flip_margins(ref: np.ndarray, test: np.ndarray) -> list[float]:
+    """For each row whose nearest other row differs between ``ref`` and ``test`` [N, D]: the reference's own margin,
+    cosine(first neighbour) - cosine(second neighbour) under ``ref``. A flip at a margin of 0.002 is a near-tie
+    that the reference itself barely decides; a flip at 0.1 is a real retrieval change."""
+    def sims(e: np.ndarray) -> np.ndarray:
+        e = e.astype(np.float64)
+        e = e / (np.linalg.norm(e, axis=1, keepdims=True) + 1e-12)
+        s = e @ e.T
+        np.fill_diagonal(s, -np.inf)
+        return s
+
+    r, t = sims(ref), sims(test)
+    top2 = np.sort(r, axis=1)[:, -2:]
+    flipped = np.nonzero(r.argmax(1) != t.argmax(1))[0]
+    return [round(float(top2[i, 1] - top2[i, 0]), 5) for i in flipped]
+
+
+def sentence_embedding_metrics(ref: np.ndarray, test: np.ndarray) -> dict[str, Any]:
+    """Mean-pooled embeddings [N, D]: cosine mean/min per row, top-1 neighbour agreement, and the reference's
+    margins (cosine units) at the rows whose top-1 neighbour flipped (see :func:`top1_flip_margins`)."""
     cos = _cos_rows(ref, test)
     return {"cosine_mean": round(float(cos.mean()), 5), "cosine_min": round(float(cos.min()), 5),
-            "top1_agreement": round(top1_neighbour_agreement(ref, test), 4), "n": int(len(ref))}
+            "top1_agreement": round(top1_neighbour_agreement(ref, test), 4),
+            "top1_flip_margins": sorted(top1_flip_margins(ref, test)), "n": int(len(ref))}
 
 
 def compare_models(reference_onnx: str | os.PathLike, test_onnx: str | os.PathLike, feeds: dict[str, np.ndarray],
