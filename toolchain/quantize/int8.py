@@ -154,11 +154,12 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
         nodes_to_exclude = list(nodes_to_exclude or []) + activation_matmuls(model)
     cal = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
            "percentile": CalibrationMethod.Percentile}[method]
-    # Q/DQ on the inputs of the quantized layers only (TensorRT's explicit-quantization placement): no Q/DQ on
-    # their outputs, and a dedicated Q/DQ pair per consumer, so residual Adds and LayerNorms read float tensors.
+    # MatMul/Gemm: Q/DQ on their inputs only (TensorRT's explicit-quantization placement) and a dedicated pair per
+    # consumer, so bias Adds, residual Adds and LayerNorms read float tensors (W8A8 MiniLM: cosine 0.85 -> 0.98).
+    # Conv keeps its output Q/DQ: ORT CPU then fuses DQ -> Conv -> Q into QLinearConv.
     extra = {"ActivationSymmetric": symmetric_activations, "WeightSymmetric": True,
-             "CalibMovingAverage": False, "OpTypesToExcludeOutputQuantization": list(op_types),
-             "DedicatedQDQPair": True}
+             "CalibMovingAverage": False, "DedicatedQDQPair": True,
+             "OpTypesToExcludeOutputQuantization": [t for t in op_types if t in ("MatMul", "Gemm")]}
     if method == "percentile":
         extra["CalibPercentile"] = percentile
     if method == "entropy":
