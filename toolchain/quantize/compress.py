@@ -6,7 +6,8 @@
   held-out data); word-embedding tables INT4 too unless ``--no-embeddings`` — asymmetric (UINT4 + zero point:
   TensorRT folds the table to FP16 at build anyway, ORT gathers UINT4 rows; measured on MiniLM: cosine cost of the
   table 0.0008 vs 0.0012 symmetric).
-- ``int8``: for ORT targets (cpu) dynamic INT8 after ORT's transformer fusions (the fastest ORT CPU form);
+- ``int8``: CNNs (Conv) on every target: W8A8 explicit Q/DQ calibrated with MinMax (needs calibration data);
+  other models on ORT targets (cpu) dynamic INT8 after ORT's transformer fusions (the fastest ORT CPU form);
   for TensorRT targets W8A8 explicit Q/DQ calibrated with MinMax after SmoothQuant (alpha 0.5) (needs calibration data; under
   ``--precision auto`` or ``--fallback`` without any, INT8 weight-only per-channel Q/DQ, said in the report).
 - ``fp16`` / ``bf16``: 16-bit with FP32 islands.
@@ -119,8 +120,22 @@ def fusable_export(exported: Any, source: Any, work: Path, tol: float = 1e-3) ->
     return dest if diff <= tol else None
 
 
+def has_conv(model: Any) -> bool:
+    """True when the ONNX graph holds a Conv node (Conv1d/2d/3d: a CNN)."""
+    return any(n.op_type == "Conv" for n in model.graph.node)
+
+
 def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
-    """Dynamic fused INT8 for ORT targets; W8A8 static Q/DQ (MinMax, symmetric activations) for TensorRT ones."""
+    """INT8 for a target.
+
+    - CNNs (any Conv node), every target: W8A8 explicit Q/DQ, per-channel weights (axis 0 = output channel),
+      per-tensor symmetric activations calibrated with MinMax on ``source.calibration``, Q/DQ on the inputs of each
+      Conv/Gemm (no SmoothQuant: it acts on MatMul/Gemm only). ORT's dynamic INT8 has no Conv kernel worth using, so
+      calibration data is required (CalibrationError otherwise).
+    - Other models on ORT targets (cpu): dynamic INT8 after ORT's transformer fusions (the fastest ORT CPU form).
+    - Other models on TensorRT targets: W8A8 Q/DQ calibrated with MinMax after SmoothQuant (alpha 0.5); without
+      calibration data under ``auto``/``--fallback``, INT8 weight-only per-channel Q/DQ (said in the report).
+    """
     import onnx
 
     from ...targets import get_target
@@ -131,7 +146,11 @@ def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
     target = get_target(opts.target)
     model = onnx.load(os.fspath(exported.path))
     calib = getattr(source, "calibration", None)
-    if target.backend == "onnxruntime":
+    if has_conv(model):
+        q, details = quantize_int8_static(model, _calibration(source, "INT8 Q/DQ of a CNN (Conv)"),
+                                          method="minmax", quantize_outputs=False)
+        details["form"] = "W8A8 explicit Q/DQ (CNN): per-channel weights, per-tensor activations, MinMax"
+    elif target.backend == "onnxruntime":
         fusable = fusable_export(exported, source, work)
         if fusable is not None:
             model = onnx.load(os.fspath(fusable))
@@ -147,6 +166,8 @@ def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
                            "W8A8 with calibrated activations")
     else:
         q, details = quantize_int8_static(model, _calibration(source, "INT8 W8A8"))
+    if getattr(source, "calibration_kind", ""):
+        details["calibration"] = source.calibration_kind
     out = work / "models" / "int8.onnx"
     _save(q, out)
     return Compressed(out, "int8", details)

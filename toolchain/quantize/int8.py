@@ -122,7 +122,7 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
                          percentile: float = 99.999, per_channel: bool = True, symmetric_activations: bool = True,
                          op_types: tuple[str, ...] = DEFAULT_OP_TYPES, nodes_to_exclude: list[str] | None = None,
                          weights_only_matmul: bool = True, smooth_alpha: float | None = None,
-                         ) -> tuple[onnx.ModelProto, dict]:
+                         quantize_outputs: bool = True) -> tuple[onnx.ModelProto, dict]:
     """W8A8 Q/DQ model from an fp32 ONNX model and a calibration set.
 
     Args:
@@ -134,6 +134,10 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
         smooth_alpha: apply :func:`smooth_quant` with this alpha first (0.5 in the paper; None = off).
         weights_only_matmul: keep MatMuls of two activations (attention scores, attention x V) in float; per-tensor
             INT8 there costs most of the accuracy of transformer encoders.
+        quantize_outputs: also put Q/DQ on the outputs of ``op_types`` nodes. ``False`` puts Q/DQ only on their
+            inputs (activation per-tensor, weight per-channel), the placement TensorRT's explicit quantization
+            recommends; CNNs use it because ORT (1.32) fails to load a graph whose last Conv output Q/DQ its QDQ
+            propagation moves past a Reshape ("output_dtype INT8 does not match y_zero_point type UINT8").
     Returns:
         (quantized model, report with method, counts of QuantizeLinear/DequantizeLinear and the op types done).
     Raises:
@@ -156,6 +160,8 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
            "percentile": CalibrationMethod.Percentile}[method]
     extra = {"ActivationSymmetric": symmetric_activations, "WeightSymmetric": True,
              "CalibMovingAverage": False}
+    if not quantize_outputs:
+        extra["OpTypesToExcludeOutputQuantization"] = list(op_types)
     if method == "percentile":
         extra["CalibPercentile"] = percentile
     if method == "entropy":
@@ -179,7 +185,7 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
               "symmetric_activations": symmetric_activations, "calibration_batches": len(batches),
               "quantize_linear": counts.get("QuantizeLinear", 0),
               "dequantize_linear": counts.get("DequantizeLinear", 0), "op_types": list(op_types),
-              "excluded": list(nodes_to_exclude or []), "smooth_quant": smooth}
+              "excluded": list(nodes_to_exclude or []), "smooth_quant": smooth, "quantize_outputs": quantize_outputs}
     return out, report
 
 
