@@ -59,7 +59,7 @@ def _inits(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
 
 
-def test_int8_build_puts_qdq_around_every_conv3d(int8_build):
+def test_int8_build_puts_qdq_around_every_conv3d(int8_build, tmp_path):
     import onnxruntime as ort
 
     path = int8_build.bundle / "models" / "int8.onnx"
@@ -80,10 +80,18 @@ def test_int8_build_puts_qdq_around_every_conv3d(int8_build):
         assert x_dq.op_type == "DequantizeLinear" and producer[x_dq.input[0]].op_type == "QuantizeLinear"
         assert inits[x_dq.input[1]].shape == () and inits[x_dq.input[2]].dtype == np.int8   # per-tensor, INT8
         assert int(inits[x_dq.input[2]]) == 0                                  # symmetric (TensorRT explicit mode)
+    users = {i: n for n in model.graph.node for i in n.input}
+    after = [users[c.output[0]].op_type for c in convs]
+    assert after.count("QuantizeLinear") == 8 and after.count("Reshape") == 1  # every output Q/DQ but the logits'
     details = int8_build.report["compression"]
+    assert details["float_outputs"] == [next(c for c in convs if users[c.output[0]].op_type == "Reshape").output[0]]
     assert details["method"] == "minmax" and details["per_channel"] and details["calibration_batches"] == 2   # 24 samples in 16s
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "ort-optimized.onnx")
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     assert sess.get_providers() == ["CPUExecutionProvider"]
+    ran = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
+    assert ran.count("QLinearConv") >= 6                                       # ORT runs INT8 Conv3d kernels
     out = sess.run(None, {"patch": np.zeros((3, 1, 32, 32, 32), np.float32), "meta": np.zeros((3, 6), np.float32)})
     assert out[0].shape == (3, 16 ** 3, 2)
 

@@ -129,9 +129,9 @@ def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
     """INT8 for a target.
 
     - CNNs (any Conv node), every target: W8A8 explicit Q/DQ, per-channel weights (axis 0 = output channel),
-      per-tensor symmetric activations calibrated with MinMax on ``source.calibration``, Q/DQ on the inputs of each
-      Conv/Gemm (no SmoothQuant: it acts on MatMul/Gemm only). ORT's dynamic INT8 has no Conv kernel worth using, so
-      calibration data is required (CalibrationError otherwise).
+      per-tensor symmetric activations calibrated with MinMax on ``source.calibration``, Q/DQ on the inputs and
+      outputs of each Conv/Gemm (ORT CPU then runs QLinearConv), the model's outputs kept float (no SmoothQuant: it
+      acts on MatMul/Gemm only). Calibration data is required (CalibrationError otherwise).
     - Other models on ORT targets (cpu): dynamic INT8 after ORT's transformer fusions (the fastest ORT CPU form).
     - Other models on TensorRT targets: W8A8 Q/DQ calibrated with MinMax after SmoothQuant (alpha 0.5); without
       calibration data under ``auto``/``--fallback``, INT8 weight-only per-channel Q/DQ (said in the report).
@@ -147,8 +147,7 @@ def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
     model = onnx.load(os.fspath(exported.path))
     calib = getattr(source, "calibration", None)
     if has_conv(model):
-        q, details = quantize_int8_static(model, _calibration(source, "INT8 Q/DQ of a CNN (Conv)"),
-                                          method="minmax", quantize_outputs=False)
+        q, details = quantize_int8_static(model, _calibration(source, "INT8 Q/DQ of a CNN (Conv)"), method="minmax")
         details["form"] = "W8A8 explicit Q/DQ (CNN): per-channel weights, per-tensor activations, MinMax"
     elif target.backend == "onnxruntime":
         fusable = fusable_export(exported, source, work)
