@@ -384,7 +384,8 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         from ..runtime.backends.tensorrt import import_tensorrt
 
         import_tensorrt()
-    log(f"target {target.name}: precision {precision}")
+    log(f"target {target.name}: precision "
+        + (precision if opts.precision != "auto" else f"auto (candidates measured below; {notes[0]})"))
     source = resolve_source(opts.model)
     log(f"source {source.kind}: {source.name}")
     out_dir = Path(opts.out_dir)
