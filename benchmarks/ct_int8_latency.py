@@ -50,7 +50,8 @@ def main() -> None:
     if "student-cpu-fp32" not in sessions:
         raise SystemExit(f"no student-cpu-fp32 bundle under {root}: run `python -m samples.ct build` first")
     # accuracy vs fp32 on every held-out window
-    outs = {n: s.run(held)["cell_logits"] for n, s in sessions.items()}
+    outs = {n: np.concatenate([s.run({k: v[i:i + 16] for k, v in held.items()})["cell_logits"]
+                               for i in range(0, len(held["patch"]), 16)]) for n, s in sessions.items()}
     ref = outs["student-cpu-fp32"]
     accuracy = {}
     for n, o in outs.items():

@@ -11,6 +11,7 @@ from onnx import numpy_helper
 
 from dsedge.runtime.errors import CalibrationError
 from dsedge.toolchain.pipeline import BuildOptions, build
+from dsedge.toolchain.quantize.compress import INPUT_CONV_REASON
 
 CHEST = "ct-chest-lung-pet-ct-dx-a0002"
 NIFTI = "ct-totalsegmentator-example/example_ct.nii.gz"
@@ -68,6 +69,10 @@ def test_int8_build_puts_qdq_around_every_conv3d(int8_build, tmp_path):
     producer = {o: n for n in model.graph.node for o in n.output}
     convs = [n for n in model.graph.node if n.op_type == "Conv"]
     assert len(convs) == 9
+    stem = [c for c in convs if c.input[0] == "patch"]                         # reads the raw image: kept float
+    assert len(stem) == 1 and inits[stem[0].input[1]].dtype == np.float32
+    assert int8_build.report["layers"] == [{"node": stem[0].name, "kept": "float", "why": INPUT_CONV_REASON}]
+    convs = [c for c in convs if c not in stem]
     for conv in convs:
         assert conv.input[1] not in inits
         w_dq = producer[conv.input[1]]
@@ -82,7 +87,7 @@ def test_int8_build_puts_qdq_around_every_conv3d(int8_build, tmp_path):
         assert int(inits[x_dq.input[2]]) == 0                                  # symmetric (TensorRT explicit mode)
     users = {i: n for n in model.graph.node for i in n.input}
     after = [users[c.output[0]].op_type for c in convs]
-    assert after.count("QuantizeLinear") == 8 and after.count("Reshape") == 1  # every output Q/DQ but the logits'
+    assert after.count("QuantizeLinear") == 7 and after.count("Reshape") == 1  # every output Q/DQ but the logits'
     details = int8_build.report["compression"]
     assert details["float_outputs"] == [next(c for c in convs if users[c.output[0]].op_type == "Reshape").output[0]]
     assert details["method"] == "minmax" and details["per_channel"] and details["calibration_batches"] == 2   # 24 samples in 16s
@@ -91,7 +96,7 @@ def test_int8_build_puts_qdq_around_every_conv3d(int8_build, tmp_path):
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     assert sess.get_providers() == ["CPUExecutionProvider"]
     ran = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
-    assert ran.count("QLinearConv") >= 6                                       # ORT runs INT8 Conv3d kernels
+    assert ran.count("QLinearConv") >= 5                                       # ORT runs INT8 Conv3d kernels
     out = sess.run(None, {"patch": np.zeros((3, 1, 32, 32, 32), np.float32), "meta": np.zeros((3, 6), np.float32)})
     assert out[0].shape == (3, 16 ** 3, 2)
 
