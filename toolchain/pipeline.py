@@ -232,7 +232,7 @@ def measure_latency_side_by_side(paths: dict[str, Path], exported: Exported, ite
                                  vocab_size: int | None = None) -> dict[str, dict[str, Any]]:
     """ORT CPU latency at batch 1 of several models, interleaved: each round calls every model once (rotating the
     order), so load from other processes falls on all candidates alike. Same record as ``measure_latency`` per
-    precision, plus ``"side_by_side": True``."""
+    precision, plus ``"side_by_side"``: the precisions timed together."""
     from ..runtime.backends.ort import OrtBackend
     from ..runtime.bench import latency_stats, synthetic_inputs
 
