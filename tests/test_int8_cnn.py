@@ -90,7 +90,8 @@ def test_int8_build_puts_qdq_around_every_conv3d(int8_build, tmp_path):
     assert after.count("QuantizeLinear") == 7 and after.count("Reshape") == 1  # every output Q/DQ but the logits'
     details = int8_build.report["compression"]
     assert details["float_outputs"] == [next(c for c in convs if users[c.output[0]].op_type == "Reshape").output[0]]
-    assert details["method"] == "minmax" and details["per_channel"] and details["calibration_batches"] == 2   # 24 samples in 16s
+    assert details["method"] == "minmax" and details["per_channel"]
+    assert details["calibration_batches"] == 2                                 # 24 samples in batches of 16
     so = ort.SessionOptions()
     so.optimized_model_filepath = str(tmp_path / "ort-optimized.onnx")
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
@@ -150,7 +151,8 @@ def test_cpu_auto_times_candidates_side_by_side_and_keeps_the_faster_accurate_on
     lat = variants[r.report["precision"]]["latency_ms"]["1"]
     assert lat["side_by_side"] == list(timed) and lat["n"] == 8 and lat["shape"]["patch"] == [1, 1, 32, 32, 32]
     fp32 = timed["fp32"]["b1_p50_ms"]
-    allowed = [p for p, c in timed.items() if c["qualifies"] and (p == "fp32" or fp32 / c["b1_p50_ms"] >= AUTO_MIN_SPEEDUP)]
+    allowed = [p for p, c in timed.items()
+               if c["qualifies"] and (p == "fp32" or fp32 / c["b1_p50_ms"] >= AUTO_MIN_SPEEDUP)]
     assert choice["chosen"] == r.report["precision"] == min(allowed, key=lambda p: timed[p]["b1_p50_ms"])
     assert timed["int8"]["qualifies"] and timed["int8"]["cosine_mean"] >= 0.98
     why = choice["why"]

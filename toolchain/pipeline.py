@@ -323,7 +323,8 @@ def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: 
     skipped: list[dict[str, Any]] = []
     for p in order:
         try:
-            comp = Compressed(exported.path, "fp32", {}) if p == "fp32" else COMPRESSORS[p](exported, work, opts, source)
+            comp = (Compressed(exported.path, "fp32", {}) if p == "fp32"
+                    else COMPRESSORS[p](exported, work, opts, source))
             opset = fit_target(comp.path, target)
         except DsedgeError as e:
             skipped.append({"precision": p, "skipped": str(e)})
@@ -344,7 +345,8 @@ def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: 
         ok = p == "fp32" or m.accuracy.get("cosine_mean", 0.0) >= AUTO_MIN_COSINE
         record["candidates"].append({"precision": p, "b1_p50_ms": m.latency_ms["1"]["p50"],
                                      "cosine_mean": m.accuracy.get("cosine_mean"), "qualifies": ok})
-        log(f"auto candidate {p}: b1 p50 {m.latency_ms['1']['p50']:.2f} ms, cosine mean {m.accuracy.get('cosine_mean')}")
+        log(f"auto candidate {p}: b1 p50 {m.latency_ms['1']['p50']:.2f} ms, "
+            f"cosine mean {m.accuracy.get('cosine_mean')}")
     qualified = [c for c in record["candidates"] if c["qualifies"]]
     if target.auto_by_latency:
         fp32_ms = next(c["b1_p50_ms"] for c in qualified if c["precision"] == "fp32")
@@ -404,7 +406,8 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
             source.calibration = read_npz_dir(opts.calib, exported.inputs)
             source.validation = read_npz_dir(opts.heldout, exported.inputs, what="held-out")
             source.calibration_kind = f"--calib {opts.calib} ({_count(source.calibration)} samples)"
-            source.validation_kind = f"--heldout {opts.heldout} ({_count(source.validation)} samples, not calibrated on)"
+            source.validation_kind = (f"--heldout {opts.heldout} ({_count(source.validation)} samples, "
+                                      "not calibrated on)")
         elif opts.calib:
             source.calibration, source.validation = load_calibration_dir(opts.calib, exported.inputs)
             source.calibration_kind = f"--calib {opts.calib} (first half, {_count(source.calibration)} samples)"

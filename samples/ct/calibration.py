@@ -23,7 +23,8 @@ HELD_OUT = "../shared/data/ct-totalsegmentator-example/example_ct.nii.gz"
 
 
 def calibration_patches(scans: list[Scan], n: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """``n`` fixed patches from ``scans`` (``LesionPatches(augment=False)``): {"patch": (n,1,32,32,32), "meta": (n,6)}."""
+    """``n`` fixed patches from ``scans`` (``LesionPatches(augment=False)``):
+    {"patch": float32 (n, 1, 32, 32, 32), "meta": float32 (n, 6)}."""
     ds = LesionPatches(scans, n, positive_fraction=0.5, augment=False, seed=seed)
     items = [ds[k][0] for k in range(len(ds))]
     return {"patch": np.stack([p.numpy() for p, _ in items]).astype(np.float32),
@@ -58,7 +59,10 @@ def write_npz_dir(out: str | Path, arrays: dict[str, np.ndarray], per_file: int 
 def write_build_inputs(out: str | Path, n_calib: int = 64, heldout_scans: int = 2, lesions: int = 6,
                        calib_volume: str = CHEST, heldout_volume: str = HELD_OUT) -> tuple[Path, Path, dict]:
     """``out/calib`` (``n_calib`` chest patches, lesion draw 0 as in training) and ``out/heldout`` (all lung windows
-    of ``heldout_scans`` lesion draws, seeds 200…, of the held-out volume). Returns (calib dir, held-out dir, counts)."""
+    of ``heldout_scans`` lesion draws, seeds 200…, of the held-out volume).
+
+    Returns:
+        (calibration dir, held-out dir, counts and sources for the report)."""
     out = Path(out)
     calib = calibration_patches(make_scans(calib_volume, 1, 12, seed=0), n_calib, seed=0)
     held = window_patches(make_scans(heldout_volume, heldout_scans, lesions, seed=200))
