@@ -70,8 +70,9 @@ def compare_models(reference_onnx: str | os.PathLike, test_onnx: str | os.PathLi
     """Accuracy of ``test_onnx`` against ``reference_onnx`` on ``feeds`` (numpy arrays, batch axis 0).
 
     ``task="sentence-embedding"``: metrics on the ``embedding_output`` [N, D] (cosine mean/min, top-1 neighbour
-    agreement). Otherwise: per-sample cosine of the first output, max abs diff, and argmax agreement when the first
-    output's last dim is > 1 (classifier logits).
+    agreement). Otherwise: per-sample cosine of the first output, Pearson correlation of all its values, max abs
+    diff, and argmax agreement when the first output's last dim is > 1 (classifier logits); for two-class logits
+    (last dim 2, e.g. per-cell lesion logits ``[N, cells, 2]``) also ``two_class_metrics``.
     """
     ref = _run_batches(_session(reference_onnx), feeds)
     test = _run_batches(_session(test_onnx), feeds)
@@ -83,6 +84,30 @@ def compare_models(reference_onnx: str | os.PathLike, test_onnx: str | os.PathLi
         cos = _cos_rows(r, t)
         out = {"output": name, "cosine_mean": round(float(cos.mean()), 5), "cosine_min": round(float(cos.min()), 5),
                "max_abs_diff": float(np.max(np.abs(r - t))), "n": int(len(r))}
+        out["pearson"] = round(float(np.corrcoef(r.reshape(-1).astype(np.float64),
+                                                 t.reshape(-1).astype(np.float64))[0, 1]), 5) if r.size > 1 else 1.0
         if r.ndim >= 2 and r.shape[-1] > 1:
             out["argmax_agreement"] = round(float(np.mean(r.argmax(-1) == t.argmax(-1))), 4)
+        if r.ndim >= 2 and r.shape[-1] == 2:
+            out.update(two_class_metrics(r, t))
     return out
+
+
+def two_class_metrics(ref: np.ndarray, test: np.ndarray, threshold: float = 0.5) -> dict[str, Any]:
+    """Agreement of two-class logits ``[..., 2]`` (class 1 = positive) as probabilities p = softmax(·)[..., 1].
+
+    Returns ``prob_max_abs_diff`` and ``prob_mean_abs_diff`` over every position, ``dice_at_0.5``: Dice of the masks
+    ``p >= threshold`` (2|A∩B| / (|A| + |B|); 1.0 when both are empty), and ``positives_ref`` / ``positives_test``
+    (positions over the threshold).
+    """
+    def prob(x: np.ndarray) -> np.ndarray:
+        x = x.astype(np.float64)
+        return 1.0 / (1.0 + np.exp(x[..., 0] - x[..., 1]))
+
+    pr, pt = prob(ref), prob(test)
+    a, b = pr >= threshold, pt >= threshold
+    denom = int(a.sum()) + int(b.sum())
+    dice = 1.0 if denom == 0 else 2.0 * float(np.logical_and(a, b).sum()) / denom
+    return {"prob_max_abs_diff": round(float(np.max(np.abs(pr - pt))), 6),
+            "prob_mean_abs_diff": round(float(np.mean(np.abs(pr - pt))), 7),
+            f"dice_at_{threshold}": round(dice, 5), "positives_ref": int(a.sum()), "positives_test": int(b.sum())}

@@ -39,6 +39,7 @@ class BuildOptions:
     out_dir: str = "out"
     precision: str = "auto"
     calib: str | None = None
+    heldout: str | None = None              # .npz dir validating against fp32; with it, all of --calib calibrates
     fallback: bool = False
     block_size: int = 32
     algorithm: str = "auto"                 # INT4: auto (gptq with calibration data, else rtn) | rtn | awq | gptq | awq+gptq
@@ -118,13 +119,13 @@ def _rank(precision: str) -> int:
     return {"int4": 0, "int8": 1, "fp16": 2, "bf16": 2, "fp32": 3}[precision]
 
 
-def load_calibration_dir(path: str | os.PathLike, specs: list[IOSpec]) -> tuple[dict, dict]:
-    """Real inputs from ``*.npz`` files (arrays named like the model's inputs, batch axis 0), concatenated in file
-    order and split in half: (calibration, validation).
+def read_npz_dir(path: str | os.PathLike, specs: list[IOSpec], what: str = "calibration") -> dict[str, np.ndarray]:
+    """Real inputs from the ``*.npz`` files of a directory (arrays named like the model's inputs, batch axis 0),
+    concatenated in file order.
 
     Raises:
         CalibrationError: missing/empty directory, unreadable file, missing input names, dtypes or shapes that do
-            not match the model's inputs, fewer than 2 samples.
+            not match the model's inputs, no sample at all.
     """
     from ..runtime.errors import InputError
     from ..runtime.io import validate_inputs
@@ -132,10 +133,10 @@ def load_calibration_dir(path: str | os.PathLike, specs: list[IOSpec]) -> tuple[
     input_names = [s.name for s in specs]
     d = Path(path)
     if not d.is_dir():
-        raise CalibrationError(f"calibration directory {str(d)!r} does not exist", "pass a directory of .npz files")
-    files = sorted(d.glob("*.npz")) if d.is_dir() else []
+        raise CalibrationError(f"{what} directory {str(d)!r} does not exist", "pass a directory of .npz files")
+    files = sorted(d.glob("*.npz"))
     if not files:
-        raise CalibrationError(f"calibration directory {str(d)!r} has no .npz files",
+        raise CalibrationError(f"{what} directory {str(d)!r} has no .npz files",
                                f"save real inputs with np.savez(f, {', '.join(n + '=…' for n in input_names)})")
     parts: dict[str, list[np.ndarray]] = {n: [] for n in input_names}
     for f in files:
@@ -154,11 +155,27 @@ def load_calibration_dir(path: str | os.PathLike, specs: list[IOSpec]) -> tuple[
         except (ValueError, OSError) as e:
             raise CalibrationError(f"{f.name} is not a readable .npz file ({e})", "write it with numpy.savez") from None
     data = {n: np.concatenate(v) for n, v in parts.items()}
+    if len(next(iter(data.values()))) == 0:
+        raise CalibrationError(f"{what} directory {str(d)!r} holds 0 samples", "save at least one sample per file")
+    return data
+
+
+def load_calibration_dir(path: str | os.PathLike, specs: list[IOSpec]) -> tuple[dict, dict]:
+    """Real inputs from ``*.npz`` files (see ``read_npz_dir``) split in half: (calibration, validation).
+
+    Raises:
+        CalibrationError: as ``read_npz_dir``, or fewer than 2 samples.
+    """
+    data = read_npz_dir(path, specs)
     count = len(next(iter(data.values())))
     if count < 2:
-        raise CalibrationError(f"calibration directory {str(d)!r} holds {count} sample(s)", "give at least 2 (more is better)")
+        raise CalibrationError(f"calibration directory {str(path)!r} holds {count} sample(s)", "give at least 2 (more is better)")
     half = count // 2
     return {n: v[:half] for n, v in data.items()}, {n: v[half:] for n, v in data.items()}
+
+
+def _count(arrays: dict[str, np.ndarray]) -> int:
+    return int(len(next(iter(arrays.values()))))
 
 
 def check_dla(target: Target, dla_core: int | None) -> None:
@@ -211,6 +228,32 @@ def measure_latency(onnx_path: Path, exported: Exported, iterations: int, thread
     return {"1": {**stats, "shape": {k: list(v.shape) for k, v in feeds.items()}, "provider": backend.providers[0]}}
 
 
+def measure_latency_side_by_side(paths: dict[str, Path], exported: Exported, iterations: int, threads: int | None,
+                                 vocab_size: int | None = None) -> dict[str, dict[str, Any]]:
+    """ORT CPU latency at batch 1 of several models, interleaved: each round calls every model once (rotating the
+    order), so load from other processes falls on all candidates alike. Same record as ``measure_latency`` per
+    precision, plus ``"side_by_side"``: the precisions timed together."""
+    from ..runtime.backends.ort import OrtBackend
+    from ..runtime.bench import latency_stats, synthetic_inputs
+
+    backends = {p: OrtBackend(path, providers=["CPUExecutionProvider"], threads=threads) for p, path in paths.items()}
+    feeds = synthetic_inputs(exported.inputs, batch=1, seq_len=32, vocab_size=vocab_size)
+    for b in backends.values():
+        for _ in range(5):
+            b.run(feeds)
+    names = list(backends)
+    samples: dict[str, list[float]] = {p: [] for p in names}
+    for r in range(max(iterations, 1)):
+        for p in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter_ns()
+            backends[p].run(feeds)
+            samples[p].append((time.perf_counter_ns() - t0) / 1e6)
+    shape = {k: list(v.shape) for k, v in feeds.items()}
+    return {p: {"1": {**{k: round(v, 3) for k, v in latency_stats(np.asarray(samples[p])).items()},
+                      "n": len(samples[p]), "shape": shape, "provider": backends[p].providers[0],
+                      "side_by_side": names}} for p in names}
+
+
 def _op_types(path: Path) -> list[str]:
     import onnx
 
@@ -237,6 +280,7 @@ def build_engines(work: Path, target: Target, exported: Exported, variants: list
 
 
 AUTO_MIN_COSINE = 0.98  # --precision auto keeps only variants at least this close to fp32 (cosine mean, held-out)
+AUTO_MIN_SPEEDUP = 1.10  # ... and, choosing by latency, only compressed variants ≥ 10 % faster than fp32 at b1 p50
 
 
 @dataclass
@@ -252,45 +296,79 @@ class Measured:
 def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: Path, opts: BuildOptions,
                 source: Source, validation: dict[str, np.ndarray],
                 log: Callable[[str], None]) -> tuple[str, dict[str, Measured], dict[str, Any]]:
-    """``--precision auto``: walk the target's precision order (this version's compressors, then fp32), building,
-    validating and timing each candidate. A candidate qualifies when its cosine mean vs fp32 on held-out inputs is at
-    least ``AUTO_MIN_COSINE`` (fp32 always does). Targets with ``auto_by_latency`` (ORT CPU) measure every candidate
-    and keep the fastest qualifying one at batch 1; others keep the first qualifying one in their order. A candidate
-    whose compressor refuses the model is skipped and said.
+    """``--precision auto``: walk the target's precision order (this version's compressors, then fp32), building and
+    validating each candidate. A candidate is accurate when its cosine mean vs fp32 on held-out inputs is at least
+    ``AUTO_MIN_COSINE`` (fp32 always is). Targets with ``auto_by_latency`` (ORT CPU) build every candidate, time all
+    of them side by side (interleaved, batch 1, ``measure_latency_side_by_side``) and keep the fastest accurate one,
+    a compressed one only when it is at least ``AUTO_MIN_SPEEDUP`` × faster than fp32 (within measurement noise the
+    exact model wins; e.g. INT8 Q/DQ Conv3d runs slower than fp32 on ORT CPU, so a 3-D CNN stays fp32). Other
+    targets keep the first accurate one in their order. A candidate whose compressor refuses the model is skipped
+    and said.
 
     Returns:
-        (chosen precision, measured candidates by precision, the choice's record for report.json).
+        (chosen precision, measured candidates by precision, the choice's record for report.json: rule, candidates
+        with ``b1_p50_ms``, ``cosine_mean``, ``qualifies``, ``chosen`` and ``why``).
     """
     from ..runtime.errors import DsedgeError
 
     implemented = set(COMPRESSORS) | {"fp32"}
     order = [p for p in dict.fromkeys([*target.precision_order, "fp32"]) if p in implemented]
-    measured: dict[str, Measured] = {}
-    rule = "fastest b1 p50" if target.auto_by_latency else "first in the target's order"
-    record: dict[str, Any] = {"rule": f"{rule} with cosine_mean >= {AUTO_MIN_COSINE}", "candidates": []}
+    built: dict[str, tuple[Compressed, int, dict[str, Any]]] = {}
+    if target.auto_by_latency:
+        rule = (f"fastest b1 p50 (timed side by side) with cosine_mean >= {AUTO_MIN_COSINE}; a compressed variant "
+                f"must be >= {AUTO_MIN_SPEEDUP:.2f}x faster than fp32")
+    else:
+        rule = f"first in the target's order with cosine_mean >= {AUTO_MIN_COSINE}"
+    record: dict[str, Any] = {"rule": rule, "candidates": []}
+    skipped: list[dict[str, Any]] = []
     for p in order:
         try:
-            if p == "fp32":
-                comp = Compressed(exported.path, "fp32", {})
-            else:
-                comp = COMPRESSORS[p](exported, work, opts, source)
+            comp = (Compressed(exported.path, "fp32", {}) if p == "fp32"
+                    else COMPRESSORS[p](exported, work, opts, source))
             opset = fit_target(comp.path, target)
         except DsedgeError as e:
-            record["candidates"].append({"precision": p, "skipped": str(e)})
+            skipped.append({"precision": p, "skipped": str(e)})
+            log(f"auto candidate {p}: skipped ({e})")
             continue
         acc = compare_models(reference_onnx, comp.path, validation, task=source.task)
-        lat = measure_latency(comp.path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
-        measured[p] = Measured(comp, opset, acc, lat)
-        ok = p == "fp32" or acc.get("cosine_mean", 0.0) >= AUTO_MIN_COSINE
-        record["candidates"].append({"precision": p, "b1_p50_ms": lat["1"]["p50"],
-                                     "cosine_mean": acc.get("cosine_mean"), "qualifies": ok})
-        log(f"auto candidate {p}: b1 p50 {lat['1']['p50']:.2f} ms, cosine mean {acc.get('cosine_mean')}")
-        if ok and not target.auto_by_latency:
+        built[p] = (comp, opset, acc)
+        if not target.auto_by_latency and (p == "fp32" or acc.get("cosine_mean", 0.0) >= AUTO_MIN_COSINE):
             break
-    qualified = [c for c in record["candidates"] if c.get("qualifies")]
-    chosen = min(qualified, key=lambda c: c["b1_p50_ms"])["precision"]
+    if target.auto_by_latency:
+        lats = measure_latency_side_by_side({p: b[0].path for p, b in built.items()}, exported,
+                                            opts.latency_iterations, opts.threads, source.vocab_size)
+    else:
+        lats = {p: measure_latency(b[0].path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
+                for p, b in built.items()}
+    measured = {p: Measured(b[0], b[1], b[2], lats[p]) for p, b in built.items()}
+    for p, m in measured.items():
+        ok = p == "fp32" or m.accuracy.get("cosine_mean", 0.0) >= AUTO_MIN_COSINE
+        record["candidates"].append({"precision": p, "b1_p50_ms": m.latency_ms["1"]["p50"],
+                                     "cosine_mean": m.accuracy.get("cosine_mean"), "qualifies": ok})
+        log(f"auto candidate {p}: b1 p50 {m.latency_ms['1']['p50']:.2f} ms, "
+            f"cosine mean {m.accuracy.get('cosine_mean')}")
+    qualified = [c for c in record["candidates"] if c["qualifies"]]
+    if target.auto_by_latency:
+        fp32_ms = next(c["b1_p50_ms"] for c in qualified if c["precision"] == "fp32")
+        fast = [c for c in qualified if c["precision"] == "fp32" or fp32_ms / c["b1_p50_ms"] >= AUTO_MIN_SPEEDUP]
+        chosen = min(fast, key=lambda c: c["b1_p50_ms"])["precision"]
+    else:
+        chosen = qualified[-1]["precision"]
+    record["candidates"] += skipped
     record["chosen"] = chosen
+    record["why"] = _auto_why(chosen, record["candidates"], target, opts.threads)
     return chosen, measured, record
+
+
+def _auto_why(chosen: str, candidates: list[dict[str, Any]], target: Target, threads: int | None) -> str:
+    """One line for the report, e.g. ``auto: fp32 (int8 14.2 ms vs fp32 1.1 ms at batch 1, …)``."""
+    timed = sorted((c for c in candidates if "b1_p50_ms" in c), key=lambda c: c["b1_p50_ms"])
+    parts = [f"{c['precision']} {c['b1_p50_ms']:.2f} ms" + ("" if c["qualifies"] else
+             f" (cosine {c['cosine_mean']} < {AUTO_MIN_COSINE}: not accurate)") for c in timed]
+    skipped = [f"{c['precision']} not built: {c['skipped']}" for c in candidates if "skipped" in c]
+    how = (f"b1 p50 on ORT CPU, {threads or 'default'} threads, timed side by side here" if target.auto_by_latency
+           else "b1 p50 on ORT CPU here; chosen as the first accurate precision in the target's order")
+    return f"auto: {chosen} ({', '.join(parts)}; {how})" + (f"; {'; '.join(skipped)}" if skipped else "")
 
 
 def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> BuildResult:
@@ -308,7 +386,8 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         from ..runtime.backends.tensorrt import import_tensorrt
 
         import_tensorrt()
-    log(f"target {target.name}: precision {precision}")
+    log(f"target {target.name}: precision "
+        + (precision if opts.precision != "auto" else f"auto (candidates measured below; {notes[0]})"))
     source = resolve_source(opts.model)
     log(f"source {source.kind}: {source.name}")
     out_dir = Path(opts.out_dir)
@@ -323,9 +402,19 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         timings["export_s"] = time.perf_counter() - t
         log(f"exported ONNX ({exported.exporter}); parity max abs diff {exported.parity_max_abs_diff}")
         exported.inputs = [IOSpec(s.name, s.dtype, s.shape, source.value_ranges.get(s.name)) for s in exported.inputs]
-        if opts.calib:
+        if opts.calib and opts.heldout:
+            source.calibration = read_npz_dir(opts.calib, exported.inputs)
+            source.validation = read_npz_dir(opts.heldout, exported.inputs, what="held-out")
+            source.calibration_kind = f"--calib {opts.calib} ({_count(source.calibration)} samples)"
+            source.validation_kind = (f"--heldout {opts.heldout} ({_count(source.validation)} samples, "
+                                      "not calibrated on)")
+        elif opts.calib:
             source.calibration, source.validation = load_calibration_dir(opts.calib, exported.inputs)
+            source.calibration_kind = f"--calib {opts.calib} (first half, {_count(source.calibration)} samples)"
             source.validation_kind = f"--calib {opts.calib} (second half, not used for calibration)"
+        elif opts.heldout:
+            source.validation = read_npz_dir(opts.heldout, exported.inputs, what="held-out")
+            source.validation_kind = f"--heldout {opts.heldout} ({_count(source.validation)} samples)"
         validation = source.validation if source.validation is not None else source.example_inputs
 
         reference_onnx = work / "reference-fp32.onnx"  # validation compares against the untouched export
@@ -339,7 +428,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
             how = "by measured latency" if target.auto_by_latency else "as the first accurate precision"
             skipped = [c["precision"] for c in choice["candidates"] if not c.get("qualifies")]
             notes = [f"auto chose {precision} for {target.name} {how} ({choice['rule']})"
-                     + (f"; rejected: {', '.join(skipped)}" if skipped else "")]
+                     + (f"; rejected: {', '.join(skipped)}" if skipped else ""), choice["why"]]
             compressed = measured[precision].compressed
         else:
             compressed = (COMPRESSORS[precision](exported, work, opts, source) if precision != "fp32"

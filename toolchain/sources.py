@@ -30,6 +30,7 @@ class Source:
         dynamic_axes: name → {axis: symbol}, e.g. ``{"input_ids": {0: "batch", 1: "sequence"}}``.
         calibration / validation: name → numpy array batches of real inputs (validation never overlaps calibration).
         validation_kind: ``"held-out real inputs"``, ``"calib dir"`` or ``"example inputs"`` (said in the report).
+        calibration_kind: where ``calibration`` came from (said in the report), e.g. ``"--calib DIR (64 samples)"``.
         task: ``"sentence-embedding"`` (metrics on mean-pooled embeddings) or ``"generic"``.
         fingerprint: sha256 over the source's files (weights / ONNX / callable spec).
     """
@@ -44,6 +45,7 @@ class Source:
     calibration: dict[str, np.ndarray] | None = None
     validation: dict[str, np.ndarray] | None = None
     validation_kind: str = "example inputs"
+    calibration_kind: str = ""
     task: str = "generic"
     fingerprint: str = ""
     ref: str = ""

@@ -22,10 +22,12 @@ from dsedge import DsedgeError
 HERE = Path(__file__).resolve().parent
 HELD_OUT = "../shared/data/ct-totalsegmentator-example/example_ct.nii.gz"
 TIMING_VOLUME = "../shared/data/ct-chest-lung-pet-ct-dx-a0002"   # the whole chest: many more lung windows
-# (target, precision) builds tried per model; precisions this dsedge version cannot build are reported, not fatal
-# (int8 Conv3d Q/DQ is measured ~13x slower than fp32 on ORT CPU, so cpu's choice is made by measuring, below)
+# (target, precision) builds tried per model; precisions this dsedge version cannot build are reported, not fatal.
+# Student builds calibrate on real chest patches and validate vs fp32 on held-out NIfTI windows (calibration.py);
+# ("cpu", "auto") records dsedge's own latency-measured choice (not re-evaluated: it is one of the others).
 BUILDS = {"teacher": [("cpu", "fp32")],
-          "student": [("cpu", "fp32"), ("cpu", "int8"), ("jetson", "fp16"), ("jetson", "int8"), ("jetson", "int4")]}
+          "student": [("cpu", "fp32"), ("cpu", "int8"), ("cpu", "auto"), ("jetson", "fp16"), ("jetson", "int8"),
+                      ("jetson", "int4")]}
 
 
 def _dsedge(*args: str) -> subprocess.CompletedProcess:
@@ -54,20 +56,35 @@ def train(runs: str) -> None:
 @click.option("--runs", default="runs", show_default=True)
 @click.option("--out", default="runs/bundles", show_default=True)
 def build(runs: str, out: str) -> None:
-    """Build bundles per target and precision; writes OUT/builds.json (what built, what was refused and why)."""
+    """Build bundles per target and precision; writes OUT/builds.json (what built, what was refused and why).
+
+    Student builds get ``--calib OUT/inputs/calib --heldout OUT/inputs/heldout`` (real CT patches, see
+    ``calibration.py``): INT8 Q/DQ is calibrated on the first, and every variant's accuracy vs fp32 is measured on
+    the second."""
+    from .calibration import write_build_inputs
+
+    calib, heldout, counts = write_build_inputs(Path(out) / "inputs")
+    click.echo(f"calibration: {counts['calibration']['patches']} chest patches; held-out: "
+               f"{counts['heldout']['patches']} windows of the held-out volume", err=True)
     results = []
     for model, plans in BUILDS.items():
         for target, precision in plans:
             dest = Path(out) / f"{model}-{target}-{precision}"
+            data = ["--calib", str(calib), "--heldout", str(heldout)] if model == "student" else []
             p = _dsedge("build", "--model", f"{runs}/ct-{model}", "--target", target, "--precision", precision,
-                        "--out", str(dest), "--threads", "2", "--no-fp32", "--json")
+                        "--out", str(dest), "--threads", "2", "--no-fp32", *data, "--json")
             row = {"model": model, "target": target, "precision": precision, "ok": p.returncode == 0}
             if p.returncode == 0:
                 row["bundle"] = str(next(dest.glob("*.dse")))
                 try:
                     rep = json.loads(p.stdout.strip().splitlines()[-1])
                     row["wall_time_s"] = rep.get("wall_time_s")
+                    row["built_precision"] = rep.get("precision")
+                    row["validation"] = rep.get("validation")
+                    row["compression"] = rep.get("compression")
                     row["variants"] = rep.get("variants")
+                    if rep.get("precision_choice"):
+                        row["precision_choice"] = rep["precision_choice"]
                 except (ValueError, IndexError):
                     pass
             else:
@@ -77,7 +94,7 @@ def build(runs: str, out: str) -> None:
                        err=True)
             results.append(row)
     Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "builds.json").write_text(json.dumps(results, indent=2) + "\n")
+    (Path(out) / "builds.json").write_text(json.dumps({"inputs": counts, "builds": results}, indent=2) + "\n")
 
 
 @main.command()
@@ -100,7 +117,9 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
     from .report import write_json, write_png
 
     builds = json.loads((Path(bundles) / "builds.json").read_text())
-    ok = {(b["model"], b["target"], b["precision"]): b["bundle"] for b in builds if b["ok"]}
+    builds = builds["builds"] if isinstance(builds, dict) else builds
+    ok = {(b["model"], b["target"], b["precision"]): b["bundle"] for b in builds
+          if b["ok"] and b["precision"] != "auto"}
     entries = [ModelEntry("student torch fp32", "torch", f"{runs}/ct-student", batch_from="student cpu fp32")]
     for (model, target, precision), path in ok.items():
         entries.append(ModelEntry(f"{model} {target} {precision}", "bundle", path))

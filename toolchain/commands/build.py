@@ -19,7 +19,11 @@ import click
               help="Model precision; auto = the best the target supports.")
 @click.option("--fallback", is_flag=True, help="If the target lacks --precision, fall back int4 → int8 → fp16.")
 @click.option("--calib", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Directory of .npz files with real inputs (first half calibrates, second half validates).")
+              help="Directory of .npz files with real inputs (first half calibrates, second half validates; with "
+                   "--heldout, all of it calibrates).")
+@click.option("--heldout", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Directory of .npz files with held-out real inputs, never calibrated on: accuracy vs fp32 is "
+                   "measured on them.")
 @click.option("--block-size", default="32", show_default=True, type=click.Choice(["16", "32", "64", "128"]),
               help="INT4 weights per scale along K.")
 @click.option("--algorithm", type=click.Choice(["auto", "rtn", "awq", "gptq", "awq+gptq"]), default="auto",
@@ -37,6 +41,7 @@ import click
               help="Also build the TensorRT engine into engines/ (needs TensorRT and the target's GPU here).")
 @click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON on stdout (last thing printed).")
 def build(target: str, model: str | None, out_dir: str, precision: str, fallback: bool, calib: str | None,
+          heldout: str | None,
           block_size: str, algorithm: str, accuracy_gate: str | None, no_embeddings: bool, no_fp32: bool,
           threads: int | None, dla_core: int | None,
           engine: bool, as_json: bool) -> None:
@@ -47,7 +52,7 @@ def build(target: str, model: str | None, out_dir: str, precision: str, fallback
     from ..report import summary_table
 
     console = Console(stderr=as_json)
-    opts = BuildOptions(model=model, target=target, out_dir=out_dir, precision=precision, calib=calib,
+    opts = BuildOptions(model=model, target=target, out_dir=out_dir, precision=precision, calib=calib, heldout=heldout,
                         fallback=fallback, block_size=int(block_size), algorithm=algorithm,
                         accuracy_gate=accuracy_gate, embeddings=not no_embeddings,
                         keep_fp32=not no_fp32, threads=threads, dla_core=dla_core, engine=engine)

@@ -210,3 +210,34 @@ def set_weight(model: onnx.ModelProto, layer: WeightLayer, w_kn: np.ndarray) -> 
     t = initializers(model)[layer.weight]
     arr = w_kn.T if layer.transposed else w_kn
     t.CopyFrom(numpy_helper.from_array(arr.astype(numpy_helper.to_array(t).dtype), layer.weight))
+
+
+def materialize_constants(model: onnx.ModelProto) -> int:
+    """Turn, in place, ``Identity(initializer)`` and tensor-valued ``Constant`` nodes into initializers.
+
+    The TorchScript exporter shares equal weights through Identity nodes (e.g. equal folded Conv biases), and ORT's
+    static quantizer only quantizes a Conv bias that is an initializer (otherwise the Conv cannot run as
+    QLinearConv). Returns the number of nodes replaced.
+    """
+
+    inits = {t.name: t for t in model.graph.initializer}
+    graph_outputs = {o.name for o in model.graph.output}
+    replaced = []
+    for n in model.graph.node:
+        if n.output[0] in graph_outputs:
+            continue
+        if n.op_type == "Identity" and n.input[0] in inits:
+            t = onnx.TensorProto()
+            t.CopyFrom(inits[n.input[0]])
+        elif n.op_type == "Constant" and len(n.attribute) == 1 and n.attribute[0].name == "value":
+            t = onnx.TensorProto()
+            t.CopyFrom(n.attribute[0].t)
+        else:
+            continue
+        t.name = n.output[0]
+        model.graph.initializer.append(t)
+        inits[t.name] = t
+        replaced.append(n)
+    for n in replaced:
+        model.graph.node.remove(n)
+    return len(replaced)

@@ -21,7 +21,7 @@ import onnx
 
 from ...runtime.errors import CalibrationError, QuantizationError
 from .calibration import Batch, CalibrationSource, load_calibration
-from .graph import name_nodes
+from .graph import materialize_constants, name_nodes
 
 METHODS = ("minmax", "entropy", "percentile")
 DEFAULT_OP_TYPES = ("MatMul", "Gemm", "Conv")
@@ -144,6 +144,7 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
     if method not in METHODS:
         raise QuantizationError(f"unknown calibration method {method!r}", f"choose one of {', '.join(METHODS)}")
     model = name_nodes(_copy(model))
+    materialize_constants(model)
     batches = load_calibration(model, calibration)
     if method != "minmax":
         batches = pad_to_common_shape(batches)
@@ -178,13 +179,66 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
             raise CalibrationError(f"INT8 calibration failed: {str(e).splitlines()[0]}",
                                    "check that the calibration batches match the model's inputs") from None
         out = onnx.load(str(dst))
+    float_outputs = keep_outputs_float(out)
     counts = Counter(n.op_type for n in out.graph.node)
     report = {"precision": "int8", "mode": "static", "method": method, "per_channel": per_channel,
               "symmetric_activations": symmetric_activations, "calibration_batches": len(batches),
               "quantize_linear": counts.get("QuantizeLinear", 0),
               "dequantize_linear": counts.get("DequantizeLinear", 0), "op_types": list(op_types),
-              "excluded": list(nodes_to_exclude or []), "smooth_quant": smooth}
+              "excluded": list(nodes_to_exclude or []), "smooth_quant": smooth,
+              "float_outputs": float_outputs}
     return out, report
+
+
+SHAPE_OPS = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity")
+
+
+def keep_outputs_float(model: onnx.ModelProto) -> list[str]:
+    """Drop, in place, each QuantizeLinear → DequantizeLinear pair whose output reaches a graph output through
+    shape-only ops (Reshape, Transpose, …; Shape/Size readers aside): the model's outputs (e.g. a CNN head's logits)
+    stay float.
+
+    Why: ORT (1.32) fails to load a graph whose last Conv output Q/DQ its QDQ propagation moves past a Reshape
+    ("output_dtype INT8 does not match y_zero_point type UINT8"), and rounding the final logits to INT8 only costs
+    accuracy. Returns the names of the tensors left float.
+    """
+    g = model.graph
+    outputs = {o.name for o in g.output}
+    consumers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    producer = {o: n for n in g.node for o in n.output}
+
+    def reaches_output(t: str) -> bool:
+        if t in outputs:
+            return True
+        users = [u for u in consumers.get(t, []) if u.op_type not in ("Shape", "Size")]  # read the shape only
+        return bool(users) and all(u.op_type in SHAPE_OPS and reaches_output(u.output[0]) for u in users)
+
+    pairs = [(producer[n.input[0]], n) for n in g.node if n.op_type == "DequantizeLinear"
+             and n.input[0] in producer and producer[n.input[0]].op_type == "QuantizeLinear"
+             and reaches_output(n.output[0])]
+    kept = []
+    for q, dq in pairs:
+        for user in consumers.get(dq.output[0], []):
+            for k, name in enumerate(user.input):
+                if name == dq.output[0]:
+                    user.input[k] = q.input[0]
+        if dq.output[0] in outputs:      # the pair ends at the output itself: rename the float tensor
+            for node in g.node:
+                for k, name in enumerate(node.output):
+                    if name == q.input[0]:
+                        node.output[k] = dq.output[0]
+            for user in consumers.get(q.input[0], []):
+                for k, name in enumerate(user.input):
+                    if name == q.input[0]:
+                        user.input[k] = dq.output[0]
+        g.node.remove(dq)
+        if all(u is dq for u in consumers.get(q.output[0], [])):
+            g.node.remove(q)
+        kept.append(q.input[0])
+    return kept
 
 
 def fuse_transformer(model: onnx.ModelProto, *, model_type: str = "bert", num_heads: int = 0,
