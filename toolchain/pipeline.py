@@ -428,7 +428,9 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
             how = "by measured latency" if target.auto_by_latency else "as the first accurate precision"
             skipped = [c["precision"] for c in choice["candidates"] if not c.get("qualifies")]
             notes = [f"auto chose {precision} for {target.name} {how} ({choice['rule']})"
-                     + (f"; rejected: {', '.join(skipped)}" if skipped else ""), choice["why"]]
+                     + (f"; rejected: {', '.join(skipped)}" if skipped else "")]
+            if target.auto_by_latency:                 # the measured timings that decided it
+                notes.append(choice["why"])
             compressed = measured[precision].compressed
         else:
             compressed = (COMPRESSORS[precision](exported, work, opts, source) if precision != "fp32"
