@@ -228,3 +228,34 @@ def test_build_qat_changes_the_int4_weights_and_reports_before_and_after(net_mod
         w = codes * scale
         changed += min(int(np.count_nonzero(np.abs(w - c) > 1e-6)) for c in rtn[w.shape])
     assert changed > 0
+
+
+def _cli(args, capsys):
+    from dsedge.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_cli_prune_torch_source_fine_tunes_and_build_rejects_bad_options(net_module, monkeypatch, capsys):
+    d, _ = net_module
+    monkeypatch.chdir(d)
+    code, stdout, _ = _cli(["prune", "tinyffn:make", "-o", "p.onnx", "--pattern", "channels", "--sparsity", "0.5",
+                            "--calib", "calib", "--finetune-steps", "30", "--report", "p.json"], capsys)
+    assert code == 0 and "fine-tune 30 steps" in stdout
+    rep = json.loads((d / "p.json").read_text())
+    assert rep["heldout_after"]["cosine_mean"] > rep["heldout_before"]["cosine_mean"]
+    assert len(rep["blocks"]) == 2 and \
+        sum(b["hidden_after"] for b in rep["blocks"]) <= 136
+    import onnxruntime as ort
+
+    s = ort.InferenceSession(str(d / "p.onnx"), providers=["CPUExecutionProvider"])
+    assert s.run(None, {"x": np.ones((3, 16), np.float32)})[0].shape == (3, 8)
+    code, _, err = _cli(["prune", d / "p.onnx", "-o", "q.onnx", "--finetune-steps", "5"], capsys)
+    assert code == 2 and "needs a torch MODEL" in err and "Traceback" not in err
+    code, _, err = _cli(["build", "--model", "tinyffn:make", "--target", "t4", "--prune", "2:4"], capsys)
+    assert code == 2 and "t4 has no 2:4 sparse tensor cores" in err and "Traceback" not in err
+    code, _, err = _cli(["build", "--model", "tinyffn:make", "--prune", "channels"], capsys)
+    assert code == 2 and "channel sparsity must be a number" in err
