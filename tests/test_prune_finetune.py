@@ -188,6 +188,13 @@ def test_build_prune_channels_with_fine_tune_reports_before_and_after(net_module
     m = onnx.load(str(r.bundle / "models/fp32.onnx"))
     widths = sorted(numpy_helper.to_array(t).shape for t in m.graph.initializer if t.dims and len(t.dims) == 2)
     assert max(max(s) for s in widths) < 128                        # no 128-wide FFN weight left
+    from dsedge.toolchain.report import compensation_lines
+
+    assert compensation_lines(r.report) == [
+        f"prune channels:0.5: fine-tune 60 steps ({comp['finetune']['time_s']:.0f} s); held-out vs fp32 teacher: "
+        f"cosine mean {comp['heldout_before']['cosine_mean']:.4f} → {comp['heldout_after']['cosine_mean']:.4f}, "
+        f"min {comp['heldout_before']['cosine_min']:.4f} → {comp['heldout_after']['cosine_min']:.4f}, top-1 "
+        f"{comp['heldout_before']['argmax_agreement']:.3f} → {comp['heldout_after']['argmax_agreement']:.3f}"]
     saved = json.loads((r.bundle / "report.json").read_text())
     assert saved["compensation"]["prune"]["heldout_after"] == comp["heldout_after"]
 
@@ -259,3 +266,25 @@ def test_cli_prune_torch_source_fine_tunes_and_build_rejects_bad_options(net_mod
     assert code == 2 and "t4 has no 2:4 sparse tensor cores" in err and "Traceback" not in err
     code, _, err = _cli(["build", "--model", "tinyffn:make", "--prune", "channels"], capsys)
     assert code == 2 and "channel sparsity must be a number" in err
+
+
+def test_build_2_4_with_qat_for_orin_keeps_the_pattern_in_the_int4_codes(net_module, monkeypatch):
+    d, _ = net_module
+    monkeypatch.chdir(d)
+    r = build(BuildOptions(model="tinyffn:make", target="jetson", out_dir="out-24", precision="int4",
+                           calib="calib", prune="2:4", finetune_steps=20, qat_steps=20, latency_iterations=2,
+                           keep_fp32=False, embeddings=False))
+    comp = r.report["compensation"]
+    assert comp["prune"]["pattern"] == "2:4" and comp["qat"]["steps"] == 20
+    assert "INT4 algorithm rtn" in " ".join(r.report["notes"])
+    assert "--sparsity=enable" in (r.bundle / "build/trtexec.sh").read_text()
+    q = onnx.load(str(r.bundle / "models/int4.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in q.graph.initializer}
+    codes = [inits[n.input[0]] for n in q.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits]
+    assert len(codes) == 8
+    def two_of_four(c: np.ndarray, k_axis: int) -> bool:
+        g = np.moveaxis(c, k_axis, -1)
+        return g.shape[-1] % 4 == 0 and int((g.reshape(-1, 4) == 0).sum(1).min()) >= 2
+
+    for c in codes:                    # 2 of every 4 consecutive codes along K are zero (either weight layout)
+        assert two_of_four(c, 0) or two_of_four(c, 1)

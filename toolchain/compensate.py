@@ -172,7 +172,7 @@ def compensate_torch(source: Any, opts: Any, spec: PruneSpec | None,
         before = metrics()
         unwrap_linears(student)
         rep = qat_finetune(student, batches, forward=fwd, steps=qat, lr=QAT_LR, block_size=opts.block_size,
-                           masks=masks, log=log)
+                           masks=masks, teacher=teacher, log=log)
         wrap_linears(student, opts.block_size)
         after = metrics()
         unwrap_linears(student)

@@ -95,7 +95,7 @@ def _cosine(student: Any, teacher: Any, batches: Sequence[Any], fwd: Callable[[A
 def qat_finetune(model: Any, batches: Sequence[Any], *, forward: Callable[[Any, Any], Any] | None = None,
                  steps: int = 500, lr: float = 1e-5, block_size: int = 32, symmetric: bool = True,
                  loss: str = "cosine", skip: Sequence[str] = (), seed: int = 0, masks: Any = None,
-                 log: Callable[[str], None] | None = None) -> dict:
+                 teacher: Any = None, log: Callable[[str], None] | None = None) -> dict:
     """Fake-quant INT4 fine-tune of ``model`` (in place) against its own fp32 copy as the teacher.
 
     Args:
@@ -106,6 +106,7 @@ def qat_finetune(model: Any, batches: Sequence[Any], *, forward: Callable[[Any, 
         steps, lr: optimisation steps (default 500) and AdamW learning rate.
         loss: ``cosine`` (1 - cosine per sample) or ``mse`` (``train.losses.feature_distance``).
         masks: ``{weight: 0/1 mask}`` kept through the fine-tune (a 2:4-pruned model).
+        teacher: the fp32 model to match (default: a copy of ``model`` before QAT); e.g. the unpruned original.
     Returns:
         report: ``{"steps", "loss_before", "loss_after", "cosine_before", "cosine_after", "layers", "time_s"}``
         where loss and cosine are those of the fake-quantized student vs the teacher on all ``batches``.
@@ -119,7 +120,7 @@ def qat_finetune(model: Any, batches: Sequence[Any], *, forward: Callable[[Any, 
 
         raise CalibrationError("QAT needs training batches and got none", "pass calibration batches")
     fwd = forward or default_forward
-    teacher = copy.deepcopy(model).eval()
+    teacher = (teacher if teacher is not None else copy.deepcopy(model)).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
     layers = wrap_linears(model, block_size, symmetric, skip)
