@@ -288,3 +288,20 @@ def test_build_2_4_with_qat_for_orin_keeps_the_pattern_in_the_int4_codes(net_mod
 
     for c in codes:                    # 2 of every 4 consecutive codes along K are zero (either weight layout)
         assert two_of_four(c, 0) or two_of_four(c, 1)
+
+
+def test_token_replacement_keeps_padding_and_the_sentence_boundaries():
+    from dsedge.toolchain.finetune import token_replacement
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 2000, (8, 40), generator=g)
+    mask = torch.ones(8, 40, dtype=torch.int64)
+    mask[:, 30:] = 0
+    ids[:, 0], ids[:, 29], ids[:, 30:] = 101, 102, 0                   # [CLS] … [SEP] then padding
+    batch = (ids, mask, torch.zeros_like(ids))
+    new = token_replacement(["input_ids", "attention_mask", "token_type_ids"], p=0.2)(batch, 0)
+    assert new[1] is mask and new[2] is batch[2]
+    changed = new[0] != ids
+    assert not changed[:, 0].any() and not changed[:, 29:].any()        # boundaries and padding untouched
+    assert 0.1 < changed[:, 1:29].float().mean() < 0.25                 # ~p of the inner tokens (a few redraw the same)
+    assert set(new[0][changed].tolist()) <= set(ids[:, 1:29].flatten().tolist())

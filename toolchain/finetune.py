@@ -51,6 +51,33 @@ def torch_batches(arrays: Mapping[str, np.ndarray], batch_size: int = 8) -> list
             for i in range(0, n, batch_size)]
 
 
+def token_replacement(names: Sequence[str], p: float = 0.15, seed: int = 0) -> Callable[[Any, int], Any]:
+    """Augmentation for text batches (tuples in ``names`` order with ``input_ids`` and ``attention_mask``): each real
+    token except the first and last of a row is replaced, with probability ``p``, by a token drawn from the batch's
+    own real tokens — new inputs the teacher labels on the fly, so a few calibration sentences do not overfit
+    (the data-augmentation idea of TinyBERT, arXiv:1909.10351, without its vocabulary model)."""
+    import torch
+
+    ids_i, mask_i = names.index("input_ids"), names.index("attention_mask")
+    g = torch.Generator().manual_seed(seed)
+
+    def augment(batch: tuple, step: int) -> tuple:
+        ids, mask = batch[ids_i], batch[mask_i].bool()
+        inner = mask.clone()
+        inner[:, 0] = False
+        last = mask.long().sum(1) - 1
+        inner[torch.arange(len(ids)), last.clamp(min=0)] = False
+        pool = ids[inner]
+        if pool.numel() == 0:
+            return batch
+        pick = inner & (torch.rand(ids.shape, generator=g) < p)
+        new = ids.clone()
+        new[pick] = pool[torch.randint(len(pool), (int(pick.sum()),), generator=g)]
+        return tuple(new if i == ids_i else t for i, t in enumerate(batch))
+
+    return augment
+
+
 def _distance(kind: str, feature_weight: float) -> Callable[[Any, Any], Any]:
     from .train.losses import feature_distance
 
@@ -66,6 +93,7 @@ def _distance(kind: str, feature_weight: float) -> Callable[[Any, Any], Any]:
 def distill_finetune(student: Any, teacher: Any, batches: Sequence[Any], *, forward: Forward | None = None,
                      steps: int = 500, lr: float = 1e-4, loss: str = "cosine", feature_weight: float = 0.0,
                      params: Sequence[Any] | None = None, masks: Mapping[Any, Any] | None = None, seed: int = 0,
+                     augment: Callable[[Any, int], Any] | None = None,
                      log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Fine-tune ``student`` in place so its outputs match ``teacher``'s on ``batches`` (cycled).
 
@@ -78,6 +106,8 @@ def distill_finetune(student: Any, teacher: Any, batches: Sequence[Any], *, forw
         loss: ``cosine`` (1 - cosine per sample) or ``mse``; ``feature_weight`` weights the second tensor's term.
         params: the tensors to train (default: every student parameter that requires grad).
         masks: ``{parameter: 0/1 tensor of its shape}`` re-applied after every step (2:4 sparsity).
+        augment: ``augment(batch, step) -> batch`` (e.g. :func:`token_replacement`): training steps use the
+            augmented batch, labelled by the teacher on the fly; the reported losses use the plain batches.
     Returns:
         ``{"steps", "lr", "loss", "loss_before", "loss_after", "time_s"}`` — losses averaged over all ``batches``.
     Raises:
@@ -113,7 +143,13 @@ def distill_finetune(student: Any, teacher: Any, batches: Sequence[Any], *, forw
         for step in range(steps):
             i = step % len(batches)
             opt.zero_grad(set_to_none=True)
-            lval = dist(fwd(student, batches[i]), targets[i])
+            if augment is None:
+                batch, target = batches[i], targets[i]
+            else:
+                batch = augment(batches[i], step)
+                with torch.no_grad():
+                    target = _detach(fwd(teacher, batch))
+            lval = dist(fwd(student, batch), target)
             lval.backward()
             opt.step()
             if masks:
@@ -157,4 +193,4 @@ def heldout_metrics(student: Any, teacher: Any, feeds: Mapping[str, np.ndarray],
     return out
 
 
-__all__ = ["distill_finetune", "heldout_metrics", "torch_batches", "output_forward", "default_forward"]
+__all__ = ["distill_finetune", "token_replacement", "heldout_metrics", "torch_batches", "output_forward", "default_forward"]
