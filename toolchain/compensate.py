@@ -98,8 +98,8 @@ def check_options(opts: Any, target: Any) -> tuple[PruneSpec | None, list[str]]:
 
 
 def _trainable(model: Any) -> list:
-    """Every parameter except embedding tables (a few calibration sentences touch few rows; the fine-tune is
-    several times faster without the 30k-row table's optimizer state)."""
+    """Every parameter except embedding tables: a few calibration sentences touch few of their rows, and MiniLM's
+    steps ran ~1.2x faster without the 30k-row table's optimizer update (1.24 vs 1.48 s, loaded 2-core box)."""
     import torch
 
     frozen = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
