@@ -282,8 +282,12 @@ def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: 
         except DsedgeError as e:
             record["candidates"].append({"precision": p, "skipped": str(e)})
             continue
-        acc = compare_models(reference_onnx, comp.path, validation, task=source.task)
-        lat = measure_latency(comp.path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
+        try:
+            acc = compare_models(reference_onnx, comp.path, validation, task=source.task)
+            lat = measure_latency(comp.path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
+        except DsedgeError as e:  # e.g. BF16 Add has no ORT CPU kernel: it cannot be validated on this host
+            record["candidates"].append({"precision": p, "skipped": f"cannot be validated on ORT CPU here: {e}"})
+            continue
         measured[p] = Measured(comp, opset, acc, lat)
         ok = p == "fp32" or acc.get("cosine_mean", 0.0) >= AUTO_MIN_COSINE
         record["candidates"].append({"precision": p, "b1_p50_ms": lat["1"]["p50"],
@@ -310,8 +314,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
     check_dla(target, opts.dla_core)
     from .compensate import check_options
 
-    prune_spec, compensation_notes = check_options(opts, target)
-    notes += compensation_notes
+    prune_spec, compensation_notes = check_options(opts, target)   # kept apart: auto rewrites `notes`
     if opts.engine:  # fail before any work when this machine cannot build engines
         from ..runtime.backends.tensorrt import import_tensorrt
 
@@ -358,22 +361,30 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
                 from .compensate import prune_onnx_source
 
                 compensation = {"prune": prune_onnx_source(exported.path, prune_spec, source.calibration)}
-                notes.append(f"ONNX source: --prune {prune_spec} applied to the ONNX graph without a fine-tune")
+                compensation_notes.append(f"ONNX source: --prune {prune_spec} applied to the ONNX graph without a "
+                                          "fine-tune")
             if prune_spec is not None:
                 compensation["prune"]["spec"] = str(prune_spec)
             if source.module is not None:
-                notes.append("the fp32 variant is the " + ("pruned, fine-tuned" if prune_spec else "QAT-tuned")
-                             + " model; every variant's accuracy is measured against the original fp32 export")
+                compensation_notes.append("the fp32 variant is the " + ("pruned, fine-tuned" if prune_spec else
+                                          "QAT-tuned") + " model; every variant's accuracy is measured against "
+                                          "the original fp32 export")
             if prune_spec is not None and prune_spec.pattern == "2:4":
-                notes.append("2:4: the engine recipe enables TensorRT's sparse tactics (--sparsity=enable), which "
-                             "run for FP16/INT8 GEMMs on sparse tensor cores")
+                compensation_notes.append("2:4: the engine recipe enables TensorRT's sparse tactics "
+                                          "(--sparsity=enable), which run for FP16/INT8 GEMMs on sparse tensor cores")
             timings["compensate_s"] = time.perf_counter() - t
         t = time.perf_counter()
         measured: dict[str, Measured] = {}
         choice = None
         if opts.precision == "auto":
-            precision, measured, choice = choose_auto(target, exported, reference_onnx, work, opts, source,
+            auto_reference = reference_onnx
+            if compensating:  # a pruned/QAT student: auto judges the compression of the student itself
+                auto_reference = work / "student-fp32.onnx"
+                shutil.copyfile(exported.path, auto_reference)
+            precision, measured, choice = choose_auto(target, exported, auto_reference, work, opts, source,
                                                       validation, log)
+            if compensating:
+                choice["rule"] += " vs the pruned/fine-tuned fp32 student (variants report accuracy vs the original)"
             how = "by measured latency" if target.auto_by_latency else "as the first accurate precision"
             skipped = [c["precision"] for c in choice["candidates"] if not c.get("qualifies")]
             notes = [f"auto chose {precision} for {target.name} {how} ({choice['rule']})"
@@ -401,7 +412,9 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         fp32_size = reference_onnx.stat().st_size
         for name, path in candidates:
             if name in measured:  # already validated and timed by the measured auto choice
-                acc, lat = measured[name].accuracy, measured[name].latency_ms
+                lat = measured[name].latency_ms
+                acc = (measured[name].accuracy if not compensating else
+                       compare_models(reference_onnx, path, validation, task=source.task))
             else:
                 acc = ({"reference": "self"} if name == "fp32" and opsets["fp32"] == 21 and not compensating else
                        compare_models(reference_onnx, path, validation, task=source.task))
@@ -422,7 +435,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         dest = bundle_path(out_dir, source.name, target.name)
         report = {
             "schema": REPORT_SCHEMA, "bundle": dest.name, "target": target.name, "precision": precision,
-            "notes": notes + source.notes,
+            "notes": notes + compensation_notes + source.notes,
             "source": {"kind": source.kind, "ref": source.ref, "sha256": source.fingerprint,
                        **({"vocab_size": source.vocab_size} if source.vocab_size else {})},
             "export": {"exporter": exported.exporter, "opset": opsets[precision],
