@@ -159,7 +159,8 @@ def compensate_torch(source: Any, opts: Any, spec: PruneSpec | None,
     section: dict[str, Any] = {
         "train": f"calibration inputs ({n_train} samples, batch {TRAIN_BATCH})",
         "heldout": f"{source.validation_kind} ({len(next(iter(heldout.values())))} samples): student vs the "
-                   f"untouched fp32 teacher in torch, output {source.output_names[out_i] if source.output_names else 0!r}",
+                   f"untouched fp32 teacher in torch, output "
+                   f"{source.output_names[out_i] if source.output_names else 0!r}",
     }
 
     def metrics() -> dict[str, Any]:

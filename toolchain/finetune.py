@@ -42,7 +42,7 @@ def output_forward(index: int, feature_index: int | None = None) -> Forward:
 
 
 def torch_batches(arrays: Mapping[str, np.ndarray], batch_size: int = 8) -> list[tuple]:
-    """Numpy inputs ``{name: [N, ...]}`` (model input order) → list of tuples of torch tensors, ``batch_size`` rows."""
+    """Numpy inputs ``{name: [N, ...]}`` (model input order) → tuples of torch tensors of ``batch_size`` rows."""
     import torch
 
     names = list(arrays)
@@ -193,4 +193,5 @@ def heldout_metrics(student: Any, teacher: Any, feeds: Mapping[str, np.ndarray],
     return out
 
 
-__all__ = ["distill_finetune", "token_replacement", "heldout_metrics", "torch_batches", "output_forward", "default_forward"]
+__all__ = ["distill_finetune", "token_replacement", "heldout_metrics", "torch_batches", "output_forward",
+           "default_forward"]

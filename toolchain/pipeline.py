@@ -1,8 +1,9 @@
 """``dsedge build``: the ordered stages, each a function from artifact to artifact.
 
 resolve source → export ONNX (+ parity) → [prune / fine-tune / QAT the torch source and re-export it
-(``compensate``; only with ``--prune`` or ``--qat-steps``)] → compress (per precision) → fit the target's opset → validate vs fp32 →
-measure CPU latency → write the bundle atomically (manifest, models/, build/trtexec.sh, report.json).
+(``compensate``; only with ``--prune`` or ``--qat-steps``)] → compress (per precision) → fit the target's opset →
+validate vs fp32 → measure CPU latency → write the bundle atomically (manifest, models/, build/trtexec.sh,
+report.json).
 """
 from __future__ import annotations
 
