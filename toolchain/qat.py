@@ -6,8 +6,9 @@ symmetric INT4 codes in [-8, 7] with ``scale = absmax / 7`` per block, or asymme
 the straight-through estimator of Bengio et al. (arXiv:1308.3432) as used by QAT (Jacob et al., arXiv:1712.05877).
 The student is trained to match the fp32 teacher's outputs (self-distillation: 1 - cosine, or MSE; the loop is
 ``toolchain.finetune.distill_finetune``) for ``steps`` steps; afterwards the wrappers are removed, leaving float
-weights that sit on the INT4 grid's favourable side, and the model is exported and quantized with RTN *without* clip search (``quantize_weight_only(algorithm="rtn",
-clip_search=False)``) — the same quantizer, so the ONNX codes equal the fake-quant values.
+weights that sit on the INT4 grid's favourable side, and the model is exported and quantized with RTN *without*
+clip search (``quantize_weight_only(algorithm="rtn", clip_search=False)``) — the same quantizer, so the ONNX codes
+equal the fake-quant values.
 
 torch is imported lazily (toolchain modules must import without it).
 """
