@@ -305,3 +305,20 @@ def test_token_replacement_keeps_padding_and_the_sentence_boundaries():
     assert not changed[:, 0].any() and not changed[:, 29:].any()        # boundaries and padding untouched
     assert 0.1 < changed[:, 1:29].float().mean() < 0.25                 # ~p of the inner tokens (a few redraw the same)
     assert set(new[0][changed].tolist()) <= set(ids[:, 1:29].flatten().tolist())
+
+
+def test_auto_precision_after_pruning_judges_the_student_and_reports_vs_the_original(net_module, monkeypatch):
+    d, _ = net_module
+    monkeypatch.chdir(d)
+    r = build(BuildOptions(model="tinyffn:make", target="jetson", out_dir="out-auto", calib="calib",
+                           prune="channels:0.5", finetune_steps=20, latency_iterations=2))
+    choice = r.report["precision_choice"]
+    assert "vs the pruned/fine-tuned fp32 student" in choice["rule"] and choice["chosen"] == r.report["precision"]
+    assert any(n.startswith("auto chose") for n in r.report["notes"])
+    assert any("fp32 variant is the pruned, fine-tuned model" in n for n in r.report["notes"])
+    by_name = {v["name"]: v for v in r.report["variants"]}
+    # variants are measured against the unpruned teacher: the pruned fp32 is not "self" and matches the torch figure
+    after = r.report["compensation"]["prune"]["heldout_after"]["cosine_mean"]
+    assert by_name["fp32"]["accuracy"]["cosine_mean"] == pytest.approx(after, abs=1e-4)
+    chosen = next(c for c in choice["candidates"] if c["precision"] == r.report["precision"])
+    assert chosen["cosine_mean"] > by_name[r.report["precision"]]["accuracy"]["cosine_mean"]
