@@ -1,7 +1,9 @@
 """``dsedge build``: the ordered stages, each a function from artifact to artifact.
 
-resolve source → export ONNX (+ parity) → compress (per precision) → fit the target's opset → validate vs fp32 →
-measure CPU latency → write the bundle atomically (manifest, models/, build/trtexec.sh, report.json).
+resolve source → export ONNX (+ parity) → [prune / fine-tune / QAT the torch source and re-export it
+(``compensate``; only with ``--prune`` or ``--qat-steps``)] → compress (per precision) → fit the target's opset →
+validate vs fp32 → measure CPU latency → write the bundle atomically (manifest, models/, build/trtexec.sh,
+report.json).
 """
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ class BuildOptions:
     threads: int | None = None
     dla_core: int | None = None
     engine: bool = False
+    prune: str | None = None                # "channels:0.3" | "2:4": prune the torch source before export
+    finetune_steps: int | None = None       # fine-tune after --prune (None = 500 for torch sources, 0 = none)
+    qat_steps: int = 0                      # INT4 fake-quant fine-tune before export (0 = off; issue's default 500)
 
 
 @dataclass
@@ -330,7 +335,12 @@ def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: 
             skipped.append({"precision": p, "skipped": str(e)})
             log(f"auto candidate {p}: skipped ({e})")
             continue
-        acc = compare_models(reference_onnx, comp.path, validation, task=source.task)
+        try:
+            acc = compare_models(reference_onnx, comp.path, validation, task=source.task)
+        except DsedgeError as e:  # e.g. BF16 Add has no ORT CPU kernel: it cannot be validated on this host
+            skipped.append({"precision": p, "skipped": f"cannot be validated on ORT CPU here: {e}"})
+            log(f"auto candidate {p}: skipped (cannot be validated on ORT CPU here: {e})")
+            continue
         built[p] = (comp, opset, acc)
         if not target.auto_by_latency and (p == "fp32" or acc.get("cosine_mean", 0.0) >= AUTO_MIN_COSINE):
             break
@@ -382,6 +392,9 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
     target = get_target(opts.target)
     precision, notes = resolve_precision(target, opts.precision, opts.fallback)
     check_dla(target, opts.dla_core)
+    from .compensate import check_options
+
+    prune_spec, compensation_notes = check_options(opts, target)   # kept apart: auto rewrites `notes`
     if opts.engine:  # fail before any work when this machine cannot build engines
         from ..runtime.backends.tensorrt import import_tensorrt
 
@@ -390,6 +403,11 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         + (precision if opts.precision != "auto" else f"auto (candidates measured below; {notes[0]})"))
     source = resolve_source(opts.model)
     log(f"source {source.kind}: {source.name}")
+    compensating = prune_spec is not None or opts.qat_steps > 0
+    if compensating and source.module is None:
+        from .compensate import refuse_for_onnx
+
+        refuse_for_onnx(opts)
     out_dir = Path(opts.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temp(out_dir)
@@ -419,12 +437,45 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
 
         reference_onnx = work / "reference-fp32.onnx"  # validation compares against the untouched export
         shutil.copyfile(exported.path, reference_onnx)
+        compensation = None
+        if compensating:
+            t = time.perf_counter()
+            if source.module is not None:
+                from .compensate import compensate_torch
+
+                compensation = compensate_torch(source, opts, prune_spec, log)
+                exported = export_onnx(source, work / "models" / "fp32.onnx")   # the student
+                exported.inputs = [IOSpec(s.name, s.dtype, s.shape, source.value_ranges.get(s.name))
+                                   for s in exported.inputs]
+                log(f"exported the fine-tuned student; parity max abs diff {exported.parity_max_abs_diff}")
+            else:
+                from .compensate import prune_onnx_source
+
+                compensation = {"prune": prune_onnx_source(exported.path, prune_spec, source.calibration)}
+                compensation_notes.append(f"ONNX source: --prune {prune_spec} applied to the ONNX graph without a "
+                                          "fine-tune")
+            if prune_spec is not None:
+                compensation["prune"]["spec"] = str(prune_spec)
+            if source.module is not None:
+                compensation_notes.append("the fp32 variant is the " + ("pruned, fine-tuned" if prune_spec else
+                                          "QAT-tuned") + " model; every variant's accuracy is measured against "
+                                          "the original fp32 export")
+            if prune_spec is not None and prune_spec.pattern == "2:4":
+                compensation_notes.append("2:4: the engine recipe enables TensorRT's sparse tactics "
+                                          "(--sparsity=enable), which run for FP16/INT8 GEMMs on sparse tensor cores")
+            timings["compensate_s"] = time.perf_counter() - t
         t = time.perf_counter()
         measured: dict[str, Measured] = {}
         choice = None
         if opts.precision == "auto":
-            precision, measured, choice = choose_auto(target, exported, reference_onnx, work, opts, source,
+            auto_reference = reference_onnx
+            if compensating:  # a pruned/QAT student: auto judges the compression of the student itself
+                auto_reference = work / "student-fp32.onnx"
+                shutil.copyfile(exported.path, auto_reference)
+            precision, measured, choice = choose_auto(target, exported, auto_reference, work, opts, source,
                                                       validation, log)
+            if compensating:
+                choice["rule"] += " vs the pruned/fine-tuned fp32 student (variants report accuracy vs the original)"
             how = "by measured latency" if target.auto_by_latency else "as the first accurate precision"
             skipped = [c["precision"] for c in choice["candidates"] if not c.get("qualifies")]
             notes = [f"auto chose {precision} for {target.name} {how} ({choice['rule']})"
@@ -454,9 +505,11 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         fp32_size = reference_onnx.stat().st_size
         for name, path in candidates:
             if name in measured:  # already validated and timed by the measured auto choice
-                acc, lat = measured[name].accuracy, measured[name].latency_ms
+                lat = measured[name].latency_ms
+                acc = (measured[name].accuracy if not compensating else
+                       compare_models(reference_onnx, path, validation, task=source.task))
             else:
-                acc = ({"reference": "self"} if name == "fp32" and opsets["fp32"] == 21 else
+                acc = ({"reference": "self"} if name == "fp32" and opsets["fp32"] == 21 and not compensating else
                        compare_models(reference_onnx, path, validation, task=source.task))
                 lat = measure_latency(path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
             rel = f"models/{name}.onnx"
@@ -466,21 +519,23 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         timings["validate_s"] = time.perf_counter() - t
 
         ranges = shape_ranges_for(exported, target, source)
-        vdicts = [{"name": v.name, "precision": v.precision, "file": v.file, "ops": _op_types(models[v.file])}
-                  for v in variants]
+        sparse = {"sparsity": "2:4"} if prune_spec is not None and prune_spec.pattern == "2:4" else {}
+        vdicts = [{"name": v.name, "precision": v.precision, "file": v.file, "ops": _op_types(models[v.file]),
+                   **sparse} for v in variants]
         io = [s.to_dict() for s in exported.inputs]
         recipe = trtexec_script(target, vdicts, io, ranges, dla_core=opts.dla_core)
         engine_notes = recipe_notes(target, vdicts, io, ranges, dla_core=opts.dla_core)
         dest = bundle_path(out_dir, source.name, target.name)
         report = {
             "schema": REPORT_SCHEMA, "bundle": dest.name, "target": target.name, "precision": precision,
-            "notes": notes + source.notes,
+            "notes": notes + compensation_notes + source.notes,
             "source": {"kind": source.kind, "ref": source.ref, "sha256": source.fingerprint,
                        **({"vocab_size": source.vocab_size} if source.vocab_size else {})},
             "export": {"exporter": exported.exporter, "opset": opsets[precision],
                        "parity_max_abs_diff": exported.parity_max_abs_diff},
             "engine_recipe": engine_notes,
             **({"precision_choice": choice} if choice else {}),
+            **({"compensation": compensation} if compensation else {}),
             "compression": {k: v for k, v in compressed.details.items() if k != "layers"},
             "layers": compressed.details.get("layers", []),
             "validation": {"inputs": source.validation_kind,

@@ -8,7 +8,8 @@
   MatMul(W2)`` blocks (transformer FFNs, MLPs) are removed — columns of W1 and the bias, rows of W2 — to a global
   sparsity target, lowest importance first across all blocks; importance of hidden channel j is
   ``||W1[:, j]|| * ||W2[j, :]||`` (times the channel's RMS activation with calibration data). The graph gets
-  really smaller. Fine-tune afterwards (``dsedge.toolchain.qat.finetune``) to recover accuracy.
+  really smaller. ONNX weights cannot be fine-tuned here: to recover accuracy, prune the torch model instead
+  (``dsedge.toolchain.prune_torch`` + ``dsedge.toolchain.finetune``, i.e. ``dsedge build --prune channels:0.3``).
 """
 from __future__ import annotations
 

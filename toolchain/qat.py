@@ -4,10 +4,11 @@ Every ``nn.Linear`` (weight ``[out, in]``) is wrapped so its forward uses ``w + 
 ``fq`` is the same blockwise quantizer the ONNX export uses (blocks of ``block_size`` along the input dimension,
 symmetric INT4 codes in [-8, 7] with ``scale = absmax / 7`` per block, or asymmetric UINT4 with a zero point) —
 the straight-through estimator of Bengio et al. (arXiv:1308.3432) as used by QAT (Jacob et al., arXiv:1712.05877).
-The student is trained to match the fp32 teacher's outputs (self-distillation: 1 - cosine, or MSE) for ``steps``
-steps; afterwards the wrappers are removed, leaving float weights that sit on the INT4 grid's favourable side, and
-the model is exported and quantized with RTN *without* clip search (``quantize_weight_only(algorithm="rtn",
-clip_search=False)``) — the same quantizer, so the ONNX codes equal the fake-quant values.
+The student is trained to match the fp32 teacher's outputs (self-distillation: 1 - cosine, or MSE; the loop is
+``toolchain.finetune.distill_finetune``) for ``steps`` steps; afterwards the wrappers are removed, leaving float
+weights that sit on the INT4 grid's favourable side, and the model is exported and quantized with RTN *without*
+clip search (``quantize_weight_only(algorithm="rtn", clip_search=False)``) — the same quantizer, so the ONNX codes
+equal the fake-quant values.
 
 torch is imported lazily (toolchain modules must import without it).
 """
@@ -83,75 +84,56 @@ def unwrap_linears(model: Any) -> None:
                 setattr(mod, child_name, child.linear)
 
 
-def _loss(kind: str, y: Any, t: Any) -> Any:
+def _cosine(student: Any, teacher: Any, batches: Sequence[Any], fwd: Callable[[Any, Any], Any]) -> float:
     import torch
 
-    y, t = y.reshape(y.shape[0], -1), t.reshape(t.shape[0], -1)
-    if kind == "cosine":
-        return (1 - torch.nn.functional.cosine_similarity(y, t, dim=1)).mean()
-    return torch.nn.functional.mse_loss(y, t)
+    with torch.no_grad():
+        cos = [torch.nn.functional.cosine_similarity(fwd(student, b).reshape(len(t), -1), t.reshape(len(t), -1), dim=1)
+               for b, t in ((b, fwd(teacher, b)) for b in batches)]
+    return float(torch.cat(cos).mean())
 
 
 def qat_finetune(model: Any, batches: Sequence[Any], *, forward: Callable[[Any, Any], Any] | None = None,
                  steps: int = 500, lr: float = 1e-5, block_size: int = 32, symmetric: bool = True,
-                 loss: str = "cosine", skip: Sequence[str] = (), seed: int = 0,
-                 log: Callable[[str], None] | None = None) -> dict:
+                 loss: str = "cosine", skip: Sequence[str] = (), seed: int = 0, masks: Any = None,
+                 teacher: Any = None, log: Callable[[str], None] | None = None) -> dict:
     """Fake-quant INT4 fine-tune of ``model`` (in place) against its own fp32 copy as the teacher.
 
     Args:
-        model: torch module in fp32; its ``nn.Linear`` weights are trained.
-        batches: calibration batches, cycled; each is passed to ``forward(model, batch)`` (default: ``model(batch)``
-            or ``model(**batch)`` for a dict), which returns the tensor to match (e.g. the sentence embedding).
+        model: torch module in fp32; its ``nn.Linear`` weights are trained (biases and other parameters are not).
+        batches: calibration batches, cycled; each is passed to ``forward(model, batch)`` (default: ``model(batch)``,
+            ``model(*batch)`` for a tuple or ``model(**batch)`` for a dict), which returns the tensor to match
+            (e.g. the sentence embedding).
         steps, lr: optimisation steps (default 500) and AdamW learning rate.
-        loss: ``cosine`` (1 - cosine per sample) or ``mse``.
+        loss: ``cosine`` (1 - cosine per sample) or ``mse`` (``train.losses.feature_distance``).
+        masks: ``{weight: 0/1 mask}`` kept through the fine-tune (a 2:4-pruned model).
+        teacher: the fp32 model to match (default: a copy of ``model`` before QAT); e.g. the unpruned original.
     Returns:
-        report: ``{"steps", "loss_before", "loss_after", "cosine_before", "cosine_after", "layers"}`` where loss and
-        cosine are those of the fake-quantized student vs the teacher on all ``batches``.
+        report: ``{"steps", "loss_before", "loss_after", "cosine_before", "cosine_after", "layers", "time_s"}``
+        where loss and cosine are those of the fake-quantized student vs the teacher on all ``batches``.
     Raises:
-        ValueError when ``batches`` is empty or ``loss`` unknown.
+        CalibrationError when ``batches`` is empty; ConfigError for an unknown ``loss`` or negative ``steps``.
     """
-    import torch
+    from .finetune import default_forward, distill_finetune
 
     if not batches:
         from ..runtime.errors import CalibrationError
 
         raise CalibrationError("QAT needs training batches and got none", "pass calibration batches")
-    if loss not in ("cosine", "mse"):
-        raise ValueError(f"unknown QAT loss {loss!r}")
-    fwd = forward or (lambda m, b: m(**b) if isinstance(b, dict) else m(b))
-    torch.manual_seed(seed)
-    teacher = copy.deepcopy(model).eval()
+    fwd = forward or default_forward
+    teacher = (teacher if teacher is not None else copy.deepcopy(model)).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
-    with torch.no_grad():
-        targets = [fwd(teacher, b).detach() for b in batches]
     layers = wrap_linears(model, block_size, symmetric, skip)
-
-    def evaluate() -> tuple[float, float]:
-        model.eval()
-        with torch.no_grad():
-            ys = [fwd(model, b) for b in batches]
-            lv = float(sum(_loss(loss, y, t) for y, t in zip(ys, targets)) / len(ys))
-            cos = torch.cat([torch.nn.functional.cosine_similarity(y.reshape(y.shape[0], -1),
-                                                                   t.reshape(t.shape[0], -1), dim=1)
-                             for y, t in zip(ys, targets)])
-        return lv, float(cos.mean())
-
-    loss_before, cos_before = evaluate()
-    params = [m.linear.weight for m in model.modules() if type(m).__name__ == "FakeQuantLinear"]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    model.train()
-    for step in range(steps):
-        i = step % len(batches)
-        opt.zero_grad(set_to_none=True)
-        lval = _loss(loss, fwd(model, batches[i]), targets[i])
-        lval.backward()
-        opt.step()
-        if log and (step + 1) % max(1, steps // 5) == 0:
-            log(f"QAT step {step + 1}/{steps}: loss {float(lval):.6f}")
-    loss_after, cos_after = evaluate()
-    unwrap_linears(model)
+    try:
+        cos_before = _cosine(model, teacher, batches, fwd)
+        params = [m.linear.weight for m in model.modules() if type(m).__name__ == "FakeQuantLinear"]
+        rep = distill_finetune(model, teacher, batches, forward=fwd, steps=steps, lr=lr, loss=loss, params=params,
+                               masks=masks, seed=seed,
+                               log=(lambda s: log("QAT " + s)) if log else None)
+        cos_after = _cosine(model, teacher, batches, fwd)
+    finally:
+        unwrap_linears(model)
     model.eval()
-    return {"steps": steps, "lr": lr, "block_size": block_size, "symmetric": symmetric, "loss": loss,
-            "loss_before": loss_before, "loss_after": loss_after, "cosine_before": cos_before,
+    return {**rep, "block_size": block_size, "symmetric": symmetric, "cosine_before": cos_before,
             "cosine_after": cos_after, "layers": layers}

@@ -24,3 +24,26 @@ def summary_table(report: dict[str, Any]) -> Any:
                   fmt("cosine_min", ".4f"), fmt(top1, ".2f"),
                   f"{lat.get('p50', float('nan')):.2f}", f"{lat.get('p99', float('nan')):.2f}")
     return t
+
+
+def compensation_lines(report: dict[str, Any]) -> list[str]:
+    """One line per fine-tune in ``report["compensation"]``: held-out accuracy before → after, steps, time."""
+    comp = report.get("compensation") or {}
+    lines = []
+    for key, title in (("prune", "prune"), ("qat", "QAT")):
+        rep = comp.get(key)
+        if not rep:
+            continue
+        if key == "prune" and not rep.get("finetune"):
+            lines.append(f"prune {rep.get('spec', '')}: ONNX graph pruned, no fine-tune")
+            continue
+        b, a = rep["heldout_before"], rep["heldout_after"]
+        steps, secs = (rep["finetune"]["steps"], rep["finetune"]["time_s"]) if key == "prune" else \
+            (rep["steps"], rep["time_s"])
+        name = f"{title} {rep.get('spec', '')}".strip()
+        top1 = "top1_agreement" if "top1_agreement" in b else "argmax_agreement"
+        t1 = f", top-1 {b[top1]:.3f} → {a[top1]:.3f}" if top1 in b else ""
+        lines.append(f"{name}: fine-tune {steps} steps ({secs:.0f} s); held-out vs fp32 teacher: cosine mean "
+                     f"{b['cosine_mean']:.4f} → {a['cosine_mean']:.4f}, min {b['cosine_min']:.4f} → "
+                     f"{a['cosine_min']:.4f}{t1}")
+    return lines

@@ -39,25 +39,37 @@ import click
               help="Use this DLA core in the engine recipe (targets with DLA; falls back to GPU where DLA cannot run).")
 @click.option("--engine", is_flag=True,
               help="Also build the TensorRT engine into engines/ (needs TensorRT and the target's GPU here).")
+@click.option("--prune", "prune", default=None, metavar="SPEC",
+              help="Prune the torch source before export: channels:FRACTION (FFN hidden channels, global target, "
+                   "e.g. channels:0.3) or 2:4 (targets with sparse tensor cores: a100, jetson-orin); then "
+                   "fine-tune to the unpruned teacher.")
+@click.option("--finetune-steps", "finetune_steps", type=int, default=None,
+              help="Distillation fine-tune steps after --prune on the calibration inputs [default: 500; 0 = none].")
+@click.option("--qat-steps", "qat_steps", type=int, default=0, show_default=True,
+              help="INT4 fake-quant fine-tune (QAT) steps before export, with --precision int4 (0 = off; 500 is "
+                   "the usual choice).")
 @click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON on stdout (last thing printed).")
 def build(target: str, model: str | None, out_dir: str, precision: str, fallback: bool, calib: str | None,
           heldout: str | None,
           block_size: str, algorithm: str, accuracy_gate: str | None, no_embeddings: bool, no_fp32: bool,
           threads: int | None, dla_core: int | None,
-          engine: bool, as_json: bool) -> None:
+          engine: bool, prune: str | None, finetune_steps: int | None, qat_steps: int, as_json: bool) -> None:
     """Export, compress, validate and bundle a model for a target."""
     from rich.console import Console
 
     from ..pipeline import BuildOptions, build as run_build
-    from ..report import summary_table
+    from ..report import compensation_lines, summary_table
 
     console = Console(stderr=as_json)
     opts = BuildOptions(model=model, target=target, out_dir=out_dir, precision=precision, calib=calib, heldout=heldout,
                         fallback=fallback, block_size=int(block_size), algorithm=algorithm,
                         accuracy_gate=accuracy_gate, embeddings=not no_embeddings,
-                        keep_fp32=not no_fp32, threads=threads, dla_core=dla_core, engine=engine)
+                        keep_fp32=not no_fp32, threads=threads, dla_core=dla_core, engine=engine, prune=prune,
+                        finetune_steps=finetune_steps, qat_steps=qat_steps)
     result = run_build(opts, log=lambda s: console.print(f"[dim]·[/dim] {s}"))
     console.print(summary_table(result.report))
+    for line in compensation_lines(result.report):
+        console.print(line)
     for note in result.report["notes"]:
         console.print(f"note: {note}")
     console.print(f"validated on {result.report['validation']['inputs']}; "

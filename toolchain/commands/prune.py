@@ -1,8 +1,17 @@
-"""``dsedge prune``: ONNX in, ONNX out — 2:4 semi-structured sparsity or structured MLP channel pruning."""
+"""``dsedge prune``: 2:4 semi-structured sparsity or structured FFN channel pruning.
+
+An ONNX MODEL is pruned on the graph (no fine-tune: ONNX weights are not trained here). A torch MODEL (the reference
+model's name, a Hugging Face directory, a training run directory or ``module:function``) is pruned in torch, then
+fine-tuned to the unpruned teacher for ``--finetune-steps`` on its calibration inputs (``--calib`` or the source's
+own), and exported to ONNX; the report gives held-out accuracy before and after the fine-tune.
+"""
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import click
 
@@ -10,34 +19,86 @@ from ...runtime.errors import ConfigError
 from .quantize import _load, save_model_atomic
 
 
+def _torch_source_calibration(source, calib: Path) -> None:
+    """``--calib`` for a torch source: .npz files checked against the source's inputs, split calibrate/validate."""
+    from ...runtime.bundle import IOSpec
+    from ..pipeline import load_calibration_dir
+
+    specs = [IOSpec(n, str(v.dtype), tuple(source.dynamic_axes.get(n, {}).get(i, d) for i, d in enumerate(v.shape)))
+             for n, v in source.example_inputs.items()]
+    source.calibration, source.validation = load_calibration_dir(calib, specs)
+    source.validation_kind = f"--calib {calib} (second half, not used for training)"
+
+
+def _prune_torch(model: str, output: Path, pattern: str, sparsity: float, steps: int | None,
+                 calib: Path | None) -> dict:
+    from ..compensate import PruneSpec, compensate_torch
+    from ..export import export_onnx
+    from ..sources import resolve_source
+
+    source = resolve_source(model)
+    if source.module is None:
+        raise ConfigError(f"{model} is not a torch source", "pass an .onnx path ending in .onnx")
+    if calib:
+        _torch_source_calibration(source, calib)
+    spec = PruneSpec(pattern, 0.5 if pattern == "2:4" else sparsity)
+    opts = SimpleNamespace(finetune_steps=steps, qat_steps=0, block_size=32)
+    report = compensate_torch(source, opts, spec, log=lambda s: click.echo(f"  {s}", err=True))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.tmp-", dir=output.parent)
+    os.close(fd)
+    try:
+        exported = export_onnx(source, tmp)
+        os.replace(tmp, output)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return {"parity_max_abs_diff": exported.parity_max_abs_diff, **report}
+
+
 @click.command("prune")
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Output .onnx path.")
 @click.option("--pattern", type=click.Choice(["2:4", "channels"]), default="2:4", show_default=True,
               help="2:4 = zero 2 of every 4 weights along K (A100/Orin sparse tensor cores); channels = remove "
                    "hidden channels of Linear → activation → Linear blocks.")
 @click.option("--sparsity", type=float, default=0.3, show_default=True,
-              help="Global fraction of MLP hidden channels to remove (--pattern channels).")
+              help="Global fraction of FFN/MLP hidden channels to remove (--pattern channels).")
 @click.option("--calib", type=click.Path(path_type=Path),
-              help="Calibration data (.npz or dir): activation-aware importance (Wanda) instead of magnitude.")
+              help="Calibration data (.npz or dir): activation-aware importance (Wanda) instead of magnitude; for a "
+                   "torch MODEL also the fine-tune's data (first half) and held-out set (second half).")
+@click.option("--finetune-steps", type=int, default=None,
+              help="Torch MODEL only: distillation fine-tune steps after pruning [default: 500; 0 = none].")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
-def prune(model: Path, output: Path, pattern: str, sparsity: float, calib: Path | None,
+def prune(model: str, output: Path, pattern: str, sparsity: float, calib: Path | None, finetune_steps: int | None,
           report_path: Path | None) -> None:
-    """Prune an ONNX MODEL and write the result to --output (written atomically). Fine-tune afterwards to recover
-    accuracy (dsedge.toolchain.qat / dsedge train)."""
+    """Prune MODEL (an .onnx file, or a torch source: all-minilm-l6-v2, a HF directory, a run directory,
+    module:function) and write ONNX to --output (written atomically). Torch sources are fine-tuned to the unpruned
+    teacher; ONNX files are not (prune the torch model, or use dsedge build --prune, to fine-tune)."""
     from ..prune import prune_2_4, prune_channels
     from ..quantize.graph import select_layers
     from ..quantize.weight_only import layer_activations
 
     if pattern == "2:4" and sparsity != 0.3:
         raise ConfigError("--sparsity applies to --pattern channels; 2:4 is always 50 %", "drop --sparsity")
-    m = _load(model)
-    acts = layer_activations(m, calib, select_layers(m, None)) if calib else None
-    if pattern == "2:4":
-        out, report = prune_2_4(m, acts)
+    if pattern == "channels" and not 0.0 < sparsity < 1.0:
+        raise ConfigError(f"--sparsity {sparsity} is outside (0, 1)", "e.g. --sparsity 0.3")
+    if finetune_steps is not None and finetune_steps < 0:
+        raise ConfigError(f"--finetune-steps must be >= 0, got {finetune_steps}", "e.g. --finetune-steps 500")
+    if model.lower().endswith(".onnx"):
+        if finetune_steps:
+            raise ConfigError("--finetune-steps needs a torch MODEL: ONNX weights are not trained here",
+                              "pass the torch source (HF directory, run directory, module:function) or drop it")
+        m = _load(Path(model))
+        acts = layer_activations(m, calib, select_layers(m, None)) if calib else None
+        if pattern == "2:4":
+            out, report = prune_2_4(m, acts)
+        else:
+            out, report = prune_channels(m, sparsity, activations=acts)
+        save_model_atomic(out, output)
     else:
-        out, report = prune_channels(m, sparsity, activations=acts)
-    save_model_atomic(out, output)
+        report = _prune_torch(model, output, pattern, sparsity, finetune_steps, calib)
+        report = {**report.pop("prune"), **report}
     report = {"source": str(model), "output": str(output), **report}
     if report_path:
         report_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -47,3 +108,7 @@ def prune(model: Path, output: Path, pattern: str, sparsity: float, calib: Path 
     else:
         click.echo(f"wrote {output}: {report['sparsity']:.1%} of MLP hidden channels removed "
                    f"in {len(report['blocks'])} blocks")
+    if report.get("finetune"):
+        b, a = report["heldout_before"], report["heldout_after"]
+        click.echo(f"fine-tune {report['finetune']['steps']} steps: held-out cosine mean vs the unpruned model "
+                   f"{b['cosine_mean']:.4f} → {a['cosine_mean']:.4f}")

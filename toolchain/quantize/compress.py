@@ -74,7 +74,12 @@ def compress_int4(exported: Any, work: Path, opts: Any, source: Any) -> Any:
                                     block_size=opts.block_size, output=_embedding_output(exported, source),
                                     reference=model)
     else:
-        q, details = quantize_weight_only(model, calib, algorithm=algorithm, block_size=opts.block_size)
+        # after QAT: absmax scales without clip search, the quantizer the fake-quant fine-tune trained for
+        qat = bool(getattr(opts, "qat_steps", 0)) and algorithm == "rtn"
+        q, details = quantize_weight_only(model, calib, algorithm=algorithm, block_size=opts.block_size,
+                                          **({"clip_search": False} if qat else {}))
+        if qat:
+            details["clip_search"] = False
         if opts.embeddings:
             q, tables = quantize_embedding_tables(q, block_size=opts.block_size, symmetric=False)
     details["embeddings"] = tables

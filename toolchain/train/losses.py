@@ -3,7 +3,8 @@
 KD: Hinton, Vinyals, Dean, "Distilling the Knowledge in a Neural Network", arXiv:1503.02531 — KL(teacher_T ||
 student_T) on temperature-softened logits, scaled by T^2 so its gradient magnitude does not shrink with T, weighted
 ``alpha``; the hard-label loss weighted ``1 - alpha``. Optional feature matching: MSE between named intermediate
-activations (FitNets, arXiv:1412.6550), weighted ``feature_weight``.
+activations (FitNets, arXiv:1412.6550), weighted ``feature_weight``. ``feature_distance`` is that matching term on
+its own (MSE or 1 - cosine): the teacher-to-student loss of the compensation fine-tunes after pruning and of QAT.
 """
 from __future__ import annotations
 
@@ -58,6 +59,21 @@ def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperatur
     return F.kl_div(log_p_s, log_p_t, log_target=True, reduction="batchmean") * temperature ** 2
 
 
+def feature_distance(student: torch.Tensor, teacher: torch.Tensor, kind: str = "cosine") -> torch.Tensor:
+    """Feature / embedding matching between student and teacher tensors of the same shape ``(N, ...)``, fp32.
+
+    ``cosine``: mean over the N samples of ``1 - cos(student_i, teacher_i)`` (each sample flattened) — scale-free,
+    what sentence-embedding similarity uses. ``mse``: mean squared error over all elements (FitNets).
+    Raises ValueError for another ``kind``.
+    """
+    s, t = student.float().reshape(student.shape[0], -1), teacher.float().reshape(teacher.shape[0], -1)
+    if kind == "cosine":
+        return (1 - F.cosine_similarity(s, t, dim=1)).mean()
+    if kind == "mse":
+        return F.mse_loss(s, t)
+    raise ValueError(f"unknown feature distance {kind!r} (cosine or mse)")
+
+
 class DistillLoss:
     """``alpha * kd_kl(student, teacher, T) + (1 - alpha) * hard(student, target) + feature_weight * feature MSE``."""
 
@@ -71,5 +87,5 @@ class DistillLoss:
         if self.alpha < 1:
             loss = loss + (1 - self.alpha) * self.hard(student_logits, target)
         if self.feature_weight and features:
-            loss = loss + self.feature_weight * sum(F.mse_loss(s.float(), t.float()) for s, t in features)
+            loss = loss + self.feature_weight * sum(feature_distance(s, t, "mse") for s, t in features)
         return loss
