@@ -27,7 +27,7 @@ from ...runtime.errors import AccuracyGateError, ConfigError
 from .calibration import CalibrationSource, load_calibration
 from .graph import ensure_qdq_opset, name_nodes
 from .int8 import quantize_int8_static, smooth_quant
-from .mixed import BUILTIN, AccuracyGate, cosine_metric, parse_gates
+from .mixed import AccuracyGate, GateCheck
 
 QUANTIZED_OPS = ("MatMul", "Gemm", "Conv")
 
@@ -109,25 +109,10 @@ def quantize_int8_gated(model: onnx.ModelProto, calibration: CalibrationSource |
         AccuracyGateError when even every layer in float fails; ConfigError for a gate metric without a metric
         function; CalibrationError / QuantizationError as in :func:`.int8.quantize_int8_static`.
     """
-    gates = parse_gates(gate) if isinstance(gate, str) else ([gate] if isinstance(gate, AccuracyGate) else list(gate))
-    primary = gates[0]
-    gate_text = ",".join(str(g) for g in gates)
-    if metric is None:
-        if any(g.metric not in BUILTIN for g in gates) or heldout is None:
-            raise ConfigError(f"INT8 accuracy gate {gate_text} needs held-out data and a built-in metric",
-                              "pass held-out batches (cosine, top1) or a metric function")
-        metric = cosine_metric(model, heldout, output=output)
+    check = GateCheck(gate, metric=metric, heldout=heldout, reference=model, output=output)
+    primary, gate_text = check.primary, check.text
+    measure, passes, show = check.measure, check.passes, check.show
     log = on_step or (lambda msg: None)
-
-    def measure(m: onnx.ModelProto) -> dict[str, float]:
-        v = metric(m)
-        return dict(v) if isinstance(v, dict) else {primary.metric: float(v)}
-
-    def passes(v: dict[str, float]) -> bool:
-        return all(g.passes(v[g.metric]) for g in gates)
-
-    def show(v: dict[str, float]) -> str:
-        return ", ".join(f"{g.metric} = {v[g.metric]:.5f}" for g in gates)
 
     base = ensure_qdq_opset(name_nodes(_copy(model)))
     smooth = None
@@ -143,7 +128,8 @@ def quantize_int8_gated(model: onnx.ModelProto, calibration: CalibrationSource |
     sensitivity: dict[str, float] = {}
     if not passes(values):
         for i, name in enumerate(layers):
-            sensitivity[name] = primary.gain(values[primary.metric], measure(keep_float(q, base, [name]))[primary.metric])
+            alone = measure(keep_float(q, base, [name]))
+            sensitivity[name] = primary.gain(values[primary.metric], alone[primary.metric])
             log(f"sensitivity {i + 1}/{len(layers)}: {name} float improves {primary.metric} by "
                 f"{sensitivity[name]:+.5f}")
         order = sorted(layers, key=lambda n: -sensitivity[n])

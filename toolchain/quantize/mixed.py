@@ -110,6 +110,41 @@ def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list,
     return metric
 
 
+class GateCheck:
+    """Gate(s) plus the metric that measures them: ``measure(model) -> {metric: value}``, ``passes``, ``show``.
+
+    ``metric`` None = the built-in :func:`cosine_metric` of ``output`` vs ``reference`` on ``heldout`` (then every
+    gate must be a built-in metric). Raises ConfigError when a gate needs a metric function that is not given.
+    """
+
+    def __init__(self, gate: AccuracyGate | list[AccuracyGate] | str, *,
+                 metric: Callable[[onnx.ModelProto], float | dict[str, float]] | None,
+                 heldout: CalibrationSource | list | None, reference: onnx.ModelProto,
+                 output: int | str = 0) -> None:
+        self.gates = (parse_gates(gate) if isinstance(gate, str)
+                      else [gate] if isinstance(gate, AccuracyGate) else list(gate))
+        self.primary = self.gates[0]
+        self.text = ",".join(str(g) for g in self.gates)
+        if metric is None:
+            custom = [g.metric for g in self.gates if g.metric not in BUILTIN]
+            if custom or heldout is None:
+                raise ConfigError(f"accuracy gate {self.text} needs held-out data and a metric for "
+                                  f"{(custom or [self.primary.metric])[0]!r}",
+                                  "pass held-out batches (cosine, top1) or a metric function")
+            metric = cosine_metric(reference, heldout, output=output)
+        self.metric = metric
+
+    def measure(self, model: onnx.ModelProto) -> dict[str, float]:
+        v = self.metric(model)
+        return dict(v) if isinstance(v, dict) else {self.primary.metric: float(v)}
+
+    def passes(self, values: dict[str, float]) -> bool:
+        return all(g.passes(values[g.metric]) for g in self.gates)
+
+    def show(self, values: dict[str, float]) -> str:
+        return ", ".join(f"{g.metric} = {values[g.metric]:.5f}" for g in self.gates)
+
+
 def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list, *,
                    gate: AccuracyGate | list[AccuracyGate] | str,
                    metric: Callable[[onnx.ModelProto], float | dict[str, float]] | None = None,
@@ -142,26 +177,10 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
         AccuracyGateError when even all-float fails (message says the best reached); ConfigError for a gate metric
         without a metric function; CalibrationError / QuantizationError as in :func:`quantize_weight_only`.
     """
-    gates = parse_gates(gate) if isinstance(gate, str) else ([gate] if isinstance(gate, AccuracyGate) else list(gate))
-    primary = gates[0]
-    gate_text = ",".join(str(g) for g in gates)
-    if metric is None:
-        if any(g.metric not in BUILTIN for g in gates) or heldout is None:
-            raise ConfigError(f"accuracy gate {gate_text} needs held-out data and a metric for "
-                              f"{next((g.metric for g in gates if g.metric not in BUILTIN), primary.metric)!r}",
-                              "pass held-out batches (cosine, top1) or a metric function")
-        metric = cosine_metric(reference if reference is not None else model, heldout, output=output)
-
-    def measure(m: onnx.ModelProto) -> dict[str, float]:
-        v = metric(m)
-        return dict(v) if isinstance(v, dict) else {primary.metric: float(v)}
-
-    def passes(v: dict[str, float]) -> bool:
-        return all(g.passes(v[g.metric]) for g in gates)
-
-    def show(v: dict[str, float]) -> str:
-        return ", ".join(f"{g.metric} = {v[g.metric]:.5f}" for g in gates)
-
+    check = GateCheck(gate, metric=metric, heldout=heldout, reference=reference if reference is not None else model,
+                      output=output)
+    primary, gate_text = check.primary, check.text
+    measure, passes, show = check.measure, check.passes, check.show
     log = on_step or (lambda msg: None)
     work = onnx.ModelProto()
     work.CopyFrom(model)
