@@ -322,3 +322,21 @@ def test_auto_precision_after_pruning_judges_the_student_and_reports_vs_the_orig
     assert by_name["fp32"]["accuracy"]["cosine_mean"] == pytest.approx(after, abs=1e-4)
     chosen = next(c for c in choice["candidates"] if c["precision"] == r.report["precision"])
     assert chosen["cosine_mean"] > by_name[r.report["precision"]]["accuracy"]["cosine_mean"]
+
+
+@pytest.mark.parametrize("args, steps", [(["--qat-steps"], 500), (["--qat-steps", "20"], 20), ([], 0)])
+def test_build_qat_steps_alone_means_the_default_500(args, steps, monkeypatch):
+    from click.testing import CliRunner
+
+    import dsedge.toolchain.pipeline as pipeline
+    from dsedge.toolchain.commands.build import build
+
+    seen = {}
+
+    def record(opts, log=None):          # stop before any work: this test is about the option's parsing
+        seen["qat_steps"] = opts.qat_steps
+        raise SystemExit(0)
+
+    monkeypatch.setattr(pipeline, "build", record)
+    assert CliRunner().invoke(build, ["--precision", "int4", *args]).exit_code == 0
+    assert seen == {"qat_steps": steps}
