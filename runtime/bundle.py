@@ -276,6 +276,13 @@ def remove_stale_temp(parent: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def usual_mode(bits: int = 0o666) -> int:
+    """``bits`` less the process umask: the mode ``open()`` would give, for files made by ``mkstemp`` (0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return bits & ~umask
+
+
 @contextlib.contextmanager
 def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``final``; on success rename it to ``final``.
@@ -288,9 +295,7 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp(final.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a published bundle gets the user's usual mode
+    os.chmod(tmp, usual_mode(0o777))  # mkdtemp makes 0700; a published bundle gets the user's usual mode
     try:
         yield tmp
         old = None

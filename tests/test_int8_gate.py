@@ -82,7 +82,65 @@ def test_gate_passing_at_int8_keeps_everything_int8_and_bad_gates_fail_clearly(d
     calib, held = data
     q, rep = quantize_int8_gated(mlp(seed=4), calib, gate="cosine:0.99", heldout=held, smooth_alpha=None)
     assert rep["kept_float"] == [] and rep["int8_layers"] == 3 and rep["values"]["cosine"] > 0.99
-    with pytest.raises(AccuracyGateError, match="cannot be met: best cosine"):
-        quantize_int8_gated(outlier_mlp(), calib, gate="cosine:1.5", heldout=held, smooth_alpha=None)
+    with pytest.raises(AccuracyGateError, match="cannot be met: best cosine = 0.50000 with every layer in float"):
+        quantize_int8_gated(outlier_mlp(), calib, gate="cosine:0.9", metric=lambda m: 0.5, smooth_alpha=None)
     with pytest.raises(ConfigError, match="needs held-out data"):
         quantize_int8_gated(mlp(seed=4), calib, gate="cosine:0.99")
+
+
+@pytest.mark.parametrize("spec, words", [("cosine:1.5", "cosine lies in \\[-1, 1\\]"),
+                                         ("top1:2", "top1 lies in \\[0, 1\\]"), ("cosine", "METRIC:THRESHOLD")])
+def test_gate_specs_out_of_range_fail_before_any_work(spec, words):
+    from dsedge.toolchain.pipeline import build_gates
+
+    with pytest.raises(ConfigError, match=words):
+        build_gates(spec)
+    with pytest.raises(ConfigError, match="cannot measure 'auc-drop'"):
+        build_gates("auc-drop:0.003")
+    assert [str(g) for g in build_gates("cosine:0.99,top1:0.9")] == ["cosine:0.99", "top1:0.9"]
+
+
+def test_build_enforces_the_gate_on_precisions_without_a_gated_search(tmp_path):
+    """Dynamic INT8 (cpu) has no per-layer search: the gate is checked on the shipped variant, and a miss is an
+    AccuracyGateError with nothing written."""
+    from dsedge.toolchain.pipeline import BuildOptions, build
+
+    from tiny_models import mlp_onnx
+
+    model = str(mlp_onnx(tmp_path / "m.onnx"))
+    out = tmp_path / "o"
+    r = build(BuildOptions(model=model, target="cpu", precision="int8", out_dir=str(out), accuracy_gate="cosine:0.9",
+                           latency_iterations=2))
+    assert r.report["variants"][0]["accuracy"]["cosine_mean"] >= 0.9
+    with pytest.raises(AccuracyGateError, match="not met by the int8 variant: cosine = 0.9"):
+        build(BuildOptions(model=model, target="cpu", precision="int8", out_dir=str(tmp_path / "o2"),
+                           accuracy_gate="cosine:0.999999", latency_iterations=2))
+    assert not list((tmp_path / "o2").glob("*.dse"))
+
+
+def test_ragged_npz_files_pad_token_inputs_and_refuse_float_ones(tmp_path):
+    from dsedge.runtime.bundle import IOSpec
+    from dsedge.runtime.errors import CalibrationError
+    from dsedge.toolchain.pipeline import read_npz_dir
+
+    specs = [IOSpec("input_ids", "int64", ("batch", "sequence")), IOSpec("x", "float32", ("batch", "n"))]
+    for i, n in enumerate((3, 5)):
+        np.savez(tmp_path / f"{i}.npz", input_ids=np.ones((1, n), np.int64), x=np.ones((1, 4), np.float32))
+    data = read_npz_dir(tmp_path, specs)
+    assert data["input_ids"].shape == (2, 5) and data["input_ids"][0].tolist() == [1, 1, 1, 0, 0]
+    np.savez(tmp_path / "2.npz", input_ids=np.ones((1, 2), np.int64), x=np.ones((1, 6), np.float32))
+    with pytest.raises(CalibrationError, match="input 'x' has different shapes across files"):
+        read_npz_dir(tmp_path, specs)
+
+
+def test_static_int8_names_the_layer_with_nan_weights(data):
+    from dsedge.runtime.errors import QuantizationError
+
+    calib, _ = data
+    m = mlp(seed=4)
+    w2 = next(t for t in m.graph.initializer if t.name == "w2")
+    a = numpy_helper.to_array(w2).copy()
+    a[0, 0] = np.nan
+    w2.CopyFrom(numpy_helper.from_array(a, "w2"))
+    with pytest.raises(QuantizationError, match="'w2' \\(read by 'fc2'\\) holds 1 NaN/Inf"):
+        quantize_int8_static(m, calib)

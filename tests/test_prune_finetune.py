@@ -252,6 +252,9 @@ def test_cli_prune_torch_source_fine_tunes_and_build_rejects_bad_options(net_mod
     code, stdout, _ = _cli(["prune", "tinyffn:make", "-o", "p.onnx", "--pattern", "channels", "--sparsity", "0.5",
                             "--calib", "calib", "--finetune-steps", "30", "--report", "p.json"], capsys)
     assert code == 0 and "fine-tune 30 steps" in stdout
+    from dsedge.runtime.bundle import usual_mode
+
+    assert (d / "p.onnx").stat().st_mode & 0o777 == usual_mode()        # not mkstemp's 0600
     rep = json.loads((d / "p.json").read_text())
     assert rep["heldout_after"]["cosine_mean"] > rep["heldout_before"]["cosine_mean"]
     assert len(rep["blocks"]) == 2 and \
@@ -340,3 +343,15 @@ def test_build_qat_steps_alone_means_the_default_500(args, steps, monkeypatch):
     monkeypatch.setattr(pipeline, "build", record)
     assert CliRunner().invoke(build, ["--precision", "int4", *args]).exit_code == 0
     assert seen == {"qat_steps": steps}
+
+
+def test_gate_judges_the_shipped_model_against_the_original_not_the_student(net_module, monkeypatch):
+    from dsedge.runtime.errors import AccuracyGateError
+
+    d, _ = net_module
+    monkeypatch.chdir(d)
+    with pytest.raises(AccuracyGateError, match="vs the original model \\(the pruning/QAT cost included\\)"):
+        build(BuildOptions(model="tinyffn:make", target="cpu", out_dir="out-gate", precision="fp32", calib="calib",
+                           prune="channels:0.5", finetune_steps=0, accuracy_gate="cosine:0.9999",
+                           latency_iterations=2))
+    assert not [p for p in (d / "out-gate").iterdir() if p.name.endswith(".dse")]   # nothing half-written

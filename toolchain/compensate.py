@@ -79,8 +79,11 @@ def check_options(opts: Any, target: Any) -> tuple[PruneSpec | None, list[str]]:
         raise ConfigError("--finetune-steps fine-tunes a pruned model and needs --prune",
                           "add --prune channels:0.3 or --prune 2:4 (QAT has its own --qat-steps)")
     if spec is not None and spec.pattern == "2:4" and "sparsity" not in target.engine_flags:
+        from ..targets import list_targets
+
+        sparse = ", ".join(t.name for t in list_targets() if "sparsity" in t.engine_flags)
         raise TargetError(f"{target.name} has no 2:4 sparse tensor cores, so --prune 2:4 would only cost accuracy",
-                          "use --prune channels:0.3, or a target with 2:4 sparsity (a100, jetson-orin)")
+                          f"use --prune channels:0.3, or a target with 2:4 sparsity ({sparse})")
     if qat and opts.precision != "int4":
         raise ConfigError(f"--qat-steps fine-tunes for INT4 and the build's precision is {opts.precision}",
                           "pass --precision int4 with --qat-steps")
@@ -241,7 +244,10 @@ def prune_onnx_source(path: Any, spec: PruneSpec, calibration: Any) -> dict[str,
 
 def refuse_for_onnx(opts: Any) -> None:
     """Raises SourceError when an ONNX source is asked for a fine-tune (QAT or pruning fine-tune)."""
-    if int(getattr(opts, "qat_steps", 0) or 0) or (getattr(opts, "finetune_steps", None) or 0) > 0:
-        raise SourceError("--qat-steps and --finetune-steps train in torch and the source is an ONNX file",
+    asked = [o for o, on in (("--qat-steps", int(getattr(opts, "qat_steps", 0) or 0) > 0),
+                             ("--finetune-steps", (getattr(opts, "finetune_steps", None) or 0) > 0)) if on]
+    if asked:
+        raise SourceError(f"{' and '.join(asked)} train{'s' if len(asked) == 1 else ''} in torch and the source is "
+                          "an ONNX file",
                           "pass the torch model (HF directory, run directory or module:function); for an ONNX "
                           "file, --prune without --finetune-steps prunes without a fine-tune")

@@ -28,6 +28,7 @@ class Exported:
     outputs: list[IOSpec]
     parity_max_abs_diff: float | None
     exporter: str
+    reference: Path | None = None   # what accuracy gates compare with (the original before --prune/--qat-steps)
 
 
 def io_specs(model) -> tuple[list[IOSpec], list[IOSpec]]:  # type: ignore[no-untyped-def]

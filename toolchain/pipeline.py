@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..runtime.bundle import IOSpec, Variant, remove_stale_temp
-from ..runtime.errors import CalibrationError, PrecisionNotSupported, TargetError
+from ..runtime.errors import AccuracyGateError, CalibrationError, ConfigError, PrecisionNotSupported, TargetError
 from ..runtime.latency import time_calls
 from ..targets import Target, get_target
 from .bundle_writer import bundle_path, write_bundle
@@ -159,10 +159,25 @@ def read_npz_dir(path: str | os.PathLike, specs: list[IOSpec], what: str = "cali
                     parts[n].append(arrays[n])
         except (ValueError, OSError) as e:
             raise CalibrationError(f"{f.name} is not a readable .npz file ({e})", "write it with numpy.savez") from None
-    data = {n: np.concatenate(v) for n, v in parts.items()}
+    data = {n: _concat_padded(n, v, what) for n, v in parts.items()}
     if len(next(iter(data.values()))) == 0:
         raise CalibrationError(f"{what} directory {str(d)!r} holds 0 samples", "save at least one sample per file")
     return data
+
+
+def _concat_padded(name: str, arrays: list[np.ndarray], what: str) -> np.ndarray:
+    """Concatenate along the batch axis; integer inputs (token ids, masks) of different lengths are zero-padded at
+    the end to the longest, as a tokenizer's ``padding=True`` does (0 = padding id, masked position). Float inputs of
+    different shapes raise CalibrationError: padding would change what they mean."""
+    shapes = {a.shape[1:] for a in arrays}
+    if len(shapes) == 1:
+        return np.concatenate(arrays)
+    if not all(np.issubdtype(a.dtype, np.integer) for a in arrays):
+        raise CalibrationError(f"{what} input {name!r} has different shapes across files: {sorted(shapes)[:3]}",
+                               "save every file with one shape (e.g. crop or pad to one size)")
+    target = np.max([a.shape[1:] for a in arrays], axis=0)
+    return np.concatenate([np.pad(a, [(0, 0)] + [(0, int(t - d)) for d, t in zip(a.shape[1:], target)])
+                           for a in arrays])
 
 
 def load_calibration_dir(path: str | os.PathLike, specs: list[IOSpec]) -> tuple[dict, dict]:
@@ -298,6 +313,45 @@ class Measured:
     latency_ms: dict[str, Any]
 
 
+def build_gates(spec: str | None) -> list:
+    """``--accuracy-gate`` parsed for ``dsedge build``, which measures the built-in metrics only (cosine,
+    cosine-min, top1). Raises ConfigError for a bad spec or a metric that needs a caller's metric function."""
+    if not spec:
+        return []
+    from .quantize.mixed import BUILTIN, parse_gates
+
+    gates = parse_gates(spec)
+    other = [g.metric for g in gates if g.metric not in BUILTIN]
+    if other:
+        raise ConfigError(f"dsedge build cannot measure {other[0]!r} for --accuracy-gate",
+                          f"gates of dsedge build use {', '.join(BUILTIN)}; others need the Python API "
+                          "(quantize_mixed(metric=...))")
+    return gates
+
+
+def qualifies(accuracy: dict[str, Any], gates: list) -> bool:
+    """Auto's accuracy test: every ``--accuracy-gate`` gate passes, or without one cosine_mean >= AUTO_MIN_COSINE."""
+    from .quantize.mixed import gate_values
+
+    if not gates:
+        return accuracy.get("cosine_mean", 0.0) >= AUTO_MIN_COSINE
+    values = gate_values(accuracy)
+    return all(g.metric in values and g.passes(values[g.metric]) for g in gates)
+
+
+def gate_summary(details: dict[str, Any]) -> str:
+    """One line on what an accuracy-gated compressor kept higher, for the build log ('' when nothing was gated)."""
+    if "kept_float" in details:
+        v = details.get("values", {}).get("cosine")
+        return (f" (gate {details.get('gate')}: {len(details['kept_float'])} of {details.get('layers')} layers kept "
+                f"float" + (f", cosine {v:.4f}" if v is not None else "") + ")")
+    if "raised" in details and "gate" in details:
+        v = details.get("values", {}).get("cosine")
+        return (f" (gate {details['gate']}: {len(details['raised'])} layer raises"
+                + (f", cosine {v:.4f}" if v is not None else "") + ")")
+    return ""
+
+
 def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: Path, opts: BuildOptions,
                 source: Source, validation: dict[str, np.ndarray],
                 log: Callable[[str], None]) -> tuple[str, dict[str, Measured], dict[str, Any]]:
@@ -342,7 +396,7 @@ def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: 
             log(f"auto candidate {p}: skipped (cannot be validated on ORT CPU here: {e})")
             continue
         built[p] = (comp, opset, acc)
-        if not target.auto_by_latency and (p == "fp32" or acc.get("cosine_mean", 0.0) >= AUTO_MIN_COSINE):
+        if not target.auto_by_latency and (p == "fp32" or qualifies(acc, build_gates(opts.accuracy_gate))):
             break
     if target.auto_by_latency:
         lats = measure_latency_side_by_side({p: b[0].path for p, b in built.items()}, exported,
@@ -351,8 +405,9 @@ def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: 
         lats = {p: measure_latency(b[0].path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
                 for p, b in built.items()}
     measured = {p: Measured(b[0], b[1], b[2], lats[p]) for p, b in built.items()}
+    gates = build_gates(opts.accuracy_gate)
     for p, m in measured.items():
-        ok = p == "fp32" or m.accuracy.get("cosine_mean", 0.0) >= AUTO_MIN_COSINE
+        ok = p == "fp32" or qualifies(m.accuracy, gates)
         record["candidates"].append({"precision": p, "b1_p50_ms": m.latency_ms["1"]["p50"],
                                      "cosine_mean": m.accuracy.get("cosine_mean"), "qualifies": ok})
         log(f"auto candidate {p}: b1 p50 {m.latency_ms['1']['p50']:.2f} ms, "
@@ -395,6 +450,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
     from .compensate import check_options
 
     prune_spec, compensation_notes = check_options(opts, target)   # kept apart: auto rewrites `notes`
+    gates = build_gates(opts.accuracy_gate)                          # bad specs fail before any work
     if opts.engine:  # fail before any work when this machine cannot build engines
         from ..runtime.backends.tensorrt import import_tensorrt
 
@@ -464,6 +520,8 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
                 compensation_notes.append("2:4: the engine recipe enables TensorRT's sparse tactics "
                                           "(--sparsity=enable), which run for FP16/INT8 GEMMs on sparse tensor cores")
             timings["compensate_s"] = time.perf_counter() - t
+        if compensating:
+            exported.reference = reference_onnx    # accuracy gates judge the shipped model against the original
         t = time.perf_counter()
         measured: dict[str, Measured] = {}
         choice = None
@@ -488,7 +546,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
                           else Compressed(exported.path, "fp32", {}))
         timings["compress_s"] = time.perf_counter() - t
         if precision != "fp32":
-            log(f"compressed to {precision}")
+            log(f"compressed to {precision}" + gate_summary(compressed.details))
         opsets = {p: m.opset for p, m in measured.items()}
         if precision not in opsets:
             opsets[precision] = fit_target(compressed.path, target)
@@ -517,6 +575,23 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
             variants.append(Variant(name=name, precision=name, file=rel, accuracy=acc, latency_ms=lat,
                                     notes=[f"size vs fp32: {path.stat().st_size / fp32_size:.3f}"]))
         timings["validate_s"] = time.perf_counter() - t
+        from .quantize.mixed import gate_values
+
+        shipped = gate_values(variants[0].accuracy) if variants[0].accuracy.get("reference") != "self" else {}
+        if gates and shipped:
+            failing = [g for g in gates if g.metric in shipped and not g.passes(shipped[g.metric])]
+            if failing:
+                raise AccuracyGateError(
+                    f"accuracy gate {opts.accuracy_gate} not met by the {precision} variant: "
+                    + ", ".join(f"{g.metric} = {shipped[g.metric]:.5f}" for g in failing)
+                    + " vs the original model" + (" (the pruning/QAT cost included)" if compensating else ""),
+                    "loosen the gate, or use int4 / TensorRT int8 (they keep sensitive layers higher until it "
+                    "passes)" + (", or prune less / train longer" if compensating else ""))
+        if compensating and shipped.get("cosine", 1.0) < AUTO_MIN_COSINE:
+            warning = (f"warning: the {precision} variant is at cosine {shipped['cosine']:.4f} vs the original model "
+                       f"(below {AUTO_MIN_COSINE}): the pruning/QAT fine-tune did not recover it")
+            log(warning)
+            compensation_notes.append(warning)
 
         ranges = shape_ranges_for(exported, target, source)
         sparse = {"sparsity": "2:4"} if prune_spec is not None and prune_spec.pattern == "2:4" else {}

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import click
 
 from ..runtime import bench as core
+from ..runtime.bundle import usual_mode
 from ..runtime.errors import DsedgeError
 
 
@@ -63,6 +64,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, usual_mode())               # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

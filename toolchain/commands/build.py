@@ -41,7 +41,7 @@ import click
               help="Also build the TensorRT engine into engines/ (needs TensorRT and the target's GPU here).")
 @click.option("--prune", "prune", default=None, metavar="SPEC",
               help="Prune the torch source before export: channels:FRACTION (FFN hidden channels, global target, "
-                   "e.g. channels:0.3) or 2:4 (targets with sparse tensor cores: a100, jetson-orin); then "
+                   "e.g. channels:0.3) or 2:4 (targets with sparse tensor cores: a100, h100, jetson-orin); then "
                    "fine-tune to the unpruned teacher.")
 @click.option("--finetune-steps", "finetune_steps", type=int, default=None,
               help="Distillation fine-tune steps after --prune on the calibration inputs [default: 500; 0 = none].")

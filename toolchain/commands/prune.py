@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import click
 
+from ...runtime.bundle import usual_mode
 from ...runtime.errors import ConfigError
 from .quantize import _load, save_model_atomic
 
@@ -49,6 +50,7 @@ def _prune_torch(model: str, output: Path, pattern: str, sparsity: float, steps:
     os.close(fd)
     try:
         exported = export_onnx(source, tmp)
+        os.chmod(tmp, usual_mode())               # mkstemp makes 0600
         os.replace(tmp, output)
     finally:
         if os.path.exists(tmp):

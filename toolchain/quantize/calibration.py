@@ -64,7 +64,7 @@ def read_batches(source: CalibrationSource) -> list[Batch]:
     return batches
 
 
-def check_batches(model: onnx.ModelProto, batches: list[Batch]) -> list[Batch]:
+def check_batches(model: onnx.ModelProto, batches: list[Batch], what: str = "calibration") -> list[Batch]:
     """Check names, rank and dtype kind of every batch against the model's graph inputs; cast same-kind dtypes.
 
     Raises CalibrationError naming the input (missing, unknown, wrong rank, int given for float …).
@@ -83,19 +83,19 @@ def check_batches(model: onnx.ModelProto, batches: list[Batch]) -> list[Batch]:
         missing = sorted(set(specs) - set(b))
         unknown = sorted(set(b) - set(specs))
         if missing:
-            raise CalibrationError(f"calibration batch {j} lacks model input {missing[0]!r}",
+            raise CalibrationError(f"{what} batch {j} lacks model input {missing[0]!r}",
                                    f"the model's inputs are {sorted(specs)}")
         if unknown:
-            raise CalibrationError(f"calibration batch {j} has {unknown[0]!r}, which is not a model input",
+            raise CalibrationError(f"{what} batch {j} has {unknown[0]!r}, which is not a model input",
                                    f"the model's inputs are {sorted(specs)}")
         fixed = {}
         for name, (dtype, rank) in specs.items():
             a = np.asarray(b[name])
             if rank is not None and a.ndim != rank:
-                raise CalibrationError(f"calibration input {name!r} has rank {a.ndim}, the model expects {rank}",
+                raise CalibrationError(f"{what} input {name!r} has rank {a.ndim}, the model expects {rank}",
                                        "check the batch layout")
             if _KINDS.get(a.dtype.kind) != _KINDS.get(np.dtype(dtype).kind):
-                raise CalibrationError(f"calibration input {name!r} is {a.dtype}, the model expects {np.dtype(dtype)}",
+                raise CalibrationError(f"{what} input {name!r} is {a.dtype}, the model expects {np.dtype(dtype)}",
                                        "convert the calibration data to the model's input dtype")
             fixed[name] = a.astype(dtype, copy=False)
         out.append(fixed)

@@ -47,6 +47,14 @@ def _embedding_output(exported: Any, source: Any) -> int | str:
     return 0
 
 
+def _gate_reference(exported: Any, model: Any) -> Any:
+    """The model accuracy gates compare with: the original export when the source was pruned / QAT-tuned first."""
+    import onnx
+
+    ref = getattr(exported, "reference", None)
+    return onnx.load(os.fspath(ref)) if ref is not None else model
+
+
 def compress_int4(exported: Any, work: Path, opts: Any, source: Any) -> Any:
     """INT4 (W4A16) with the chosen algorithm, optional accuracy gate, and INT4 embedding tables."""
     import onnx
@@ -72,7 +80,7 @@ def compress_int4(exported: Any, work: Path, opts: Any, source: Any) -> Any:
             base, tables = quantize_embedding_tables(base, block_size=opts.block_size, symmetric=False)
         q, details = quantize_mixed(base, calib, gate=gate, heldout=heldout, algorithm=algorithm,
                                     block_size=opts.block_size, output=_embedding_output(exported, source),
-                                    reference=model)
+                                    reference=_gate_reference(exported, model))
     else:
         # after QAT: absmax scales without clip search, the quantizer the fake-quant fine-tune trained for
         qat = bool(getattr(opts, "qat_steps", 0)) and algorithm == "rtn"
@@ -187,7 +195,8 @@ def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
     elif calib is not None and heldout is not None:
         gate = getattr(opts, "accuracy_gate", None) or DEFAULT_INT8_GATE
         q, details = quantize_int8_gated(model, calib, gate=gate, heldout=heldout, smooth_alpha=0.5,
-                                         output=_embedding_output(exported, source))
+                                         output=_embedding_output(exported, source),
+                                         reference=_gate_reference(exported, model))
     elif calib is not None:
         q, details = quantize_int8_static(model, calib, smooth_alpha=0.5)
     elif getattr(opts, "precision", "") != "int8" or getattr(opts, "fallback", False):

@@ -12,8 +12,11 @@ SkipLayerNormalization, BiasGelu, EmbedLayerNormalization) so attention runs as 
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +110,36 @@ def smooth_quant(model: onnx.ModelProto, batches: list[Batch], *, alpha: float =
     return out, {"alpha": alpha, "groups": done}
 
 
+class _PreprocessHint(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith("Please consider")
+
+
+@contextlib.contextmanager
+def without_preprocess_hint() -> Iterator[None]:
+    """Drop the root-logger warning ORT's quantizers print on every call ("Please consider pre-processing before
+    quantization …": symbolic shape inference, which dsedge's exports do not need); other warnings pass."""
+    hint = _PreprocessHint()
+    root = logging.getLogger()
+    root.addFilter(hint)
+    try:
+        yield
+    finally:
+        root.removeFilter(hint)
+
+
+def check_initializers_finite(model: onnx.ModelProto) -> None:
+    """Raise QuantizationError naming the first float initializer that holds NaN/Inf (and the node reading it)."""
+    readers = {i: n.name or n.op_type for n in model.graph.node for i in n.input}
+    for t in model.graph.initializer:
+        if t.data_type == onnx.TensorProto.FLOAT:
+            a = onnx.numpy_helper.to_array(t)
+            if a.size and not np.all(np.isfinite(a)):
+                bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+                raise QuantizationError(f"initializer {t.name!r} (read by {readers.get(t.name, '?')!r}) holds {bad} "
+                                        "NaN/Inf values", "fix or retrain the model; NaN/Inf weights cannot be quantized")
+
+
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     m = onnx.ModelProto()
     m.CopyFrom(model)
@@ -145,6 +178,7 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
         raise QuantizationError(f"unknown calibration method {method!r}", f"choose one of {', '.join(METHODS)}")
     model = name_nodes(_copy(model))
     materialize_constants(model)
+    check_initializers_finite(model)
     batches = load_calibration(model, calibration)
     if method != "minmax":
         batches = pad_to_common_shape(batches)
@@ -165,7 +199,7 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
         extra["CalibPercentile"] = percentile
     if method == "entropy":
         extra["CalibNumBins"] = 2048
-    with tempfile.TemporaryDirectory(prefix="dsedge-int8-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="dsedge-int8-") as tmp, without_preprocess_hint():
         src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         _save(model, src)
         try:
@@ -271,16 +305,11 @@ def quantize_int8_dynamic(model: onnx.ModelProto, *, per_channel: bool = True, f
     """
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    for t in model.graph.initializer:
-        if t.data_type == onnx.TensorProto.FLOAT:
-            a = onnx.numpy_helper.to_array(t)
-            if a.size and not np.all(np.isfinite(a)):
-                raise QuantizationError(f"initializer {t.name!r} holds NaN/Inf values",
-                                        "fix the model; NaN/Inf weights cannot be quantized")
+    check_initializers_finite(model)
     fused: dict = {}
     if fuse:
         model, fused = fuse_transformer(model, model_type=fuse)
-    with tempfile.TemporaryDirectory(prefix="dsedge-dyn-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="dsedge-dyn-") as tmp, without_preprocess_hint():
         src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         _save(model, src)
         quantize_dynamic(str(src), str(dst), per_channel=per_channel, weight_type=QuantType.QInt8,

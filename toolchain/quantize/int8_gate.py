@@ -91,7 +91,8 @@ def quantize_int8_gated(model: onnx.ModelProto, calibration: CalibrationSource |
                         gate: AccuracyGate | list[AccuracyGate] | str, heldout: CalibrationSource | list | None = None,
                         metric: Callable[[onnx.ModelProto], float | dict[str, float]] | None = None,
                         output: int | str = 0, smooth_alpha: float | None = 0.5, method: str = "minmax",
-                        on_step: Callable[[str], None] | None = None) -> tuple[onnx.ModelProto, dict]:
+                        on_step: Callable[[str], None] | None = None,
+                        reference: onnx.ModelProto | None = None) -> tuple[onnx.ModelProto, dict]:
     """W8A8 explicit Q/DQ model whose most sensitive layers stay float until ``gate`` passes.
 
     Args:
@@ -102,6 +103,8 @@ def quantize_int8_gated(model: onnx.ModelProto, calibration: CalibrationSource |
         metric: ``model -> value`` or ``{metric: value}``, instead of the built-in one (e.g. for auc-drop).
         smooth_alpha: SmoothQuant alpha (arXiv:2211.10438) applied before calibration; None = off.
         method: activation range calibration, ``minmax`` | ``entropy`` | ``percentile``.
+        reference: the model the built-in metric compares with (default ``model``), e.g. the original model when
+            ``model`` is a pruned or QAT-tuned student of it.
     Returns:
         (model, report): report["kept_float"] lists ``{node, sensitivity, rank, value_after, reason}``,
         report["values_all_int8"] / ["values"] the gate metrics before and after.
@@ -109,7 +112,8 @@ def quantize_int8_gated(model: onnx.ModelProto, calibration: CalibrationSource |
         AccuracyGateError when even every layer in float fails; ConfigError for a gate metric without a metric
         function; CalibrationError / QuantizationError as in :func:`.int8.quantize_int8_static`.
     """
-    check = GateCheck(gate, metric=metric, heldout=heldout, reference=model, output=output)
+    check = GateCheck(gate, metric=metric, heldout=heldout, reference=reference if reference is not None else model,
+                      output=output)
     primary, gate_text = check.primary, check.text
     measure, passes, show = check.measure, check.passes, check.show
     log = on_step or (lambda msg: None)

@@ -28,6 +28,7 @@ from .weight_only import QuantizedLayer, assemble, layer_activations, quantize_l
 # drops (auc-drop, accuracy-drop) need a caller-supplied metric function.
 METRICS = {"cosine": True, "cosine-min": True, "top1": True, "auc-drop": False, "accuracy-drop": False}
 BUILTIN = ("cosine", "cosine-min", "top1")
+RANGES = {"cosine": (-1.0, 1.0), "cosine-min": (-1.0, 1.0), "top1": (0.0, 1.0)}
 LADDER = (4, 8, 32)
 RUNG_NAMES = {4: "int4", 8: "int8", 32: "float"}
 
@@ -66,6 +67,10 @@ def parse_gate(spec: str) -> AccuracyGate:
         threshold = float(value)
     except ValueError:
         raise ConfigError(f"accuracy gate {spec!r}: {value!r} is not a number", "e.g. cosine:0.99") from None
+    lo, hi = RANGES.get(metric, (-np.inf, np.inf))
+    if not lo <= threshold <= hi:
+        raise ConfigError(f"accuracy gate {spec!r} can never be judged: {metric} lies in [{lo:g}, {hi:g}]",
+                          "e.g. cosine:0.99, top1:0.95")
     return AccuracyGate(metric, threshold)
 
 
@@ -86,7 +91,7 @@ def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list,
     ``top1`` = fraction of samples whose nearest other sample (cosine) is the same as under the reference (for
     embedding outputs). ``reduce="mean"|"min"`` returns that one float instead. Reference outputs are computed once.
     """
-    batches = check_batches(reference, read_batches(heldout))
+    batches = check_batches(reference, read_batches(heldout), what="held-out")
     sess = ort_session(reference)
     names = [o.name for o in sess.get_outputs()]
     if isinstance(output, str):
@@ -97,17 +102,31 @@ def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list,
 
     def metric(model: onnx.ModelProto) -> dict[str, float] | float:
         s = ort_session(model)
-        ys, rs = [], []
+        ys, rs, cs = [], [], []
         for b, r in zip(batches, refs):
-            ys.append(s.run(None, b)[output].reshape(r.shape[0], -1).astype(np.float64))
-            rs.append(r.reshape(r.shape[0], -1).astype(np.float64))
-        y, r = np.concatenate(ys), np.concatenate(rs)
-        c = (y * r).sum(1) / (np.linalg.norm(y, axis=1) * np.linalg.norm(r, axis=1) + 1e-30)
+            y = s.run(None, b)[output].reshape(r.shape[0], -1).astype(np.float64)
+            r = r.reshape(r.shape[0], -1).astype(np.float64)
+            cs.append((y * r).sum(1) / (np.linalg.norm(y, axis=1) * np.linalg.norm(r, axis=1) + 1e-30))
+            ys.append(y)
+            rs.append(r)
+        c = np.concatenate(cs)          # per sample, so batches of different sequence lengths are fine
         if reduce is not None:
             return float(c.mean() if reduce == "mean" else c.min())
-        return {"cosine": float(c.mean()), "cosine-min": float(c.min()), "top1": top1_neighbour_agreement(r, y)}
+        same_width = len({y.shape[1] for y in ys}) == 1   # top-1 compares rows with each other: one width only
+        top1 = (top1_neighbour_agreement(np.concatenate(rs), np.concatenate(ys)) if same_width else float("nan"))
+        return {"cosine": float(c.mean()), "cosine-min": float(c.min()), "top1": top1}
 
     return metric
+
+
+def gate_values(accuracy: dict) -> dict[str, float]:
+    """The built-in gate metrics from a validation record of :func:`dsedge.toolchain.evaluate.compare_models`
+    (``cosine_mean`` → cosine, ``cosine_min`` → cosine-min, ``top1_agreement`` or ``argmax_agreement`` → top1)."""
+    keys = {"cosine": "cosine_mean", "cosine-min": "cosine_min", "top1": "top1_agreement"}
+    out = {m: float(accuracy[k]) for m, k in keys.items() if accuracy.get(k) is not None}
+    if "top1" not in out and accuracy.get("argmax_agreement") is not None:
+        out["top1"] = float(accuracy["argmax_agreement"])
+    return out
 
 
 class GateCheck:
