@@ -66,7 +66,9 @@ def test_gate_passing_at_int4_raises_nothing_and_impossible_gate_fails():
     q2, report2 = quantize_mixed(model, calib, gate="cosine:0.9,top1:1.0", heldout=held, algorithm="rtn",
                                  block_size=16)
     assert report2["values"]["top1"] == 1.0 and report2["gate"] == "cosine:0.9,top1:1"
-    with pytest.raises(AccuracyGateError, match=r"best cosine = 1\.0000"):
+    with pytest.raises(AccuracyGateError, match=r"best cosine = 0\.50000 with every weight layer in float"):
+        quantize_mixed(model, calib, gate="cosine:0.9", metric=lambda m: 0.5, algorithm="rtn", block_size=16)
+    with pytest.raises(ConfigError, match="can never be judged: cosine lies in"):
         quantize_mixed(model, calib, gate="cosine:1.5", heldout=held, algorithm="rtn", block_size=16)
     with pytest.raises(ConfigError, match="needs held-out data"):
         quantize_mixed(model, calib, gate="auc-drop:0.01", heldout=held)
