@@ -144,3 +144,13 @@ def test_static_int8_names_the_layer_with_nan_weights(data):
     w2.CopyFrom(numpy_helper.from_array(a, "w2"))
     with pytest.raises(QuantizationError, match="'w2' \\(read by 'fc2'\\) holds 1 NaN/Inf"):
         quantize_int8_static(m, calib)
+
+
+def test_build_log_summarises_what_a_gate_kept_higher():
+    from dsedge.toolchain.pipeline import gate_summary
+
+    assert gate_summary({"kept_float": ["fc2"], "layers": [{"node": "fc2"}]}) == ""       # INT4 without a gate
+    assert gate_summary({"gate": "cosine:0.99", "kept_float": [{}] * 3, "layers": 36, "int8_layers": 33,
+                         "values": {"cosine": 0.99521}}) == " (gate cosine:0.99: 3 of 36 layers kept float, cosine 0.9952)"
+    assert gate_summary({"gate": "cosine:0.99", "raised": [{}, {}], "values": {"cosine": 0.9907}}) == \
+        " (gate cosine:0.99: 2 layer raises, cosine 0.9907)"

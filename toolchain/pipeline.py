@@ -341,15 +341,13 @@ def qualifies(accuracy: dict[str, Any], gates: list) -> bool:
 
 def gate_summary(details: dict[str, Any]) -> str:
     """One line on what an accuracy-gated compressor kept higher, for the build log ('' when nothing was gated)."""
-    if "kept_float" in details:
-        v = details.get("values", {}).get("cosine")
-        return (f" (gate {details.get('gate')}: {len(details['kept_float'])} of {details.get('layers')} layers kept "
-                f"float" + (f", cosine {v:.4f}" if v is not None else "") + ")")
-    if "raised" in details and "gate" in details:
-        v = details.get("values", {}).get("cosine")
-        return (f" (gate {details['gate']}: {len(details['raised'])} layer raises"
-                + (f", cosine {v:.4f}" if v is not None else "") + ")")
-    return ""
+    if not details.get("gate"):
+        return ""
+    v = details.get("values", {}).get("cosine")
+    tail = f", cosine {v:.4f})" if v is not None else ")"
+    if "int8_layers" in details:                      # INT8 gate: layers kept float
+        return f" (gate {details['gate']}: {len(details['kept_float'])} of {details['layers']} layers kept float" + tail
+    return f" (gate {details['gate']}: {len(details.get('raised', []))} layer raises" + tail
 
 
 def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: Path, opts: BuildOptions,

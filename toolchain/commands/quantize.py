@@ -102,4 +102,5 @@ def quantize(model: Path, output: Path, precision: str, algorithm: str, block_si
     for r in report.get("raised", []):
         click.echo(f"  kept {r['to']}: {r['node']} — {r['reason']}")
     for r in report.get("kept_float", []):
-        click.echo(f"  kept float: {r['node']} — {r['reason']}")
+        if isinstance(r, dict):                       # the INT8 gate's records (INT4 lists bare node names)
+            click.echo(f"  kept float: {r['node']} — {r['reason']}")
