@@ -197,6 +197,8 @@ def test_build_prune_channels_with_fine_tune_reports_before_and_after(net_module
         f"{comp['heldout_before']['argmax_agreement']:.3f} → {comp['heldout_after']['argmax_agreement']:.3f}"]
     saved = json.loads((r.bundle / "report.json").read_text())
     assert saved["compensation"]["prune"]["heldout_after"] == comp["heldout_after"]
+    manifest = json.loads((r.bundle / "manifest.json").read_text())
+    assert any("pruned/QAT-tuned student, not the original" in n for n in manifest["variants"][0]["notes"])
 
 
 def test_build_qat_changes_the_int4_weights_and_reports_before_and_after(net_module, monkeypatch):

@@ -95,7 +95,7 @@ def check_options(opts: Any, target: Any) -> tuple[PruneSpec | None, list[str]]:
     notes = []
     if (qat or (spec and spec.pattern == "2:4")) and opts.algorithm == "auto":
         opts.algorithm = "rtn"
-        notes.append("INT4 algorithm rtn: " + ("QAT trains for the RTN codes (absmax scales, no clip search)" if qat
+        notes.append("INT4 algorithm rtn (if INT4 is built): " + ("QAT trains for the RTN codes (absmax scales, no clip search)" if qat
                                                else "GPTQ would refill the 2:4 zeros"))
     return spec, notes
 

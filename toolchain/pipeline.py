@@ -570,8 +570,10 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
                 lat = measure_latency(path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
             rel = f"models/{name}.onnx"
             models[rel] = path
-            variants.append(Variant(name=name, precision=name, file=rel, accuracy=acc, latency_ms=lat,
-                                    notes=[f"size vs fp32: {path.stat().st_size / fp32_size:.3f}"]))
+            vnotes = [f"size vs fp32: {path.stat().st_size / fp32_size:.3f}"]
+            if compensating:
+                vnotes.append("from the pruned/QAT-tuned student, not the original model; accuracy is vs the original")
+            variants.append(Variant(name=name, precision=name, file=rel, accuracy=acc, latency_ms=lat, notes=vnotes))
         timings["validate_s"] = time.perf_counter() - t
         from .quantize.mixed import gate_values
 

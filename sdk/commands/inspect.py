@@ -27,7 +27,7 @@ def inspect(bundle: str, as_json: bool) -> None:
         "shape_ranges": m.shape_ranges, "latency_budget_ms": m.latency_budget_ms,
         "default_variant": m.default_variant,
         "variants": [{"name": v.name, "precision": v.precision, "file": v.file, "size_bytes": v.size_bytes,
-                      "accuracy": v.accuracy} for v in m.variants],
+                      "accuracy": v.accuracy, "notes": v.notes} for v in m.variants],
         "files": len(m.files), "providers_here": providers,
     }
     if as_json:
@@ -47,8 +47,11 @@ def inspect(bundle: str, as_json: bool) -> None:
     for col in ("variant", "precision", "file", "size MB", "accuracy vs fp32"):
         vt.add_column(col)
     for v in m.variants:
-        acc = ", ".join(f"{k} {val}" for k, val in v.accuracy.items() if k != "n") or "—"
-        vt.add_row(v.name, v.precision, v.file, f"{v.size_bytes / 1e6:.1f}", acc)
+        acc = ", ".join(f"{k} {val}" if not isinstance(val, list) else f"{k.replace('_margins', 's')} {len(val)}"
+                        for k, val in v.accuracy.items() if k != "n") or "—"
+        student = [n for n in v.notes if "student" in n]          # pruned / QAT builds: not the original model
+        vt.add_row(v.name, v.precision, v.file, f"{v.size_bytes / 1e6:.1f}", escape(acc) + "".join(
+            f"\n[yellow]{escape(n)}[/]" for n in student))
     c.print(vt)
     c.print(f"shape ranges: {m.shape_ranges}; latency budget: {m.latency_budget_ms} ms")
     c.print(f"providers that would be used here: {', '.join(providers)}")
