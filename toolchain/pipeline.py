@@ -354,8 +354,8 @@ def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: 
                 source: Source, validation: dict[str, np.ndarray],
                 log: Callable[[str], None]) -> tuple[str, dict[str, Measured], dict[str, Any]]:
     """``--precision auto``: walk the target's precision order (this version's compressors, then fp32), building and
-    validating each candidate. A candidate is accurate when its cosine mean vs fp32 on held-out inputs is at least
-    ``AUTO_MIN_COSINE`` (fp32 always is). Targets with ``auto_by_latency`` (ORT CPU) build every candidate, time all
+    validating each candidate. A candidate is accurate when it passes ``--accuracy-gate`` or, without one, when its
+    cosine mean vs fp32 on held-out inputs is at least ``AUTO_MIN_COSINE`` (fp32 always is). Targets with ``auto_by_latency`` (ORT CPU) build every candidate, time all
     of them side by side (interleaved, batch 1, ``measure_latency_side_by_side``) and keep the fastest accurate one,
     a compressed one only when it is at least ``AUTO_MIN_SPEEDUP`` × faster than fp32 (within measurement noise the
     exact model wins; e.g. INT8 Q/DQ Conv3d runs slower than fp32 on ORT CPU, so a 3-D CNN stays fp32). Other
@@ -371,11 +371,13 @@ def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: 
     implemented = set(COMPRESSORS) | {"fp32"}
     order = [p for p in dict.fromkeys([*target.precision_order, "fp32"]) if p in implemented]
     built: dict[str, tuple[Compressed, int, dict[str, Any]]] = {}
+    accurate = (f"--accuracy-gate {opts.accuracy_gate}" if opts.accuracy_gate
+                else f"cosine_mean >= {AUTO_MIN_COSINE}")
     if target.auto_by_latency:
-        rule = (f"fastest b1 p50 (timed side by side) with cosine_mean >= {AUTO_MIN_COSINE}; a compressed variant "
+        rule = (f"fastest b1 p50 (timed side by side) with {accurate}; a compressed variant "
                 f"must be >= {AUTO_MIN_SPEEDUP:.2f}x faster than fp32")
     else:
-        rule = f"first in the target's order with cosine_mean >= {AUTO_MIN_COSINE}"
+        rule = f"first in the target's order with {accurate}"
     record: dict[str, Any] = {"rule": rule, "candidates": []}
     skipped: list[dict[str, Any]] = []
     for p in order:
