@@ -28,31 +28,27 @@ def _cos_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12)
 
 
+def _neighbour_sims(e: np.ndarray) -> np.ndarray:
+    """Cosine similarity of every row of ``e`` [N, D] with every other row, float64 [N, N], -inf on the diagonal."""
+    e = e.astype(np.float64)
+    e = e / (np.linalg.norm(e, axis=1, keepdims=True) + 1e-12)
+    s = e @ e.T
+    np.fill_diagonal(s, -np.inf)
+    return s
+
+
 def top1_neighbour_agreement(ref: np.ndarray, test: np.ndarray) -> float:
     """Fraction of rows whose nearest other row (cosine) is the same under ``ref`` and ``test`` embeddings [N, D]."""
-    def nn(e: np.ndarray) -> np.ndarray:
-        e = e / (np.linalg.norm(e, axis=1, keepdims=True) + 1e-12)
-        sim = e @ e.T
-        np.fill_diagonal(sim, -np.inf)
-        return sim.argmax(1)
-
-    return float(np.mean(nn(ref.astype(np.float64)) == nn(test.astype(np.float64))))
+    return float(np.mean(_neighbour_sims(ref).argmax(1) == _neighbour_sims(test).argmax(1)))
 
 
 def top1_flip_margins(ref: np.ndarray, test: np.ndarray) -> list[float]:
     """For each row whose nearest other row differs between ``ref`` and ``test`` [N, D]: the reference's own margin,
     cosine(first neighbour) - cosine(second neighbour) under ``ref``. A flip at a margin of 0.002 is a near-tie
     that the reference itself barely decides; a flip at 0.1 is a real retrieval change."""
-    def sims(e: np.ndarray) -> np.ndarray:
-        e = e.astype(np.float64)
-        e = e / (np.linalg.norm(e, axis=1, keepdims=True) + 1e-12)
-        s = e @ e.T
-        np.fill_diagonal(s, -np.inf)
-        return s
-
-    r, t = sims(ref), sims(test)
+    r = _neighbour_sims(ref)
     top2 = np.sort(r, axis=1)[:, -2:]
-    flipped = np.nonzero(r.argmax(1) != t.argmax(1))[0]
+    flipped = np.nonzero(r.argmax(1) != _neighbour_sims(test).argmax(1))[0]
     return [round(float(top2[i, 1] - top2[i, 0]), 5) for i in flipped]
 
 

@@ -371,6 +371,7 @@ def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: 
     implemented = set(COMPRESSORS) | {"fp32"}
     order = [p for p in dict.fromkeys([*target.precision_order, "fp32"]) if p in implemented]
     built: dict[str, tuple[Compressed, int, dict[str, Any]]] = {}
+    gates = build_gates(opts.accuracy_gate)
     accurate = (f"--accuracy-gate {opts.accuracy_gate}" if opts.accuracy_gate
                 else f"cosine_mean >= {AUTO_MIN_COSINE}")
     if target.auto_by_latency:
@@ -396,7 +397,7 @@ def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: 
             log(f"auto candidate {p}: skipped (cannot be validated on ORT CPU here: {e})")
             continue
         built[p] = (comp, opset, acc)
-        if not target.auto_by_latency and (p == "fp32" or qualifies(acc, build_gates(opts.accuracy_gate))):
+        if not target.auto_by_latency and (p == "fp32" or qualifies(acc, gates)):
             break
     if target.auto_by_latency:
         lats = measure_latency_side_by_side({p: b[0].path for p, b in built.items()}, exported,
@@ -405,7 +406,6 @@ def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: 
         lats = {p: measure_latency(b[0].path, exported, opts.latency_iterations, opts.threads, source.vocab_size)
                 for p, b in built.items()}
     measured = {p: Measured(b[0], b[1], b[2], lats[p]) for p, b in built.items()}
-    gates = build_gates(opts.accuracy_gate)
     for p, m in measured.items():
         ok = p == "fp32" or qualifies(m.accuracy, gates)
         record["candidates"].append({"precision": p, "b1_p50_ms": m.latency_ms["1"]["p50"],

@@ -26,7 +26,7 @@ import onnx
 from ...runtime.errors import AccuracyGateError, ConfigError
 from .calibration import CalibrationSource, load_calibration
 from .graph import ensure_qdq_opset, name_nodes
-from .int8 import quantize_int8_static, smooth_quant
+from .int8 import _copy, quantize_int8_static, smooth_quant
 from .mixed import AccuracyGate, GateCheck
 
 QUANTIZED_OPS = ("MatMul", "Gemm", "Conv")
@@ -126,8 +126,9 @@ def quantize_int8_gated(model: onnx.ModelProto, calibration: CalibrationSource |
     report["smooth_quant"] = smooth
     values = base_values = measure(q)
     log(f"all int8 (W8A8, {method}): {show(values)}")
-    layers = [n.name for n in q.graph.node
-              if n.op_type in QUANTIZED_OPS and any(_is_dq_output(q, i) for i in n.input)]
+    prod = _producers(q)
+    layers = [n.name for n in q.graph.node if n.op_type in QUANTIZED_OPS
+              and any(i in prod and prod[i].op_type == "DequantizeLinear" for i in n.input)]
     kept: list[dict] = []
     sensitivity: dict[str, float] = {}
     if not passes(values):
@@ -157,13 +158,3 @@ def quantize_int8_gated(model: onnx.ModelProto, calibration: CalibrationSource |
                    "layers": len(layers), "kept_float": kept, "sensitivity": sensitivity,
                    "int8_layers": len(layers) - len(kept)})
     return q, report
-
-
-def _is_dq_output(model: onnx.ModelProto, name: str) -> bool:
-    return any(n.op_type == "DequantizeLinear" and name in n.output for n in model.graph.node)
-
-
-def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    return m
