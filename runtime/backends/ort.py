@@ -16,10 +16,31 @@ from ..errors import BackendUnavailable, BundleError
 PROVIDER_CHAIN = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 
 
+ORT_INSTALL_HINT = ("pip install 'dsedge[cpu]' (CPU), 'dsedge[gpu]' (x86 CUDA: onnxruntime-gpu), or on Jetson the "
+                    "onnxruntime-gpu wheel built for your JetPack (docs/jetpack.md)")
+
+
+def import_ort():
+    """The ``onnxruntime`` module (CPU or GPU wheel, both install it under that name).
+
+    Raises:
+        BackendUnavailable: no ONNX Runtime wheel is installed (dsedge's core does not pull one: see the extras).
+    """
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise BackendUnavailable("ONNX Runtime is not installed (dsedge needs one of onnxruntime / onnxruntime-gpu)",
+                                 ORT_INSTALL_HINT) from None
+    if not hasattr(ort, "InferenceSession"):  # a half-removed wheel (CPU and GPU installed, one uninstalled)
+        raise BackendUnavailable("the onnxruntime module is broken (no InferenceSession): the CPU and GPU wheels were "
+                                 "probably installed over each other", "pip uninstall -y onnxruntime onnxruntime-gpu, "
+                                 "then install one: " + ORT_INSTALL_HINT)
+    return ort
+
+
 def available_providers() -> list[str]:
     """ORT providers this installation offers, in dsedge's preference order (others after)."""
-    import onnxruntime as ort
-
+    ort = import_ort()
     have = ort.get_available_providers()
     return [p for p in PROVIDER_CHAIN if p in have] + [p for p in have if p not in PROVIDER_CHAIN]
 
@@ -71,8 +92,7 @@ class OrtBackend:
 
     def __init__(self, model_path: str | os.PathLike, providers: Sequence[str] | None = None,
                  threads: int | None = None) -> None:
-        import onnxruntime as ort
-
+        ort = import_ort()
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = int(threads)
