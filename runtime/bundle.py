@@ -20,6 +20,7 @@ from .errors import BundleError, BundleIntegrityError
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"  # detached Ed25519 signature over manifest.json (runtime/signing.py); not hash-listed
 BUNDLE_SUFFIX = ".dse"
 _DTYPES = {"float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool"}
 
@@ -73,6 +74,8 @@ class Variant:
     accuracy: dict[str, Any] = field(default_factory=dict)
     latency_ms: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # golden I/O tolerances per output (runtime/golden.py): {"cosine_min", "max_abs_diff", "measured_max_abs_diff"}
+    golden: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Variant":
@@ -80,7 +83,7 @@ class Variant:
             return cls(
                 name=d["name"], precision=d["precision"], file=d["file"], size_bytes=int(d.get("size_bytes", 0)),
                 accuracy=dict(d.get("accuracy", {})), latency_ms=dict(d.get("latency_ms", {})),
-                notes=list(d.get("notes", [])),
+                notes=list(d.get("notes", [])), golden=dict(d.get("golden", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise BundleError(f"manifest variant {d!r} is malformed ({e})", "rebuild the bundle") from None
@@ -231,7 +234,7 @@ def check_model_io(manifest: Manifest, model_path: Path) -> None:
                           "the manifest was edited or belongs to another model: rebuild the bundle")
 
 
-def hash_files(root: str | os.PathLike, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, str]:
+def hash_files(root: str | os.PathLike, exclude: tuple[str, ...] = (MANIFEST, SIGNATURE)) -> dict[str, str]:
     """sha256 of every file under ``root`` (relative POSIX paths), except ``exclude``."""
     root = Path(root)
     out = {}

@@ -75,3 +75,15 @@ class SessionClosedError(DsedgeError):
 class BenchError(DsedgeError):
     """A benchmark cannot run or compare: no samples, a missing/malformed/foreign baseline report."""
 
+
+
+class OutputMismatchError(DsedgeError):
+    """A backend's answers on the bundle's golden inputs are outside the build-time tolerance (the figures say how
+    far); ``dsedge verify`` exits 1 on it."""
+
+    exit_code = 1
+
+
+class SignatureError(BundleIntegrityError):
+    """Trusted keys are configured and the bundle is unsigned, signed by an untrusted key, or its signature does not
+    match the manifest."""

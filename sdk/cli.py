@@ -20,6 +20,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("dsedge.commands.doctor:doctor", "Show the backends, providers and GPUs this machine has."),
     "targets": ("dsedge.commands.targets:targets", "List target profiles, or show one."),
     "bench": ("dsedge.commands.bench:bench", "Measure a bundle's latency and check it against its budget."),
+    "verify": ("dsedge.commands.verify:verify", "Check this machine's backend against the bundle's golden I/O."),
+    "keygen": ("dsedge.commands.signing:keygen", "Make an Ed25519 key pair for signing bundles."),
+    "sign": ("dsedge.commands.signing:sign", "Sign a bundle's manifest (detached Ed25519 signature)."),
 }
 
 

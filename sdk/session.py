@@ -17,6 +17,8 @@ from .runtime.batching import BatchLayout, example_feed
 from .runtime.decode import GenerationStream
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import DsedgeError, SessionClosedError
+from .runtime.golden import check_backend
+from .runtime.signing import check_signature
 from .runtime.io import validate_inputs
 from .runtime.latency_profile import LatencyProfile, measure
 from .runtime.metrics import StreamMetrics
@@ -429,7 +431,7 @@ class Session:
 def load(path: str | os.PathLike, variant: str | None = None, providers: Sequence[str] | None = None,
          threads: int | None = None, *, budget_ms: float | None = None, cascade: bool = False,
          max_batch: int | None = None, max_queue: int = 1024, max_delay_ms: float | None = None,
-         profile: str = "auto") -> Session:
+         profile: str = "auto", check_outputs: bool = False, trusted_keys: Sequence[Any] | None = None) -> Session:
     """Verify a bundle (manifest and every sha256) and open a variant on the best available backend.
 
     Args:
@@ -446,14 +448,21 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         profile: latency profile source: "measure" or "auto" (a short warm-up on this machine when streaming
             starts), or "bundle" (the variant's build-time ``latency_ms``; a warm-up if it has none). Either way
             it is refreshed from every batch run.
+        check_outputs: run the bundle's golden inputs on the backend opened here and refuse it (OutputMismatchError,
+            with the figures) when its answers are outside the build-time tolerance (runtime/golden.py).
+        trusted_keys: Ed25519 public keys (``.pub`` paths, PEM) the bundle must be signed by (default:
+            ``$DSEDGE_TRUSTED_KEYS``; with none configured, signatures are not required; runtime/signing.py).
     Raises:
         BundleError / BundleIntegrityError: missing, malformed, truncated or tampered bundle.
         BackendUnavailable: a requested provider is not installed.
+        SignatureError: trusted keys are configured and the bundle is unsigned, wrongly signed or was edited.
+        OutputMismatchError: ``check_outputs`` and the backend's golden answers are outside tolerance.
     """
     if isinstance(providers, str):
         providers = [providers]
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise DsedgeError(f"threads must be a positive integer, got {threads!r}", "pass threads=2, or None for ORT's default")
+    check_signature(path, trusted_keys)
     manifest = verify_bundle(path)
     v = manifest.variant(variant)
 
@@ -469,6 +478,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         return found
 
     backend = open_variant(v.name)
+    if check_outputs:
+        check_backend(path, manifest, v, backend)
     if (manifest.target.get("backend") == "tensorrt"
             and list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]):
         log.warning("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",

@@ -22,6 +22,7 @@ from ..runtime.errors import AccuracyGateError, CalibrationError, ConfigError, P
 from ..runtime.latency import time_calls
 from ..targets import Target, get_target
 from .bundle_writer import bundle_path, write_bundle
+from .golden import attach_golden
 from .evaluate import compare_models
 from .export import Exported, export_onnx
 from .opset import convert_for_target, model_opset
@@ -627,6 +628,9 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         if opts.engine:
             extra.update(build_engines(work, target, exported, variants, ranges, source.name, opts.dla_core))
             report["engines"] = sorted(k for k in extra if k.startswith("engines/"))
+        # golden I/O: held-out rows, fp32 reference outputs, per-variant tolerances (sets Variant.golden)
+        extra.update(attach_golden(reference_onnx, models, variants, validation, exported.inputs, ranges,
+                                   source.validation_kind))
         report["wall_time_s"] = round(time.perf_counter() - t_start, 2)
         write_bundle(dest, name=source.name, target=target.to_dict(), inputs=exported.inputs,
                      outputs=exported.outputs, models=models, variants=variants, default_variant=precision,

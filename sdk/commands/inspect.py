@@ -18,6 +18,9 @@ def inspect(bundle: str, as_json: bool) -> None:
     from ..runtime.backends.ort import choose_providers
     from ..runtime.bundle import verify_bundle
 
+    from ..runtime.signing import check_signature
+
+    sig = check_signature(bundle)  # refuses a bad signature when DSEDGE_TRUSTED_KEYS is set, like load
     m = verify_bundle(bundle)
     providers = choose_providers()
     info = {
@@ -29,6 +32,7 @@ def inspect(bundle: str, as_json: bool) -> None:
         "variants": [{"name": v.name, "precision": v.precision, "file": v.file, "size_bytes": v.size_bytes,
                       "accuracy": v.accuracy, "notes": v.notes} for v in m.variants],
         "files": len(m.files), "providers_here": providers,
+        "signature": sig.to_dict() if sig else None,
     }
     if as_json:
         click.echo(json.dumps(info, indent=2))
@@ -36,6 +40,12 @@ def inspect(bundle: str, as_json: bool) -> None:
     c = Console()
     c.print(f"[bold]{m.name}[/bold] for target [bold]{info['target']}[/bold]: manifest and {len(m.files)} file "
             f"hashes verified (schema {m.schema_version}, built by dsedge {m.dsedge_version})")
+    if sig is None:
+        c.print("signature: [yellow]unsigned[/]")
+    else:
+        state = ("[green]trusted here[/]" if sig.trusted else "valid, key not in DSEDGE_TRUSTED_KEYS" if sig.valid
+                 else "[red]does NOT match the manifest[/]")
+        c.print(f"signed by {escape(sig.signer)!r} with {sig.key_id}: {state}")
     io = Table(title="inputs / outputs")
     for col in ("kind", "name", "dtype", "shape"):
         io.add_column(col)

@@ -1,0 +1,231 @@
+"""Golden I/O: check that the engine running a bundle here answers like the model that was measured at build time.
+
+A bundle built by ``dsedge build`` holds ``golden/inputs.npz`` (a few held-out input rows), ``golden/outputs.npz`` (the
+fp32 reference model's outputs on them, ORT CPU) and ``golden/golden.json`` (rows, which outputs are compared), all
+hash-listed in the manifest; each variant's manifest entry holds ``golden``: per output, the cosine min and max abs
+diff that variant reached against the reference on those rows at build time (ORT CPU).
+
+The check (``dsedge verify``, ``dsedge.load(check_outputs=True)``, and every TensorRT engine built on the device
+before it is cached) runs the golden inputs through the backend in use and passes when, for every compared output,
+
+    cosine_min  >= build-time cosine_min - 0.005     (per-row cosine, rows flattened, float64)
+    max_abs_diff <= 2 x build-time max_abs_diff       (the build-time figure is floored at 1% of max |reference|)
+
+Loading uses ``numpy.load(allow_pickle=False)``: no code runs from a bundle.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .bundle import IOSpec, Manifest, Variant
+from .errors import BundleError, OutputMismatchError
+
+GOLDEN_DIR = "golden"
+INPUTS_FILE = f"{GOLDEN_DIR}/inputs.npz"
+OUTPUTS_FILE = f"{GOLDEN_DIR}/outputs.npz"
+INFO_FILE = f"{GOLDEN_DIR}/golden.json"
+COSINE_SLACK = 0.005
+ABS_FACTOR = 2.0
+ABS_FLOOR_REL = 0.01  # the build-time max abs diff is at least 1% of max |reference| (fp32 vs itself is 0)
+
+
+@dataclass
+class Golden:
+    """The golden rows of a bundle: ``inputs`` / ``outputs`` name → array (batch axis 0), and ``info``."""
+
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return int(len(next(iter(self.inputs.values()))))
+
+
+def has_golden(manifest: Manifest) -> bool:
+    return INPUTS_FILE in manifest.files and OUTPUTS_FILE in manifest.files
+
+
+def _npz(path: Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError) as e:
+        raise BundleError(f"golden file {path.name} is unreadable ({e})", "rebuild the bundle") from None
+
+
+def load_golden(bundle: str | os.PathLike, manifest: Manifest) -> Golden:
+    """The bundle's golden rows (the manifest has been verified, so these files match their hashes).
+
+    Raises:
+        BundleError: the bundle has no golden I/O (built before dsedge wrote it, or by hand), or it is malformed.
+    """
+    if not has_golden(manifest):
+        raise BundleError("this bundle has no golden I/O (golden/inputs.npz, golden/outputs.npz)",
+                          "rebuild it with `dsedge build` (bundles carry golden I/O since dsedge 0.1)")
+    root = Path(bundle)
+    inputs, outputs = _npz(root / INPUTS_FILE), _npz(root / OUTPUTS_FILE)
+    info = json.loads((root / INFO_FILE).read_text()) if INFO_FILE in manifest.files else {}
+    missing = [s.name for s in manifest.inputs if s.name not in inputs]
+    if missing or not outputs:
+        raise BundleError(f"golden I/O lacks input {missing[0]!r}" if missing else "golden I/O holds no outputs",
+                          "rebuild the bundle")
+    return Golden(inputs, outputs, info)
+
+
+def batch_limits(inputs: list[IOSpec], shape_ranges: Mapping[str, Mapping[str, int]]) -> tuple[int, int]:
+    """(min, max) rows one call may take: the batch symbol's shape range, a static first dim, or (1, 1 << 30)."""
+    first = inputs[0].shape[0] if inputs and inputs[0].shape else None
+    if isinstance(first, int):
+        return first, first
+    rng = shape_ranges.get(str(first), {}) if first is not None else {}
+    return int(rng.get("min", 1)), int(rng.get("max", 1 << 30))
+
+
+def run_rows(run: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]], feeds: Mapping[str, np.ndarray],
+             limits: tuple[int, int] = (1, 1 << 30)) -> dict[str, np.ndarray]:
+    """Run ``feeds`` (batch axis 0) in calls of ``limits`` rows; a short last call is padded by repeating its last
+    row (an engine with a static or minimum batch), and the padding is cut from the outputs."""
+    lo, hi = max(1, limits[0]), max(1, limits[1])
+    n = int(len(next(iter(feeds.values()))))
+    parts: dict[str, list[np.ndarray]] = {}
+    for i in range(0, n, hi):
+        chunk = {k: v[i:i + hi] for k, v in feeds.items()}
+        rows = len(next(iter(chunk.values())))
+        if rows < lo:
+            chunk = {k: np.concatenate([v, np.repeat(v[-1:], lo - rows, axis=0)]) for k, v in chunk.items()}
+        for k, v in run(chunk).items():
+            parts.setdefault(k, []).append(np.asarray(v)[:rows])
+    return {k: np.concatenate(v) for k, v in parts.items()}
+
+
+def compare(reference: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) -> dict[str, dict[str, float]]:
+    """Per output of ``reference``: ``cosine_min`` (per row, float64) and ``max_abs_diff`` of ``got`` against it.
+
+    Raises:
+        OutputMismatchError: an output is missing or has another shape.
+    """
+    out = {}
+    for name, r in reference.items():
+        if name not in got:
+            raise OutputMismatchError(f"the backend gave no output {name!r}", "rebuild the engine / bundle")
+        g = np.asarray(got[name])
+        if g.shape != r.shape:
+            raise OutputMismatchError(f"output {name!r} has shape {list(g.shape)}, golden {list(r.shape)}",
+                                      "check the engine's optimization profile covers the golden shapes")
+        a = r.reshape(len(r), -1).astype(np.float64)
+        b = g.reshape(len(g), -1).astype(np.float64)
+        cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12)
+        both_zero = (np.linalg.norm(a, axis=1) == 0) & (np.linalg.norm(b, axis=1) == 0)
+        cos = np.where(both_zero, 1.0, cos)
+        diff = float(np.max(np.abs(a - b))) if a.size else 0.0
+        out[name] = {"cosine_min": float(np.nan_to_num(cos.min(), nan=-1.0)) if len(cos) else 1.0,
+                     "max_abs_diff": diff if np.isfinite(diff) else float("inf")}
+    return out
+
+
+def tolerances(reference: Mapping[str, np.ndarray], measured: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
+    """A variant's manifest ``golden`` entry from its build-time figures (``compare`` on ORT CPU)."""
+    out = {}
+    for name, m in measured.items():
+        floor = ABS_FLOOR_REL * float(np.max(np.abs(reference[name]))) if reference[name].size else 0.0
+        out[name] = {"cosine_min": round(m["cosine_min"], 6),
+                     "max_abs_diff": float(f"{max(m['max_abs_diff'], floor, 1e-6):.6g}"),
+                     "measured_max_abs_diff": float(f"{m['max_abs_diff']:.6g}")}
+    return out
+
+
+@dataclass
+class GoldenReport:
+    """The outcome of a golden check. ``outputs``: per output, what was measured here, what is allowed, ``ok``."""
+
+    variant: str
+    backend: str
+    providers: list[str]
+    rows: int
+    outputs: dict[str, dict[str, Any]]
+
+    @property
+    def passed(self) -> bool:
+        return all(o["ok"] for o in self.outputs.values())
+
+    def failures(self) -> list[str]:
+        """One phrase per failing figure, e.g. ``"sentence_embedding: cosine min 0.71 < allowed 0.985"``."""
+        out = []
+        for name, o in self.outputs.items():
+            if o["cosine_min"] < o["cosine_min_allowed"]:
+                out.append(f"{name}: cosine min {o['cosine_min']:.5f} < allowed {o['cosine_min_allowed']:.5f}")
+            if not o["max_abs_diff"] <= o["max_abs_diff_allowed"]:
+                out.append(f"{name}: max abs diff {o['max_abs_diff']:.4g} > allowed {o['max_abs_diff_allowed']:.4g}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"variant": self.variant, "backend": self.backend, "providers": self.providers, "rows": self.rows,
+                "passed": self.passed, "outputs": self.outputs, "failures": self.failures()}
+
+
+def judge(variant: Variant, here: Mapping[str, Mapping[str, float]], *, backend: str = "", providers: list[str] = (),
+          rows: int = 0) -> GoldenReport:
+    """Compare figures measured here with the variant's build-time ``golden`` entry.
+
+    Raises:
+        BundleError: the variant has no golden tolerances for a compared output.
+    """
+    outs = {}
+    for name, m in here.items():
+        built = variant.golden.get(name)
+        if not built:
+            raise BundleError(f"variant {variant.name!r} has no golden tolerance for output {name!r}",
+                              "rebuild the bundle")
+        cos_allowed = float(built["cosine_min"]) - COSINE_SLACK
+        abs_allowed = ABS_FACTOR * float(built["max_abs_diff"])
+        outs[name] = {"cosine_min": round(m["cosine_min"], 6), "cosine_min_allowed": round(cos_allowed, 6),
+                      "cosine_min_build": float(built["cosine_min"]),
+                      "max_abs_diff": float(f"{m['max_abs_diff']:.6g}"),
+                      "max_abs_diff_allowed": float(f"{abs_allowed:.6g}"),
+                      "max_abs_diff_build": float(built["max_abs_diff"]),
+                      "ok": bool(m["cosine_min"] >= cos_allowed and m["max_abs_diff"] <= abs_allowed)}
+    return GoldenReport(variant.name, backend, list(providers), rows, outs)
+
+
+def check_run(bundle: str | os.PathLike, manifest: Manifest, variant: Variant,
+              run: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]], *, backend: str = "",
+              providers: list[str] = (), golden: Golden | None = None) -> GoldenReport:
+    """Run the golden inputs through ``run`` (a backend's ``run``) and judge the answers.
+
+    Raises:
+        BundleError: no golden I/O. OutputMismatchError: an output is missing or misshapen.
+    """
+    golden = golden or load_golden(bundle, manifest)
+    feeds = {s.name: golden.inputs[s.name] for s in manifest.inputs}
+    got = run_rows(run, feeds, batch_limits(manifest.inputs, manifest.shape_ranges))
+    return judge(variant, compare(golden.outputs, got), backend=backend, providers=providers, rows=golden.rows)
+
+
+def require_pass(report: GoldenReport, what: str = "") -> GoldenReport:
+    """Return ``report`` if it passed; else raise OutputMismatchError with the figures.
+
+    ``what`` names the thing checked in the message (default: the variant on its backend)."""
+    if report.passed:
+        return report
+    subject = what or f"variant {report.variant!r} on {report.backend or 'this backend'}"
+    raise OutputMismatchError(f"{subject} answers outside the build-time tolerance on the bundle's "
+                              f"{report.rows} golden inputs: {'; '.join(report.failures())}",
+                              "this engine/provider does not compute what was measured at build: try another "
+                              "provider (providers=['CPUExecutionProvider']) or variant, and report the figures")
+
+
+def check_backend(bundle: str | os.PathLike, manifest: Manifest, variant: Variant, backend: Any) -> GoldenReport:
+    """``dsedge.load(check_outputs=True)``: check ``backend`` (a loaded backend) and raise if it fails.
+
+    Raises:
+        BundleError: no golden I/O. OutputMismatchError: outside tolerance (figures in the message)."""
+    report = check_run(bundle, manifest, variant, backend.run, backend=getattr(backend, "name", ""),
+                       providers=list(getattr(backend, "providers", [])))
+    return require_pass(report)

@@ -1,0 +1,235 @@
+"""Signed bundles: a detached Ed25519 signature over ``manifest.json`` (which lists every file's sha256), in
+``manifest.sig`` beside it. Algorithm: Ed25519 (RFC 8032) through ``cryptography`` (the ``sign`` extra).
+
+``manifest.sig`` is JSON: ``format``, ``algorithm`` (``"ed25519"``), ``key_id`` (``"ed25519:"`` + the first 16 hex
+of sha256 over the raw 32-byte public key), ``public_key`` (raw, base64), ``signer`` (a name the signer chose; it is
+covered by the signature), ``manifest_sha256``, ``signature`` (base64 over ``DOMAIN + signer + NUL + manifest``).
+
+Trust: ``dsedge.load(path, trusted_keys=[...])`` or ``$DSEDGE_TRUSTED_KEYS`` (``os.pathsep``-separated ``.pub`` files
+or directories of them). With trusted keys configured an unsigned bundle, one signed by another key, or one whose
+manifest changed after signing is refused (``SignatureError``); without any, signatures are reported, not required.
+Keys: PEM files, the private key PKCS#8 (mode 0600, unencrypted), the public key SubjectPublicKeyInfo.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from .bundle import MANIFEST, SIGNATURE, verify_bundle
+from .errors import BackendUnavailable, DsedgeError, SignatureError
+
+FORMAT = "dsedge-signature-v1"
+DOMAIN = b"dsedge bundle manifest v1\x00"
+ENV = "DSEDGE_TRUSTED_KEYS"
+_HINT = "pip install 'dsedge[sign]' (cryptography)"
+
+
+def _crypto() -> Any:
+    try:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError:
+        raise BackendUnavailable("signed bundles need the Python package 'cryptography'", _HINT) from None
+    return serialization, ed25519
+
+
+def _raw_public(pub: Any) -> bytes:
+    serialization, _ = _crypto()
+    return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def key_id(pub: Any) -> str:
+    """``"ed25519:<16 hex>"``: the first 16 hex digits of sha256 over the raw public key."""
+    return "ed25519:" + hashlib.sha256(_raw_public(pub)).hexdigest()[:16]
+
+
+def generate_key(prefix: str | os.PathLike) -> tuple[Path, Path]:
+    """Write a new key pair ``PREFIX.key`` (private, 0600) and ``PREFIX.pub``; returns their paths.
+
+    Raises:
+        DsedgeError: either file exists already (a key is never overwritten).
+    """
+    serialization, ed25519 = _crypto()
+    priv_path, pub_path = Path(f"{prefix}.key"), Path(f"{prefix}.pub")
+    for p in (priv_path, pub_path):
+        if p.exists():
+            raise DsedgeError(f"{p} exists; refusing to overwrite a key", "choose another --out prefix")
+    key = ed25519.Ed25519PrivateKey.generate()
+    priv = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+    pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    priv_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(priv)
+    pub_path.write_bytes(pub)
+    return priv_path, pub_path
+
+
+def load_private_key(path: str | os.PathLike) -> Any:
+    """An Ed25519 private key from a PEM file. Raises DsedgeError (unreadable, not Ed25519)."""
+    serialization, ed25519 = _crypto()
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as e:
+        raise DsedgeError(f"cannot read private key {path}: {str(e).splitlines()[0][:120]}",
+                          "pass the .key file `dsedge keygen` wrote") from None
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise DsedgeError(f"{path} is not an Ed25519 private key", "make one with `dsedge keygen`")
+    return key
+
+
+def load_public_key(data: Any) -> Any:
+    """An Ed25519 public key from a key object, PEM bytes/str, or a ``.pub`` path. Raises SignatureError."""
+    serialization, ed25519 = _crypto()
+    if isinstance(data, ed25519.Ed25519PublicKey):
+        return data
+    if isinstance(data, str) and "-----BEGIN" in data:
+        data = data.encode()
+    if not isinstance(data, bytes):
+        p = Path(data)
+        if not p.is_file():
+            raise SignatureError(f"trusted key file {str(p)!r} not found", f"check trusted_keys / ${ENV}")
+        data = p.read_bytes()
+    try:
+        key = serialization.load_pem_public_key(data)
+    except ValueError as e:
+        raise SignatureError(f"a trusted key is not a PEM public key ({str(e)[:80]})",
+                             "pass the .pub file `dsedge keygen` wrote") from None
+    if not isinstance(key, ed25519.Ed25519PublicKey):
+        raise SignatureError("a trusted key is not an Ed25519 public key", "make keys with `dsedge keygen`")
+    return key
+
+
+def trusted_from(keys: Iterable[Any] | None) -> list[Any]:
+    """Public keys from ``keys`` or, when None, from ``$DSEDGE_TRUSTED_KEYS`` (files or directories of ``*.pub``)."""
+    if keys is None:
+        env = os.environ.get(ENV, "")
+        keys = []
+        for part in filter(None, env.split(os.pathsep)):
+            p = Path(part)
+            keys.extend(sorted(p.glob("*.pub")) if p.is_dir() else [p])
+        if env and not keys:
+            raise SignatureError(f"${ENV} names no public key file ({env!r})", "point it at .pub files or a folder")
+    elif isinstance(keys, (str, bytes, os.PathLike)):
+        keys = [keys]
+    return [load_public_key(k) for k in keys]
+
+
+def _message(signer: str, manifest: bytes) -> bytes:
+    return DOMAIN + signer.encode() + b"\x00" + manifest
+
+
+@dataclass(frozen=True)
+class SignatureInfo:
+    """What ``manifest.sig`` says; ``valid``: the signature matches the manifest under its own public key;
+    ``trusted``: that key is one of the configured trusted keys (None when no keys are configured)."""
+
+    key_id: str
+    signer: str
+    valid: bool
+    trusted: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key_id": self.key_id, "signer": self.signer, "valid": self.valid, "trusted": self.trusted}
+
+
+def sign_bundle(bundle: str | os.PathLike, key_path: str | os.PathLike, signer: str | None = None) -> SignatureInfo:
+    """Verify ``bundle`` (hashes), then write ``manifest.sig`` for its manifest with the private key at ``key_path``.
+
+    Raises:
+        BundleError / BundleIntegrityError: the bundle does not verify (a corrupt bundle is never signed).
+        DsedgeError: the key is unreadable.
+    """
+    verify_bundle(bundle)
+    key = load_private_key(key_path)
+    root = Path(bundle)
+    manifest = (root / MANIFEST).read_bytes()
+    signer = signer if signer is not None else Path(key_path).stem
+    pub = key.public_key()
+    doc = {"format": FORMAT, "algorithm": "ed25519", "key_id": key_id(pub),
+           "public_key": base64.b64encode(_raw_public(pub)).decode(), "signer": signer,
+           "manifest_sha256": hashlib.sha256(manifest).hexdigest(),
+           "signature": base64.b64encode(key.sign(_message(signer, manifest))).decode()}
+    fd, tmp = tempfile.mkstemp(prefix=".manifest.sig.", dir=root)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, root / SIGNATURE)
+    return SignatureInfo(doc["key_id"], signer, True)
+
+
+def _read(root: Path) -> dict[str, Any] | None:
+    p = root / SIGNATURE
+    if not p.is_file():
+        return None
+    try:
+        doc = json.loads(p.read_text())
+        if doc.get("format") != FORMAT or doc.get("algorithm") != "ed25519":
+            raise ValueError("unknown format")
+        base64.b64decode(doc["public_key"], validate=True)
+        base64.b64decode(doc["signature"], validate=True)
+        str(doc["signer"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise SignatureError(f"{SIGNATURE} is malformed ({e})", "sign the bundle again with `dsedge sign`") from None
+    return doc
+
+
+def _valid(pub: Any, doc: dict[str, Any], manifest: bytes) -> bool:
+    from cryptography.exceptions import InvalidSignature
+
+    try:
+        pub.verify(base64.b64decode(doc["signature"]), _message(str(doc["signer"]), manifest))
+        return True
+    except InvalidSignature:
+        return False
+
+
+def check_signature(bundle: str | os.PathLike, trusted_keys: Iterable[Any] | None = None) -> SignatureInfo | None:
+    """Check ``manifest.sig`` against the trusted keys (``trusted_keys``, else ``$DSEDGE_TRUSTED_KEYS``).
+
+    Returns the signature's info (None when unsigned and no keys are configured).
+    Raises:
+        SignatureError: keys are configured and the bundle is unsigned, signed by a key not among them, or its
+            manifest was changed after signing; or ``manifest.sig`` is malformed.
+        BackendUnavailable: a signature must be checked and ``cryptography`` is missing.
+    """
+    root = Path(bundle)
+    trusted = trusted_from(trusted_keys)
+    exists = (root / SIGNATURE).is_file()
+    if not trusted and not exists:
+        return None
+    if not trusted:
+        try:
+            _crypto()
+        except BackendUnavailable:
+            return None  # nothing is required here; the signature cannot be read without cryptography
+    doc = _read(root)
+    if doc is None:
+        raise SignatureError(f"bundle {root.name} is unsigned and trusted keys are configured",
+                             "sign it with `dsedge sign BUNDLE --key K`, or load without trusted keys")
+    _, ed25519 = _crypto()
+    manifest = (root / MANIFEST).read_bytes()
+    own = ed25519.Ed25519PublicKey.from_public_bytes(base64.b64decode(doc["public_key"]))
+    kid = key_id(own)
+    if kid != doc.get("key_id"):
+        raise SignatureError(f"{SIGNATURE} key_id {doc.get('key_id')} does not match its public key",
+                             "sign the bundle again")
+    valid = _valid(own, doc, manifest)
+    if not trusted:
+        return SignatureInfo(kid, str(doc["signer"]), valid, None)
+    match = next((k for k in trusted if key_id(k) == kid), None)
+    if match is None:
+        raise SignatureError(f"bundle {root.name} is signed by {kid} ({doc['signer']!r}), which is not a trusted key",
+                             f"add its .pub to trusted_keys / ${ENV}, or get the bundle from a trusted signer")
+    if not valid:
+        raise SignatureError(f"bundle {root.name}: the manifest was changed after it was signed by {kid} "
+                             "(signature does not match)", "rebuild and sign it again; do not edit signed bundles")
+    return SignatureInfo(kid, str(doc["signer"]), True, True)

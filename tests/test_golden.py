@@ -1,0 +1,121 @@
+"""Golden I/O: every built bundle carries held-out inputs, fp32 reference outputs and per-variant tolerances;
+`dsedge verify` and `load(check_outputs=True)` pass on what was built and fail on a perturbed variant (real ORT CPU)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import dsedge
+from dsedge.cli import main
+from dsedge.runtime.bundle import read_manifest, verify_bundle, write_manifest
+from dsedge.runtime.errors import BundleError, OutputMismatchError
+from dsedge.runtime.golden import INPUTS_FILE, OUTPUTS_FILE, load_golden, run_rows
+from dsedge.toolchain.golden import CAP_BYTES, fit_cap
+from dsedge.toolchain.pipeline import BuildOptions, build
+from tiny_models import mlp_onnx
+
+
+@pytest.fixture(scope="module")
+def mlp_bundle(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("golden")
+    rng = np.random.default_rng(0)
+    for part in ("calib", "heldout"):
+        (tmp / part).mkdir()
+        np.savez(tmp / part / "a.npz", x=rng.standard_normal((24, 64)).astype(np.float32))
+    r = build(BuildOptions(model=str(mlp_onnx(tmp / "clf.onnx")), target="cpu", out_dir=str(tmp / "out"),
+                           precision="int4", calib=str(tmp / "calib"), heldout=str(tmp / "heldout"),
+                           latency_iterations=2))
+    return r.bundle
+
+
+def cli(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_build_writes_hash_listed_golden_io_and_per_variant_tolerances(mlp_bundle):
+    m = verify_bundle(mlp_bundle)
+    assert {INPUTS_FILE, OUTPUTS_FILE, "golden/golden.json"} <= set(m.files)
+    g = load_golden(mlp_bundle, m)
+    assert g.rows == 8 and g.inputs["x"].shape == (8, 64) and g.outputs["logits"].shape == (8, 4)
+    heldout = np.load(mlp_bundle.parent.parent / "heldout" / "a.npz")["x"]
+    assert np.array_equal(g.inputs["x"][0], heldout[0]) and np.array_equal(g.inputs["x"][-1], heldout[-1])
+    size = sum((mlp_bundle / f).stat().st_size for f in (INPUTS_FILE, OUTPUTS_FILE))
+    assert size == g.info["bytes"] < CAP_BYTES
+    int4, fp32 = m.variant("int4").golden["logits"], m.variant("fp32").golden["logits"]
+    assert 0.9 < int4["cosine_min"] < 1.0 and int4["measured_max_abs_diff"] > 0
+    assert fp32["cosine_min"] == 1.0 and fp32["measured_max_abs_diff"] == 0.0
+    assert fp32["max_abs_diff"] == pytest.approx(0.01 * np.abs(g.outputs["logits"]).max(), rel=1e-3)  # the floor
+
+
+def test_verify_passes_here_and_load_checks_outputs(mlp_bundle, capsys):
+    code, out, _ = cli(capsys, "verify", str(mlp_bundle), "--variant", "all", "--json")
+    rep = json.loads(out)
+    assert code == 0 and rep["passed"] and [v["variant"] for v in rep["variants"]] == ["int4", "fp32"]
+    o = rep["variants"][0]["outputs"]["logits"]
+    assert rep["variants"][0]["providers"] == ["CPUExecutionProvider"]
+    assert o["cosine_min"] == pytest.approx(o["cosine_min_build"], abs=1e-5) and o["ok"]
+    s = dsedge.load(mlp_bundle, check_outputs=True)
+    assert s.run({"x": np.zeros((1, 64), np.float32)})["logits"].shape == (1, 4)
+
+
+def test_a_perturbed_variant_fails_verify_and_check_outputs(mlp_bundle, tmp_path, capsys):
+    bad = shutil.copytree(mlp_bundle, tmp_path / "bad.dse")
+    model = onnx.load(str(bad / "models/fp32.onnx"))
+    w1 = next(t for t in model.graph.initializer if t.name == "w1")
+    arr = numpy_helper.to_array(w1)
+    w1.CopyFrom(numpy_helper.from_array(arr + np.random.default_rng(1).normal(0, 0.05, arr.shape).astype(np.float32),
+                                        "w1"))
+    onnx.save(model, str(bad / "models/fp32.onnx"))
+    m = read_manifest(bad)
+    write_manifest(bad, m)  # re-hashed: the bundle verifies, only its answers are wrong
+    code, out, _ = cli(capsys, "verify", str(bad), "--variant", "fp32")
+    assert code == 1 and "FAIL" in out and "NO" in out
+    code, out, _ = cli(capsys, "verify", str(bad), "--variant", "int4", "--json")
+    assert code == 0  # the untouched variant still passes
+    with pytest.raises(OutputMismatchError, match=r"fp32.*logits: cosine min 0\.\d+ < allowed 0\.995"):
+        dsedge.load(bad, variant="fp32", check_outputs=True)
+
+
+def test_bundle_without_golden_is_reported_not_passed(mlp_bundle, tmp_path, capsys):
+    old = shutil.copytree(mlp_bundle, tmp_path / "old.dse")
+    shutil.rmtree(old / "golden")
+    write_manifest(old, read_manifest(old))
+    code, _, err = cli(capsys, "verify", str(old))
+    assert code == 2 and "no golden I/O" in err
+    with pytest.raises(BundleError, match="no golden I/O"):
+        dsedge.load(old, check_outputs=True)
+
+
+def test_cap_leaves_out_big_outputs_first_then_halves_rows():
+    ins = {"ids": np.zeros((8, 128), np.int64)}  # 8 KiB
+    outs = {"last_hidden_state": np.zeros((8, 128, 384), np.float32), "sentence_embedding": np.zeros((8, 384), np.float32)}
+    assert fit_cap(ins, outs) == (8, ["sentence_embedding"])
+    assert fit_cap(ins, {"big": np.zeros((8, 100_000), np.float32)}) == (1, ["big"])  # one row stays
+
+
+def test_rows_run_in_engine_sized_calls_padded_to_a_static_batch():
+    calls = []
+
+    def run(feed):
+        calls.append(len(feed["x"]))
+        return {"y": feed["x"] * 2}
+
+    out = run_rows(run, {"x": np.arange(5, dtype=np.float32)[:, None]}, (4, 4))
+    assert calls == [4, 4] and out["y"][:, 0].tolist() == [0, 2, 4, 6, 8]
+
+
+def test_reference_bundle_carries_golden_io_and_verifies(reference_build, capsys):
+    code, out, _ = cli(capsys, "verify", str(reference_build.bundle), "--variant", "all", "--json")
+    rep = json.loads(out)
+    assert code == 0 and rep["passed"], out
+    assert rep["left_out"] == ["last_hidden_state"] and rep["rows"] == 8
+    for v in rep["variants"]:
+        assert v["outputs"]["sentence_embedding"]["ok"]

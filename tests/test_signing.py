@@ -1,0 +1,108 @@
+"""Signed bundles (real Ed25519 through cryptography): keygen, sign, trusted-key loading, tamper and wrong-key refusal,
+unsigned bundles refused only when keys are required, inspect shows the signer."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+import dsedge
+from dsedge.cli import main
+from dsedge.runtime.bundle import IOSpec, Variant, read_manifest, write_manifest
+from dsedge.runtime.errors import SignatureError
+from dsedge.runtime.signing import ENV, check_signature, generate_key
+from dsedge.toolchain.bundle_writer import write_bundle
+from tiny_models import mlp_onnx
+
+pytest.importorskip("cryptography")
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    onnx_path = mlp_onnx(tmp_path / "m.onnx")
+    return write_bundle(tmp_path / "m-cpu.dse", name="m", target={"name": "cpu", "backend": "onnxruntime"},
+                        inputs=[IOSpec("x", "float32", ("batch", 64))], outputs=[IOSpec("logits", "float32", ("batch", 4))],
+                        models={"models/fp32.onnx": onnx_path}, variants=[Variant("fp32", "fp32", "models/fp32.onnx")],
+                        default_variant="fp32", shape_ranges={"batch": {"min": 1, "max": 8}})
+
+
+@pytest.fixture
+def keys(tmp_path):
+    return generate_key(tmp_path / "keys" / "release"), generate_key(tmp_path / "keys2" / "other")
+
+
+def cli(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    out = capsys.readouterr()
+    return e.value.code, out.out + out.err
+
+
+def test_keygen_and_sign_then_trusted_load_and_inspect(bundle, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    code, out = cli(capsys, "keygen", "--out", str(tmp_path / "k" / "ci"))
+    assert code == 0 and "ed25519:" in out
+    assert oct((tmp_path / "k" / "ci.key").stat().st_mode & 0o777) == "0o600"
+    code, out = cli(capsys, "keygen", "--out", str(tmp_path / "k" / "ci"))
+    assert code == 2 and "refusing to overwrite" in out
+    code, out = cli(capsys, "sign", str(bundle), "--key", str(tmp_path / "k" / "ci.key"), "--signer", "release CI")
+    assert code == 0 and (bundle / "manifest.sig").is_file()
+    s = dsedge.load(bundle, trusted_keys=[tmp_path / "k" / "ci.pub"])
+    assert s.run({"x": __import__("numpy").zeros((1, 64), "float32")})["logits"].shape == (1, 4)
+    monkeypatch.setenv(ENV, str(tmp_path / "k"))  # a folder of .pub files
+    code, out = cli(capsys, "inspect", str(bundle), "--json")
+    sig = json.loads(out)["signature"]
+    assert code == 0 and sig["signer"] == "release CI" and sig["trusted"] is True and sig["key_id"].startswith("ed25519:")
+    monkeypatch.delenv(ENV)
+    code, out = cli(capsys, "inspect", str(bundle))
+    out = " ".join(out.split())  # rich wraps at the terminal width
+    assert "signed by 'release CI'" in out and "not in DSEDGE_TRUSTED_KEYS" in out
+
+
+def test_tampered_manifest_is_refused(bundle, keys):
+    (priv, pub), _ = keys
+    dsedge.runtime.signing.sign_bundle(bundle, priv)
+    m = read_manifest(bundle)
+    m.latency_budget_ms = 1.0  # a one-field edit, hashes re-written: the manifest verifies, the signature does not
+    write_manifest(bundle, m)
+    with pytest.raises(SignatureError, match="changed after it was signed"):
+        dsedge.load(bundle, trusted_keys=[pub])
+
+
+def test_wrong_key_and_swapped_signer_are_refused(bundle, keys):
+    (priv, pub), (priv2, pub2) = keys
+    dsedge.runtime.signing.sign_bundle(bundle, priv, signer="release")
+    with pytest.raises(SignatureError, match="not a trusted key"):
+        dsedge.load(bundle, trusted_keys=[pub2])
+    doc = json.loads((bundle / "manifest.sig").read_text())
+    doc["signer"] = "someone else"  # the signer name is signed too
+    (bundle / "manifest.sig").write_text(json.dumps(doc))
+    with pytest.raises(SignatureError, match="changed after it was signed"):
+        dsedge.load(bundle, trusted_keys=[pub])
+
+
+def test_unsigned_is_refused_only_when_keys_are_required(bundle, keys, monkeypatch):
+    (_, pub), _ = keys
+    monkeypatch.delenv(ENV, raising=False)
+    assert check_signature(bundle) is None
+    dsedge.load(bundle)  # no keys configured: loads
+    with pytest.raises(SignatureError, match="unsigned and trusted keys are configured"):
+        dsedge.load(bundle, trusted_keys=[pub])
+    monkeypatch.setenv(ENV, os.fspath(pub))
+    with pytest.raises(SignatureError, match="unsigned"):
+        dsedge.load(bundle)
+    monkeypatch.setenv(ENV, os.fspath(pub) + ".missing")
+    with pytest.raises(SignatureError, match="not found"):  # a misconfigured key fails closed
+        dsedge.load(bundle)
+
+
+def test_a_signed_bundle_copied_whole_still_verifies_and_a_swapped_model_does_not_load(bundle, keys, tmp_path):
+    (priv, pub), _ = keys
+    dsedge.runtime.signing.sign_bundle(bundle, priv)
+    copy = shutil.copytree(bundle, tmp_path / "copy.dse")
+    assert check_signature(copy, [pub]).trusted
+    shutil.copy(mlp_onnx(tmp_path / "other.onnx", seed=3), copy / "models/fp32.onnx")
+    with pytest.raises(dsedge.runtime.errors.BundleIntegrityError, match="corrupt or was modified"):
+        dsedge.load(copy, trusted_keys=[pub])  # the signature holds, the file hash it covers does not
