@@ -173,8 +173,14 @@ class EngineCache:
     def put(self, key: EngineKey, plan: bytes, extra: dict[str, Any] | None = None) -> Path:
         return write_engine(self.path_for(key), plan, key, extra)
 
-    def get_or_build(self, key: EngineKey, build: Callable[[], bytes]) -> tuple[bytes, bool]:
-        """``(plan, built)``: ``built`` is True when ``build()`` ran. Raises what ``build`` raises."""
+    def get_or_build(self, key: EngineKey, build: Callable[[], bytes],
+                     verify: Callable[[bytes], Any] | None = None) -> tuple[bytes, bool]:
+        """``(plan, built)``: ``built`` is True when ``build()`` ran.
+
+        ``verify(plan)`` runs on a freshly built plan before it is stored (dsedge runs the bundle's golden inputs on
+        it); if it raises, nothing is cached and the error propagates, so a wrong engine is never reused.
+        Raises what ``build`` or ``verify`` raise.
+        """
         plan = self.get(key)
         if plan is not None:
             log.info("engine cache: using %s", self.path_for(key))
@@ -182,5 +188,7 @@ class EngineCache:
         log.info("engine cache: building %s engine for %s (%s, TensorRT %s); this takes minutes once", key.variant,
                  key.gpu, key.compute_capability, key.tensorrt)
         plan = build()
+        if verify is not None:
+            verify(plan)
         self.put(key, plan)
         return plan, True

@@ -196,15 +196,17 @@ def judge(variant: Variant, here: Mapping[str, Mapping[str, float]], *, backend:
 
 def check_run(bundle: str | os.PathLike, manifest: Manifest, variant: Variant,
               run: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]], *, backend: str = "",
-              providers: list[str] = (), golden: Golden | None = None) -> GoldenReport:
-    """Run the golden inputs through ``run`` (a backend's ``run``) and judge the answers.
+              providers: list[str] = (), golden: Golden | None = None,
+              limits: tuple[int, int] | None = None) -> GoldenReport:
+    """Run the golden inputs through ``run`` (a backend's ``run``) and judge the answers. ``limits``: rows per call
+    (default: the manifest's batch range; a TensorRT engine passes its profile's).
 
     Raises:
         BundleError: no golden I/O. OutputMismatchError: an output is missing or misshapen.
     """
     golden = golden or load_golden(bundle, manifest)
     feeds = {s.name: golden.inputs[s.name] for s in manifest.inputs}
-    got = run_rows(run, feeds, batch_limits(manifest.inputs, manifest.shape_ranges))
+    got = run_rows(run, feeds, limits or batch_limits(manifest.inputs, manifest.shape_ranges))
     return judge(variant, compare(golden.outputs, got), backend=backend, providers=providers, rows=golden.rows)
 
 
@@ -227,5 +229,5 @@ def check_backend(bundle: str | os.PathLike, manifest: Manifest, variant: Varian
     Raises:
         BundleError: no golden I/O. OutputMismatchError: outside tolerance (figures in the message)."""
     report = check_run(bundle, manifest, variant, backend.run, backend=getattr(backend, "name", ""),
-                       providers=list(getattr(backend, "providers", [])))
+                       providers=list(getattr(backend, "providers", [])), limits=getattr(backend, "batch_limits", None))
     return require_pass(report)

@@ -116,6 +116,8 @@ def test_reference_bundle_carries_golden_io_and_verifies(reference_build, capsys
     code, out, _ = cli(capsys, "verify", str(reference_build.bundle), "--variant", "all", "--json")
     rep = json.loads(out)
     assert code == 0 and rep["passed"], out
-    assert rep["left_out"] == ["last_hidden_state"] and rep["rows"] == 8
+    assert rep["rows"] == 8 and rep["left_out"] == []  # 8 real held-out sentences, both outputs under the cap
     for v in rep["variants"]:
-        assert v["outputs"]["sentence_embedding"]["ok"]
+        assert set(v["outputs"]) == {"last_hidden_state", "sentence_embedding"} and v["passed"]
+    g = load_golden(reference_build.bundle, verify_bundle(reference_build.bundle))
+    assert g.info["bytes"] <= CAP_BYTES and g.info["from"].startswith("held-out real inputs")

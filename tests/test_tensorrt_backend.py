@@ -18,7 +18,7 @@ from dsedge.runtime.backends import tensorrt as trt_backend
 from dsedge.runtime.backends.tensorrt import (TensorRTBackend, build_engine_file, build_serialized_engine,
                                                import_tensorrt, open_engine_backend)
 from dsedge.runtime.build_settings import engine_build_settings
-from dsedge.runtime.bundle import IOSpec, Variant, read_manifest, verify_bundle
+from dsedge.runtime.bundle import IOSpec, Variant, read_manifest, verify_bundle, write_manifest
 from dsedge.runtime.engine_cache import EngineCache, read_engine
 from dsedge.runtime.errors import BackendUnavailable, EngineError, TargetError
 from dsedge.runtime.gpu_info import GpuInfo
@@ -192,6 +192,8 @@ def test_prebuilt_engine_in_bundle_is_used_on_its_gpu_only(tmp_path, onnx_file, 
     monkeypatch.setattr(trt_backend, "detect_gpu", lambda: AGX)
     path = build_engine_file(bundle, m, m.variant("int8"), bundle / "engines")  # `dsedge build --engine`
     assert path.parent.name == "engines" and fake.calls["builds"] == 1
+    write_manifest(bundle, m)  # the build hash-lists engines/ like every file (an unlisted engine is ignored)
+    m = verify_bundle(bundle)
     open_engine_backend(bundle, m, m.variant("int8"), gpu=AGX, cache=EngineCache(tmp_path / "c"))
     assert fake.calls["builds"] == 1 and "using prebuilt engine" in caplog.text
     open_engine_backend(bundle, m, m.variant("int8"), gpu=NX, cache=EngineCache(tmp_path / "c"))

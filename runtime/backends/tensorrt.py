@@ -3,16 +3,21 @@ it, load it, run it with device buffers. Written against the real ``tensorrt`` P
 ``set_input_shape``/``set_tensor_address``/``execute_async_v3``) and cuda-python for device memory; both imported only
 when used, so this module imports anywhere.
 
-Verified here (tests, with a fake ``tensorrt`` module): the import guard, the builder calls (network flags, precision
-flags, optimization profile, workspace, DLA, sparsity, compatibility, timing cache), engine caching and staleness.
-Verified only on a device: that TensorRT accepts those calls and the engine's numbers, and ``run`` (device buffers).
+Verified here (tests, with a FAKE ``tensorrt`` module and a FAKE cudart over host memory): the import guard, the
+builder calls (network flags, precision flags, optimization profile, workspace, DLA, sparsity, compatibility, timing
+cache), engine caching and staleness, the golden check before caching, and the run path's calls (buffers allocated
+once per shape, pinned staging, one stream, one synchronize per call, CUDA graph capture and replay for static shapes).
+Verified only on a device: that TensorRT and CUDA accept those calls, and the engine's numbers.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -124,15 +129,63 @@ def _check(result: Any) -> Any:
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
         raise EngineError(f"CUDA call failed: {err}", "check the GPU and driver (nvidia-smi / tegrastats)")
-    return rest[0] if len(rest) == 1 else rest
+    return rest[0] if len(rest) == 1 else (rest or None)
+
+
+MAX_SLOTS = 8  # input-shape combinations whose buffers are kept (least recently used ones are freed)
+
+
+class _Slot:
+    """Buffers for one combination of input shapes: a device buffer and a pinned (page-locked) host buffer per I/O
+    tensor, both allocated once; optionally the CUDA graph that replays copy-in, execute and copy-out."""
+
+    def __init__(self, cudart: Any, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, np.dtype]) -> None:
+        self.cudart = cudart
+        self.shapes, self.dtypes = shapes, dtypes
+        self.device: dict[str, int] = {}
+        self.pinned: dict[str, int] = {}
+        self.host: dict[str, np.ndarray] = {}
+        self.graph = self.graph_exec = None
+        self.runs = 0
+        try:
+            for name, shape in shapes.items():
+                nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtypes[name].itemsize, 1)
+                self.device[name] = int(_check(cudart.cudaMalloc(nbytes)))
+                self.pinned[name] = int(_check(cudart.cudaMallocHost(nbytes)))
+                buf = (ctypes.c_byte * nbytes).from_address(self.pinned[name])
+                self.host[name] = np.frombuffer(buf, dtype=dtypes[name], count=int(np.prod(shape, dtype=np.int64))
+                                                ).reshape(shape)
+        except BaseException:
+            self.free()
+            raise
+
+    def free(self) -> None:
+        c = self.cudart
+        if self.graph_exec is not None:
+            c.cudaGraphExecDestroy(self.graph_exec)
+        if self.graph is not None:
+            c.cudaGraphDestroy(self.graph)
+        self.graph = self.graph_exec = None
+        for ptr in self.device.values():
+            c.cudaFree(ptr)
+        for ptr in self.pinned.values():
+            c.cudaFreeHost(ptr)
+        self.device, self.pinned, self.host = {}, {}, {}
 
 
 class TensorRTBackend:
-    """A deserialized engine and its execution context.
+    """A deserialized engine and its execution context, run on one CUDA stream.
+
+    Per combination of input shapes (an optimization-profile shape) the device buffers and pinned host staging
+    buffers are allocated once and reused (``MAX_SLOTS`` kept, LRU); a call copies inputs into pinned memory,
+    enqueues host→device copies, ``execute_async_v3`` and device→host copies on the one stream and synchronizes once.
+    For an engine with static shapes (DLA, or a profile with min = max) the second call captures those three steps
+    in a CUDA graph and later calls replay it (``cudaGraphLaunch``); if capture fails the stream path is kept.
 
     Args:
         plan: serialized engine bytes (``EngineCache`` / ``read_engine``).
         dla_core: the DLA core the engine was built for, or None.
+        cuda_graphs: capture CUDA graphs for static shapes (default True).
     Raises:
         BackendUnavailable: TensorRT missing. EngineError: the plan cannot be deserialized (corrupt, or built by
             another TensorRT version or for another GPU).
@@ -140,7 +193,7 @@ class TensorRTBackend:
 
     name = "tensorrt"
 
-    def __init__(self, plan: bytes, dla_core: int | None = None) -> None:
+    def __init__(self, plan: bytes, dla_core: int | None = None, cuda_graphs: bool = True) -> None:
         self.trt = trt = import_tensorrt()
         self._logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self._logger)
@@ -154,42 +207,125 @@ class TensorRTBackend:
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.input_names = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.output_names = [n for n in names if n not in self.input_names]
+        self.dtypes = {n: np.dtype(trt.nptype(self.engine.get_tensor_dtype(n))) for n in names}
         self.providers = [f"TensorRT {trt.__version__}" + (f" (DLA {dla_core})" if dla_core is not None else "")]
+        self.static = all(-1 not in tuple(self.engine.get_tensor_shape(n)) for n in self.input_names)
+        self.cuda_graphs = cuda_graphs and self.static
+        self.graph_launches = 0
         self._stream = None
+        self._cudart: Any = None
+        self._slots: OrderedDict[tuple, _Slot] = OrderedDict()
+        self._bound: tuple | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def batch_limits(self) -> tuple[int, int]:
+        """(min, max) rows of the first input in optimization profile 0 (what one call may take)."""
+        name = self.input_names[0]
+        try:
+            lo, _, hi = self.engine.get_tensor_profile_shape(name, 0)
+            return int(lo[0]), int(hi[0])
+        except Exception:  # static engines, or a TensorRT without profile queries for this tensor
+            shape = tuple(self.engine.get_tensor_shape(name))
+            return (int(shape[0]), int(shape[0])) if shape and shape[0] > 0 else (1, 1 << 30)
+
+    def _slot(self, key: tuple, shapes: dict[str, tuple[int, ...]]) -> _Slot:
+        slot = self._slots.get(key)
+        if slot is not None:
+            self._slots.move_to_end(key)
+            return slot
+        for name, shape in shapes.items():
+            self.context.set_input_shape(name, shape)
+        self._bound = key
+        all_shapes = dict(shapes)
+        for name in self.output_names:
+            all_shapes[name] = tuple(int(d) for d in self.context.get_tensor_shape(name))
+        slot = _Slot(self._cudart, all_shapes, self.dtypes)
+        self._slots[key] = slot
+        while len(self._slots) > MAX_SLOTS:
+            _, old = self._slots.popitem(last=False)
+            old.free()
+        return slot
+
+    def _bind(self, key: tuple, slot: _Slot) -> None:
+        if self._bound != key:
+            for name in self.input_names:
+                self.context.set_input_shape(name, slot.shapes[name])
+            self._bound = key
+        for name, ptr in slot.device.items():
+            self.context.set_tensor_address(name, ptr)
+
+    def _enqueue(self, slot: _Slot) -> None:
+        c, stream = self._cudart, self._stream
+        h2d, d2h = c.cudaMemcpyKind.cudaMemcpyHostToDevice, c.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        for name in self.input_names:
+            _check(c.cudaMemcpyAsync(slot.device[name], slot.pinned[name], slot.host[name].nbytes, h2d, stream))
+        if not self.context.execute_async_v3(int(stream)):
+            raise EngineError("TensorRT execution failed", "see the TensorRT log; check input shapes are in range")
+        for name in self.output_names:
+            _check(c.cudaMemcpyAsync(slot.pinned[name], slot.device[name], slot.host[name].nbytes, d2h, stream))
+
+    def _capture(self, slot: _Slot) -> None:
+        c, stream = self._cudart, self._stream
+        try:
+            _check(c.cudaStreamBeginCapture(stream, c.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal))
+            try:
+                self._enqueue(slot)
+            finally:
+                graph = _check(c.cudaStreamEndCapture(stream))
+            slot.graph = graph
+            slot.graph_exec = _check(c.cudaGraphInstantiate(graph, 0))
+        except EngineError as e:  # some engines cannot be captured: keep the stream path
+            log.info("CUDA graph capture failed (%s); running without graphs", e)
+            self.cuda_graphs = False
+            if slot.graph is not None:
+                c.cudaGraphDestroy(slot.graph)
+            slot.graph = slot.graph_exec = None
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one batch: host arrays in, host arrays out, keyed by IO name. Inputs are cast to the engine's dtypes
-        (TensorRT 8.x engines take int32 where the ONNX says int64). Verified only on a device."""
-        trt, cudart = self.trt, _cudart()
-        if self._stream is None:
-            self._stream = _check(cudart.cudaStreamCreate())
-        allocs, outs = [], {}
-        try:
+        """Run one batch: host arrays in, host arrays out (copies), keyed by IO name. Inputs are cast to the engine's
+        dtypes (TensorRT 8.x engines take int32 where the ONNX says int64). Thread-safe (one call at a time).
+
+        Raises:
+            EngineError: a CUDA call or the execution failed.
+        """
+        with self._lock:
+            if self._cudart is None:
+                self._cudart = _cudart()
+            if self._stream is None:
+                self._stream = _check(self._cudart.cudaStreamCreate())
+            shapes = {n: tuple(int(d) for d in np.shape(inputs[n])) for n in self.input_names}
+            key = tuple(shapes[n] for n in self.input_names)
+            slot = self._slot(key, shapes)
             for name in self.input_names:
-                arr = np.ascontiguousarray(inputs[name], dtype=trt.nptype(self.engine.get_tensor_dtype(name)))
-                self.context.set_input_shape(name, arr.shape)
-                ptr = _check(cudart.cudaMalloc(max(arr.nbytes, 1)))
-                allocs.append(ptr)
-                _check(cudart.cudaMemcpyAsync(ptr, arr.ctypes.data, arr.nbytes,
-                                              cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self._stream))
-                self.context.set_tensor_address(name, int(ptr))
-            for name in self.output_names:
-                shape = tuple(self.context.get_tensor_shape(name))
-                host = np.empty(shape, dtype=trt.nptype(self.engine.get_tensor_dtype(name)))
-                ptr = _check(cudart.cudaMalloc(max(host.nbytes, 1)))
-                allocs.append(ptr)
-                self.context.set_tensor_address(name, int(ptr))
-                outs[name] = (host, ptr)
-            if not self.context.execute_async_v3(self._stream):
-                raise EngineError("TensorRT execution failed", "see the TensorRT log; check input shapes are in range")
-            for host, ptr in outs.values():
-                _check(cudart.cudaMemcpyAsync(host.ctypes.data, ptr, host.nbytes,
-                                              cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._stream))
-            _check(cudart.cudaStreamSynchronize(self._stream))
-        finally:
-            for ptr in allocs:
-                cudart.cudaFree(ptr)
-        return {name: host for name, (host, _) in outs.items()}
+                np.copyto(slot.host[name], np.asarray(inputs[name]), casting="same_kind")
+            self._bind(key, slot)
+            if slot.graph_exec is None and self.cuda_graphs and slot.runs >= 1:
+                self._capture(slot)
+            if slot.graph_exec is not None:
+                _check(self._cudart.cudaGraphLaunch(slot.graph_exec, self._stream))
+                self.graph_launches += 1
+            else:
+                self._enqueue(slot)
+            _check(self._cudart.cudaStreamSynchronize(self._stream))
+            slot.runs += 1
+            return {name: slot.host[name].copy() for name in self.output_names}
+
+    def close(self) -> None:
+        """Free every device and pinned buffer, CUDA graph and the stream."""
+        with self._lock:
+            for slot in self._slots.values():
+                slot.free()
+            self._slots.clear()
+            if self._stream is not None and self._cudart is not None:
+                self._cudart.cudaStreamDestroy(self._stream)
+            self._stream = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 def engine_key(trt: Any, gpu: GpuInfo, s: EngineBuildSettings, model_sha256: str) -> EngineKey:
@@ -247,14 +383,37 @@ def _sha(path: Path) -> str:
     return sha256_file(path)
 
 
+def _golden_check(root: Path, manifest: Any, variant: Any) -> Callable[[TensorRTBackend, str], Any] | None:
+    """A check of a fresh engine against the bundle's golden I/O, or None for bundles without it."""
+    from ..golden import check_run, has_golden, load_golden, require_pass
+
+    if not hasattr(manifest, "files") or not has_golden(manifest):
+        return None
+    golden = load_golden(root, manifest)
+    var = manifest.variant(variant.name if hasattr(variant, "name") else variant["name"])
+
+    def check(backend: TensorRTBackend, origin: str) -> Any:
+        report = check_run(root, manifest, var, backend.run, backend="tensorrt", providers=backend.providers,
+                           golden=golden, limits=backend.batch_limits)
+        require_pass(report, what=f"the {var.name} TensorRT engine {origin}")
+        log.info("engine for %s passed the golden check (%s)", var.name, "; ".join(
+            f"{k}: cosine min {o['cosine_min']:.5f}, max abs diff {o['max_abs_diff']:.3g}"
+            for k, o in report.outputs.items()))
+        return report
+
+    return check
+
+
 def open_engine_backend(bundle_dir: str | os.PathLike, manifest: Any, variant: Any, *,
                         cache: EngineCache | None = None, gpu: GpuInfo | None = None,
                         dla_core: int | None = None, strict: bool = False) -> TensorRTBackend | None:
     """A TensorRT backend for ``variant`` when this machine can run one, else None (the caller uses ORT).
 
-    Order: a matching prebuilt engine in ``bundle/engines/``, then the engine cache, else build on this device and
-    cache it (keyed by GPU name, compute capability, SM count, TensorRT version, model sha256 and build settings).
-    A stale, foreign or corrupt engine is never loaded: it is rebuilt, with a log line on ``dsedge.engine`` saying why.
+    Order: a matching prebuilt engine in ``bundle/engines/`` (hash-listed in the manifest), then the engine cache,
+    else build on this device and cache it (keyed by GPU name, compute capability, SM count, TensorRT version, model
+    sha256 and build settings). A stale, foreign or corrupt engine is never loaded: it is rebuilt, with a log line on
+    ``dsedge.engine`` saying why. An engine built here or shipped prebuilt is run on the bundle's golden inputs first
+    (runtime/golden.py) and is cached only when it passes; one that fails is never cached and raises (fails closed).
 
     Args:
         bundle_dir: the verified ``.dse`` directory. manifest / variant: its ``Manifest`` and ``Variant``.
@@ -264,6 +423,9 @@ def open_engine_backend(bundle_dir: str | os.PathLike, manifest: Any, variant: A
     Returns:
         a backend with ``.name == "tensorrt"``, ``.providers``, ``.run(inputs)``; or None when the target is not a
         TensorRT target, TensorRT is not installed, or there is no GPU (each logged once at INFO).
+    Raises:
+        OutputMismatchError: the engine's golden answers are outside the build-time tolerance (figures in the
+            message); load with ``providers=[...]`` to run on ONNX Runtime instead.
     """
     target = manifest.target
     if target.get("backend") != "tensorrt":
@@ -280,19 +442,37 @@ def open_engine_backend(bundle_dir: str | os.PathLike, manifest: Any, variant: A
     root = Path(bundle_dir)
     try:
         s = _settings(manifest, variant, dla_core)
+        check = _golden_check(root, manifest, variant)
         key = engine_key(trt, gpu, s, manifest.files.get(s.onnx_file) or _sha(root / s.onnx_file))
-        plan = _prebuilt(root, key)
         cache = cache or EngineCache()
-        if plan is None:
-            plan, built = cache.get_or_build(key, lambda: build_serialized_engine(
-                trt, root / s.onnx_file, s, timing_cache=cache.root / "timing.cache"))
+        verified: dict[str, TensorRTBackend] = {}
+
+        def build() -> bytes:
+            return build_serialized_engine(trt, root / s.onnx_file, s, timing_cache=cache.root / "timing.cache")
+
+        def verify(plan: bytes) -> None:  # before the engine enters the cache
+            backend = TensorRTBackend(plan, dla_core=s.dla_core)
+            if check is not None:
+                check(backend, "built on this device (not cached)")
+            verified["backend"] = backend
+
+        plan = _prebuilt(root, key, manifest)
+        if plan is not None:
+            backend = TensorRTBackend(plan, dla_core=s.dla_core)
+            if check is not None:
+                check(backend, "shipped in the bundle (engines/)")
+            return backend
+        plan, built = cache.get_or_build(key, build, verify)
+        if built:
+            return verified["backend"]
         try:
             return TensorRTBackend(plan, dla_core=s.dla_core)
         except EngineError as e:  # readable file, but TensorRT refuses it: rebuild once
             log.warning("engine for %s: %s; rebuilding", s.variant, e)
-            plan = build_serialized_engine(trt, root / s.onnx_file, s, timing_cache=cache.root / "timing.cache")
+            plan = build()
+            verify(plan)
             cache.put(key, plan)
-            return TensorRTBackend(plan, dla_core=s.dla_core)
+            return verified["backend"]
     except (EngineError, TargetError) as e:
         if strict:
             raise
@@ -300,10 +480,17 @@ def open_engine_backend(bundle_dir: str | os.PathLike, manifest: Any, variant: A
         return None
 
 
-def _prebuilt(root: Path, key: EngineKey) -> bytes | None:
-    """A matching engine shipped in the bundle's ``engines/``; logs why others of this variant do not match."""
+def _prebuilt(root: Path, key: EngineKey, manifest: Any = None) -> bytes | None:
+    """A matching engine shipped in the bundle's ``engines/``; logs why others of this variant do not match.
+    Only files the manifest hash-lists count (a file dropped into ``engines/`` later is ignored)."""
     engines = root / "engines"
-    plan, reason = load_matching(engines / key.slot(), key)
+    files = getattr(manifest, "files", None)
+    plan, reason = None, None
+    if files is not None and f"engines/{key.slot()}" not in files:
+        if (engines / key.slot()).is_file():
+            log.warning("engines/%s is not listed in the manifest; ignoring it", key.slot())
+    else:
+        plan, reason = load_matching(engines / key.slot(), key)
     if plan is not None:
         log.info("using prebuilt engine engines/%s", key.slot())
         return plan

@@ -1,0 +1,137 @@
+"""The TensorRT run path and the golden check before caching, with a FAKE ``tensorrt`` (its engine runs the ONNX on
+ORT CPU) and a FAKE cudart (host memory at real addresses, counted calls). What the fakes prove: the calls dsedge
+makes — buffers allocated once per shape, pinned staging, one stream and one synchronize per call, CUDA graph capture
+and replay for static shapes, no engine cached when its golden answers are wrong. Not proved: real GPU numbers."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from dsedge.runtime.backends import tensorrt as trt_backend
+from dsedge.runtime.backends.tensorrt import TensorRTBackend, build_serialized_engine, open_engine_backend
+from dsedge.runtime.build_settings import engine_build_settings
+from dsedge.runtime.bundle import IOSpec, Variant, verify_bundle
+from dsedge.runtime.engine_cache import EngineCache
+from dsedge.runtime.errors import OutputMismatchError
+from dsedge.runtime.gpu_info import GpuInfo
+from dsedge.targets import get_target
+from dsedge.toolchain.bundle_writer import write_bundle
+from dsedge.toolchain.golden import attach_golden
+from fake_cudart import make_fake_cudart
+from fake_tensorrt import make_fake_tensorrt
+from tiny_models import mlp_onnx
+
+AGX = GpuInfo("NVIDIA Jetson AGX Orin Developer Kit", "8.7", 16)
+INPUTS = [{"name": "x", "dtype": "float32", "shape": ["batch", 64]}]
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    def install(**kw):
+        rt = make_fake_cudart()
+        trt = make_fake_tensorrt(cudart=rt, **kw)
+        monkeypatch.setitem(sys.modules, "tensorrt", trt)
+        monkeypatch.setattr(trt_backend, "_cudart", lambda: rt)
+        return trt, rt
+    return install
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return mlp_onnx(tmp_path_factory.mktemp("m") / "m.onnx")
+
+
+def ort_ref(model, x):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def plan_for(trt, model, ranges, **kw):
+    s = engine_build_settings(get_target("jetson-orin"), {"name": "fp16", "precision": "fp16", "file": "m"}, INPUTS,
+                              ranges, **kw)
+    return build_serialized_engine(trt, model, s)
+
+
+def test_buffers_are_kept_per_shape_staged_through_pinned_memory_on_one_stream(fakes, model, monkeypatch):
+    trt, rt = fakes()
+    monkeypatch.setattr(trt_backend, "MAX_SLOTS", 2)
+    b = TensorRTBackend(plan_for(trt, model, {"batch": {"min": 1, "opt": 4, "max": 8}}))
+    assert not b.static and not b.cuda_graphs and b.batch_limits == (1, 8)
+    rng = np.random.default_rng(0)
+    for rows in (2, 2, 3, 2):
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        np.testing.assert_allclose(b.run({"x": x})["logits"], ort_ref(model, x), rtol=1e-5, atol=1e-6)
+    assert rt.calls["cudaMalloc"] == 4 and rt.calls["cudaMallocHost"] == 4  # (x, logits) x two shapes, once each
+    assert rt.calls["cudaStreamCreate"] == 1 and rt.calls["cudaStreamSynchronize"] == 4  # one stream, one sync/call
+    assert rt.calls["cudaFree"] == 0 and trt.calls["executed"] == 4
+    b.run({"x": np.zeros((5, 64), np.float32)})  # a third shape: the least recently used one (3 rows) is freed
+    assert rt.calls["cudaFree"] == 2 and rt.calls["cudaFreeHost"] == 2 and len(b._slots) == 2
+    out = b.run({"x": np.ones((2, 64), np.float32)})["logits"]
+    out[...] = 0  # results are copies: the next call does not overwrite what a caller holds
+    assert b.run({"x": np.ones((2, 64), np.float32)})["logits"].any()
+    b.close()
+    assert not rt.live and rt.calls["cudaStreamDestroy"] == 1
+
+
+def test_static_shapes_capture_a_cuda_graph_and_replay_it(fakes, model):
+    trt, rt = fakes()
+    b = TensorRTBackend(plan_for(trt, model, {"batch": {"min": 4, "opt": 4, "max": 4}}))
+    assert b.static and b.cuda_graphs and b.batch_limits == (4, 4)
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((4, 64)).astype(np.float32) for _ in range(4)]
+    outs = [b.run({"x": x})["logits"] for x in xs]
+    for x, y in zip(xs, outs):  # every call answers its own input, graph or not
+        np.testing.assert_allclose(y, ort_ref(model, x), rtol=1e-5, atol=1e-6)
+    assert rt.calls["cudaStreamBeginCapture"] == 1 and rt.calls["cudaGraphInstantiate"] == 1
+    assert rt.calls["cudaGraphLaunch"] == 3 == b.graph_launches  # calls 2-4 replay the graph captured at call 2
+    assert trt.calls["executed"] == 4 and rt.calls["cudaMalloc"] == 2
+    b.close()
+    assert rt.calls["cudaGraphExecDestroy"] == 1 and not rt.live
+
+
+def test_a_refused_capture_keeps_the_stream_path(fakes, model):
+    trt, rt = fakes()
+    rt.refuse_capture = True
+    b = TensorRTBackend(plan_for(trt, model, {"batch": {"min": 2, "opt": 2, "max": 2}}))
+    x = np.ones((2, 64), np.float32)
+    for _ in range(3):
+        np.testing.assert_allclose(b.run({"x": x})["logits"], ort_ref(model, x), rtol=1e-5, atol=1e-6)
+    assert not b.cuda_graphs and rt.calls["cudaGraphLaunch"] == 0 and trt.calls["executed"] == 3
+
+
+@pytest.fixture
+def golden_bundle(tmp_path, model):
+    t = get_target("jetson-orin")
+    variants = [Variant("fp16", "fp16", "models/fp16.onnx")]
+    ranges = {"batch": {"min": 1, "opt": 4, "max": 8}}
+    val = {"x": np.random.default_rng(2).standard_normal((16, 64)).astype(np.float32)}
+    extra = attach_golden(model, {"models/fp16.onnx": model}, variants, val, [IOSpec("x", "float32", ("batch", 64))],
+                          ranges)
+    return write_bundle(tmp_path / "m-jetson-orin.dse", name="m", target=t.to_dict(),
+                        inputs=[IOSpec("x", "float32", ("batch", 64))], outputs=[IOSpec("logits", "float32", ("batch", 4))],
+                        models={"models/fp16.onnx": model}, variants=variants, default_variant="fp16",
+                        shape_ranges=ranges, extra_files=extra)
+
+
+def test_an_engine_built_here_is_checked_on_golden_io_before_it_is_cached(fakes, golden_bundle, tmp_path):
+    m = verify_bundle(golden_bundle)
+    cache = EngineCache(tmp_path / "cache")
+    trt, rt = fakes()
+    b = open_engine_backend(golden_bundle, m, m.variant(), gpu=AGX, cache=cache)
+    assert isinstance(b, TensorRTBackend) and trt.calls["builds"] == 1 and trt.calls["executed"] >= 1
+    assert len(list(cache.root.glob("*.engine"))) == 1
+    open_engine_backend(golden_bundle, m, m.variant(), gpu=AGX, cache=cache)
+    assert trt.calls["builds"] == 1  # from the cache (it was checked before it went in)
+
+
+def test_a_wrong_engine_is_never_cached_and_fails_closed_with_the_figures(fakes, golden_bundle, tmp_path):
+    m = verify_bundle(golden_bundle)
+    cache = EngineCache(tmp_path / "cache")
+    fakes(output_error=0.5)  # an engine whose every output is off by 0.5
+    with pytest.raises(OutputMismatchError, match=r"fp16 TensorRT engine built on this device \(not cached\).*"
+                                                  r"logits: max abs diff 0\.5 > allowed"):
+        open_engine_backend(golden_bundle, m, m.variant(), gpu=AGX, cache=cache)  # not strict: still refused
+    assert not list(cache.root.glob("*.engine")) if cache.root.exists() else True
