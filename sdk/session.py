@@ -474,7 +474,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
 
             found = open_engine_backend(path, manifest, var)
         if found is None:
-            found = OrtBackend(Path(path) / var.file, providers=providers, threads=threads)
+            found = OrtBackend(Path(path) / var.file, providers=providers, threads=threads, bundle=(manifest, var))
         return found
 
     backend = open_variant(v.name)

@@ -135,3 +135,26 @@ def test_a_wrong_engine_is_never_cached_and_fails_closed_with_the_figures(fakes,
                                                   r"logits: max abs diff 0\.5 > allowed"):
         open_engine_backend(golden_bundle, m, m.variant(), gpu=AGX, cache=cache)  # not strict: still refused
     assert not list(cache.root.glob("*.engine")) if cache.root.exists() else True
+
+
+def test_ort_trt_and_cuda_provider_options_come_from_the_bundle(golden_bundle, tmp_path):
+    from dsedge.runtime.backends.ort import provider_options
+
+    m = verify_bundle(golden_bundle)
+    trt_ep, cuda_ep, cpu_ep = provider_options(["TensorrtExecutionProvider", "CUDAExecutionProvider",
+                                                "CPUExecutionProvider"], m, m.variant(), cache_dir=tmp_path)
+    assert trt_ep["trt_fp16_enable"] and not trt_ep["trt_int8_enable"] and trt_ep["trt_engine_cache_enable"]
+    assert trt_ep["trt_engine_cache_path"] == str(tmp_path)
+    assert (trt_ep["trt_profile_min_shapes"], trt_ep["trt_profile_opt_shapes"], trt_ep["trt_profile_max_shapes"]) == (
+        "x:1x64", "x:4x64", "x:8x64")  # the recipe's optimization profile
+    assert trt_ep["trt_max_workspace_size"] == 4096 << 20 and cuda_ep["device_id"] == 0 and cpu_ep == {}
+
+
+def test_the_iobinding_path_answers_like_run(model):
+    from dsedge.runtime.backends.ort import OrtBackend
+
+    x = np.random.default_rng(3).standard_normal((3, 64)).astype(np.float32)
+    bound = OrtBackend(model, providers=["CPUExecutionProvider"], iobinding=True)
+    plain = OrtBackend(model, providers=["CPUExecutionProvider"])
+    assert bound.iobinding and not plain.iobinding  # on CPU only when asked: it is for device outputs
+    np.testing.assert_array_equal(bound.run({"x": x})["logits"], plain.run({"x": x})["logits"])

@@ -6,7 +6,8 @@ really got (``InferenceSession.get_providers()``), not the ones asked for.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -77,6 +78,56 @@ def _cpu_rewrites(path: str) -> tuple[str | bytes, int]:
     return (model.SerializeToString(), n) if n else (path, 0)
 
 
+def provider_options(providers: Sequence[str], manifest: Any = None, variant: Any = None,
+                     cache_dir: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """ORT provider options, one dict per provider, set from the bundle (ORT's TensorRT / CUDA EP option names).
+
+    TensorRT EP: engine and timing caches on (``cache_dir``, default ``$DSEDGE_ENGINE_CACHE/ort-trt``), FP16 for
+    fp16/int8/int4 variants, INT8 for int8 (explicit Q/DQ), the optimization profile from the recipe's shapes
+    (``trt_profile_min/opt/max_shapes``), the target's workspace. CUDA EP: device 0, cuDNN heuristic search. Others: {}.
+    """
+    out: list[dict[str, Any]] = []
+    precision = str(getattr(variant, "precision", "") or "")
+    for p in providers:
+        if p == "TensorrtExecutionProvider":
+            from ..engine_cache import default_cache_dir
+
+            root = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "ort-trt"
+            o: dict[str, Any] = {"device_id": 0, "trt_engine_cache_enable": True,
+                                 "trt_engine_cache_path": os.fspath(root), "trt_timing_cache_enable": True,
+                                 "trt_timing_cache_path": os.fspath(root),
+                                 "trt_fp16_enable": precision in ("fp16", "int8", "int4"),
+                                 "trt_int8_enable": precision == "int8"}
+            o.update(_trt_profile(manifest, variant))
+            out.append(o)
+        elif p == "CUDAExecutionProvider":
+            out.append({"device_id": 0, "cudnn_conv_algo_search": "HEURISTIC"})
+        else:
+            out.append({})
+    return out
+
+
+def _trt_profile(manifest: Any, variant: Any) -> dict[str, Any]:
+    if manifest is None or variant is None:
+        return {}
+    from ..build_settings import engine_build_settings
+    from ..errors import DsedgeError
+
+    try:
+        s = engine_build_settings(manifest.target, {"name": variant.name, "precision": variant.precision,
+                                                    "file": variant.file},
+                                  [i.to_dict() for i in manifest.inputs], manifest.shape_ranges)
+    except DsedgeError:  # a target without TensorRT settings: let the EP pick shapes
+        return {}
+    o: dict[str, Any] = {}
+    if s.workspace_mb:
+        o["trt_max_workspace_size"] = int(s.workspace_mb) << 20
+    if s.shapes:
+        for i, key in enumerate(("trt_profile_min_shapes", "trt_profile_opt_shapes", "trt_profile_max_shapes")):
+            o[key] = ",".join(f"{n}:{'x'.join(map(str, shp[i]))}" for n, shp in s.shapes.items())
+    return o
+
+
 class OrtBackend:
     """One ``onnxruntime.InferenceSession`` over an ONNX file.
 
@@ -84,6 +135,9 @@ class OrtBackend:
         model_path: the ONNX file.
         providers: ORT provider names, or None for the TensorRT → CUDA → CPU chain.
         threads: intra-op threads (None: ORT's default, i.e. all cores).
+        bundle: ``(manifest, variant)`` the model comes from: sets the TensorRT/CUDA EP options (``provider_options``).
+        iobinding: run through ``IOBinding`` with outputs left on the provider's device and copied back once (default:
+            when the first provider is the CUDA or TensorRT EP).
     Raises:
         BundleError: ORT cannot load the model.
     """
@@ -91,7 +145,8 @@ class OrtBackend:
     name = "onnxruntime"
 
     def __init__(self, model_path: str | os.PathLike, providers: Sequence[str] | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, *, bundle: tuple[Any, Any] | None = None,
+                 iobinding: bool | None = None) -> None:
         ort = import_ort()
         opts = ort.SessionOptions()
         if threads:
@@ -104,15 +159,28 @@ class OrtBackend:
         if chosen and chosen[0] == "CPUExecutionProvider":
             model, self.rewrites = _cpu_rewrites(model)
         try:
-            self.session = ort.InferenceSession(model, sess_options=opts, providers=chosen)
+            options = provider_options(chosen, *(bundle or (None, None)))
+            self.session = ort.InferenceSession(model, sess_options=opts, providers=list(zip(chosen, options)))
         except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph, …)
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise BundleError(f"ONNX Runtime cannot load {os.fspath(model_path)!r}: {first[:300]}",
                               "rebuild the bundle; check the onnxruntime version supports its opset") from None
         self.providers: list[str] = list(self.session.get_providers())
         self.output_names = [o.name for o in self.session.get_outputs()]
+        first = self.providers[0] if self.providers else ""
+        gpu = first in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+        self.iobinding = gpu if iobinding is None else bool(iobinding)
+        self._device = "cuda" if gpu else "cpu"
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one batch. Inputs/outputs are numpy arrays keyed by IO name."""
+        if self.iobinding:
+            io = self.session.io_binding()
+            for name, value in inputs.items():
+                io.bind_cpu_input(name, np.ascontiguousarray(value))
+            for name in self.output_names:
+                io.bind_output(name, self._device)
+            self.session.run_with_iobinding(io)
+            return dict(zip(self.output_names, io.copy_outputs_to_cpu()))
         values = self.session.run(self.output_names, inputs)
         return dict(zip(self.output_names, values))
