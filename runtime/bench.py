@@ -11,22 +11,18 @@ Nothing here imports torch or the SDK; a ``session`` is anything with ``.inputs`
 """
 from __future__ import annotations
 
-import json
-import os
-import platform
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from .bench_compare import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, Comparison, compare_reports, load_report  # noqa: F401
+from .bench_load import input_windows, measure_concurrent
 from .bundle import IOSpec
+from .device_facts import device_info, tensorrt_version, uses_gpu  # noqa: F401
 from .errors import BenchError, InputError
-
-REPORT_SCHEMA = "dsedge.bench"
-REPORT_SCHEMA_VERSION = 1
 PERCENTILES = {"p50": 50, "p90": 90, "p95": 95, "p99": 99}
 DEFAULT_ID_RANGE = 100  # token ids below 100 exist in every vocabulary; id values do not change a dense model's latency
 _SEQUENCE_WORDS = ("seq", "sequence", "token", "length", "len")
@@ -232,6 +228,8 @@ class BatchResult:
     percentile: str = "p99"
     passed: bool | None = None
     samples_ms: list[float] = field(default_factory=list, repr=False)
+    concurrency: int = 1
+    inputs: str = "synthetic"
 
     @property
     def inferences_per_s(self) -> float:
@@ -245,6 +243,7 @@ class BatchResult:
             "throughput": {"inferences_per_s": round(self.inferences_per_s, 3),
                            "samples_per_s": round(self.inferences_per_s * self.batch, 3)},
             "budget_ms": self.budget_ms, "percentile": self.percentile, "passed": self.passed,
+            "concurrency": self.concurrency, "inputs": self.inputs,
         }
         if with_samples:
             d["samples_ms"] = [round(x, 6) for x in self.samples_ms]
@@ -258,8 +257,16 @@ def bench_session(
     settings: BenchSettings | None = None,
     budget_ms: float | None = None,
     vocab_size: int | None = None,
+    inputs: Mapping[str, np.ndarray] | None = None,
+    inputs_label: str = "synthetic",
+    concurrency: int = 1,
 ) -> list[BatchResult]:
     """Measure ``session.run`` per batch size on synthetic inputs (the SDK path a user calls, checks included).
+
+    ``inputs``: real rows (name → array, batch axis 0; ``bench_load.read_inputs_dir``) used instead, in windows of
+    ``batch`` rows taken in turn. ``concurrency`` > 1: that many closed-loop clients call ``session.run`` at once
+    (each sends its next request when its previous answer is back); latencies are per request, throughput is all
+    requests over the wall time.
 
     Every batch size is checked against the bundle's shapes before anything is timed, so a bad ``--batch 8`` fails
     at once. ``passed`` is ``latency_ms[percentile] <= budget_ms`` (one budget for every batch size: each request in
@@ -272,18 +279,27 @@ def bench_session(
     settings = settings or BenchSettings()
     manifest = session.manifest
     vocab = vocab_size or manifest_vocab_size(manifest)
-    feeds = {b: synthetic_inputs(session.inputs, manifest.shape_ranges, b, seq_len, vocab) for b in batches}
+    if concurrency < 1:
+        raise InputError(f"concurrency {concurrency} is not positive", "pass --concurrency 1 or more")
+    if inputs is not None:
+        windows = {b: input_windows(inputs, b) for b in batches}
+    else:
+        windows = {b: [synthetic_inputs(session.inputs, manifest.shape_ranges, b, seq_len, vocab)] for b in batches}
     variant = getattr(getattr(session, "variant", None), "name", "?")
     results = []
-    for b, feed in feeds.items():
+    for b, feeds in windows.items():
+        feed = feeds[0]
         _trial_run(session, feed, b)
-        samples, wall = measure(lambda: session.run(feed), settings)
+        if concurrency == 1 and len(feeds) == 1:
+            samples, wall = measure(lambda: session.run(feed), settings)
+        else:
+            samples, wall = measure_concurrent(session.run, feeds, settings, concurrency)
         stats = latency_stats(samples)
         passed = None if budget_ms is None else bool(stats[settings.percentile] <= budget_ms)
         results.append(BatchResult(
             variant=variant, batch=b, shapes={k: list(v.shape) for k, v in feed.items()}, latency_ms=stats,
             iterations=int(samples.size), wall_s=wall, budget_ms=budget_ms, percentile=settings.percentile,
-            passed=passed, samples_ms=samples.tolist(),
+            passed=passed, samples_ms=samples.tolist(), concurrency=concurrency, inputs=inputs_label,
         ))
     return results
 
@@ -329,64 +345,6 @@ def resolve_budget(cli_budget_ms: float | None, manifest: Any, target_default_ms
     return None, "none"
 
 
-# ------------------------------------------------------------------------------------------------ device info
-def uses_gpu(session: Any) -> bool:
-    """True when the session runs on a GPU: the TensorRT backend, or ORT's TensorRT/CUDA execution provider."""
-    providers = list(getattr(session, "providers", []))
-    return getattr(session, "backend_name", "") == "tensorrt" or any(
-        p in ("TensorrtExecutionProvider", "CUDAExecutionProvider") or p.startswith("TensorRT") for p in providers)
-
-
-def device_info(session: Any) -> dict[str, Any]:
-    """Where the numbers come from: host, CPU, GPU (name and compute capability, from ``gpu_info.detect_gpu``),
-    ONNX Runtime and TensorRT versions, backend and the providers really in use (ORT falls back to CPU silently, so
-    these are read from the session)."""
-    import onnxruntime as ort
-
-    from .gpu_info import detect_gpu
-
-    info: dict[str, Any] = {
-        "host": platform.node(), "platform": platform.platform(), "machine": platform.machine(),
-        "python": platform.python_version(), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
-        "backend": getattr(session, "backend_name", "?"), "providers": list(getattr(session, "providers", [])),
-        "onnxruntime": ort.__version__, "tensorrt": tensorrt_version(), "gpu": None,
-    }
-    if uses_gpu(session):
-        gpu = detect_gpu()
-        info["gpu"] = f"{gpu.name} (sm{gpu.compute_capability.replace('.', '')})" if gpu else "unknown GPU"
-    return info
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.lower().startswith(("model name", "hardware")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def tensorrt_version() -> str | None:
-    """The installed TensorRT's version, or None. JetPack's system package may lack pip metadata: then it is imported."""
-    import importlib.util
-    from importlib.metadata import PackageNotFoundError, version
-
-    for name in ("tensorrt", "tensorrt-cu12", "tensorrt-cu11"):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-    if importlib.util.find_spec("tensorrt") is None:
-        return None
-    try:
-        import tensorrt
-
-        return str(getattr(tensorrt, "__version__", "installed"))
-    except Exception:  # a broken install: report it as present, the backend says why it cannot run
-        return "installed"
-
-
 # ------------------------------------------------------------------------------------------------ the report
 def build_report(
     session: Any,
@@ -426,71 +384,3 @@ def build_report(
     }
 
 
-def load_report(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a report written by ``dsedge bench --json``. Raises BenchError for a missing, malformed or foreign file."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BenchError(f"baseline report {str(p)!r} does not exist", "write one with `dsedge bench BUNDLE --json > base.json`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BenchError(f"baseline report {str(p)!r} is not valid JSON ({e})", "pass a file written by `dsedge bench --json`") from None
-    if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA:
-        raise BenchError(f"{str(p)!r} is not a dsedge bench report", "pass a file written by `dsedge bench --json`")
-    if data.get("schema_version") != REPORT_SCHEMA_VERSION:
-        raise BenchError(f"bench report {str(p)!r} has schema version {data.get('schema_version')!r}; this dsedge "
-                         f"reads {REPORT_SCHEMA_VERSION}", "measure the baseline again with this dsedge")
-    if not isinstance(data.get("results"), list):
-        raise BenchError(f"bench report {str(p)!r} has no results list", "pass a file written by `dsedge bench --json`")
-    return data
-
-
-@dataclass
-class Comparison:
-    """One batch size compared with the baseline: ``ratio`` = current / baseline at ``percentile``."""
-
-    variant: str
-    batch: int
-    percentile: str
-    baseline_ms: float | None
-    current_ms: float
-    tolerance: float
-
-    @property
-    def ratio(self) -> float | None:
-        return self.current_ms / self.baseline_ms if self.baseline_ms else None
-
-    @property
-    def regressed(self) -> bool:
-        return self.ratio is not None and self.ratio > 1.0 + self.tolerance
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"variant": self.variant, "batch": self.batch, "percentile": self.percentile,
-                "baseline_ms": self.baseline_ms, "current_ms": round(self.current_ms, 6),
-                "ratio": None if self.ratio is None else round(self.ratio, 4), "tolerance": self.tolerance,
-                "regressed": self.regressed}
-
-
-def compare_reports(current: Mapping[str, Any], baseline: Mapping[str, Any], tolerance: float = 0.10,
-                    percentile: str = "p99") -> list[Comparison]:
-    """Pair results by (variant, batch, input shapes) and flag those slower than ``baseline × (1 + tolerance)``.
-
-    A result without a baseline counterpart gets ``baseline_ms=None`` and is never a regression.
-    Raises:
-        InputError: a negative tolerance or unknown percentile.
-    """
-    if tolerance < 0:
-        raise InputError(f"tolerance {tolerance} is negative", "pass --tolerance 0.10 for 10 %")
-    percentile = normalize_percentile(percentile)
-
-    def key(r: Mapping[str, Any]) -> tuple:
-        return (r.get("variant"), r.get("batch"), json.dumps(r.get("shapes"), sort_keys=True))
-
-    base = {key(r): r for r in baseline.get("results", [])}
-    out = []
-    for r in current.get("results", []):
-        b = base.get(key(r))
-        base_ms = float(b["latency_ms"][percentile]) if b and percentile in b.get("latency_ms", {}) else None
-        out.append(Comparison(str(r["variant"]), int(r["batch"]), percentile, base_ms,
-                              float(r["latency_ms"][percentile]), tolerance))
-    return out

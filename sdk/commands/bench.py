@@ -8,6 +8,7 @@ Exit codes: 0 every batch size within budget (and no regression), 1 over budget 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -18,6 +19,9 @@ import click
 from ..runtime import bench as core
 from ..runtime.bundle import usual_mode
 from ..runtime.errors import DsedgeError
+from .bench_output import plot_cdf, render_report
+
+log = logging.getLogger("dsedge")
 
 
 def parse_batches(ctx: click.Context | None, param: click.Parameter | None, value: str) -> list[int]:
@@ -49,13 +53,15 @@ def _target_profile(manifest: Any) -> Any:
         return None
 
 
-def _notes(profile: Any, session: Any) -> list[str]:
-    """Say so when the numbers cannot be the target's: a GPU target's bundle measured without a GPU."""
+def _notes(profile: Any, session: Any, device: dict[str, Any] | None = None) -> list[str]:
+    """Say so when the numbers cannot be the target's: a GPU target's bundle measured without a GPU; on Jetson,
+    clocks not locked, a capped power mode or a hot module (runtime/jetson.py)."""
+    notes = list(((device or {}).get("jetson") or {}).get("warnings", []))
     gpu_target = profile is not None and (profile.backend == "tensorrt" or profile.compute_capability is not None)
     if gpu_target and not core.uses_gpu(session):
-        return [f"bundle is for {profile.name} ({profile.backend}) but ran here on {', '.join(session.providers)}: "
-                f"these are not {profile.name} figures"]
-    return []
+        notes.insert(0, f"bundle is for {profile.name} ({profile.backend}) but ran here on "
+                        f"{', '.join(session.providers)}: these are not {profile.name} figures")
+    return notes
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -69,105 +75,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def plot_cdf(results: Sequence[core.BatchResult], path: Path, title: str = "") -> None:
-    """Write latency CDFs (one line per batch size) with the budget as a vertical line to a PNG.
-
-    matplotlib is imported here only (a device image may lack it). Raises DsedgeError if it is missing.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise DsedgeError("--plot needs matplotlib, which is not installed", 'pip install "dsedge[samples]" or drop --plot') from None
-    import numpy as np
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
-        xs = np.sort(np.asarray(r.samples_ms))
-        ys = np.arange(1, xs.size + 1) / xs.size
-        ax.step(xs, ys, where="post", label=f"batch {r.batch} ({r.percentile} {r.latency_ms[r.percentile]:.2f} ms)")
-    budget = next((r.budget_ms for r in results if r.budget_ms is not None), None)
-    if budget is not None:
-        ax.axvline(budget, color="red", linestyle="--", label=f"budget {budget:g} ms")
-    pct = core.PERCENTILES[results[0].percentile] / 100 if results else 0.99
-    ax.axhline(pct, color="grey", linewidth=0.6, linestyle=":")
-    ax.set_xscale("log")  # a budget far above the latencies would squash linear curves against the axis
-    from matplotlib.ticker import FuncFormatter
-
-    plain = FuncFormatter(lambda x, _: f"{x:g}")
-    ax.xaxis.set_major_formatter(plain)
-    ax.xaxis.set_minor_formatter(FuncFormatter(lambda x, _: f"{x:g}" if f"{x:.0e}"[0] in "25" else ""))
-    ax.set_xlabel("latency (ms, log scale)")
-    ax.set_ylabel("fraction of runs ≤ latency")
-    ax.set_ylim(0, 1.01)
-    ax.set_title(title or "dsedge bench: latency CDF")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
-def format_report(report: dict[str, Any], comparisons: Sequence[core.Comparison] = ()) -> str:
-    """The human table: device and versions first, then one row per batch size, then the verdict."""
-    dev, b, s = report["device"], report["bundle"], report["settings"]
-    lines = [
-        f"bundle   : {b['path']}  ({b['name']}, target {b['target']}, variant {b['variant']} / {b['precision']})",
-        f"device   : {dev['cpu']} ({dev['cpu_count']} CPUs), {dev['platform']}",
-        f"gpu      : {dev['gpu'] or '-'}   tensorrt: {dev['tensorrt'] or '-'}",
-        f"backend  : {dev['backend']} (onnxruntime {dev['onnxruntime']}), providers in use: {', '.join(dev['providers'])}",
-    ]
-    lines += [f"note     : {n}" for n in report.get("notes", [])]
-    how = f"{s['iterations']} iterations" if s["iterations"] else f"{s['duration_s'] or 3.0:g} s per batch size"
-    budget = f"{s['budget_ms']:g} ms at {s['percentile']} (from {s['budget_source']})" if s["budget_ms"] else "none"
-    lines.append(f"settings : warmup {s['warmup']}, {how}, threads {s['threads'] or 'default'}, "
-                 f"seq-len {s['seq_len'] or 'auto'}, budget {budget}")
-    head = (f"{'batch':>5}  {'shape':<14} {'n':>6}  {'min':>8} {'mean':>8} {'p50':>8} {'p90':>8} {'p95':>8} "
-            f"{'p99':>8} {'max':>8}  {'infer/s':>9} {'samples/s':>10}  verdict")
-    lines += ["", "latency in ms", head, "-" * len(head)]
-    for r in report["results"]:
-        lat, thr = r["latency_ms"], r["throughput"]
-        shape = "x".join(str(d) for d in max(r["shapes"].values(), key=len)) if r["shapes"] else "-"
-        verdict = "-" if r["passed"] is None else ("PASS" if r["passed"] else "FAIL")
-        lines.append(f"{r['batch']:>5}  {shape:<14} {r['iterations']:>6}  " +
-                     " ".join(f"{lat[k]:>8.3f}" for k in ("min", "mean", "p50", "p90", "p95", "p99", "max")) +
-                     f"  {thr['inferences_per_s']:>9.1f} {thr['samples_per_s']:>10.1f}  {verdict}")
-    if comparisons:
-        cmp = report.get("comparison", {})
-        lines += ["", f"compared with baseline {cmp.get('baseline', '')} ({comparisons[0].percentile}, "
-                      f"tolerance {comparisons[0].tolerance:.0%})"]
-        if cmp and not cmp.get("same_device", True):
-            bd = cmp["baseline_device"]
-            lines.append(f"note: the baseline was measured on other hardware ({bd.get('gpu') or bd.get('cpu')}, "
-                         f"{', '.join(bd.get('providers') or [])})")
-        for c in comparisons:
-            if c.baseline_ms is None:
-                lines.append(f"{c.batch:>5}  no baseline with these input shapes")
-            else:
-                tag = "REGRESSED" if c.regressed else "ok"
-                lines.append(f"{c.batch:>5}  {c.baseline_ms:8.3f} → {c.current_ms:8.3f} ms  ×{c.ratio:.3f}  {tag}")
-    lines.append("")
-    if report["passed"] is None:
-        lines.append("no latency budget: measured, not judged (pass --budget-ms)")
-    else:
-        failed = [r for r in report["results"] if r["passed"] is False]
-        if failed:
-            lines.append("FAIL: " + "; ".join(
-                f"batch {r['batch']} {r['percentile']} {r['latency_ms'][r['percentile']]:.3f} ms > {r['budget_ms']:g} ms"
-                for r in failed))
-        else:
-            lines.append(f"PASS: every batch size within {s['budget_ms']:g} ms at {s['percentile']}")
-    regressed = [c for c in comparisons if c.regressed]
-    if regressed:
-        lines.append("REGRESSION: " + "; ".join(f"batch {c.batch} {c.percentile} ×{c.ratio:.3f}" for c in regressed))
-    return "\n".join(lines)
 
 
 @click.command(name="bench")
@@ -188,6 +95,10 @@ def format_report(report: dict[str, Any], comparisons: Sequence[core.Comparison]
 @click.option("--percentile", default="p99", show_default=True, help="Percentile judged against the budget: p50/p90/p95/p99.")
 @click.option("--vocab-size", type=click.IntRange(min=1), default=None,
               help="Token ids are drawn from [0, N) (default: the manifest's vocab_size, else 100).")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Closed-loop clients calling the session at once (each sends its next request on its answer).")
+@click.option("--inputs", "inputs_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="A folder of .npz files named like the inputs: real inputs instead of synthetic ones.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report (schema dsedge.bench v1) instead of the table.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report here.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write latency CDFs per batch size to this PNG.")
@@ -198,8 +109,9 @@ def format_report(report: dict[str, Any], comparisons: Sequence[core.Comparison]
 @click.pass_context
 def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[int], seq_len: int | None,
           duration_s: float | None, iterations: int | None, warmup: int, threads: int | None, providers: str | None,
-          budget_ms: float | None, percentile: str, vocab_size: int | None, as_json: bool, output: Path | None,
-          plot: Path | None, baseline: Path | None, tolerance: float) -> None:
+          budget_ms: float | None, percentile: str, vocab_size: int | None, concurrency: int,
+          inputs_dir: Path | None, as_json: bool, output: Path | None, plot: Path | None, baseline: Path | None,
+          tolerance: float) -> None:
     """Measure BUNDLE's latency per batch size and check it against its latency budget."""
     from .. import __version__
     from ..session import load
@@ -212,10 +124,20 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
                    providers=[p.strip() for p in providers.split(",") if p.strip()] if providers else None)
     profile = _target_profile(session.manifest)
     budget, source = core.resolve_budget(budget_ms, session.manifest, profile.default_budget_ms if profile else None)
-    results = core.bench_session(session, batches, seq_len, settings, budget, vocab_size)
+    real = None
+    if inputs_dir is not None:
+        from ..runtime.bench_load import read_inputs_dir
+
+        real = read_inputs_dir(inputs_dir, session.inputs)
+    results = core.bench_session(session, batches, seq_len, settings, budget, vocab_size, inputs=real,
+                                 inputs_label=str(inputs_dir) if inputs_dir else "synthetic", concurrency=concurrency)
     report = core.build_report(session, results, settings, seq_len=seq_len, threads=threads, budget_source=source,
                                dsedge_version=__version__)
-    report["notes"] += _notes(profile, session)
+    report["settings"].update({"concurrency": concurrency, "inputs": str(inputs_dir) if inputs_dir else "synthetic"})
+    report["notes"] += _notes(profile, session, report["device"])
+    for n in report["notes"]:
+        if "Jetson clocks" in n:
+            log.warning("%s", n)
     comparisons = core.compare_reports(report, base, tolerance, settings.percentile) if base else []
     if comparisons:
         dev, bdev = report["device"], base.get("device", {})
@@ -230,6 +152,9 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
     if plot:
         plot_cdf(results, plot, title=f"{report['bundle']['name']} / {report['bundle']['variant']} on "
                                        f"{report['device']['gpu'] or report['device']['cpu']}")
-    click.echo(text if as_json else format_report(report, comparisons))
+    if as_json:
+        click.echo(text)
+    else:
+        render_report(report, comparisons)
     failed = report["passed"] is False or any(c.regressed for c in comparisons)
     ctx.exit(1 if failed else 0)

@@ -1,0 +1,85 @@
+"""Bench reports read back and compared: the baseline check of ``dsedge bench --compare``."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import BenchError, InputError
+
+REPORT_SCHEMA = "dsedge.bench"
+REPORT_SCHEMA_VERSION = 1
+
+
+def load_report(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a report written by ``dsedge bench --json``. Raises BenchError for a missing, malformed or foreign file."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BenchError(f"baseline report {str(p)!r} does not exist", "write one with `dsedge bench BUNDLE --json > base.json`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BenchError(f"baseline report {str(p)!r} is not valid JSON ({e})", "pass a file written by `dsedge bench --json`") from None
+    if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA:
+        raise BenchError(f"{str(p)!r} is not a dsedge bench report", "pass a file written by `dsedge bench --json`")
+    if data.get("schema_version") != REPORT_SCHEMA_VERSION:
+        raise BenchError(f"bench report {str(p)!r} has schema version {data.get('schema_version')!r}; this dsedge "
+                         f"reads {REPORT_SCHEMA_VERSION}", "measure the baseline again with this dsedge")
+    if not isinstance(data.get("results"), list):
+        raise BenchError(f"bench report {str(p)!r} has no results list", "pass a file written by `dsedge bench --json`")
+    return data
+
+
+@dataclass
+class Comparison:
+    """One batch size compared with the baseline: ``ratio`` = current / baseline at ``percentile``."""
+
+    variant: str
+    batch: int
+    percentile: str
+    baseline_ms: float | None
+    current_ms: float
+    tolerance: float
+
+    @property
+    def ratio(self) -> float | None:
+        return self.current_ms / self.baseline_ms if self.baseline_ms else None
+
+    @property
+    def regressed(self) -> bool:
+        return self.ratio is not None and self.ratio > 1.0 + self.tolerance
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"variant": self.variant, "batch": self.batch, "percentile": self.percentile,
+                "baseline_ms": self.baseline_ms, "current_ms": round(self.current_ms, 6),
+                "ratio": None if self.ratio is None else round(self.ratio, 4), "tolerance": self.tolerance,
+                "regressed": self.regressed}
+
+
+def compare_reports(current: Mapping[str, Any], baseline: Mapping[str, Any], tolerance: float = 0.10,
+                    percentile: str = "p99") -> list[Comparison]:
+    """Pair results by (variant, batch, input shapes) and flag those slower than ``baseline × (1 + tolerance)``.
+
+    A result without a baseline counterpart gets ``baseline_ms=None`` and is never a regression.
+    Raises:
+        InputError: a negative tolerance or unknown percentile.
+    """
+    if tolerance < 0:
+        raise InputError(f"tolerance {tolerance} is negative", "pass --tolerance 0.10 for 10 %")
+    from .bench import normalize_percentile
+
+    percentile = normalize_percentile(percentile)
+
+    def key(r: Mapping[str, Any]) -> tuple:
+        return (r.get("variant"), r.get("batch"), json.dumps(r.get("shapes"), sort_keys=True), r.get("concurrency", 1))
+
+    base = {key(r): r for r in baseline.get("results", [])}
+    out = []
+    for r in current.get("results", []):
+        b = base.get(key(r))
+        base_ms = float(b["latency_ms"][percentile]) if b and percentile in b.get("latency_ms", {}) else None
+        out.append(Comparison(str(r["variant"]), int(r["batch"]), percentile, base_ms,
+                              float(r["latency_ms"][percentile]), tolerance))
+    return out

@@ -1,0 +1,113 @@
+"""Bench load shapes beyond one caller: closed-loop concurrent clients, and real inputs read from a directory."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from .bundle import IOSpec
+from .errors import InputError
+
+
+def read_inputs_dir(path: str | os.PathLike, specs: Sequence[IOSpec]) -> dict[str, np.ndarray]:
+    """Real inputs from ``*.npz`` files in ``path`` (arrays named like the bundle's inputs, batch axis 0), joined
+    along axis 0 in file-name order. Arrays whose other axes differ between files are right-padded with zeros to the
+    longest (token ids 0 / mask 0, the BERT convention). Loaded with ``allow_pickle=False``.
+
+    Raises:
+        InputError: no such directory, no ``.npz`` files, or a file lacking one of the inputs.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise InputError(f"--inputs {str(root)!r} is not a directory", "pass a folder of .npz files named like the inputs")
+    files = sorted(root.glob("*.npz"))
+    if not files:
+        raise InputError(f"--inputs {str(root)!r} holds no .npz files", "save inputs with numpy.savez(name=array, …)")
+    parts: dict[str, list[np.ndarray]] = {s.name: [] for s in specs}
+    for f in files:
+        with np.load(f, allow_pickle=False) as z:
+            for s in specs:
+                if s.name not in z.files:
+                    raise InputError(f"{f.name} has no array {s.name!r} (it has {', '.join(z.files)})",
+                                     "name the arrays like the bundle's inputs (dsedge inspect BUNDLE)")
+                a = z[s.name]
+                parts[s.name].append(a if a.ndim == len(s.shape) else a[None])
+    out = {}
+    for name, arrays in parts.items():
+        ndim = arrays[0].ndim
+        top = [max(a.shape[i] for a in arrays) for i in range(ndim)]
+        padded = [np.pad(a, [(0, 0)] + [(0, top[i] - a.shape[i]) for i in range(1, ndim)]) for a in arrays]
+        out[name] = np.concatenate(padded)
+    return out
+
+
+def input_windows(arrays: Mapping[str, np.ndarray], batch: int) -> list[dict[str, np.ndarray]]:
+    """Consecutive windows of ``batch`` rows over ``arrays`` (wrapping around when rows run out), at most 64."""
+    n = len(next(iter(arrays.values())))
+    count = max(1, min(64, n // batch)) if n >= batch else 1
+    out = []
+    for w in range(count):
+        idx = (np.arange(batch) + w * batch) % n
+        out.append({k: np.ascontiguousarray(v[idx]) for k, v in arrays.items()})
+    return out
+
+
+def measure_concurrent(run: Callable[[Mapping[str, np.ndarray]], Any], feeds: Sequence[Mapping[str, np.ndarray]],
+                       settings: Any, concurrency: int) -> tuple[np.ndarray, float]:
+    """``concurrency`` closed-loop clients, each calling ``run`` on the next of ``feeds`` as soon as its previous
+    call returned, after ``settings.warmup`` untimed calls per client.
+
+    ``settings.iterations`` is the total over all clients; else each client runs until ``settings.duration_s``
+    (default 3 s) and at least ``settings.min_iterations`` calls in all. Returns (per-call latencies in ms, wall s).
+    Raises what ``run`` raises (the first error of any client).
+    """
+    total = settings.iterations
+    per_client = None if total is None else [total // concurrency + (i < total % concurrency) for i in range(concurrency)]
+    duration_ns = int((settings.duration_s or 3.0) * 1e9)
+    samples: list[list[int]] = [[] for _ in range(concurrency)]
+    errors: list[BaseException] = []
+    clock = time.perf_counter_ns
+    state: dict[str, int] = {}
+    start_gate = threading.Barrier(concurrency + 1, action=lambda: state.__setitem__("start", clock()))
+
+    def client(i: int) -> None:
+        try:
+            for k in range(settings.warmup):
+                run(feeds[(i + k) % len(feeds)])
+            start_gate.wait()
+            mine, k = samples[i], i
+            while True:
+                t0 = clock()
+                run(feeds[k % len(feeds)])
+                t1 = clock()
+                mine.append(t1 - t0)
+                k += concurrency
+                if per_client is not None:
+                    if len(mine) >= per_client[i]:
+                        return
+                elif t1 - state["start"] >= duration_ns and sum(map(len, samples)) >= settings.min_iterations:
+                    return
+        except threading.BrokenBarrierError:
+            return
+        except BaseException as e:  # handed to the caller
+            errors.append(e)
+            start_gate.abort()
+
+    threads = [threading.Thread(target=client, args=(i,), name=f"dsedge-bench-client-{i}", daemon=True)
+               for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    try:
+        start_gate.wait()
+    except threading.BrokenBarrierError:
+        pass
+    for t in threads:
+        t.join()
+    wall = (clock() - state.get("start", clock())) / 1e9
+    if errors:
+        raise errors[0]
+    return np.asarray([x for s in samples for x in s], dtype=np.float64) / 1e6, wall
