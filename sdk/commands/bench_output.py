@@ -59,7 +59,10 @@ def render_report(report: dict[str, Any], comparisons: Sequence[core.Comparison]
     from rich.console import Console
     from rich.table import Table
 
-    c = console or Console(soft_wrap=True, highlight=False)
+    import shutil
+
+    # the table has 13 columns: never narrower than 130 (piped output would otherwise be cut to 80 columns)
+    c = console or Console(soft_wrap=True, highlight=False, width=max(130, shutil.get_terminal_size((130, 24)).columns))
     say = lambda s: c.print(s, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     dev, b, s = report["device"], report["bundle"], report["settings"]
     say(f"bundle   : {b['path']}  ({b['name']}, target {b['target']}, variant {b['variant']} / {b['precision']})")
