@@ -158,3 +158,17 @@ def test_the_iobinding_path_answers_like_run(model):
     plain = OrtBackend(model, providers=["CPUExecutionProvider"])
     assert bound.iobinding and not plain.iobinding  # on CPU only when asked: it is for device outputs
     np.testing.assert_array_equal(bound.run({"x": x})["logits"], plain.run({"x": x})["logits"])
+
+
+def test_an_engine_dropped_into_a_signed_bundle_later_is_ignored(fakes, golden_bundle, tmp_path, caplog, monkeypatch):
+    import logging
+
+    from dsedge.runtime.backends.tensorrt import build_engine_file
+
+    caplog.set_level(logging.INFO, logger="dsedge.engine")
+    m = verify_bundle(golden_bundle)
+    trt, _ = fakes()
+    monkeypatch.setattr(trt_backend, "detect_gpu", lambda: AGX)
+    build_engine_file(golden_bundle, m, m.variant(), golden_bundle / "engines")  # written after the build: not listed
+    open_engine_backend(golden_bundle, m, m.variant(), gpu=AGX, cache=EngineCache(tmp_path / "c"))
+    assert trt.calls["builds"] == 2 and "is not listed in the manifest; ignoring it" in caplog.text

@@ -93,6 +93,10 @@ def provider_options(providers: Sequence[str], manifest: Any = None, variant: An
             from ..engine_cache import default_cache_dir
 
             root = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "ort-trt"
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError:  # a read-only home: the EP then builds without a cache
+                pass
             o: dict[str, Any] = {"device_id": 0, "trt_engine_cache_enable": True,
                                  "trt_engine_cache_path": os.fspath(root), "trt_timing_cache_enable": True,
                                  "trt_timing_cache_path": os.fspath(root),
