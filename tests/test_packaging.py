@@ -73,6 +73,11 @@ def test_without_onnxruntime_the_error_says_which_extra(monkeypatch):
     with pytest.raises(BackendUnavailable, match="ONNX Runtime is not installed") as e:
         available_providers()
     assert "dsedge[cpu]" in e.value.hint and "dsedge[gpu]" in e.value.hint and "jetpack" in e.value.hint.lower()
+    from dsedge.cli import main
+
+    with pytest.raises(SystemExit) as ex:
+        main(["doctor"])
+    assert ex.value.code == 2  # one line and the hint, no traceback (the CLI's user-error path)
 
 
 def test_the_dockerfiles_pass_hadolint():

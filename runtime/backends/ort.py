@@ -39,6 +39,20 @@ def import_ort():
     return ort
 
 
+def ort_distributions() -> list[str]:
+    """Installed ONNX Runtime distributions (``onnxruntime``, ``onnxruntime-gpu``, …): more than one is a broken
+    environment, as they install the same module."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino", "onnxruntime-qnn"):
+        try:
+            out.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            continue
+    return out
+
+
 def available_providers() -> list[str]:
     """ORT providers this installation offers, in dsedge's preference order (others after)."""
     ort = import_ort()

@@ -22,14 +22,14 @@ def _installed(module: str) -> str | None:
 
 def machine_report() -> dict[str, Any]:
     """Backends, providers, GPU and package versions on this machine (no torch import)."""
-    import onnxruntime as ort
-
-    from ..runtime.backends.ort import available_providers
+    from ..runtime.backends.ort import available_providers, import_ort, ort_distributions
     from ..runtime.bench import tensorrt_version
     from ..runtime.gpu_info import detect_gpu
 
+    ort = import_ort()  # BackendUnavailable (one line, which extra to install) when there is none
     gpu = detect_gpu()
     return {
+        "onnxruntime_packages": ort_distributions(),
         "platform": platform.platform(), "python": platform.python_version(), "machine": platform.machine(),
         "onnxruntime": ort.__version__, "ort_device": ort.get_device(), "providers": available_providers(),
         "tensorrt": tensorrt_version(), "torch": _installed("torch"), "onnx": _installed("onnx"),
@@ -47,6 +47,9 @@ def doctor(as_json: bool) -> None:
         return
     click.echo(f"platform      {r['platform']} ({r['machine']}), Python {r['python']}")
     click.echo(f"onnxruntime   {r['onnxruntime']} ({r['ort_device']}); providers: {', '.join(r['providers'])}")
+    if len(r["onnxruntime_packages"]) > 1:
+        click.secho(f"warning       {' and '.join(r['onnxruntime_packages'])} are both installed: they overwrite each "
+                    "other's files (keep one: docs/jetpack.md)", fg="yellow")
     click.echo(f"tensorrt      {r['tensorrt'] or 'not installed: bundles run on ONNX Runtime'}")
     click.echo(f"torch         {r['torch'] or 'not installed (not needed to run bundles)'}")
     click.echo(f"gpus          {', '.join(r['gpus']) or 'none found'}")
