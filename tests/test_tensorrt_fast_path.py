@@ -102,8 +102,9 @@ def test_a_refused_capture_keeps_the_stream_path(fakes, model):
     assert not b.cuda_graphs and rt.calls["cudaGraphLaunch"] == 0 and trt.calls["executed"] == 3
 
 
-@pytest.fixture
-def golden_bundle(tmp_path, model):
+@pytest.fixture(scope="module")
+def golden_bundle(tmp_path_factory, model):
+    tmp_path = tmp_path_factory.mktemp("golden-trt")
     t = get_target("jetson-orin")
     variants = [Variant("fp16", "fp16", "models/fp16.onnx")]
     ranges = {"batch": {"min": 1, "opt": 4, "max": 8}}
