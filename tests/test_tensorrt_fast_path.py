@@ -14,7 +14,7 @@ from dsedge.runtime.backends.tensorrt import TensorRTBackend, build_serialized_e
 from dsedge.runtime.build_settings import engine_build_settings
 from dsedge.runtime.bundle import IOSpec, Variant, verify_bundle
 from dsedge.runtime.engine_cache import EngineCache
-from dsedge.runtime.errors import OutputMismatchError
+from dsedge.runtime.errors import EngineError, OutputMismatchError
 from dsedge.runtime.gpu_info import GpuInfo
 from dsedge.targets import get_target
 from dsedge.toolchain.bundle_writer import write_bundle
@@ -72,6 +72,8 @@ def test_buffers_are_kept_per_shape_staged_through_pinned_memory_on_one_stream(f
     out = b.run({"x": np.ones((2, 64), np.float32)})["logits"]
     out[...] = 0  # results are copies: the next call does not overwrite what a caller holds
     assert b.run({"x": np.ones((2, 64), np.float32)})["logits"].any()
+    with pytest.raises(EngineError, match="outside the engine's optimization profile"):
+        b.run({"x": np.zeros((9, 64), np.float32)})  # batch 9 > the profile's max 8
     b.close()
     assert not rt.live and rt.calls["cudaStreamDestroy"] == 1
 

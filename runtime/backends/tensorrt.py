@@ -235,7 +235,9 @@ class TensorRTBackend:
             self._slots.move_to_end(key)
             return slot
         for name, shape in shapes.items():
-            self.context.set_input_shape(name, shape)
+            if self.context.set_input_shape(name, shape) is False:
+                raise EngineError(f"input {name!r} shape {list(shape)} is outside the engine's optimization profile",
+                                  "send shapes within the bundle's shape ranges (dsedge inspect BUNDLE)")
         self._bound = key
         all_shapes = dict(shapes)
         for name in self.output_names:
