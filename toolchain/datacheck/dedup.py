@@ -1,0 +1,169 @@
+"""Exact and near duplicates.
+
+Exact: a document's key (the text, or for tabular rows the row's values) is hashed with BLAKE2b to 64 bits; a
+document whose hash occurred earlier is an exact duplicate.
+
+Near: each document's word 3-gram shingles (lower-cased ``\\w+`` words; a shorter document is one shingle) get a
+MinHash signature from ``datasketch.MinHash`` (``scheme="affine32"``, seed 1, ``num_perm`` values of 32 bits). Among
+first occurrences, LSH banding with datasketch's optimal (bands, rows) for the threshold (``MinHashLSH(threshold,
+num_perm).b/.r``) proposes candidates: documents whose signatures agree on a whole band. The bands are grouped with a
+sort over all signatures at the end (not a dict-of-lists index per band), and a candidate pair counts when its
+estimated Jaccard similarity (share of equal signature values) is ≥ the threshold. A document is a near duplicate when
+an earlier document passes with it. In a band group of more than ``GROUP_ALL_PAIRS`` documents, each member is compared
+with the group's first member only.
+
+State (the de-duplication index, the only state that grows with the corpus): per document 8 B hash + 8 B location
++ 4·num_perm B signature (528 B at num_perm = 128). Shards' states concatenate in shard order, so the merged state
+equals a single pass over the data, and so do the results.
+"""
+from __future__ import annotations
+
+import hashlib
+import zlib
+from functools import lru_cache
+
+import numpy as np
+
+from ...runtime.errors import DsedgeError
+from .tokens import words_of
+
+SHINGLE = 3
+GROUP_ALL_PAIRS = 64
+EXAMPLES = 5
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+def _datasketch():
+    try:
+        import datasketch
+    except ModuleNotFoundError:
+        raise DsedgeError("near-duplicate detection needs datasketch, which is not installed",
+                          'pip install -e ".[data]"') from None
+    return datasketch
+
+
+@lru_cache(maxsize=8)
+def _permutations(num_perm: int):
+    return _datasketch().MinHash(num_perm=num_perm, seed=1, scheme="affine32").permutations
+
+
+@lru_cache(maxsize=8)
+def lsh_params(threshold: float, num_perm: int) -> tuple[int, int]:
+    """(bands, rows per band) that datasketch's MinHashLSH picks for this threshold and num_perm."""
+    lsh = _datasketch().MinHashLSH(threshold=threshold, num_perm=num_perm)
+    return int(lsh.b), int(lsh.r)
+
+
+def exact_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def shingle_hashes(words: list[str], word_hash: dict[str, int]) -> np.ndarray:
+    """uint64 hashes (< 2**32) of the word 3-grams; a document of fewer words is one shingle; none when empty."""
+    if not words:
+        return np.zeros(0, dtype=np.uint64)
+    h = np.fromiter((word_hash[w] for w in words), dtype=np.uint64, count=len(words))
+    k = min(SHINGLE, h.size)
+    acc = h[: h.size - k + 1].copy()
+    for j in range(1, k):
+        acc = (acc * np.uint64(0x9E3779B1) + h[j: h.size - k + 1 + j]) & _M32
+    return acc
+
+
+class DedupState:
+    """The de-duplication index of one shard (or of merged shards, in data order)."""
+
+    def __init__(self, num_perm: int = 128, near: bool = True) -> None:
+        self.num_perm = num_perm
+        self.near = near
+        self._hashes: list[np.ndarray] = []
+        self._locs: list[np.ndarray] = []
+        self._sigs: list[np.ndarray] = []
+
+    def update(self, keys: list[str], locs: list[int], docs_words: list[list[str]] | None = None) -> None:
+        self._hashes.append(np.fromiter((exact_hash(k) for k in keys), dtype=np.uint64, count=len(keys)))
+        self._locs.append(np.asarray(locs, dtype=np.int64))
+        if not (self.near and docs_words is not None):
+            return
+        ds = _datasketch()
+        perms = _permutations(self.num_perm)
+        vocab = set().union(*map(set, docs_words)) if docs_words else set()
+        word_hash = {w: zlib.crc32(w.encode()) for w in vocab}
+        sig = np.full((len(docs_words), self.num_perm), 0xFFFFFFFF, dtype=np.uint32)
+        for i, words in enumerate(docs_words):
+            sh = shingle_hashes(words, word_hash)
+            if sh.size:
+                m = ds.MinHash(num_perm=self.num_perm, seed=1, hashfunc=int, permutations=perms, scheme="affine32")
+                m.update_batch(sh.tolist())
+                sig[i] = m.hashvalues
+        self._sigs.append(sig)
+
+    def merge(self, other: "DedupState") -> None:
+        self._hashes += other._hashes
+        self._locs += other._locs
+        self._sigs += other._sigs
+
+    def compact(self) -> None:
+        """Concatenate the per-batch arrays (keeps pickles and merges cheap)."""
+        for name in ("_hashes", "_locs", "_sigs"):
+            parts = getattr(self, name)
+            if len(parts) > 1:
+                setattr(self, name, [np.concatenate(parts)])
+
+    @property
+    def bytes_per_doc(self) -> int:
+        return 16 + (4 * self.num_perm if self.near else 0)
+
+    def index_bytes(self) -> int:
+        return sum(a.nbytes for a in self._hashes + self._locs + self._sigs)
+
+    def result(self, threshold: float) -> dict:
+        self.compact()
+        hashes = self._hashes[0] if self._hashes else np.zeros(0, np.uint64)
+        locs = self._locs[0] if self._locs else np.zeros(0, np.int64)
+        n = int(hashes.size)
+        uniq, first, counts = np.unique(hashes, return_index=True, return_counts=True)
+        exact_dups = n - int(uniq.size)
+        groups = np.argsort(-counts, kind="stable")[:EXAMPLES] if exact_dups else []
+        exact_ex = []
+        for g in groups:
+            if counts[g] < 2:
+                break
+            members = np.sort(np.nonzero(hashes == uniq[g])[0])[:3]
+            exact_ex.append({"copies": int(counts[g]), "locs": locs[members].tolist()})
+        out = {"docs": n, "exact_duplicates": exact_dups, "exact_examples": exact_ex,
+               "index_bytes_per_doc": self.bytes_per_doc, "index_bytes": self.index_bytes()}
+        if self.near and self._sigs:
+            out.update(self._near(np.sort(first), locs, threshold))
+        return out
+
+    def _near(self, firsts: np.ndarray, locs: np.ndarray, threshold: float) -> dict:
+        sigs = self._sigs[0]
+        keep = firsts[(sigs[firsts] != 0xFFFFFFFF).any(axis=1)]          # first occurrences with a shingle
+        bands, rows = lsh_params(threshold, self.num_perm)
+        near: dict[int, tuple[int, float]] = {}
+        checked: set[tuple[int, int]] = set()
+        for band in range(bands):
+            part = np.ascontiguousarray(sigs[keep, band * rows:(band + 1) * rows])
+            key = part.view(np.dtype((np.void, part.dtype.itemsize * rows))).ravel()
+            _, inv = np.unique(key, return_inverse=True)
+            order = np.argsort(inv.ravel(), kind="stable")                   # groups, each in data order
+            sorted_inv = inv.ravel()[order]
+            cuts = np.flatnonzero(np.diff(sorted_inv)) + 1
+            starts = np.concatenate([[0], cuts])
+            ends = np.concatenate([cuts, [order.size]])
+            for g in np.nonzero(ends - starts > 1)[0]:
+                members = keep[order[starts[g]:ends[g]]]
+                pairs = ([(members[i], members[j]) for j in range(1, len(members)) for i in range(j)]
+                         if len(members) <= GROUP_ALL_PAIRS else [(members[0], m) for m in members[1:]])
+                for a, b in pairs:
+                    if (a, b) in checked:
+                        continue
+                    checked.add((a, b))
+                    j = float((sigs[a] == sigs[b]).mean())
+                    if j >= threshold and (b not in near or a < near[b][0]):
+                        near[int(b)] = (int(a), j)
+        ex = [{"locs": [int(locs[a]), int(locs[b])], "jaccard": round(j, 4)}
+              for b, (a, j) in sorted(near.items())[:EXAMPLES]]
+        return {"near_duplicates": len(near), "near_examples": ex, "near_threshold": threshold,
+                "lsh": {"bands": bands, "rows": rows, "num_perm": self.num_perm, "shingle_words": SHINGLE}}

@@ -1,0 +1,143 @@
+"""Token statistics: length distribution, unknown-token rate and the Zipf coefficient.
+
+Tokens are the model's (``--tokenizer DIR``: a Hugging Face tokenizer directory, read offline) or, without one,
+lower-cased words (``\\w+``). Frequencies are counts per token id (a tokenizer's vocabulary) or per word hashed to one
+of ``WORD_BUCKETS`` buckets (crc32), so the state is a fixed-size array whatever the corpus size; word collisions
+merge a few tail types and leave the head of the rank-frequency curve, where the fit is made, unchanged.
+
+Zipf coefficient (``zipf_fit``): frequencies sorted descending give f(r) at rank r = 1..R, where R is the last rank
+with f ≥ 2 (hapax legomena tie at arbitrary ranks and are left out). The fit is ordinary least squares of log10 f on
+log10 r at up to 50 ranks spaced evenly in log r (so each decade weighs the same, not the crowded tail); the
+coefficient is s = −slope (f ∝ r^−s; natural language is near 1).
+"""
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from collections import Counter
+from functools import lru_cache
+
+import numpy as np
+
+from ...runtime.errors import DsedgeError
+
+WORD_RE = re.compile(r"\w+")
+WORD_BUCKETS = 1 << 20
+FIT_POINTS = 50
+
+
+def words_of(text: str) -> list[str]:
+    return WORD_RE.findall(text.lower())
+
+
+class TokenizerError(DsedgeError):
+    """The ``--tokenizer`` directory cannot be loaded."""
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(path: str):
+    """A Hugging Face tokenizer from a local directory (never downloads). Raises TokenizerError."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers import AutoTokenizer
+    except ModuleNotFoundError:
+        raise TokenizerError("--tokenizer needs the transformers package", 'pip install -e ".[toolchain]"') from None
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises OSError/ValueError/... for a bad directory
+        raise TokenizerError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}",
+                             "pass a directory with tokenizer.json or vocab.txt + tokenizer_config.json") from None
+    return tok
+
+
+class TokenState:
+    """Length counts, token and unknown-token totals, and frequency counts; merges by addition."""
+
+    def __init__(self, vocab_size: int | None = None) -> None:
+        self.unit = "tokens" if vocab_size else "words"
+        self.lengths = np.zeros(64, dtype=np.int64)
+        self.tokens = 0
+        self.unknown = 0
+        self.freq = np.zeros(vocab_size or WORD_BUCKETS, dtype=np.int64)
+
+    def _add_lengths(self, lens: np.ndarray) -> None:
+        if lens.size == 0:
+            return
+        top = int(lens.max()) + 1
+        if top > self.lengths.size:
+            self.lengths = np.pad(self.lengths, (0, top - self.lengths.size))
+        self.lengths += np.bincount(lens, minlength=self.lengths.size)
+
+    def update_words(self, docs: list[list[str]]) -> None:
+        self._add_lengths(np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs)))
+        counts = Counter()
+        for d in docs:
+            counts.update(d)
+        if counts:
+            buckets = np.fromiter((zlib.crc32(w.encode()) & (WORD_BUCKETS - 1) for w in counts), dtype=np.int64,
+                                  count=len(counts))
+            np.add.at(self.freq, buckets, np.fromiter(counts.values(), dtype=np.int64, count=len(counts)))
+        self.tokens += sum(counts.values())
+
+    def update_ids(self, ids: list[list[int]], unk_id: int | None, specials: int) -> None:
+        """``ids``: token ids without special tokens; a document's length adds the ``specials`` the model adds."""
+        self._add_lengths(np.fromiter((len(d) + specials for d in ids), dtype=np.int64, count=len(ids)))
+        flat = np.fromiter((t for d in ids for t in d), dtype=np.int64)
+        if flat.size:
+            self.freq += np.bincount(flat, minlength=self.freq.size)[: self.freq.size]
+            self.tokens += int(flat.size)
+            if unk_id is not None:
+                self.unknown += int((flat == unk_id).sum())
+
+    def merge(self, other: "TokenState") -> None:
+        n = max(self.lengths.size, other.lengths.size)
+        self.lengths = np.pad(self.lengths, (0, n - self.lengths.size)) + np.pad(other.lengths,
+                                                                                   (0, n - other.lengths.size))
+        self.tokens += other.tokens
+        self.unknown += other.unknown
+        self.freq += other.freq
+
+    def length_summary(self, max_tokens: int) -> dict:
+        n = int(self.lengths.sum())
+        if not n:
+            return {"docs": 0}
+        cum = np.cumsum(self.lengths)
+        pct = {f"p{q}": int(np.searchsorted(cum, q / 100 * n)) for q in (50, 90, 99)}
+        lens = np.arange(self.lengths.size)
+        nz = np.nonzero(self.lengths)[0]
+        return {"docs": n, "unit": self.unit, "mean": float((lens * self.lengths).sum() / n), **pct,
+                "min": int(nz[0]), "max": int(nz[-1]), "max_tokens": max_tokens,
+                "over_max": int(self.lengths[max_tokens + 1:].sum()), "empty": int(self.lengths[0])}
+
+    def length_histogram(self, bins: int = 40) -> dict:
+        nz = np.nonzero(self.lengths)[0]
+        if not nz.size:
+            return {"edges": [], "counts": []}
+        hi = int(nz[-1]) + 1
+        edges = np.unique(np.linspace(0, hi, min(bins, hi) + 1).round().astype(np.int64))
+        cum = np.concatenate([[0], np.cumsum(self.lengths[:hi])])
+        counts = cum[edges[1:]] - cum[edges[:-1]]
+        return {"edges": edges.tolist(), "counts": counts.tolist(), "unit": self.unit}
+
+
+def zipf_fit(freq: np.ndarray) -> dict:
+    """Fit f(r) ∝ r^−s on the rank-frequency curve (see the module docstring). Returns s, the fit's R², the rank range,
+    plot points (≤ 400 log-spaced ranks) and the fitted line's end points; ``s`` is None with fewer than 3 ranks."""
+    f = np.sort(freq[freq > 0])[::-1].astype(np.float64)
+    types = int(f.size)
+    ranks_ge2 = int((f >= 2).sum())
+    top = ranks_ge2 if ranks_ge2 >= 3 else types
+    plot_r = np.unique(np.geomspace(1, max(types, 1), 400).round().astype(np.int64)) if types else np.array([], int)
+    out = {"types": types, "fit_ranks": [1, top], "s": None, "r2": None,
+           "points": {"rank": plot_r.tolist(), "freq": f[plot_r - 1].tolist() if types else []}}
+    if top < 3:
+        return out
+    r = np.unique(np.geomspace(1, top, FIT_POINTS).round().astype(np.int64))
+    x, y = np.log10(r.astype(np.float64)), np.log10(f[r - 1])
+    slope, icpt = np.polyfit(x, y, 1)
+    pred = slope * x + icpt
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    out.update(s=float(-slope), r2=float(1 - ((y - pred) ** 2).sum() / ss_tot) if ss_tot else 1.0,
+               fit_line={"rank": [1, top], "freq": [float(10 ** icpt), float(10 ** (icpt + slope * np.log10(top)))]})
+    return out
