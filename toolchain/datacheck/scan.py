@@ -72,8 +72,7 @@ def resolve_plan(data: str, cfg: DataCheckConfig, tokenizer: str | None = None,
     if tokenizer:
         tok = load_tokenizer(tokenizer)
         if max_tokens is None:
-            mml = getattr(tok, "model_max_length", None)
-            max_tokens = int(mml) if isinstance(mml, int) and mml < 1_000_000 else DEFAULT_MAX_TOKENS
+            max_tokens = tok.model_max_length
     return ScanPlan(data=str(data), fmt=first.fmt, files=tuple(dict.fromkeys(s.path for s in shards)),
                     columns=tuple(columns), text_field=text_field, label=label, tokenizer=tokenizer,
                     entities=tuple(entities) if entities else None, max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
@@ -96,7 +95,7 @@ class ShardState:
     def __init__(self, plan: ScanPlan) -> None:
         self.plan = plan
         self.schema = SchemaState()
-        vocab = len(load_tokenizer(plan.tokenizer)) if plan.tokenizer and plan.text_field else None
+        vocab = load_tokenizer(plan.tokenizer).vocab_size if plan.tokenizer and plan.text_field else None
         self.tokens = TokenState(vocab) if plan.text_field else None
         self.dedup = DedupState(plan.num_perm, near=plan.near and plan.text_field is not None)
         self.entities = EntityState(list(plan.entities)) if plan.entities and plan.text_field else None
@@ -134,8 +133,7 @@ class ShardState:
         words = [words_of(t) for t in texts]
         if plan.tokenizer:
             tok = load_tokenizer(plan.tokenizer)
-            ids = tok(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
-            self.tokens.update_ids(ids, tok.unk_token_id, tok.num_special_tokens_to_add(pair=False))
+            self.tokens.update_ids(tok.encode(texts), tok.unk_id, tok.specials)
         else:
             self.tokens.update_words(words)
         self.dedup.update(texts, locs, words)

@@ -35,20 +35,66 @@ class TokenizerError(DsedgeError):
     """The ``--tokenizer`` directory cannot be loaded."""
 
 
+class ModelTokenizer:
+    """A tokenizer directory: ``tokenizer.json`` through the ``tokenizers`` library (fast to import), else
+    transformers' ``AutoTokenizer`` (a vocab.txt-only directory). ``encode`` gives ids without special tokens."""
+
+    def __init__(self, path: str) -> None:
+        import json
+        from pathlib import Path
+
+        d = Path(path)
+        cfg = {}
+        if (d / "tokenizer_config.json").is_file():
+            cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+        mml = cfg.get("model_max_length")
+        self.model_max_length = int(mml) if isinstance(mml, (int, float)) and mml < 1_000_000 else None
+        if (d / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            try:
+                self._tk = Tokenizer.from_file(str(d / "tokenizer.json"))
+            except Exception as e:  # the Rust side raises plain Exception for a malformed file
+                raise TokenizerError(f"cannot load {d / 'tokenizer.json'}: {str(e).splitlines()[0]}",
+                                     "pass a directory saved by save_pretrained()") from None
+            unk = cfg.get("unk_token") or getattr(self._tk.model, "unk_token", None)
+            if isinstance(unk, dict):
+                unk = unk.get("content")
+            self.unk_id = self._tk.token_to_id(unk) if unk else None
+            pp = self._tk.post_processor
+            self.specials = pp.num_special_tokens_to_add(False) if pp is not None else 0
+            self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
+            self._hf = None
+            return
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            from transformers import AutoTokenizer
+        except ModuleNotFoundError:
+            raise TokenizerError(f"{d} has no tokenizer.json and transformers is not installed",
+                                 'pip install -e ".[toolchain]"') from None
+        try:
+            self._hf = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        except Exception as e:  # transformers raises OSError/ValueError/... for a bad directory
+            raise TokenizerError(f"cannot load a tokenizer from {d}: {str(e).splitlines()[0]}",
+                                 "pass a directory with tokenizer.json or vocab.txt + tokenizer_config.json") from None
+        self.unk_id = self._hf.unk_token_id
+        self.specials = self._hf.num_special_tokens_to_add(pair=False)
+        self.vocab_size = len(self._hf)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        if self._hf is not None:
+            return self._hf(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        return [e.ids for e in self._tk.encode_batch(texts, add_special_tokens=False)]
+
+
 @lru_cache(maxsize=4)
-def load_tokenizer(path: str):
-    """A Hugging Face tokenizer from a local directory (never downloads). Raises TokenizerError."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        from transformers import AutoTokenizer
-    except ModuleNotFoundError:
-        raise TokenizerError("--tokenizer needs the transformers package", 'pip install -e ".[toolchain]"') from None
-    try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # transformers raises OSError/ValueError/... for a bad directory
-        raise TokenizerError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}",
-                             "pass a directory with tokenizer.json or vocab.txt + tokenizer_config.json") from None
-    return tok
+def load_tokenizer(path: str) -> ModelTokenizer:
+    """The tokenizer in a local directory (never downloads). Raises TokenizerError."""
+    if not os.path.isdir(path):
+        raise TokenizerError(f"{path} is not a directory", "pass a tokenizer directory (tokenizer.json)")
+    return ModelTokenizer(path)
 
 
 class TokenState:
