@@ -350,3 +350,21 @@ def test_cli_engine_dask_starts_and_stops_a_local_cluster(capsys):
 
 def test_default_config_is_the_documented_one():
     assert load_config(None) == DataCheckConfig()
+
+
+def test_signatures_equal_datasketch_minhash():
+    from datasketch import MinHash
+
+    from dsedge.toolchain.datacheck.dedup import minhash_signatures, shingles
+
+    rng = np.random.default_rng(3)
+    lens = np.array([0, 1, 2, 3, 40, 7, 0, 500])
+    words = rng.integers(0, 2**32, int(lens.sum()), dtype=np.uint64).astype(np.uint32)
+    sh, counts = shingles(words, lens)
+    sig = minhash_signatures(sh, counts, 128, chunk=100)               # several chunks
+    ends = np.cumsum(counts)
+    for d in range(lens.size):
+        m = MinHash(num_perm=128, seed=1, scheme="affine32", hashfunc=int)
+        m.update_batch(sh[ends[d] - counts[d]:ends[d]].tolist())
+        assert np.array_equal(sig[d], m.hashvalues), d
+    assert counts.tolist() == [0, 1, 1, 1, 38, 5, 0, 498]

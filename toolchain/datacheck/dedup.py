@@ -19,13 +19,11 @@ equals a single pass over the data, and so do the results.
 from __future__ import annotations
 
 import hashlib
-import zlib
 from functools import lru_cache
 
 import numpy as np
 
 from ...runtime.errors import DsedgeError
-from .tokens import words_of
 
 SHINGLE = 3
 GROUP_ALL_PAIRS = 64
@@ -58,16 +56,65 @@ def exact_hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
-def shingle_hashes(words: list[str], word_hash: dict[str, int]) -> np.ndarray:
-    """uint64 hashes (< 2**32) of the word 3-grams; a document of fewer words is one shingle; none when empty."""
-    if not words:
-        return np.zeros(0, dtype=np.uint64)
-    h = np.fromiter((word_hash[w] for w in words), dtype=np.uint64, count=len(words))
-    k = min(SHINGLE, h.size)
-    acc = h[: h.size - k + 1].copy()
-    for j in range(1, k):
-        acc = (acc * np.uint64(0x9E3779B1) + h[j: h.size - k + 1 + j]) & _M32
-    return acc
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finalizer (what datasketch's affine32 scheme applies to each input hash)."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def shingles(word_hashes: np.ndarray, doc_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """uint32 hashes of each document's word 3-grams (a document of fewer words is one shingle, an empty one none),
+    concatenated, and the number of shingles per document. ``word_hashes``: uint32 per word, documents concatenated."""
+    h = word_hashes.astype(np.uint64)
+    n = h.size
+    acc = h[: max(0, n - SHINGLE + 1)].copy()
+    for j in range(1, SHINGLE):
+        acc = (acc * np.uint64(0x9E3779B1) + h[j: n - SHINGLE + 1 + j]) & _M32
+    starts = np.concatenate([[0], np.cumsum(doc_lens)[:-1]]).astype(np.int64)
+    counts = np.where(doc_lens >= SHINGLE, doc_lens - SHINGLE + 1, (doc_lens > 0).astype(np.int64))
+    out = []
+    for s0, ln, c in zip(starts.tolist(), doc_lens.tolist(), counts.tolist()):
+        if ln >= SHINGLE:
+            out.append(acc[s0: s0 + c])
+        elif ln:                                            # one shingle of the whole (short) document
+            v = np.uint64(0)
+            for x in h[s0: s0 + ln]:
+                v = (v * np.uint64(0x9E3779B1) + x) & _M32
+            out.append(np.array([v], dtype=np.uint64))
+    flat = np.concatenate(out).astype(np.uint32) if out else np.zeros(0, np.uint32)
+    return flat, counts
+
+
+def minhash_signatures(sh: np.ndarray, counts: np.ndarray, num_perm: int, chunk: int = 8192) -> np.ndarray:
+    """[docs, num_perm] uint32 MinHash signatures, bit-identical to ``datasketch.MinHash(num_perm, seed=1,
+    scheme="affine32", hashfunc=int).update_batch(shingles)`` per document (its affine permutations applied to the
+    fmix32-mixed shingle hashes, min per document), computed for many documents per numpy call (in place, in chunks
+    of about ``chunk`` shingles so the [num_perm, chunk] buffer stays in cache). A document without shingles keeps
+    datasketch's empty value (all 0xFFFFFFFF)."""
+    a, b = (p.astype(np.uint32)[:, None] for p in _permutations(num_perm))
+    sig = np.full((num_perm, counts.size), 0xFFFFFFFF, dtype=np.uint32)
+    hv = _fmix32(sh.astype(np.uint32))
+    ends = np.cumsum(counts)
+    docs = np.nonzero(counts)[0]
+    doc_ends = ends[docs]
+    doc_starts = doc_ends - counts[docs]
+    buf = np.empty((num_perm, chunk), dtype=np.uint32)
+    i = 0
+    while i < docs.size:                                    # groups of whole documents, ~chunk shingles each
+        lo = doc_starts[i]
+        j = max(int(np.searchsorted(doc_ends, lo + chunk, side="right")), i + 1)
+        hi = doc_ends[j - 1]
+        if hi - lo > buf.shape[1]:
+            buf = np.empty((num_perm, hi - lo), dtype=np.uint32)
+        out = buf[:, : hi - lo]
+        np.multiply(a, hv[None, lo:hi], out=out)           # uint32 wraparound is the modulo 2**32
+        np.add(out, b, out=out)
+        sig[:, docs[i:j]] = np.minimum.reduceat(out, doc_starts[i:j] - lo, axis=1)
+        i = j
+    return np.ascontiguousarray(sig.T)
 
 
 class DedupState:
@@ -80,23 +127,16 @@ class DedupState:
         self._locs: list[np.ndarray] = []
         self._sigs: list[np.ndarray] = []
 
-    def update(self, keys: list[str], locs: list[int], docs_words: list[list[str]] | None = None) -> None:
+    def update(self, keys: list[str], locs: list[int], word_hashes: np.ndarray | None = None,
+                doc_lens: np.ndarray | None = None) -> None:
+        """``keys``: what exact duplicates compare; ``word_hashes`` (uint32 per word, documents concatenated) and
+        ``doc_lens`` (words per document) feed the MinHash signatures (near duplicates)."""
         self._hashes.append(np.fromiter((exact_hash(k) for k in keys), dtype=np.uint64, count=len(keys)))
         self._locs.append(np.asarray(locs, dtype=np.int64))
-        if not (self.near and docs_words is not None):
+        if not (self.near and word_hashes is not None):
             return
-        ds = _datasketch()
-        perms = _permutations(self.num_perm)
-        vocab = set().union(*map(set, docs_words)) if docs_words else set()
-        word_hash = {w: zlib.crc32(w.encode()) for w in vocab}
-        sig = np.full((len(docs_words), self.num_perm), 0xFFFFFFFF, dtype=np.uint32)
-        for i, words in enumerate(docs_words):
-            sh = shingle_hashes(words, word_hash)
-            if sh.size:
-                m = ds.MinHash(num_perm=self.num_perm, seed=1, hashfunc=int, permutations=perms, scheme="affine32")
-                m.update_batch(sh.tolist())
-                sig[i] = m.hashvalues
-        self._sigs.append(sig)
+        sh, counts = shingles(word_hashes, doc_lens)
+        self._sigs.append(minhash_signatures(sh, counts, self.num_perm))
 
     def merge(self, other: "DedupState") -> None:
         self._hashes += other._hashes

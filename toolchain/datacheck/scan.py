@@ -6,7 +6,9 @@ shard into a ``ShardState``; ``ShardState.merge`` combines states of consecutive
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -85,6 +87,16 @@ def _numeric(values: list) -> np.ndarray:
                         for v in values), dtype=np.float64, count=len(values))
 
 
+def _factorize(flat: list[str]) -> tuple[np.ndarray, list[str]]:
+    """(code per word, distinct words in first-seen order), with pandas' C hash table (3x a Counter here)."""
+    if not flat:
+        return np.zeros(0, np.int64), []
+    import pandas as pd
+
+    codes, distinct = pd.factorize(np.array(flat, dtype=object))
+    return codes, list(distinct)
+
+
 def _row_key(cols: list[list], i: int) -> str:
     return "\x1f".join(v if isinstance(v, str) else json.dumps(v, default=str) for v in (c[i] for c in cols))
 
@@ -131,12 +143,15 @@ class ShardState:
         locs = [batch.locs[i] for i in sel]
         self.docs += len(texts)
         words = [words_of(t) for t in texts]
+        doc_lens = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
+        codes, distinct = _factorize(list(chain.from_iterable(words)))
+        distinct_hash = np.fromiter((zlib.crc32(w.encode()) for w in distinct), dtype=np.uint32, count=len(distinct))
         if plan.tokenizer:
             tok = load_tokenizer(plan.tokenizer)
             self.tokens.update_ids(tok.encode(texts), tok.unk_id, tok.specials)
         else:
-            self.tokens.update_words(words)
-        self.dedup.update(texts, locs, words)
+            self.tokens.update_words(doc_lens, distinct_hash, np.bincount(codes, minlength=len(distinct)))
+        self.dedup.update(texts, locs, distinct_hash[codes], doc_lens)
         if self.entities is not None:
             self.entities.update(words)
 

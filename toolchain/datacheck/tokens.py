@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import zlib
-from collections import Counter
 from functools import lru_cache
 
 import numpy as np
@@ -115,16 +113,13 @@ class TokenState:
             self.lengths = np.pad(self.lengths, (0, top - self.lengths.size))
         self.lengths += np.bincount(lens, minlength=self.lengths.size)
 
-    def update_words(self, docs: list[list[str]]) -> None:
-        self._add_lengths(np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs)))
-        counts = Counter()
-        for d in docs:
-            counts.update(d)
-        if counts:
-            buckets = np.fromiter((zlib.crc32(w.encode()) & (WORD_BUCKETS - 1) for w in counts), dtype=np.int64,
-                                  count=len(counts))
-            np.add.at(self.freq, buckets, np.fromiter(counts.values(), dtype=np.int64, count=len(counts)))
-        self.tokens += sum(counts.values())
+    def update_words(self, doc_lens: np.ndarray, word_hashes: np.ndarray, counts: np.ndarray) -> None:
+        """``doc_lens``: words per document; ``word_hashes``: crc32 of each distinct word of the batch, ``counts``
+        its occurrences."""
+        self._add_lengths(doc_lens)
+        if counts.size:
+            np.add.at(self.freq, word_hashes.astype(np.int64) & (WORD_BUCKETS - 1), counts.astype(np.int64))
+        self.tokens += int(doc_lens.sum())
 
     def update_ids(self, ids: list[list[int]], unk_id: int | None, specials: int) -> None:
         """``ids``: token ids without special tokens; a document's length adds the ``specials`` the model adds."""
