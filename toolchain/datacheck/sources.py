@@ -205,8 +205,12 @@ def _lines(shard: Shard) -> Iterator[tuple[int, bytes]]:
             line += 1
 
 
+BATCH_BYTES = 1 << 20
+
+
 def read_batches(shard: Shard, batch_rows: int = 4096) -> Iterator[Batch]:
-    """Stream the shard's rows in batches (see :class:`Batch`)."""
+    """Stream the shard's rows in batches (see :class:`Batch`) of at most ``batch_rows`` rows and, for line formats,
+    about ``BATCH_BYTES`` (1 MiB) of input, so a batch's memory does not grow with document length."""
     reader = {"jsonl": _read_jsonl, "csv": _read_csv, "text": _read_text, "parquet": _read_parquet}[shard.fmt]
     yield from reader(shard, batch_rows)
 
@@ -217,7 +221,9 @@ def _loc(shard: Shard, line: int) -> int:
 
 def _read_text(shard: Shard, batch_rows: int) -> Iterator[Batch]:
     b = Batch(columns={TEXT_FIELD: []})
+    size = 0
     for line, raw in _lines(shard):
+        size += len(raw)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -228,9 +234,9 @@ def _read_text(shard: Shard, batch_rows: int) -> Iterator[Batch]:
             continue
         b.locs.append(_loc(shard, line))
         b.columns[TEXT_FIELD].append(text)
-        if b.n >= batch_rows:
+        if b.n >= batch_rows or size >= BATCH_BYTES:
             yield b
-            b = Batch(columns={TEXT_FIELD: []})
+            b, size = Batch(columns={TEXT_FIELD: []}), 0
     yield b
 
 
@@ -245,7 +251,9 @@ def _read_jsonl(shard: Shard, batch_rows: int) -> Iterator[Batch]:
         b.columns = {k: [r.get(k, ABSENT) for r in rows] for k in names}
         return b
 
+    size = 0
     for line, raw in _lines(shard):
+        size += len(raw)
         if not raw.strip():
             b.blank_lines += 1
             continue
@@ -259,20 +267,21 @@ def _read_jsonl(shard: Shard, batch_rows: int) -> Iterator[Batch]:
             continue
         b.locs.append(_loc(shard, line))
         rows.append(obj)
-        if len(rows) >= batch_rows:
+        if len(rows) >= batch_rows or size >= BATCH_BYTES:
             yield flush()
-            b, rows = Batch(), []
+            b, rows, size = Batch(), [], 0
     yield flush()
 
 
 def _read_csv(shard: Shard, batch_rows: int) -> Iterator[Batch]:
     header = shard.header
-    state = {"line": shard.first_line - 1}
+    state = {"line": shard.first_line - 1, "bytes": 0}
     pending: list[tuple[int, str]] = []
 
     def decoded() -> Iterator[str]:
         for line, raw in _lines(shard):
             state["line"] = line
+            state["bytes"] += len(raw)
             try:
                 yield raw.decode("utf-8") + "\n"
             except UnicodeDecodeError as e:
@@ -307,9 +316,9 @@ def _read_csv(shard: Shard, batch_rows: int) -> Iterator[Batch]:
         b.locs.append(loc)
         for h, v in zip(header, row):
             b.columns[h].append(v)
-        if b.n >= batch_rows:
+        if b.n >= batch_rows or state["bytes"] >= BATCH_BYTES:
             yield b
-            b = new()
+            b, state["bytes"] = new(), 0
     b.unreadable.extend(pending)
     yield b
 
