@@ -306,6 +306,19 @@ def test_config_errors_exit_2_without_traceback(tmp_path, capsys):
     cfg.write_text('[checks.zipf]\npass = [1.2, 0.8]\n')
     code, _, err = run_cli(["data", "check", str(SENTENCES), "--config", str(cfg)], capsys)
     assert code == 2 and "low 1.2 is above high 0.8" in err
+    code, _, err = run_cli(["data", "check", str(SENTENCES), "--engine", "ray"], capsys)
+    assert code == 2 and "use --engine dask" in err
+    (tmp_path / "t.csv").write_text("a,b\n1,2\n")
+    cfg.write_text("[tabular]\nranges = { c = [0, 1] }\n")
+    code, _, err = run_cli(["data", "check", str(tmp_path / "t.csv"), "--config", str(cfg)], capsys)
+    assert code == 2 and "names column(s) ['c']" in err
+
+
+def test_an_empty_data_set_fails(tmp_path, capsys):
+    (tmp_path / "e.jsonl").write_text("\n")
+    code, out, _ = run_cli(["data", "check", str(tmp_path / "e.jsonl"), "--json"], capsys)
+    r = json.loads(out)
+    assert code == 1 and check(r, "format.unreadable")["detail"] == "the data set has no rows"
 
 
 def test_thresholds_from_toml_turn_a_pass_into_a_fail(tmp_path, capsys):

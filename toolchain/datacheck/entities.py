@@ -14,6 +14,7 @@ from ...runtime.errors import DsedgeError
 from .tokens import words_of
 
 EXAMPLES = 10
+DOCS_LISTED = 1000       # documents per entity are listed for the first entities only
 
 
 class EntityFileError(DsedgeError):
@@ -69,4 +70,4 @@ class EntityState:
         return {"entities": len(self.entities), "found": int(found.sum()),
                 "coverage": float(found.sum() / len(self.entities)) if self.entities else None,
                 "missing_examples": missing[:EXAMPLES],
-                "docs_per_entity": {e: int(d) for e, d in zip(self.entities, docs)}}
+                "docs_per_entity": {e: int(d) for e, d in list(zip(self.entities, docs))[:DOCS_LISTED]}}

@@ -40,9 +40,12 @@ def build_report(plan: ScanPlan, st: ShardState, cfg: DataCheckConfig) -> dict:
         f["mismatch_examples"] = _locs(f["mismatch_examples"], files)
     total = sch.rows + sch.unreadable
     unreadable = [{"loc": loc_str(loc, files), "reason": why} for loc, why in sch.unreadable_examples]
-    grade("format.unreadable", sch.unreadable / total if total else None,
-          f"{sch.unreadable} of {total} rows" + (": " + "; ".join(f"{u['loc']} {u['reason']}" for u in unreadable[:3])
-                                                 if unreadable else ""), skip="no rows")
+    if total:
+        grade("format.unreadable", sch.unreadable / total, f"{sch.unreadable} of {total} rows" + (
+            ": " + "; ".join(f"{u['loc']} {u['reason']}" for u in unreadable[:3]) if unreadable else ""))
+    else:                                       # an empty data set is never a passing one
+        checks.append({"id": "format.unreadable", "status": "fail", "value": None,
+                       "limits": cfg.checks["format.unreadable"].limits(), "detail": "the data set has no rows"})
 
     miss = {n: (f["missing"] + f["empty"]) / sch.rows for n, f in fields.items()} if sch.rows else {}
     worst = max(miss, key=lambda n: (miss[n], n)) if miss else None

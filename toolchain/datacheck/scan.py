@@ -70,6 +70,10 @@ def resolve_plan(data: str, cfg: DataCheckConfig, tokenizer: str | None = None,
         if name and columns and name not in columns:
             raise DataError(f"{data}: no {what} {name!r} (columns: {', '.join(columns[:12])})",
                             "check --text-field / [tabular] label")
+    unknown = sorted(set(cfg.ranges) - set(columns)) if columns and first.fmt != "jsonl" else []
+    if unknown:
+        raise DataError(f"{data}: [tabular] ranges names column(s) {unknown} that the data does not have",
+                        f"columns: {', '.join(columns[:12])}")
     max_tokens = cfg.max_tokens
     if tokenizer:
         tok = load_tokenizer(tokenizer)
