@@ -13,8 +13,8 @@ an earlier document passes with it. In a band group of more than ``GROUP_ALL_PAI
 with the group's first member only.
 
 State (the de-duplication index, the only state that grows with the corpus): per document 8 B hash + 8 B location
-+ 4·num_perm B signature (528 B at num_perm = 128). Shards' states concatenate in shard order, so the merged state
-equals a single pass over the data, and so do the results.
++ 4·num_perm B signature + 1 B has-shingles flag (529 B at num_perm = 128). Shards' states concatenate in shard
+order, so the merged state equals a single pass over the data, and so do the results.
 """
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ class DedupState:
         self.near = near
         self._hashes: list[np.ndarray] = []
         self._locs: list[np.ndarray] = []
-        self._sigs: list[np.ndarray] = []
+        self._sigs: list[np.ndarray] = []        # one [docs, num_perm] block per batch, never concatenated
+        self._nonempty: list[np.ndarray] = []    # bool per document: has at least one shingle
 
     def update(self, keys: list[str], locs: list[int], word_hashes: np.ndarray | None = None,
                 doc_lens: np.ndarray | None = None) -> None:
@@ -137,25 +138,28 @@ class DedupState:
             return
         sh, counts = shingles(word_hashes, doc_lens)
         self._sigs.append(minhash_signatures(sh, counts, self.num_perm))
+        self._nonempty.append(counts > 0)
 
     def merge(self, other: "DedupState") -> None:
         self._hashes += other._hashes
         self._locs += other._locs
         self._sigs += other._sigs
+        self._nonempty += other._nonempty
 
     def compact(self) -> None:
-        """Concatenate the per-batch arrays (keeps pickles and merges cheap)."""
-        for name in ("_hashes", "_locs", "_sigs"):
+        """Concatenate the per-batch hash and location arrays (16 B/doc; signature blocks stay as they are, so the
+        index is never copied whole)."""
+        for name in ("_hashes", "_locs", "_nonempty"):
             parts = getattr(self, name)
             if len(parts) > 1:
                 setattr(self, name, [np.concatenate(parts)])
 
     @property
     def bytes_per_doc(self) -> int:
-        return 16 + (4 * self.num_perm if self.near else 0)
+        return 16 + (4 * self.num_perm + 1 if self.near else 0)
 
     def index_bytes(self) -> int:
-        return sum(a.nbytes for a in self._hashes + self._locs + self._sigs)
+        return sum(a.nbytes for a in self._hashes + self._locs + self._sigs + self._nonempty)
 
     def result(self, threshold: float) -> dict:
         self.compact()
@@ -178,29 +182,36 @@ class DedupState:
         return out
 
     def _near(self, firsts: np.ndarray, locs: np.ndarray, threshold: float) -> dict:
-        sigs = self._sigs[0]
-        keep = firsts[(sigs[firsts] != 0xFFFFFFFF).any(axis=1)]          # first occurrences with a shingle
+        blocks = self._sigs
+        starts = np.cumsum([0] + [b.shape[0] for b in blocks])
+
+        def row(i: int) -> np.ndarray:
+            k = int(np.searchsorted(starts, i, side="right")) - 1
+            return blocks[k][i - starts[k]]
+
+        keep = firsts[self._nonempty[0][firsts]]                          # first occurrences with a shingle
         bands, rows = lsh_params(threshold, self.num_perm)
         near: dict[int, tuple[int, float]] = {}
         checked: set[tuple[int, int]] = set()
         for band in range(bands):
-            part = np.ascontiguousarray(sigs[keep, band * rows:(band + 1) * rows])
+            cols = slice(band * rows, (band + 1) * rows)
+            part = np.concatenate([b[:, cols] for b in blocks])[keep]        # [kept docs, rows], one band at a time
             key = part.view(np.dtype((np.void, part.dtype.itemsize * rows))).ravel()
             _, inv = np.unique(key, return_inverse=True)
             order = np.argsort(inv.ravel(), kind="stable")                   # groups, each in data order
             sorted_inv = inv.ravel()[order]
             cuts = np.flatnonzero(np.diff(sorted_inv)) + 1
-            starts = np.concatenate([[0], cuts])
-            ends = np.concatenate([cuts, [order.size]])
-            for g in np.nonzero(ends - starts > 1)[0]:
-                members = keep[order[starts[g]:ends[g]]]
+            gstarts = np.concatenate([[0], cuts])
+            gends = np.concatenate([cuts, [order.size]])
+            for g in np.nonzero(gends - gstarts > 1)[0]:
+                members = keep[order[gstarts[g]:gends[g]]]
                 pairs = ([(members[i], members[j]) for j in range(1, len(members)) for i in range(j)]
                          if len(members) <= GROUP_ALL_PAIRS else [(members[0], m) for m in members[1:]])
                 for a, b in pairs:
                     if (a, b) in checked:
                         continue
                     checked.add((a, b))
-                    j = float((sigs[a] == sigs[b]).mean())
+                    j = float((row(a) == row(b)).mean())
                     if j >= threshold and (b not in near or a < near[b][0]):
                         near[int(b)] = (int(a), j)
         ex = [{"locs": [int(locs[a]), int(locs[b])], "jaccard": round(j, 4)}

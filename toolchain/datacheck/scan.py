@@ -86,9 +86,17 @@ def resolve_plan(data: str, cfg: DataCheckConfig, tokenizer: str | None = None,
                     ranges=dict(cfg.ranges), batch_rows=batch_rows)
 
 
+def _as_float(v: object) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return np.nan
+    try:
+        return float(v)
+    except OverflowError:                      # a JSON integer beyond float64
+        return np.inf if v > 0 else -np.inf
+
+
 def _numeric(values: list) -> np.ndarray:
-    return np.fromiter((float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan
-                        for v in values), dtype=np.float64, count=len(values))
+    return np.fromiter(map(_as_float, values), dtype=np.float64, count=len(values))
 
 
 def _factorize(flat: list[str]) -> tuple[np.ndarray, list[str]]:
