@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        import datasketch  # noqa: F401  (imports before the baseline)
+        import datasketch  # noqa: F401  (imported before the RSS baseline)
         import pandas  # noqa: F401
 
         from dsedge.toolchain.datacheck import DataCheckConfig, check_data

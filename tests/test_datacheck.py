@@ -193,6 +193,8 @@ def test_unknown_token_rate_fails_with_a_small_vocabulary(tmp_path):
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 1),
                                                                                                ("[SEP]", 2)])
+    tk.enable_padding(length=16)                                      # saved settings must not change the counts
+    tk.enable_truncation(max_length=6)
     (tmp_path / "tok").mkdir()
     tk.save(str(tmp_path / "tok" / "tokenizer.json"))
     (tmp_path / "tok" / "tokenizer_config.json").write_text('{"unk_token": "[UNK]", "model_max_length": 8}')

@@ -174,7 +174,8 @@ def load_config(path: str | Path | None) -> DataCheckConfig:
         upd["label"] = str(tab["label"])
     if "ranges" in tab:
         if not isinstance(tab["ranges"], dict):
-            raise ConfigError("[tabular] ranges must be a table of column = [low, high]", "ranges = { Amount = [0, 1e5] }")
+            raise ConfigError("[tabular] ranges must be a table of column = [low, high]",
+                              "ranges = { Amount = [0, 1e5] }")
         upd["ranges"] = {str(k): _pair(f"[tabular] ranges.{k}", v) for k, v in tab["ranges"].items()}
     checks = dict(DEFAULT_CHECKS)
     for cid, spec in raw.get("checks", {}).items():

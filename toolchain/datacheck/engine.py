@@ -59,7 +59,7 @@ def dask_client(workers: int = 2, scheduler: str | None = None) -> Iterator[obje
 def scan(plan: ScanPlan, engine: str = "local", shard_bytes: int | None = None, workers: int = 2,
          scheduler: str | None = None) -> tuple[ShardState, int]:
     """The merged state of every shard and the number of shards. ``local`` without ``shard_bytes`` reads each file
-    as one stream; ``dask`` cuts shards of ``shard_bytes`` (default 64 MiB) and merges results as they arrive in order."""
+    as one stream; ``dask`` cuts shards of ``shard_bytes`` (default 64 MiB) and merges the results in data order."""
     if engine not in ENGINES:
         raise EngineError(f"unknown engine {engine!r}", f"engines: {', '.join(ENGINES)} (Ray is not supported: "
                           "see docs/datacheck.md)")

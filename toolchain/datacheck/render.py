@@ -145,7 +145,8 @@ def write_html(report: dict, path: str | os.PathLike) -> None:
     imgs = "".join(f"<figure><img alt='{k}' src='data:image/png;base64,{v}'><figcaption>{k}</figcaption></figure>"
                    for k, v in pngs.items())
     doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>dsedge data check</title><style>
-body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:4px 8px}}
+body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px}}
 tr.pass td:nth-child(4){{color:#080}} tr.warn td:nth-child(4){{color:#b80}} tr.fail td:nth-child(4){{color:#c00;
 font-weight:bold}} tr.skip{{color:#888}} figure{{display:inline-block;margin:1em}}</style></head><body>
 <h1>dsedge data check</h1><p>{html.escape(report['data'])}: {report['format']}, {report['rows']} rows,

@@ -62,7 +62,7 @@ def build_report(plan: ScanPlan, st: ShardState, cfg: DataCheckConfig) -> dict:
         kinds = ", ".join(f"{v} {k}" for k, v in f["mismatch_kinds"].items())
         det = (f"{worst_t!r} is {f['type']}: {kinds}" + (f" ({', '.join(f['mismatch_examples'][:3])})"
                                                          if f["mismatch_examples"] else "")) if kinds else \
-              f"every field has one type"
+              "every field has one type"
     grade("schema.types", mism[worst_t] if worst_t else None, det if worst_t else "", skip="no fields")
 
     dd = st.dedup.result(plan.near_threshold)

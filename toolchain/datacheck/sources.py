@@ -337,13 +337,6 @@ def _read_parquet(shard: Shard, batch_rows: int) -> Iterator[Batch]:
         yield b
 
 
-def text_of(value: object) -> str | None:
-    """The text of a raw value, or None when the value is missing/not text."""
-    if isinstance(value, str):
-        return value
-    return None
-
-
 def loc_str(loc: int, files: list[str]) -> str:
     """``line N`` (one file) or ``NAME:N``."""
     fi, line = loc >> FILE_SHIFT, loc & ((1 << FILE_SHIFT) - 1)

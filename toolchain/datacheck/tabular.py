@@ -1,8 +1,8 @@
 """Tabular checks: class balance, constant columns, value ranges and leakage-suspect columns.
 
 Leakage: for each numeric feature, the ROC AUC of the feature alone as a score for each label class (one vs rest;
-``max(AUC, 1 − AUC)``, so a feature that predicts by being low counts too). AUC is the Mann-Whitney statistic with ties
-counted one half, computed from per-class counts of the feature's distinct values. Each column keeps at most
+``max(AUC, 1 − AUC)``, so a feature that predicts by being low counts too). AUC is the Mann-Whitney statistic with
+ties counted one half, computed from per-class counts of the feature's distinct values. Each column keeps at most
 ``AUC_KEYS`` distinct values per class: beyond that, values are coarsened onto an order-preserving grid (the float's
 sortable bit pattern shifted right by 32, 40, 44, 48 or 52 bits), which the merge applies to every part, so the result
 stays identical under any split into shards (the AUC then counts values that share a grid cell as ties).

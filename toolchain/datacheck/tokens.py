@@ -55,6 +55,8 @@ class ModelTokenizer:
             except Exception as e:  # the Rust side raises plain Exception for a malformed file
                 raise TokenizerError(f"cannot load {d / 'tokenizer.json'}: {str(e).splitlines()[0]}",
                                      "pass a directory saved by save_pretrained()") from None
+            self._tk.no_padding()          # a saved file may pad/truncate to a fixed length: count real tokens
+            self._tk.no_truncation()
             unk = cfg.get("unk_token") or getattr(self._tk.model, "unk_token", None)
             if isinstance(unk, dict):
                 unk = unk.get("content")
@@ -163,8 +165,8 @@ class TokenState:
 
 
 def zipf_fit(freq: np.ndarray) -> dict:
-    """Fit f(r) ∝ r^−s on the rank-frequency curve (see the module docstring). Returns s, the fit's R², the rank range,
-    plot points (≤ 400 log-spaced ranks) and the fitted line's end points; ``s`` is None with fewer than 3 ranks."""
+    """Fit f(r) ∝ r^−s on the rank-frequency curve (see the module docstring). Returns s, the fit's R², the rank
+    range, plot points (≤ 400 log-spaced ranks) and the fitted line's end points; ``s`` is None with fewer than 3 ranks."""
     f = np.sort(freq[freq > 0])[::-1].astype(np.float64)
     types = int(f.size)
     ranks_ge2 = int((f >= 2).sum())
