@@ -219,6 +219,26 @@ def test_committed_sentences_pass(capsys):
     assert r["text"]["lengths"]["max"] == max(n_words) and r["text"]["tokens"] == sum(n_words)
     assert 0.8 <= r["text"]["zipf"]["s"] <= 1.2
     assert status(r)["tokens.unknown"] == "skip" and status(r)["tabular.leakage"] == "skip"
+    fig = r["figures"]
+    assert sum(fig["length_histogram"]["counts"]) == 120
+    assert fig["rank_frequency"]["s"] == r["text"]["zipf"]["s"] and fig["rank_frequency"]["fit_line"]["rank"][0] == 1
+    assert fig["rank_frequency"]["freq"][0] == max(__import__("collections").Counter(
+        w for t in texts for w in __import__("re").findall(r"\w+", t.lower())).values())
+
+
+def test_jsonl_csv_and_parquet_of_one_table_agree(tmp_path):
+    import pandas as pd
+
+    texts = [s for s in (SENTENCES / "calibration.txt").read_text().splitlines() if s.strip()]
+    df = pd.DataFrame({"id": range(len(texts)), "text": texts, "label": [i % 3 for i in range(len(texts))]})
+    df.to_csv(tmp_path / "t.csv", index=False)
+    df.to_parquet(tmp_path / "t.parquet")
+    df.to_json(tmp_path / "t.jsonl", orient="records", lines=True)
+    reports = [check_data(str(tmp_path / f"t.{ext}")) for ext in ("csv", "parquet", "jsonl")]
+    for r in reports:
+        assert r["rows"] == 60 and r["text"]["field"] == "text" and r["tabular"]["label"] == "label"
+        for key in ("text", "tabular", "duplicates", "checks"):
+            assert r[key] == reports[0][key], key
 
 
 def test_fraud_csv(shared_data, capsys, tmp_path):
