@@ -41,8 +41,10 @@ def _datasketch():
 
 
 @lru_cache(maxsize=8)
-def _permutations(num_perm: int):
-    return _datasketch().MinHash(num_perm=num_perm, seed=1, scheme="affine32").permutations
+def permutations(num_perm: int) -> np.ndarray:
+    """[2, num_perm] uint32: datasketch's affine32 permutation parameters (a, b) for seed 1."""
+    return np.asarray(_datasketch().MinHash(num_perm=num_perm, seed=1, scheme="affine32").permutations,
+                      dtype=np.uint32)
 
 
 @lru_cache(maxsize=8)
@@ -88,13 +90,15 @@ def shingles(word_hashes: np.ndarray, doc_lens: np.ndarray) -> tuple[np.ndarray,
     return flat, counts
 
 
-def minhash_signatures(sh: np.ndarray, counts: np.ndarray, num_perm: int, chunk: int = 8192) -> np.ndarray:
+def minhash_signatures(sh: np.ndarray, counts: np.ndarray, num_perm: int, chunk: int = 8192,
+                       perms: np.ndarray | None = None) -> np.ndarray:
     """[docs, num_perm] uint32 MinHash signatures, bit-identical to ``datasketch.MinHash(num_perm, seed=1,
     scheme="affine32", hashfunc=int).update_batch(shingles)`` per document (its affine permutations applied to the
     fmix32-mixed shingle hashes, min per document), computed for many documents per numpy call (in place, in chunks
     of about ``chunk`` shingles so the [num_perm, chunk] buffer stays in cache). A document without shingles keeps
-    datasketch's empty value (all 0xFFFFFFFF)."""
-    a, b = (p.astype(np.uint32)[:, None] for p in _permutations(num_perm))
+    datasketch's empty value (all 0xFFFFFFFF). ``perms``: :func:`permutations` computed beforehand (a worker then
+    never imports datasketch)."""
+    a, b = (p[:, None] for p in (permutations(num_perm) if perms is None else perms))
     sig = np.full((num_perm, counts.size), 0xFFFFFFFF, dtype=np.uint32)
     hv = _fmix32(sh.astype(np.uint32))
     ends = np.cumsum(counts)
@@ -120,8 +124,9 @@ def minhash_signatures(sh: np.ndarray, counts: np.ndarray, num_perm: int, chunk:
 class DedupState:
     """The de-duplication index of one shard (or of merged shards, in data order)."""
 
-    def __init__(self, num_perm: int = 128, near: bool = True) -> None:
+    def __init__(self, num_perm: int = 128, near: bool = True, perms: np.ndarray | None = None) -> None:
         self.num_perm = num_perm
+        self.perms = perms
         self.near = near
         self._hashes: list[np.ndarray] = []
         self._locs: list[np.ndarray] = []
@@ -137,7 +142,7 @@ class DedupState:
         if not (self.near and word_hashes is not None):
             return
         sh, counts = shingles(word_hashes, doc_lens)
-        self._sigs.append(minhash_signatures(sh, counts, self.num_perm))
+        self._sigs.append(minhash_signatures(sh, counts, self.num_perm, perms=self.perms))
         self._nonempty.append(counts > 0)
 
     def merge(self, other: "DedupState") -> None:

@@ -13,7 +13,7 @@ from itertools import chain
 import numpy as np
 
 from .config import DataCheckConfig
-from .dedup import DedupState
+from .dedup import DedupState, permutations
 from .entities import EntityState
 from .schema import SchemaState, csv_kinds, json_kind
 from .sources import TEXT_FIELD, Batch, DataError, Shard, plan_shards, read_batches
@@ -41,6 +41,7 @@ class ScanPlan:
     num_perm: int = 128
     ranges: dict = field(default_factory=dict)
     batch_rows: int = 4096
+    permutations: np.ndarray | None = None      # MinHash (a, b) from datasketch, computed once by the planner
 
 
 def _pick(columns: list[str], names: tuple[str, ...]) -> str | None:
@@ -83,7 +84,8 @@ def resolve_plan(data: str, cfg: DataCheckConfig, tokenizer: str | None = None,
                     columns=tuple(columns), text_field=text_field, label=label, tokenizer=tokenizer,
                     entities=tuple(entities) if entities else None, max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
                     near=cfg.near, near_threshold=cfg.near_threshold, num_perm=cfg.num_perm,
-                    ranges=dict(cfg.ranges), batch_rows=batch_rows)
+                    ranges=dict(cfg.ranges), batch_rows=batch_rows,
+                    permutations=permutations(cfg.num_perm) if cfg.near and text_field else None)
 
 
 def _as_float(v: object) -> float:
@@ -121,7 +123,8 @@ class ShardState:
         self.schema = SchemaState()
         vocab = load_tokenizer(plan.tokenizer).vocab_size if plan.tokenizer and plan.text_field else None
         self.tokens = TokenState(vocab) if plan.text_field else None
-        self.dedup = DedupState(plan.num_perm, near=plan.near and plan.text_field is not None)
+        self.dedup = DedupState(plan.num_perm, near=plan.near and plan.text_field is not None,
+                                perms=plan.permutations)
         self.entities = EntityState(list(plan.entities)) if plan.entities and plan.text_field else None
         self.tabular = TabularState(plan.label, plan.ranges)
         self.docs = 0
