@@ -27,6 +27,16 @@ class EngineError(DsedgeError):
     """The distributed engine is not installed or cannot be reached."""
 
 
+def require(*modules: str) -> None:
+    """Raise a DsedgeError naming the ``data`` extra when one of ``modules`` is not installed."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise DsedgeError(f"dsedge data check needs {', '.join(missing)}, which is not installed",
+                          'pip install -e ".[data]"')
+
+
 @contextmanager
 def dask_client(workers: int = 2, scheduler: str | None = None) -> Iterator[object]:
     """A ``distributed.Client`` on ``scheduler`` (an existing cluster) or on a local cluster of ``workers``
@@ -91,6 +101,7 @@ def check_data(data: str, cfg: DataCheckConfig | None = None, tokenizer: str | N
     Raises DataError, ConfigError, TokenizerError, EntityFileError, EngineError (all DsedgeError).
     """
     cfg = cfg or DataCheckConfig()
+    require("pandas", *(["datasketch"] if cfg.near else []))
     entities = load_entities(entities_file) if entities_file else None
     t0 = time.perf_counter()
     plan = resolve_plan(data, cfg, tokenizer, entities, batch_rows)

@@ -72,6 +72,9 @@ def _png(fig) -> str:
 
 def render_figures(figures: dict) -> dict[str, str]:
     """{figure name: base64 PNG} for every figure with data."""
+    from .engine import require
+
+    require("matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")
