@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("dsedge.commands.verify:verify", "Check this machine's backend against the bundle's golden I/O."),
     "keygen": ("dsedge.commands.signing:keygen", "Make an Ed25519 key pair for signing bundles."),
     "sign": ("dsedge.commands.signing:sign", "Sign a bundle's manifest (detached Ed25519 signature)."),
+    "data": ("dsedge.toolchain.datacheck.cli:data", "Check a training data set's quality (data check DATA)."),
 }
 
 
