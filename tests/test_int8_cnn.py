@@ -139,7 +139,7 @@ def test_two_class_metrics_values():
 
 
 def test_cpu_auto_times_candidates_side_by_side_and_keeps_the_faster_accurate_one(cnn_onnx, ct_inputs, tmp_path):
-    from dsedge.toolchain.pipeline import AUTO_MIN_SPEEDUP
+    from dsedge.toolchain.stages.auto import AUTO_MIN_SPEEDUP
 
     calib, held = ct_inputs
     r = build(BuildOptions(model=str(cnn_onnx), target="cpu", calib=str(calib), heldout=str(held),

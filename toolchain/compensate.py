@@ -57,12 +57,12 @@ def parse_prune(spec: str) -> PruneSpec:
     raise ConfigError(f"--prune {spec!r} is not a pruning spec", "use --prune channels:0.3 or --prune 2:4")
 
 
-def check_options(opts: Any, target: Any) -> tuple[PruneSpec | None, list[str]]:
+def check_options(opts: Any, target: Any) -> tuple[PruneSpec | None, list[str], str]:
     """Validate ``--prune`` / ``--finetune-steps`` / ``--qat-steps`` against each other and the target, before any
-    work. With QAT or 2:4, ``--algorithm auto`` becomes ``rtn`` in ``opts`` (said in the returned notes).
+    work. With QAT or 2:4, ``--algorithm auto`` becomes ``rtn`` (said in the returned notes).
 
     Returns:
-        (the parsed ``--prune`` or None, notes for the report).
+        (the parsed ``--prune`` or None, notes for the report, the INT4 algorithm to use).
 
     Raises:
         ConfigError: a bad spec, negative steps, ``--finetune-steps`` without ``--prune``, ``--qat-steps`` without
@@ -93,11 +93,12 @@ def check_options(opts: Any, target: Any) -> tuple[PruneSpec | None, list[str]]:
         raise ConfigError(f"--algorithm {opts.algorithm} does not fit here: {why}",
                           "use --algorithm rtn (or auto) with --qat-steps / --prune 2:4")
     notes = []
+    algorithm = opts.algorithm
     if (qat or (spec and spec.pattern == "2:4")) and opts.algorithm == "auto":
-        opts.algorithm = "rtn"
+        algorithm = "rtn"
         notes.append("INT4 algorithm rtn (if INT4 is built): " + ("QAT trains for the RTN codes (absmax scales, no clip search)" if qat
                                                else "GPTQ would refill the 2:4 zeros"))
-    return spec, notes
+    return spec, notes, algorithm
 
 
 def _trainable(model: Any) -> list:

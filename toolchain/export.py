@@ -5,12 +5,15 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..runtime.bundle import IOSpec
 from ..runtime.errors import SourceError
-from .sources import Source
+
+if TYPE_CHECKING:  # sources imports this module's io_specs
+    from .sources import Source
 
 EXPORT_OPSET = 21  # INT4 block DequantizeLinear needs opset 21; per-target conversion happens later.
 

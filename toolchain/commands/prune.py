@@ -23,7 +23,7 @@ from .quantize import _load, save_model_atomic
 def _torch_source_calibration(source, calib: Path) -> None:
     """``--calib`` for a torch source: .npz files checked against the source's inputs, split calibrate/validate."""
     from ...runtime.bundle import IOSpec
-    from ..pipeline import load_calibration_dir
+    from ..npz_inputs import load_calibration_dir
 
     specs = [IOSpec(n, str(v.dtype), tuple(source.dynamic_axes.get(n, {}).get(i, d) for i, d in enumerate(v.shape)))
              for n, v in source.example_inputs.items()]

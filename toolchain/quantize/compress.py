@@ -59,7 +59,7 @@ def compress_int4(exported: Any, work: Path, opts: Any, source: Any) -> Any:
     """INT4 (W4A16) with the chosen algorithm, optional accuracy gate, and INT4 embedding tables."""
     import onnx
 
-    from ..pipeline import Compressed
+    from ..artifacts import Compressed
     from .mixed import quantize_mixed
     from .weight_only import quantize_embedding_tables, quantize_weight_only
 
@@ -169,7 +169,7 @@ def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
     import onnx
 
     from ...targets import get_target
-    from ..pipeline import Compressed
+    from ..artifacts import Compressed
     from .graph import name_nodes
     from .int8 import quantize_int8_dynamic, quantize_int8_static
     from .int8_gate import quantize_int8_gated
@@ -218,7 +218,7 @@ def _compress_float(dtype: str):
     def compress(exported: Any, work: Path, opts: Any, source: Any) -> Any:
         import onnx
 
-        from ..pipeline import Compressed
+        from ..artifacts import Compressed
         from .fp16 import convert_float16
 
         q, details = convert_float16(onnx.load(os.fspath(exported.path)), dtype=dtype)
