@@ -11,7 +11,7 @@ from onnx import numpy_helper
 
 from dsedge.runtime.errors import CalibrationError
 from dsedge.toolchain.pipeline import BuildOptions, build
-from dsedge.toolchain.quantize.compress import INPUT_CONV_REASON
+from dsedge.toolchain.stages.compressors import INPUT_CONV_REASON
 
 CHEST = "ct-chest-lung-pet-ct-dx-a0002"
 NIFTI = "ct-totalsegmentator-example/example_ct.nii.gz"

@@ -19,11 +19,13 @@ from .sources import Source
 
 @dataclass
 class Compressed:
-    """A compressed ONNX file and what the compressor reported (layers, bytes, algorithm)."""
+    """A compressed model and what the compressor reported (layers, bytes, algorithm): ``path`` the ONNX file (None
+    until saved), ``model`` the ``onnx.ModelProto`` when it is held in memory."""
 
-    path: Path
+    path: Path | None
     precision: str
     details: dict[str, Any] = field(default_factory=dict)
+    model: Any = None
 
 
 @dataclass(frozen=True)

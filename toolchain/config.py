@@ -147,6 +147,11 @@ class BuildPlan:
     finetune_notes: tuple[str, ...] = ()
     gates: tuple = field(default_factory=tuple)
 
+    def chosen_for_user(self, precision: str) -> bool:
+        """True when ``precision`` is built because dsedge chose it (``auto``, or ``--fallback`` stepping down),
+        not because it was asked for by name."""
+        return self.config.precision != precision or self.config.fallback
+
     @property
     def finetuning(self) -> bool:
         """True when the torch source is pruned and/or QAT-tuned before compression."""

@@ -63,7 +63,7 @@ def resolve_precision(target: Target, requested: str, fallback: bool) -> tuple[s
     Raises:
         PrecisionNotSupported: the target lacks it (see ``choose_precision``) or it is not implemented yet.
     """
-    from .quantize.compress import COMPRESSORS
+    from .stages.compressors import COMPRESSORS
 
     implemented = set(COMPRESSORS) | {"fp32"}
     if requested == "auto":

@@ -8,15 +8,12 @@ own), and exported to ONNX; the report gives held-out accuracy before and after 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import click
 
-from ...runtime.bundle import usual_mode
 from ...runtime.errors import ConfigError
+from ...runtime.files import atomic_path, write_text_atomic
 from .quantize import _load, save_model_atomic
 
 
@@ -34,6 +31,7 @@ def _torch_source_calibration(source, calib: Path) -> None:
 def _prune_torch(model: str, output: Path, pattern: str, sparsity: float, steps: int | None,
                  calib: Path | None) -> dict:
     from ..compensate import PruneSpec, compensate_torch
+    from ..config import BuildConfig
     from ..export import export_onnx
     from ..sources import resolve_source
 
@@ -43,18 +41,10 @@ def _prune_torch(model: str, output: Path, pattern: str, sparsity: float, steps:
     if calib:
         _torch_source_calibration(source, calib)
     spec = PruneSpec(pattern, 0.5 if pattern == "2:4" else sparsity)
-    opts = SimpleNamespace(finetune_steps=steps, qat_steps=0, block_size=32)
-    report = compensate_torch(source, opts, spec, log=lambda s: click.echo(f"  {s}", err=True))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.tmp-", dir=output.parent)
-    os.close(fd)
-    try:
+    settings = BuildConfig(prune=str(spec), finetune_steps=steps)
+    report = compensate_torch(source, settings, spec, log=lambda s: click.echo(f"  {s}", err=True))
+    with atomic_path(output) as tmp:
         exported = export_onnx(source, tmp)
-        os.chmod(tmp, usual_mode())               # mkstemp makes 0600
-        os.replace(tmp, output)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return {"parity_max_abs_diff": exported.parity_max_abs_diff, **report}
 
 
@@ -72,8 +62,9 @@ def _prune_torch(model: str, output: Path, pattern: str, sparsity: float, steps:
 @click.option("--finetune-steps", type=int, default=None,
               help="Torch MODEL only: distillation fine-tune steps after pruning [default: 500; 0 = none].")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout (last thing printed).")
 def prune(model: str, output: Path, pattern: str, sparsity: float, calib: Path | None, finetune_steps: int | None,
-          report_path: Path | None) -> None:
+          report_path: Path | None, as_json: bool) -> None:
     """Prune MODEL (an .onnx file, or a torch source: all-minilm-l6-v2, a HF directory, a run directory,
     module:function) and write ONNX to --output (written atomically). Torch sources are fine-tuned to the unpruned
     teacher; ONNX files are not (prune the torch model, or use dsedge build --prune, to fine-tune)."""
@@ -103,14 +94,17 @@ def prune(model: str, output: Path, pattern: str, sparsity: float, calib: Path |
         report = {**report.pop("prune"), **report}
     report = {"source": str(model), "output": str(output), **report}
     if report_path:
-        report_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_text_atomic(report_path, json.dumps(report, indent=2) + "\n")
+    say = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
     if pattern == "2:4":
-        click.echo(f"wrote {output}: 2:4 sparsity on {len(report['layers'])} layers"
-                   + (f" (skipped {len(report['skipped'])})" if report["skipped"] else ""))
+        say(f"wrote {output}: 2:4 sparsity on {len(report['layers'])} layers"
+            + (f" (skipped {len(report['skipped'])})" if report["skipped"] else ""))
     else:
-        click.echo(f"wrote {output}: {report['sparsity']:.1%} of MLP hidden channels removed "
-                   f"in {len(report['blocks'])} blocks")
+        say(f"wrote {output}: {report['sparsity']:.1%} of MLP hidden channels removed in {len(report['blocks'])} "
+            "blocks")
     if report.get("finetune"):
         b, a = report["heldout_before"], report["heldout_after"]
-        click.echo(f"fine-tune {report['finetune']['steps']} steps: held-out cosine mean vs the unpruned model "
-                   f"{b['cosine_mean']:.4f} → {a['cosine_mean']:.4f}")
+        say(f"fine-tune {report['finetune']['steps']} steps: held-out cosine mean vs the unpruned model "
+            f"{b['cosine_mean']:.4f} → {a['cosine_mean']:.4f}")
+    if as_json:
+        click.echo(json.dumps(report, default=float))

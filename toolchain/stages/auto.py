@@ -9,11 +9,11 @@ import numpy as np
 
 from ...targets import Target
 from ..artifacts import Compressed, Measured
-from ..config import BuildConfig
+from ..config import BuildPlan
 from ..evaluate import compare_models
 from ..export import Exported
 from ..gates import AUTO_MIN_COSINE, build_gates, qualifies
-from ..quantize.compress import COMPRESSORS
+from .compressors import COMPRESSORS
 from ..sources import Source
 from .fit import fit_target
 from .measure import measure_latency, measure_latency_side_by_side
@@ -21,7 +21,7 @@ from .measure import measure_latency, measure_latency_side_by_side
 AUTO_MIN_SPEEDUP = 1.10  # ... and, choosing by latency, only compressed variants ≥ 10 % faster than fp32 at b1 p50
 
 
-def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: Path, opts: BuildConfig,
+def choose_auto(plan: BuildPlan, exported: Exported, reference_onnx: Path, work: Path,
                 source: Source, validation: dict[str, np.ndarray],
                 log: Callable[[str], None]) -> tuple[str, dict[str, Measured], dict[str, Any]]:
     """``--precision auto``: walk the target's precision order (this version's compressors, then fp32), building and
@@ -39,6 +39,7 @@ def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: 
     """
     from ...runtime.errors import DsedgeError
 
+    target, opts = plan.target, plan.config
     implemented = set(COMPRESSORS) | {"fp32"}
     order = [p for p in dict.fromkeys([*target.precision_order, "fp32"]) if p in implemented]
     built: dict[str, tuple[Compressed, int, dict[str, Any]]] = {}
@@ -55,7 +56,7 @@ def choose_auto(target: Target, exported: Exported, reference_onnx: Path, work: 
     for p in order:
         try:
             comp = (Compressed(exported.path, "fp32", {}) if p == "fp32"
-                    else COMPRESSORS[p](exported, work, opts, source))
+                    else COMPRESSORS[p](exported, work, plan, source))
             opset = fit_target(comp.path, target)
         except DsedgeError as e:
             skipped.append({"precision": p, "skipped": str(e)})

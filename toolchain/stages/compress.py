@@ -9,7 +9,7 @@ from typing import Callable
 from ..artifacts import Choice, Compressed, Prepared
 from ..config import BuildPlan
 from ..gates import gate_summary
-from ..quantize.compress import COMPRESSORS
+from .compressors import COMPRESSORS
 from .auto import choose_auto
 
 
@@ -22,7 +22,7 @@ def compress(plan: BuildPlan, model: Prepared, work: Path, log: Callable[[str], 
     cfg, target = plan.config, plan.target
     if cfg.precision != "auto":
         precision = plan.precision
-        compressed = (COMPRESSORS[precision](model.exported, work, cfg, model.source) if precision != "fp32"
+        compressed = (COMPRESSORS[precision](model.exported, work, plan, model.source) if precision != "fp32"
                       else Compressed(model.exported.path, "fp32", {}))
         choice = Choice(precision, compressed, notes=plan.notes)
     else:
@@ -30,7 +30,7 @@ def compress(plan: BuildPlan, model: Prepared, work: Path, log: Callable[[str], 
         if plan.finetuning:  # a pruned/QAT student: auto judges the compression of the student itself
             reference = work / "student-fp32.onnx"
             shutil.copyfile(model.exported.path, reference)
-        precision, measured, record = choose_auto(target, model.exported, reference, work, cfg, model.source,
+        precision, measured, record = choose_auto(plan, model.exported, reference, work, model.source,
                                                   model.validation, log)
         if plan.finetuning:
             record["rule"] += " vs the pruned/fine-tuned fp32 student (variants report accuracy vs the original)"
