@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from typing import Any, Callable, ContextManager, Iterator
 
 import click
@@ -74,8 +75,8 @@ def build(ctx: click.Context, target: str, model: str | None, out_dir: str, prec
                                keep_fp32=not no_fp32, threads=threads, dla_core=dla_core, engine=engine,
                                prune=prune, finetune_steps=finetune_steps, qat_steps=qat_steps)
     log = (lambda s: None) if quiet else (lambda s: console.print(f"[dim]·[/dim] {s}"))
-    progress = None if quiet else stage_progress(Console(stderr=True))
-    result = pipeline.build(config, log=log, **({"progress": progress} if progress else {}))
+    with stage_progress(console, enabled=not quiet) as progress:
+        result = pipeline.build(config, log=log, **({"progress": progress} if progress else {}))
     console.print(summary_table(result.report))
     for line in compensation_lines(result.report):
         console.print(line)
@@ -108,18 +109,27 @@ def config_from_flags(ctx: click.Context, config_file: str | None, **values: Any
     return base.replace(**given)
 
 
-def stage_progress(console: Any) -> Callable[[str], ContextManager[Any]] | None:
-    """A spinner with the stage's name and elapsed time while it runs (rich; None when ``console`` is not a
-    terminal, e.g. in CI or piped to a file)."""
-    if not console.is_terminal:
-        return None
+@contextlib.contextmanager
+def stage_progress(console: Any, enabled: bool = True) -> Iterator[Callable[[str], ContextManager[Any]] | None]:
+    """One spinner line under the build's log: the running stage's name and elapsed time (rich), and a ``✓ stage
+    N.N s`` line for each stage that took over a second. Yields None (no display) when ``console`` is not a terminal
+    (CI, a pipe, a file) or not ``enabled`` (``--quiet``)."""
+    if not (enabled and console.is_terminal):
+        yield None
+        return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    @contextlib.contextmanager
-    def show(stage: str) -> Iterator[None]:
-        with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(),
-                      console=console, transient=True) as p:
-            p.add_task(stage, total=None)
-            yield
+    with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as bar:
+        task = bar.add_task("starting", total=None)
 
-    return show
+        @contextlib.contextmanager
+        def show(stage: str) -> Iterator[None]:
+            bar.reset(task, description=stage)
+            t = time.perf_counter()
+            yield
+            dt = time.perf_counter() - t
+            if dt >= 1.0:
+                console.print(f"[green]✓[/green] {stage} [dim]{dt:.1f} s[/dim]")
+
+        yield show
