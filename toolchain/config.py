@@ -165,7 +165,7 @@ def plan_build(config: BuildConfig) -> BuildPlan:
         TargetError / PrecisionNotSupported / ConfigError / BackendUnavailable: a bad combination, with nothing
             written.
     """
-    from .compensate import check_options
+    from .student import check_options
     from .gates import build_gates
     from .target_precision import check_dla, resolve_precision
 

@@ -30,7 +30,7 @@ def _torch_source_calibration(source, calib: Path) -> None:
 
 def _prune_torch(model: str, output: Path, pattern: str, sparsity: float, steps: int | None,
                  calib: Path | None) -> dict:
-    from ..compensate import PruneSpec, compensate_torch
+    from ..student import PruneSpec, make_student
     from ..config import BuildConfig
     from ..export import export_onnx
     from ..sources import resolve_source
@@ -42,7 +42,7 @@ def _prune_torch(model: str, output: Path, pattern: str, sparsity: float, steps:
         _torch_source_calibration(source, calib)
     spec = PruneSpec(pattern, 0.5 if pattern == "2:4" else sparsity)
     settings = BuildConfig(prune=str(spec), finetune_steps=steps)
-    report = compensate_torch(source, settings, spec, log=lambda s: click.echo(f"  {s}", err=True))
+    report = make_student(source, settings, spec, log=lambda s: click.echo(f"  {s}", err=True))
     with atomic_path(output) as tmp:
         exported = export_onnx(source, tmp)
     return {"parity_max_abs_diff": exported.parity_max_abs_diff, **report}
@@ -68,9 +68,7 @@ def prune(model: str, output: Path, pattern: str, sparsity: float, calib: Path |
     """Prune MODEL (an .onnx file, or a torch source: all-minilm-l6-v2, a HF directory, a run directory,
     module:function) and write ONNX to --output (written atomically). Torch sources are fine-tuned to the unpruned
     teacher; ONNX files are not (prune the torch model, or use dsedge build --prune, to fine-tune)."""
-    from ..prune import prune_2_4, prune_channels
-    from ..quantize.graph import select_layers
-    from ..quantize.weight_only import layer_activations
+    from ..prune import prune_onnx
 
     if pattern == "2:4" and sparsity != 0.3:
         raise ConfigError("--sparsity applies to --pattern channels; 2:4 is always 50 %", "drop --sparsity")
@@ -82,12 +80,7 @@ def prune(model: str, output: Path, pattern: str, sparsity: float, calib: Path |
         if finetune_steps:
             raise ConfigError("--finetune-steps needs a torch MODEL: ONNX weights are not trained here",
                               "pass the torch source (HF directory, run directory, module:function) or drop it")
-        m = _load(Path(model))
-        acts = layer_activations(m, calib, select_layers(m, None)) if calib else None
-        if pattern == "2:4":
-            out, report = prune_2_4(m, acts)
-        else:
-            out, report = prune_channels(m, sparsity, activations=acts)
+        out, report = prune_onnx(_load(Path(model)), pattern, sparsity, calib if calib else None)
         save_model_atomic(out, output)
     else:
         report = _prune_torch(model, output, pattern, sparsity, finetune_steps, calib)

@@ -126,7 +126,7 @@ def ensure_opset21(model: Any) -> Any:
     """Blocked DequantizeLinear needs opset >= 21 (and IR version >= 10)."""
     version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if version < 21:
-        from ..opset_tools import upgrade_opset
+        from ..opset import upgrade_opset
 
         model = upgrade_opset(model, 21)
     model.ir_version = max(model.ir_version, 10)

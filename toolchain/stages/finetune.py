@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..artifacts import Prepared
-from ..compensate import compensate_torch, prune_onnx_source
+from ..student import make_student, prune_onnx_source
 from ..config import BuildPlan
 from .export import export_with_ranges
 
@@ -25,8 +25,8 @@ def finetune(plan: BuildPlan, model: Prepared, work: Path, log: Callable[[str], 
         return dataclasses.replace(model, notes=tuple(notes))
     spec, source, exported = plan.prune, model.source, model.exported
     if source.module is not None:
-        source = dataclasses.replace(source)          # compensate_torch swaps in the student's module
-        compensation = compensate_torch(source, plan.config, spec, log)
+        source = dataclasses.replace(source)          # make_student swaps in the student's module
+        compensation = make_student(source, plan.config, spec, log)
         exported = export_with_ranges(source, work / "models" / "fp32.onnx")   # the student
         log(f"exported the fine-tuned student; parity max abs diff {exported.parity_max_abs_diff}")
     else:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..compensate import refuse_for_onnx
+from ..student import refuse_for_onnx
 from ..config import BuildPlan
 from ..sources import Source, resolve_source
 

@@ -1,5 +1,6 @@
-"""The compensation stage of ``dsedge build`` (``--prune``, ``--finetune-steps``, ``--qat-steps``): prune and/or
-fine-tune the torch source before it is exported and compressed, and measure held-out accuracy before and after.
+"""The student of ``dsedge build --prune / --finetune-steps / --qat-steps`` (report.json ``compensation``): prune
+and/or fine-tune the torch source before it is exported and compressed, and measure held-out accuracy before and
+after (the ``finetune`` stage, ``stages/finetune.py``).
 
 Order: structured channel pruning (``prune_torch.prune_ffn_channels``) or 2:4 masks (``prune_torch.mask_2_4``) →
 distillation fine-tune to the untouched teacher (``finetune.distill_finetune``, ``--finetune-steps``; for text
@@ -131,8 +132,8 @@ def text_finetune_settings(source: Any, fwd: Callable) -> tuple[Callable, float,
             token_replacement(list(source.calibration), TOKEN_REPLACEMENT))
 
 
-def compensate_torch(source: Any, opts: Any, spec: PruneSpec | None,
-                     log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def make_student(source: Any, opts: Any, spec: PruneSpec | None,
+                 log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Prune / fine-tune / QAT ``source.module`` (replaced by the student; the teacher is kept unchanged).
 
     Returns:
@@ -228,16 +229,10 @@ def prune_onnx_source(path: Any, spec: PruneSpec, calibration: Any) -> dict[str,
 
     import onnx
 
-    from .prune import prune_2_4, prune_channels
-    from .quantize.graph import select_layers
-    from .quantize.weight_only import layer_activations
+    from .prune import prune_onnx
 
-    model = onnx.load(os.fspath(path))
-    acts = layer_activations(model, [calibration], select_layers(model, None)) if calibration is not None else None
-    if spec.pattern == "2:4":
-        out, rep = prune_2_4(model, acts)
-    else:
-        out, rep = prune_channels(model, spec.sparsity, activations=acts)
+    out, rep = prune_onnx(onnx.load(os.fspath(path)), spec.pattern, spec.sparsity,
+                          [calibration] if calibration is not None else None)
     onnx.save(out, os.fspath(path))
     rep["finetune"] = None
     return rep
