@@ -18,11 +18,16 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..runtime.errors import ConfigError, SourceError, TargetError
 
-DEFAULT_FINETUNE_STEPS = 500   # issue 4: "fine-tune in torch for N steps (default 500)"
+if TYPE_CHECKING:  # annotations only
+    from ..targets import Target
+    from .config import BuildConfig
+    from .sources import Source
+
+DEFAULT_FINETUNE_STEPS = 500   # --finetune-steps when not given
 FINETUNE_LR = 1e-4             # pruned student: all weights but the embedding tables
 QAT_LR = 1e-5                  # QAT: small moves across INT4 rounding boundaries
 TRAIN_BATCH = 8
@@ -58,7 +63,7 @@ def parse_prune(spec: str) -> PruneSpec:
     raise ConfigError(f"--prune {spec!r} is not a pruning spec", "use --prune channels:0.3 or --prune 2:4")
 
 
-def check_options(opts: Any, target: Any) -> tuple[PruneSpec | None, list[str], str]:
+def check_options(opts: BuildConfig, target: Target) -> tuple[PruneSpec | None, list[str], str]:
     """Validate ``--prune`` / ``--finetune-steps`` / ``--qat-steps`` against each other and the target, before any
     work. With QAT or 2:4, ``--algorithm auto`` becomes ``rtn`` (said in the returned notes).
 
@@ -70,12 +75,12 @@ def check_options(opts: Any, target: Any) -> tuple[PruneSpec | None, list[str], 
             ``--precision int4``, an INT4 algorithm that would undo the fine-tune (GPTQ/AWQ after QAT, GPTQ after 2:4).
         TargetError: ``--prune 2:4`` on a target without sparse tensor cores (its profile lacks ``sparsity``).
     """
-    qat, ft = int(getattr(opts, "qat_steps", 0) or 0), getattr(opts, "finetune_steps", None)
+    qat, ft = opts.qat_steps, opts.finetune_steps
     if qat < 0:
         raise ConfigError(f"--qat-steps must be >= 0, got {qat}", "e.g. --qat-steps 500; 0 turns QAT off")
     if ft is not None and ft < 0:
         raise ConfigError(f"--finetune-steps must be >= 0, got {ft}", "e.g. --finetune-steps 500; 0 = prune only")
-    spec = parse_prune(opts.prune) if getattr(opts, "prune", None) else None
+    spec = parse_prune(opts.prune) if opts.prune else None
     if spec is None and ft is not None:
         raise ConfigError("--finetune-steps fine-tunes a pruned model and needs --prune",
                           "add --prune channels:0.3 or --prune 2:4 (QAT has its own --qat-steps)")
@@ -132,7 +137,7 @@ def text_finetune_settings(source: Any, fwd: Callable) -> tuple[Callable, float,
             token_replacement(list(source.calibration), TOKEN_REPLACEMENT))
 
 
-def make_student(source: Any, opts: Any, spec: PruneSpec | None,
+def make_student(source: Source, opts: BuildConfig, spec: PruneSpec | None,
                  log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Prune / fine-tune / QAT ``source.module`` (replaced by the student; the teacher is kept unchanged).
 
@@ -193,7 +198,7 @@ def make_student(source: Any, opts: Any, spec: PruneSpec | None,
         rep["heldout_after"] = metrics()
         _log_change(log, f"fine-tune ({steps} steps, {rep['finetune']['time_s']:.0f} s)", rep)
         section["prune"] = rep
-    qat = int(getattr(opts, "qat_steps", 0) or 0)
+    qat = opts.qat_steps
     if qat:
         wrap_linears(student, opts.block_size)
         before = metrics()
@@ -238,10 +243,10 @@ def prune_onnx_source(path: Any, spec: PruneSpec, calibration: Any) -> dict[str,
     return rep
 
 
-def refuse_for_onnx(opts: Any) -> None:
+def refuse_for_onnx(opts: BuildConfig) -> None:
     """Raises SourceError when an ONNX source is asked for a fine-tune (QAT or pruning fine-tune)."""
-    asked = [o for o, on in (("--qat-steps", int(getattr(opts, "qat_steps", 0) or 0) > 0),
-                             ("--finetune-steps", (getattr(opts, "finetune_steps", None) or 0) > 0)) if on]
+    asked = [o for o, on in (("--qat-steps", opts.qat_steps > 0),
+                             ("--finetune-steps", (opts.finetune_steps or 0) > 0)) if on]
     if asked:
         raise SourceError(f"{' and '.join(asked)} train{'s' if len(asked) == 1 else ''} in torch and the source is "
                           "an ONNX file",

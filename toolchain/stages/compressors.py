@@ -30,8 +30,10 @@ from ..artifacts import Compressed
 from ..quantize.compress import Calibration, compress
 from ..quantize.presets import get_preset
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only
     from ..config import BuildPlan
+    from ..export import Exported
+    from ..sources import Source
 
 DEFAULT_INT8_GATE = "cosine:0.99"   # W8A8 on TensorRT targets when held-out data exists and no --accuracy-gate
 
@@ -44,15 +46,15 @@ def _save(model: Any, path: Path) -> None:
 
 
 def _calibration(source: Any, what: str) -> Any:
-    if getattr(source, "calibration", None) is None:
+    if source.calibration is None:
         raise CalibrationError(f"{what} needs calibration data and this source has none",
                                "pass --calib DIR with .npz files of real inputs")
     return source.calibration
 
 
 def _embedding_output(exported: Any, source: Any) -> int | str:
-    names = [o.name for o in getattr(exported, "outputs", [])]
-    if getattr(source, "task", "") == "sentence-embedding" and "sentence_embedding" in names:
+    names = [o.name for o in exported.outputs]
+    if source.task == "sentence-embedding" and "sentence_embedding" in names:
         return "sentence_embedding"
     return 0
 
@@ -65,17 +67,17 @@ def _gate_reference(exported: Any, model: Any) -> Any:
     return onnx.load(os.fspath(ref)) if ref is not None else model
 
 
-def compress_int4(exported: Any, work: Path, plan: "BuildPlan", source: Any) -> Compressed:
+def compress_int4(exported: Exported, work: Path, plan: BuildPlan, source: Source) -> Compressed:
     """INT4 (W4A16) with the chosen algorithm, optional accuracy gate, and INT4 embedding tables."""
     import onnx
 
     from ..quantize.weight_only import quantize_embedding_tables
 
     opts = plan.config
-    algorithm = getattr(opts, "algorithm", "auto") or "auto"
-    gate = getattr(opts, "accuracy_gate", None)
+    algorithm = opts.algorithm
+    gate = opts.accuracy_gate
     model = onnx.load(os.fspath(exported.path))
-    calib = getattr(source, "calibration", None)
+    calib = source.calibration
     if algorithm == "auto":
         algorithm = "gptq" if calib is not None else "rtn"
     if calib is None and (algorithm != "rtn" or gate):
@@ -94,7 +96,7 @@ def compress_int4(exported: Any, work: Path, plan: "BuildPlan", source: Any) -> 
         q, details = out.model, out.details
     else:
         # after QAT: absmax scales without clip search, the quantizer the fake-quant fine-tune trained for
-        qat = bool(getattr(opts, "qat_steps", 0)) and algorithm == "rtn"
+        qat = opts.qat_steps > 0 and algorithm == "rtn"
         out = compress(model, preset.replace(clip_search=not qat), Calibration(calib))
         q, details = out.model, out.details
         if qat:
@@ -125,12 +127,12 @@ def fusable_export(exported: Any, source: Any, work: Path, tol: float = 1e-3) ->
     the LayerNorms. Same input/output names and dynamic axes as ``exported``; kept only when its outputs match the
     dynamo export within ``tol`` on the source's example inputs.
     """
+    if source.module is None or source.task != "sentence-embedding":
+        return None
     import numpy as np
     import onnxruntime as ort
     import torch
 
-    if getattr(source, "module", None) is None or getattr(source, "task", "") != "sentence-embedding":
-        return None
     ins, outs = exported.inputs, exported.outputs
     example = {s.name: source.example_inputs[s.name] for s in ins}
     axes = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in list(ins) + list(outs)}
@@ -164,7 +166,7 @@ INPUT_CONV_REASON = ("reads the model input directly: per-tensor INT8 steps on t
                      "measured on the CT student: logit cosine 0.991 -> 0.9998 vs fp32 with it float")
 
 
-def compress_int8(exported: Any, work: Path, plan: "BuildPlan", source: Any) -> Compressed:
+def compress_int8(exported: Exported, work: Path, plan: BuildPlan, source: Source) -> Compressed:
     """INT8 for a target.
 
     - CNNs (any Conv node), every target: W8A8 explicit Q/DQ, per-channel weights (axis 0 = output channel),
@@ -183,8 +185,8 @@ def compress_int8(exported: Any, work: Path, plan: "BuildPlan", source: Any) -> 
 
     opts, target = plan.config, plan.target
     model = onnx.load(os.fspath(exported.path))
-    calib = getattr(source, "calibration", None)
-    heldout = getattr(source, "validation", None)
+    calib = source.calibration
+    heldout = source.validation
     if has_conv(model):
         name_nodes(model)
         stem = input_convs(model)
@@ -201,7 +203,7 @@ def compress_int8(exported: Any, work: Path, plan: "BuildPlan", source: Any) -> 
         q, details = out.model, out.details
         details["fusion_export"] = "torchscript (parity-checked)" if fusable is not None else "none"
     elif calib is not None and heldout is not None:
-        gate = getattr(opts, "accuracy_gate", None) or DEFAULT_INT8_GATE
+        gate = opts.accuracy_gate or DEFAULT_INT8_GATE
         out = compress(model, get_preset("int8-smoothquant").replace(accuracy_gate=gate),
                        Calibration(calib, heldout=heldout, reference=_gate_reference(exported, model),
                                    output=_embedding_output(exported, source)))
@@ -219,7 +221,7 @@ def compress_int8(exported: Any, work: Path, plan: "BuildPlan", source: Any) -> 
     else:
         out = compress(model, "int8-static", Calibration(_calibration(source, "INT8 W8A8")))
         q, details = out.model, out.details
-    if getattr(source, "calibration_kind", ""):
+    if source.calibration_kind:
         details["calibration"] = source.calibration_kind
     path = work / "models" / "int8.onnx"
     _save(q, path)
@@ -227,7 +229,7 @@ def compress_int8(exported: Any, work: Path, plan: "BuildPlan", source: Any) -> 
 
 
 def _compress_float(dtype: str):
-    def compress_float(exported: Any, work: Path, plan: "BuildPlan", source: Any) -> Compressed:
+    def compress_float(exported: Exported, work: Path, plan: BuildPlan, source: Source) -> Compressed:
         import onnx
 
         out = compress(onnx.load(os.fspath(exported.path)), dtype)
