@@ -40,5 +40,6 @@ def configure_cli_logging(verbosity: int) -> None:
     handler.setLevel(level)
     logging.getLogger("dsedge").setLevel(level)
     logging.getLogger("py.warnings").setLevel(logging.WARNING)
+    logging.captureWarnings(False)  # re-capture: an embedding app (or a test runner) may have reset showwarning
     logging.captureWarnings(True)
     warnings.simplefilter("default")

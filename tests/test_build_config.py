@@ -74,3 +74,31 @@ def test_bad_combinations_are_refused_before_any_work(tmp_path):
     plan = plan_build(BuildConfig(target="jetson", precision="int4", prune="2:4"))
     assert plan.config.algorithm == "rtn" and plan.prune.pattern == "2:4"   # auto would refill the 2:4 zeros
     assert not out.exists()
+
+
+def test_verbosity_flags_and_third_party_warnings_go_to_the_log():
+    import warnings
+
+    import click
+
+    from dsedge.cli import with_verbosity
+
+    @click.command()
+    def noisy():
+        warnings.warn("TracerWarning: converting a tensor to a Python boolean", UserWarning)
+        click.echo("done")
+
+    cmd = with_verbosity(noisy)
+    quiet, verbose = CliRunner().invoke(cmd, []), CliRunner().invoke(cmd, ["-v"])
+    assert quiet.output == "done\n" and "TracerWarning" not in quiet.output
+    assert "TracerWarning" in verbose.output and verbose.output.endswith("done\n")
+
+
+def test_prune_json_prints_the_report_last(tmp_path):
+    from dsedge.cli import cli
+
+    model = mlp_onnx(tmp_path / "m.onnx")
+    r = CliRunner().invoke(cli, ["prune", str(model), "-o", str(tmp_path / "p.onnx"), "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["output"] == str(tmp_path / "p.onnx") and len(report["layers"]) == 2
