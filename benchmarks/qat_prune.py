@@ -10,7 +10,7 @@ sentences, batch 8, the same settings as ``dsedge build --qat-steps`` / ``--prun
 - ``int4 rtn + qat N``: the same after N fake-quant fine-tune steps (one run: the student is evaluated at each N in
   ``--qat-steps`` and trained on; AdamW state restarts at each checkpoint);
 - ``fp32 pruned``: FFN hidden channels pruned to ``--prune`` before / after ``--prune-steps`` distillation steps,
-  (sentence embedding + token states, token-replaced sentences: ``compensate.text_finetune_settings``),
+  (sentence embedding + token states, token-replaced sentences: ``student.text_finetune_settings``),
   with the fp32 ONNX size and ORT CPU latency (``--threads``, median of ``--runs``) at b1×s32 and b32×s64 against
   the unpruned fp32 ONNX.
 Training times are wall-clock on this machine; latencies are measured one model after another: read them as ratios
@@ -44,7 +44,7 @@ def main() -> None:
 
     from dsedge.runtime.bench import synthetic_inputs
     from dsedge.runtime.latency import time_calls
-    from dsedge.toolchain.compensate import FINETUNE_LR, QAT_LR, TRAIN_BATCH, _trainable, text_finetune_settings
+    from dsedge.toolchain.student import FINETUNE_LR, QAT_LR, TRAIN_BATCH, _trainable, text_finetune_settings
     from dsedge.toolchain.evaluate import sentence_embedding_metrics
     from dsedge.toolchain.export import export_onnx
     from dsedge.toolchain.finetune import distill_finetune, output_forward, torch_batches

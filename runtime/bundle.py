@@ -7,7 +7,6 @@ renamed into place with ``os.replace``, so a crash never leaves a half-written b
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .errors import BundleError, BundleIntegrityError
+from .files import sha256_file, usual_mode  # noqa: F401  (re-exported: bundle.sha256_file, bundle.usual_mode)
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -154,15 +154,6 @@ class Manifest:
         return m
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def read_manifest(bundle: str | os.PathLike) -> Manifest:
     """Parse ``bundle/manifest.json`` without checking file hashes. Raises BundleError."""
     root = Path(bundle)
@@ -277,13 +268,6 @@ def remove_stale_temp(parent: str | os.PathLike) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
-
-
-def usual_mode(bits: int = 0o666) -> int:
-    """``bits`` less the process umask: the mode ``open()`` would give, for files made by ``mkstemp`` (0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return bits & ~umask
 
 
 @contextlib.contextmanager

@@ -27,6 +27,29 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _set_verbosity(ctx: click.Context, param: click.Parameter, value: int) -> None:
+    if value:
+        ctx.meta["dsedge.verbosity"] = ctx.meta.get("dsedge.verbosity", 0) + (value if param.name == "verbose"
+                                                                               else -value)
+    if param.name == "quiet":  # the last of the two: configure once both are counted
+        from .runtime.log_setup import configure_cli_logging
+
+        configure_cli_logging(ctx.meta.get("dsedge.verbosity", 0))
+
+
+def with_verbosity(command: click.Command) -> click.Command:
+    """Add ``-v/--verbose`` (repeatable) and ``-q/--quiet`` to a command; the level is in
+    ``ctx.meta["dsedge.verbosity"]`` (-1 quiet, 0 default, 1+ verbose)."""
+    if not any(p.name == "verbose" for p in command.params):
+        command.params += [
+            click.Option(["-v", "--verbose"], count=True, expose_value=False, is_eager=True, callback=_set_verbosity,
+                         help="More output: -v info and third-party warnings, -vv debug (stage timings)."),
+            click.Option(["-q", "--quiet"], count=True, expose_value=False, callback=_set_verbosity,
+                         help="Errors and the result only: no progress display or step lines."),
+        ]
+    return command
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -37,7 +60,7 @@ class LazyGroup(click.Group):
         target, help_text = COMMANDS[name]
         module, attr = target.split(":")
         try:
-            return getattr(importlib.import_module(module), attr)
+            return with_verbosity(getattr(importlib.import_module(module), attr))
         except ModuleNotFoundError as e:
             missing = e.name or "?"
             if missing.startswith("dsedge"):

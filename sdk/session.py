@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Se
 
 import numpy as np
 
-from .runtime.backends.ort import OrtBackend
+from .runtime.backends import Preferences, VariantFiles, open_backend
 from .runtime.batching import BatchLayout, example_feed
 from .runtime.decode import GenerationStream
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
@@ -466,16 +466,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     manifest = verify_bundle(path)
     v = manifest.variant(variant)
 
-    def open_variant(name: str) -> Any:
-        var = manifest.variant(name)
-        found = None
-        if not providers:  # a TensorRT engine when this machine has TensorRT and a GPU; else None
-            from .runtime.backends.tensorrt import open_engine_backend
-
-            found = open_engine_backend(path, manifest, var)
-        if found is None:
-            found = OrtBackend(Path(path) / var.file, providers=providers, threads=threads, bundle=(manifest, var))
-        return found
+    def open_variant(name: str) -> Any:  # the target's backend (TensorRT when here), else ONNX Runtime
+        return open_backend(VariantFiles(Path(path), manifest, manifest.variant(name)), Preferences(providers, threads))
 
     backend = open_variant(v.name)
     if check_outputs:

@@ -155,8 +155,10 @@ def _check_values(t: Target, fname: str) -> None:
     def bad(key: str, why: str) -> TargetError:
         return TargetError(f"target profile {fname}: {key} {why}", "compare with a built-in profile in dsedge/targets/profiles")
 
-    if t.backend not in BACKENDS:
-        raise bad("backend", f"is {t.backend!r}; use one of {', '.join(BACKENDS)}")
+    from ..runtime.backends import backend_names
+
+    if t.backend not in backend_names():
+        raise bad("backend", f"is {t.backend!r}; use one of {', '.join(backend_names())}")
     unknown = [f for f in t.engine_flags if f not in ENGINE_FLAGS]
     if unknown:
         raise bad("engine_flags", f"has unknown flag {unknown[0]!r}; use some of {', '.join(ENGINE_FLAGS)}")

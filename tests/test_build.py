@@ -237,7 +237,7 @@ def test_cpu_auto_measures_each_precision_and_keeps_the_fastest_accurate_one(tmp
     assert {c["precision"] for c in measured} >= {"int4", "fp32"}
     qualified = [c for c in measured if c["qualifies"]]
     assert all(c["cosine_mean"] >= 0.99 for c in qualified if c["precision"] != "fp32")
-    from dsedge.toolchain.pipeline import AUTO_MIN_SPEEDUP
+    from dsedge.toolchain.stages.auto import AUTO_MIN_SPEEDUP
 
     fp32 = next(c["b1_p50_ms"] for c in measured if c["precision"] == "fp32")
     fast = [c for c in qualified if c["precision"] == "fp32" or fp32 / c["b1_p50_ms"] >= AUTO_MIN_SPEEDUP]

@@ -9,32 +9,32 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dsedge.runtime.backends.ort import OrtBackend
 from dsedge.runtime.errors import QuantizationError
-from dsedge.toolchain.quantize.int4 import dequantize_blockwise, quantize_blockwise, quantize_int4
+from dsedge.toolchain.quantize.int4 import dequantize_site, quantize_int4, quantize_site
 from tiny_models import embedding_onnx, mlp_onnx
 
 
 def test_symmetric_rtn_known_values():
     w = np.array([[7.0], [-3.5], [1.0], [0.49]], np.float32)  # one block of 4 along axis 0
-    codes, scales, zp = quantize_blockwise(w, axis=0, block_size=4)
+    codes, scales, zp = quantize_site(w, axis=0, block_size=4, scale_search=False)
     assert zp is None and scales.shape == (1, 1) and scales[0, 0] == pytest.approx(1.0)
     assert codes.ravel().tolist() == [7, -4, 1, 0]  # rint(-3.5) = -4 (half to even)
-    np.testing.assert_array_equal(dequantize_blockwise(codes, scales, 0, 4).ravel(), [7, -4, 1, 0])
+    np.testing.assert_array_equal(dequantize_site(codes, scales, 0, 4).ravel(), [7, -4, 1, 0])
 
 
 def test_asymmetric_uses_uint4_and_zero_points():
     w = np.linspace(0, 3, 32, dtype=np.float32).reshape(32, 1)
-    codes, scales, zp = quantize_blockwise(w, axis=0, block_size=32, symmetric=False)
+    codes, scales, zp = quantize_site(w, axis=0, block_size=32, symmetric=False, scale_search=False)
     assert codes.min() == 0 and codes.max() == 15 and zp.ravel().tolist() == [0]
-    assert np.abs(dequantize_blockwise(codes, scales, 0, 32, zp) - w).max() <= scales.max() / 2 + 1e-6
+    assert np.abs(dequantize_site(codes, scales, 0, 32, zp) - w).max() <= scales.max() / 2 + 1e-6
 
 
 @pytest.mark.parametrize("axis", [0, 1])
 def test_error_is_bounded_by_half_a_step_and_k_need_not_divide(axis):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((80, 48) if axis == 0 else (48, 80)).astype(np.float32)  # K = 80: 3 blocks of 32
-    codes, scales, _ = quantize_blockwise(w, axis=axis, block_size=32)
+    codes, scales, _ = quantize_site(w, axis=axis, block_size=32, scale_search=False)
     assert scales.shape[axis] == 3 and codes.min() >= -8 and codes.max() <= 7
-    deq = dequantize_blockwise(codes, scales, axis, 32)
+    deq = dequantize_site(codes, scales, axis, 32)
     step = np.repeat(scales, 32, axis=axis).take(np.arange(80), axis=axis)
     assert np.all(np.abs(deq - w) <= step / 2 + 1e-6)
 
@@ -55,7 +55,7 @@ def test_matmul_and_gemm_weights_become_int4_dq_and_run_in_ort(tmp_path):
     x = np.random.default_rng(2).standard_normal((5, 64)).astype(np.float32)
     deq = {}
     for name, axis in (("w1", 0), ("w2", 1)):
-        deq[name] = dequantize_blockwise(numpy_helper.to_array(inits[f"{name}_int4"]),
+        deq[name] = dequantize_site(numpy_helper.to_array(inits[f"{name}_int4"]),
                                          numpy_helper.to_array(inits[f"{name}_scale"]), axis, 32)
     b1 = numpy_helper.to_array(inits["b1"])
     want = np.maximum(x @ deq["w1"] + b1, 0) @ deq["w2"].T
@@ -86,13 +86,10 @@ def test_embedding_table_quantized_and_rewritten_for_ort_cpu(tmp_path):
 
 def test_scale_search_never_worse_than_absmax():
     w = np.random.default_rng(3).standard_t(3, (256, 64)).astype(np.float32)  # heavy tails
-    from dsedge.toolchain.quantize.int4 import search_clip_ratio
-
-    c0, s0, _ = quantize_blockwise(w, 0, 32)
-    ratio = search_clip_ratio(w, 0, 32)
-    c1, s1, _ = quantize_blockwise(w, 0, 32, clip_ratio=ratio)
-    e0 = np.mean((dequantize_blockwise(c0, s0, 0, 32) - w) ** 2)
-    e1 = np.mean((dequantize_blockwise(c1, s1, 0, 32) - w) ** 2)
+    c0, s0, _ = quantize_site(w, 0, 32, scale_search=False)
+    c1, s1, _ = quantize_site(w, 0, 32)
+    e0 = np.mean((dequantize_site(c0, s0, 0, 32) - w) ** 2)
+    e1 = np.mean((dequantize_site(c1, s1, 0, 32) - w) ** 2)
     assert e1 < e0 * 0.95
 
 

@@ -11,7 +11,7 @@ from onnx import numpy_helper
 
 from dsedge.runtime.errors import CalibrationError
 from dsedge.toolchain.pipeline import BuildOptions, build
-from dsedge.toolchain.quantize.compress import INPUT_CONV_REASON
+from dsedge.toolchain.stages.compressors import INPUT_CONV_REASON
 
 CHEST = "ct-chest-lung-pet-ct-dx-a0002"
 NIFTI = "ct-totalsegmentator-example/example_ct.nii.gz"
@@ -139,7 +139,7 @@ def test_two_class_metrics_values():
 
 
 def test_cpu_auto_times_candidates_side_by_side_and_keeps_the_faster_accurate_one(cnn_onnx, ct_inputs, tmp_path):
-    from dsedge.toolchain.pipeline import AUTO_MIN_SPEEDUP
+    from dsedge.toolchain.stages.auto import AUTO_MIN_SPEEDUP
 
     calib, held = ct_inputs
     r = build(BuildOptions(model=str(cnn_onnx), target="cpu", calib=str(calib), heldout=str(held),

@@ -91,7 +91,7 @@ def test_gate_passing_at_int8_keeps_everything_int8_and_bad_gates_fail_clearly(d
 @pytest.mark.parametrize("spec, words", [("cosine:1.5", "cosine lies in \\[-1, 1\\]"),
                                          ("top1:2", "top1 lies in \\[0, 1\\]"), ("cosine", "METRIC:THRESHOLD")])
 def test_gate_specs_out_of_range_fail_before_any_work(spec, words):
-    from dsedge.toolchain.pipeline import build_gates
+    from dsedge.toolchain.gates import build_gates
 
     with pytest.raises(ConfigError, match=words):
         build_gates(spec)
@@ -121,7 +121,7 @@ def test_build_enforces_the_gate_on_precisions_without_a_gated_search(tmp_path):
 def test_ragged_npz_files_pad_token_inputs_and_refuse_float_ones(tmp_path):
     from dsedge.runtime.bundle import IOSpec
     from dsedge.runtime.errors import CalibrationError
-    from dsedge.toolchain.pipeline import read_npz_dir
+    from dsedge.toolchain.npz_inputs import read_npz_dir
 
     specs = [IOSpec("input_ids", "int64", ("batch", "sequence")), IOSpec("x", "float32", ("batch", "n"))]
     for i, n in enumerate((3, 5)):
@@ -147,7 +147,7 @@ def test_static_int8_names_the_layer_with_nan_weights(data):
 
 
 def test_build_log_summarises_what_a_gate_kept_higher():
-    from dsedge.toolchain.pipeline import gate_summary
+    from dsedge.toolchain.gates import gate_summary
 
     assert gate_summary({"kept_float": ["fc2"], "layers": [{"node": "fc2"}]}) == ""       # INT4 without a gate
     assert gate_summary({"gate": "cosine:0.99", "kept_float": [{}] * 3, "layers": 36, "int8_layers": 33,

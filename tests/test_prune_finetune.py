@@ -12,7 +12,7 @@ import torch
 from onnx import numpy_helper
 
 from dsedge.runtime.errors import ConfigError, SourceError, TargetError
-from dsedge.toolchain.compensate import parse_prune
+from dsedge.toolchain.student import parse_prune
 from dsedge.toolchain.finetune import distill_finetune, heldout_metrics
 from dsedge.toolchain.pipeline import BuildOptions, build
 from dsedge.toolchain.prune_torch import candidate_pairs, mask_2_4, prune_ffn_channels

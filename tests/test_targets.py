@@ -14,7 +14,7 @@ from dsedge.cli import cli
 from dsedge.runtime.errors import PrecisionNotSupported, TargetError
 from dsedge.targets import get_target, list_targets, load_profile
 from dsedge.toolchain.opset import convert_for_target, model_opset, uses_int4
-from dsedge.toolchain.precision import choose_precision
+from dsedge.toolchain.target_precision import choose_precision
 
 SIX = {"jetson-orin", "jetson-xavier", "t4", "a100", "cpu", "h100"}
 

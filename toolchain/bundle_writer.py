@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import __version__
+from ..runtime.version import __version__
 from ..runtime.errors import BundleError
 from ..runtime.bundle import BUNDLE_SUFFIX, IOSpec, Manifest, Variant, atomic_directory, write_manifest
 

@@ -5,12 +5,15 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..runtime.bundle import IOSpec
 from ..runtime.errors import SourceError
-from .sources import Source
+
+if TYPE_CHECKING:  # sources imports this module's io_specs
+    from .sources import Source
 
 EXPORT_OPSET = 21  # INT4 block DequantizeLinear needs opset 21; per-target conversion happens later.
 
@@ -108,7 +111,7 @@ def export_onnx(source: Source, dest: str | os.PathLike, opset: int = EXPORT_OPS
                                   f"make the model traceable by torch.export (TorchScript fallback: {type(e2).__name__})") from None
     model = onnx.load(os.fspath(dest))
     if model.opset_import[0].version < opset:
-        from .opset_tools import upgrade_opset
+        from .opset import upgrade_opset
         model = upgrade_opset(model, opset)
         onnx.save(model, os.fspath(dest))
     ins, outs = io_specs(model)

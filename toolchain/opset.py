@@ -145,3 +145,14 @@ def convert_for_target(model: onnx.ModelProto, target: Target) -> onnx.ModelProt
         raise TargetError(f"the model is not valid at opset {want} / IR {out.ir_version}: {first}",
                           "re-export the model at an opset the target reads") from None
     return out
+
+
+def upgrade_opset(model, opset: int = 21):  # type: ignore[no-untyped-def]
+    """Convert ``model`` to ``opset`` with onnx.version_converter and raise the IR version to at least 10.
+
+    version_converter leaves IR version 8, which ORT rejects for opset 21 models.
+    """
+    converted = version_converter.convert_version(model, opset)
+    converted.ir_version = max(converted.ir_version, 10)
+    onnx.checker.check_model(converted)
+    return converted

@@ -205,3 +205,17 @@ def _clear_shapes(model: onnx.ModelProto) -> None:
 
 
 __all__ = ["nm_mask", "prune_2_4", "find_mlp_blocks", "prune_channels", "MLPBlock", "set_weight"]
+
+
+def prune_onnx(model: onnx.ModelProto, pattern: str, sparsity: float,
+               calibration: object = None) -> tuple[onnx.ModelProto, dict]:
+    """Prune an ONNX model on the graph: ``pattern`` ``2:4`` (:func:`prune_2_4`) or ``channels`` at a global
+    ``sparsity`` (:func:`prune_channels`); activation-aware (Wanda) when ``calibration`` (a .npz, a directory of them
+    or a list of batches) is given, else by magnitude. Returns (model, report)."""
+    from .quantize.graph import select_layers
+    from .quantize.weight_only import layer_activations
+
+    acts = layer_activations(model, calibration, select_layers(model, None)) if calibration is not None else None
+    if pattern == "2:4":
+        return prune_2_4(model, acts)
+    return prune_channels(model, sparsity, activations=acts)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import shlex
 from typing import Mapping
 
-from .. import __version__
+from ..runtime.version import __version__
 from ..runtime.build_settings import EngineBuildSettings, engine_build_settings
 from ..runtime.errors import TargetError
 from ..targets import Target

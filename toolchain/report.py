@@ -1,4 +1,5 @@
-"""The human summary of a build report: a table of variant, size, size vs fp32, accuracy, CPU latency p50/p99."""
+"""The human summary of a build report: a table of variant, size, size vs fp32, accuracy, CPU latency p50/p99
+(units and the timed input shape in the headers)."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,7 +10,9 @@ def summary_table(report: dict[str, Any]) -> Any:
     from rich.table import Table
 
     t = Table(title=f"{report['bundle']}  (target {report['target']}, default {report['precision']})")
-    for col in ("variant", "size MB", "vs fp32", "cos mean", "cos min", "top-1", "b1 p50 ms", "b1 p99 ms"):
+    shape = latency_shape(report)
+    cols = ("variant", "size MB", "size ×fp32", "cos mean", "cos min", "top-1", f"{shape} p50 ms", f"{shape} p99 ms")
+    for col in cols:
         t.add_column(col, justify="left" if col == "variant" else "right")
     for v in report["variants"]:
         acc = v["accuracy"]
@@ -24,6 +27,17 @@ def summary_table(report: dict[str, Any]) -> Any:
                   fmt("cosine_min", ".4f"), fmt(top1, ".2f"),
                   f"{lat.get('p50', float('nan')):.2f}", f"{lat.get('p99', float('nan')):.2f}")
     return t
+
+
+def latency_shape(report: dict[str, Any]) -> str:
+    """The shape the build timed, for table headers: ``b1×32`` (batch 1, sequence 32) from the first input's shape
+    in the first variant's ``latency_ms["1"]["shape"]``; ``b1`` when unknown."""
+    for v in report.get("variants", []):
+        shapes = (v.get("latency_ms") or {}).get("1", {}).get("shape") or {}
+        if shapes:
+            dims = next(iter(shapes.values()))
+            return "b" + "×".join(str(d) for d in dims) if dims else "b1"
+    return "b1"
 
 
 def compensation_lines(report: dict[str, Any]) -> list[str]:

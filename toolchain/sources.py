@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime.bundle import sha256_file
+from ..runtime.files import sha256_file
 from ..runtime.errors import SourceError
 from . import reference
 

@@ -1,9 +1,13 @@
 """``dsedge build``."""
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from typing import Any, Callable, ContextManager, Iterator
 
 import click
+from click.core import ParameterSource
 
 
 @click.command("build")
@@ -49,30 +53,83 @@ import click
               help="INT4 fake-quant fine-tune (QAT) steps before export, with --precision int4 (0 = off; "
                    "--qat-steps alone = 500).")
 @click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON on stdout (last thing printed).")
-def build(target: str, model: str | None, out_dir: str, precision: str, fallback: bool, calib: str | None,
-          heldout: str | None,
-          block_size: str, algorithm: str, accuracy_gate: str | None, no_embeddings: bool, no_fp32: bool,
-          threads: int | None, dla_core: int | None,
-          engine: bool, prune: str | None, finetune_steps: int | None, qat_steps: int, as_json: bool) -> None:
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="A build.toml ([build] table, the keys of these options); flags given here override it.")
+@click.pass_context
+def build(ctx: click.Context, target: str, model: str | None, out_dir: str, precision: str, fallback: bool,
+          calib: str | None, heldout: str | None, block_size: str, algorithm: str, accuracy_gate: str | None,
+          no_embeddings: bool, no_fp32: bool, threads: int | None, dla_core: int | None, engine: bool,
+          prune: str | None, finetune_steps: int | None, qat_steps: int, as_json: bool,
+          config_file: str | None) -> None:
     """Export, compress, validate and bundle a model for a target."""
     from rich.console import Console
 
-    from ..pipeline import BuildOptions, build as run_build
+    from .. import pipeline
     from ..report import compensation_lines, summary_table
 
+    quiet = ctx.meta.get("dsedge.verbosity", 0) < 0
     console = Console(stderr=as_json)
-    opts = BuildOptions(model=model, target=target, out_dir=out_dir, precision=precision, calib=calib, heldout=heldout,
-                        fallback=fallback, block_size=int(block_size), algorithm=algorithm,
-                        accuracy_gate=accuracy_gate, embeddings=not no_embeddings,
-                        keep_fp32=not no_fp32, threads=threads, dla_core=dla_core, engine=engine, prune=prune,
-                        finetune_steps=finetune_steps, qat_steps=qat_steps)
-    result = run_build(opts, log=lambda s: console.print(f"[dim]·[/dim] {s}"))
+    config = config_from_flags(ctx, config_file, model=model, target=target, out_dir=out_dir, precision=precision,
+                               calib=calib, heldout=heldout, fallback=fallback, block_size=int(block_size),
+                               algorithm=algorithm, accuracy_gate=accuracy_gate, embeddings=not no_embeddings,
+                               keep_fp32=not no_fp32, threads=threads, dla_core=dla_core, engine=engine,
+                               prune=prune, finetune_steps=finetune_steps, qat_steps=qat_steps)
+    log = (lambda s: None) if quiet else (lambda s: console.print(f"[dim]·[/dim] {s}"))
+    with stage_progress(console, enabled=not quiet) as progress:
+        result = pipeline.build(config, log=log, **({"progress": progress} if progress else {}))
     console.print(summary_table(result.report))
     for line in compensation_lines(result.report):
         console.print(line)
-    for note in result.report["notes"]:
-        console.print(f"note: {note}")
+    if not quiet:
+        for note in result.report["notes"]:
+            console.print(f"note: {note}")
     console.print(f"validated on {result.report['validation']['inputs']}; "
                   f"build wall time {result.report['wall_time_s']:.1f} s; bundle: {result.bundle}")
     if as_json:
         click.echo(json.dumps(result.report, default=str))
+
+
+
+
+def config_from_flags(ctx: click.Context, config_file: str | None, **values: Any) -> Any:
+    """The ``BuildConfig``: ``--config`` file first, then every flag given on the command line over it (flags left
+    at their defaults do not override the file)."""
+    from ..config import BuildConfig, read_config_file
+
+    if config_file is None:
+        return BuildConfig(**values)
+    base = read_config_file(config_file)
+    given = {}
+    for param in (p.name for p in ctx.command.params):
+        source = ctx.get_parameter_source(param) if param else None
+        if source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            field = {"no_embeddings": "embeddings", "no_fp32": "keep_fp32"}.get(param, param)
+            if field in values:
+                given[field] = values[field]
+    return base.replace(**given)
+
+
+@contextlib.contextmanager
+def stage_progress(console: Any, enabled: bool = True) -> Iterator[Callable[[str], ContextManager[Any]] | None]:
+    """One spinner line under the build's log: the running stage's name and elapsed time (rich), and a ``✓ stage
+    N.N s`` line for each stage that took over a second. Yields None (no display) when ``console`` is not a terminal
+    (CI, a pipe, a file) or not ``enabled`` (``--quiet``)."""
+    if not (enabled and console.is_terminal):
+        yield None
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+
+        @contextlib.contextmanager
+        def show(stage: str) -> Iterator[None]:
+            bar.reset(task, description=stage)
+            t = time.perf_counter()
+            yield
+            dt = time.perf_counter() - t
+            if dt >= 1.0:
+                console.print(f"[green]✓[/green] {stage} [dim]{dt:.1f} s[/dim]")
+
+        yield show

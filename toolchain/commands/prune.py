@@ -8,22 +8,19 @@ own), and exported to ONNX; the report gives held-out accuracy before and after 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import click
 
-from ...runtime.bundle import usual_mode
 from ...runtime.errors import ConfigError
+from ...runtime.files import atomic_path, write_text_atomic
 from .quantize import _load, save_model_atomic
 
 
 def _torch_source_calibration(source, calib: Path) -> None:
     """``--calib`` for a torch source: .npz files checked against the source's inputs, split calibrate/validate."""
     from ...runtime.bundle import IOSpec
-    from ..pipeline import load_calibration_dir
+    from ..npz_inputs import load_calibration_dir
 
     specs = [IOSpec(n, str(v.dtype), tuple(source.dynamic_axes.get(n, {}).get(i, d) for i, d in enumerate(v.shape)))
              for n, v in source.example_inputs.items()]
@@ -33,7 +30,8 @@ def _torch_source_calibration(source, calib: Path) -> None:
 
 def _prune_torch(model: str, output: Path, pattern: str, sparsity: float, steps: int | None,
                  calib: Path | None) -> dict:
-    from ..compensate import PruneSpec, compensate_torch
+    from ..student import PruneSpec, make_student
+    from ..config import BuildConfig
     from ..export import export_onnx
     from ..sources import resolve_source
 
@@ -43,18 +41,10 @@ def _prune_torch(model: str, output: Path, pattern: str, sparsity: float, steps:
     if calib:
         _torch_source_calibration(source, calib)
     spec = PruneSpec(pattern, 0.5 if pattern == "2:4" else sparsity)
-    opts = SimpleNamespace(finetune_steps=steps, qat_steps=0, block_size=32)
-    report = compensate_torch(source, opts, spec, log=lambda s: click.echo(f"  {s}", err=True))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.tmp-", dir=output.parent)
-    os.close(fd)
-    try:
+    settings = BuildConfig(prune=str(spec), finetune_steps=steps)
+    report = make_student(source, settings, spec, log=lambda s: click.echo(f"  {s}", err=True))
+    with atomic_path(output) as tmp:
         exported = export_onnx(source, tmp)
-        os.chmod(tmp, usual_mode())               # mkstemp makes 0600
-        os.replace(tmp, output)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return {"parity_max_abs_diff": exported.parity_max_abs_diff, **report}
 
 
@@ -72,14 +62,13 @@ def _prune_torch(model: str, output: Path, pattern: str, sparsity: float, steps:
 @click.option("--finetune-steps", type=int, default=None,
               help="Torch MODEL only: distillation fine-tune steps after pruning [default: 500; 0 = none].")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout (last thing printed).")
 def prune(model: str, output: Path, pattern: str, sparsity: float, calib: Path | None, finetune_steps: int | None,
-          report_path: Path | None) -> None:
+          report_path: Path | None, as_json: bool) -> None:
     """Prune MODEL (an .onnx file, or a torch source: all-minilm-l6-v2, a HF directory, a run directory,
     module:function) and write ONNX to --output (written atomically). Torch sources are fine-tuned to the unpruned
     teacher; ONNX files are not (prune the torch model, or use dsedge build --prune, to fine-tune)."""
-    from ..prune import prune_2_4, prune_channels
-    from ..quantize.graph import select_layers
-    from ..quantize.weight_only import layer_activations
+    from ..prune import prune_onnx
 
     if pattern == "2:4" and sparsity != 0.3:
         raise ConfigError("--sparsity applies to --pattern channels; 2:4 is always 50 %", "drop --sparsity")
@@ -91,26 +80,24 @@ def prune(model: str, output: Path, pattern: str, sparsity: float, calib: Path |
         if finetune_steps:
             raise ConfigError("--finetune-steps needs a torch MODEL: ONNX weights are not trained here",
                               "pass the torch source (HF directory, run directory, module:function) or drop it")
-        m = _load(Path(model))
-        acts = layer_activations(m, calib, select_layers(m, None)) if calib else None
-        if pattern == "2:4":
-            out, report = prune_2_4(m, acts)
-        else:
-            out, report = prune_channels(m, sparsity, activations=acts)
+        out, report = prune_onnx(_load(Path(model)), pattern, sparsity, calib if calib else None)
         save_model_atomic(out, output)
     else:
         report = _prune_torch(model, output, pattern, sparsity, finetune_steps, calib)
         report = {**report.pop("prune"), **report}
     report = {"source": str(model), "output": str(output), **report}
     if report_path:
-        report_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_text_atomic(report_path, json.dumps(report, indent=2) + "\n")
+    say = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
     if pattern == "2:4":
-        click.echo(f"wrote {output}: 2:4 sparsity on {len(report['layers'])} layers"
-                   + (f" (skipped {len(report['skipped'])})" if report["skipped"] else ""))
+        say(f"wrote {output}: 2:4 sparsity on {len(report['layers'])} layers"
+            + (f" (skipped {len(report['skipped'])})" if report["skipped"] else ""))
     else:
-        click.echo(f"wrote {output}: {report['sparsity']:.1%} of MLP hidden channels removed "
-                   f"in {len(report['blocks'])} blocks")
+        say(f"wrote {output}: {report['sparsity']:.1%} of MLP hidden channels removed in {len(report['blocks'])} "
+            "blocks")
     if report.get("finetune"):
         b, a = report["heldout_before"], report["heldout_after"]
-        click.echo(f"fine-tune {report['finetune']['steps']} steps: held-out cosine mean vs the unpruned model "
-                   f"{b['cosine_mean']:.4f} → {a['cosine_mean']:.4f}")
+        say(f"fine-tune {report['finetune']['steps']} steps: held-out cosine mean vs the unpruned model "
+            f"{b['cosine_mean']:.4f} → {a['cosine_mean']:.4f}")
+    if as_json:
+        click.echo(json.dumps(report, default=float))

@@ -3,12 +3,13 @@ FP16/BF16 with FP32 islands, or INT4 / INT8 mixed precision under an accuracy ga
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
-from ...runtime.errors import SourceError
+from ...runtime.errors import ConfigError, SourceError
+from ...runtime.files import atomic_path, write_text_atomic
 
 
 def _load(path: Path):
@@ -27,20 +28,17 @@ def save_model_atomic(model, dest: Path) -> None:
     """Write ``model`` to ``dest`` via a temporary file and a rename (external data when over 1.8 GB)."""
     import onnx
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     big = model.ByteSize() > 1_800_000_000
-    try:
+    with atomic_path(dest) as tmp:
         onnx.save_model(model, str(tmp), save_as_external_data=big, location=dest.name + ".data" if big else None)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 @click.command("quantize")
-@click.argument("model", type=click.Path(path_type=Path))
-@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Output .onnx path.")
+@click.argument("model", type=click.Path(path_type=Path), required=False)
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Output .onnx path.")
+@click.option("--preset", default=None, help="A named compression preset (see --list-presets); the flags below "
+              "given on the command line override its fields. Default: from --precision/--algorithm/--int8-mode.")
+@click.option("--list-presets", is_flag=True, help="List the compression presets and exit.")
 @click.option("--precision", type=click.Choice(["int4", "int8", "fp16", "bf16"]), default="int4", show_default=True)
 @click.option("--algorithm", type=click.Choice(["rtn", "awq", "gptq", "awq+gptq"]), default="gptq",
               show_default=True, help="INT4 algorithm (AWQ arXiv:2306.00978, GPTQ arXiv:2210.17323).")
@@ -59,48 +57,100 @@ def save_model_atomic(model, dest: Path) -> None:
               help="INT8 static: SmoothQuant (arXiv:2211.10438) with this alpha first (e.g. 0.5).")
 @click.option("--nodes", help="Comma-separated node names to quantize (default: all MatMul/Gemm weights).")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
-def quantize(model: Path, output: Path, precision: str, algorithm: str, block_size: int, asymmetric: bool,
-             calib: Path | None, heldout: Path | None, gate: str | None, method: str, int8_mode: str,
-             smooth_alpha: float | None, nodes: str | None, report_path: Path | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout (last thing printed).")
+@click.pass_context
+def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset: str | None, list_presets: bool,
+             precision: str, algorithm: str, block_size: int, asymmetric: bool, calib: Path | None,
+             heldout: Path | None, gate: str | None, method: str, int8_mode: str, smooth_alpha: float | None,
+             nodes: str | None, report_path: Path | None, as_json: bool) -> None:
     """Quantize an ONNX MODEL and write the result to --output (written atomically)."""
-    from ..quantize.fp16 import convert_float16
-    from ..quantize.int8 import quantize_int8_dynamic, quantize_int8_static
-    from ..quantize.int8_gate import quantize_int8_gated
-    from ..quantize.mixed import parse_gates, quantize_mixed
-    from ..quantize.weight_only import quantize_weight_only
+    from ..quantize.compress import Calibration, compress
 
+    if list_presets:
+        _print_presets(as_json)
+        return
+    if model is None or output is None:
+        raise click.UsageError("MODEL and -o/--output are required (or pass --list-presets)")
+    chosen = _preset_from_flags(ctx, preset, precision=precision, algorithm=algorithm, block_size=block_size,
+                                asymmetric=asymmetric, gate=gate, method=method, int8_mode=int8_mode,
+                                smooth_alpha=smooth_alpha, nodes=nodes)
     m = _load(model)
-    node_list = [n.strip() for n in nodes.split(",") if n.strip()] if nodes else None
-    if precision == "int4" and gate:
-        if heldout is None:
-            raise SourceError("--accuracy-gate needs --heldout data", "pass --heldout DIR_OR_NPZ")
-        out, report = quantize_mixed(m, calib, gate=parse_gates(gate), heldout=heldout, algorithm=algorithm,
-                                     block_size=block_size, symmetric=not asymmetric, nodes=node_list,
-                                     on_step=lambda msg: click.echo(f"  {msg}", err=True))
-    elif precision == "int4":
-        out, report = quantize_weight_only(m, calib, algorithm=algorithm, block_size=block_size,
-                                           symmetric=not asymmetric, nodes=node_list)
-    elif precision == "int8" and int8_mode == "static" and gate:
-        if heldout is None:
-            raise SourceError("--accuracy-gate needs --heldout data", "pass --heldout DIR_OR_NPZ")
-        out, report = quantize_int8_gated(m, calib, gate=parse_gates(gate), heldout=heldout, method=method,
-                                          smooth_alpha=smooth_alpha,
-                                          on_step=lambda msg: click.echo(f"  {msg}", err=True))
-    elif precision == "int8" and int8_mode == "static":
-        out, report = quantize_int8_static(m, calib, method=method, smooth_alpha=smooth_alpha)
-    elif precision == "int8":
-        out, report = quantize_int8_dynamic(m)
-    else:
-        out, report = convert_float16(m, dtype=precision)
-    save_model_atomic(out, output)
-    report = {"source": str(model), "output": str(output), "precision": precision,
-              "size_bytes": output.stat().st_size, "source_size_bytes": model.stat().st_size, **report}
+    gated = chosen.accuracy_gate and (chosen.precision == "int4" or chosen.algorithm == "static")
+    if gated and heldout is None:
+        raise SourceError("--accuracy-gate needs --heldout data", "pass --heldout DIR_OR_NPZ")
+    say = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
+    on_step = (lambda msg: click.echo(f"  {msg}", err=True)) if gated else None
+    out = compress(m, chosen, Calibration(calib, heldout=heldout, on_step=on_step))
+    save_model_atomic(out.model, output)
+    report = {"source": str(model), "output": str(output), "precision": chosen.precision,
+              "size_bytes": output.stat().st_size, "source_size_bytes": model.stat().st_size, **out.details}
     if report_path:
-        report_path.write_text(json.dumps(report, indent=2, default=float) + "\n", encoding="utf-8")
+        write_text_atomic(report_path, json.dumps(report, indent=2, default=float) + "\n")
     ratio = report["size_bytes"] / max(report["source_size_bytes"], 1)
-    click.echo(f"wrote {output} ({precision}, {report['size_bytes'] / 1e6:.2f} MB, {ratio:.1%} of the source)")
+    say(f"wrote {output} ({chosen.precision}, {report['size_bytes'] / 1e6:.2f} MB, {ratio:.1%} of the source)")
     for r in report.get("raised", []):
-        click.echo(f"  kept {r['to']}: {r['node']} — {r['reason']}")
+        say(f"  kept {r['to']}: {r['node']} — {r['reason']}")
     for r in report.get("kept_float", []):
         if isinstance(r, dict):                       # the INT8 gate's records (INT4 lists bare node names)
-            click.echo(f"  kept float: {r['node']} — {r['reason']}")
+            say(f"  kept float: {r['node']} — {r['reason']}")
+    if as_json:
+        click.echo(json.dumps(report, default=float))
+
+
+def _preset_from_flags(ctx: click.Context, name: str | None, *, precision: str, algorithm: str, block_size: int,
+                       asymmetric: bool, gate: str | None, method: str, int8_mode: str, smooth_alpha: float | None,
+                       nodes: str | None):  # type: ignore[no-untyped-def]
+    """The preset to run: ``--preset NAME`` with the flags given on the command line over it, or, without
+    ``--preset``, the preset the flags name (``int4-ALGORITHM``, ``int8-static``, ``int8-dynamic``, ``fp16``,
+    ``bf16``) with every flag applied."""
+    from ..quantize.presets import get_preset
+
+    def given(param: str) -> bool:
+        return name is None or ctx.get_parameter_source(param) in (ParameterSource.COMMANDLINE,
+                                                                    ParameterSource.ENVIRONMENT)
+
+    if name is None:
+        name = {"int4": f"int4-{algorithm}", "int8": f"int8-{int8_mode}"}.get(precision, precision)
+        base = get_preset(name)
+    else:
+        base = get_preset(name)
+        if given("precision") and precision != base.precision:
+            raise ConfigError(f"--precision {precision} contradicts --preset {name} ({base.precision})",
+                              "drop --precision or pick a preset of that precision")
+        if given("algorithm") and base.precision == "int4":
+            base = base.replace(algorithm=algorithm)
+    changes: dict = {}
+    if given("block_size"):
+        changes["block_size"] = block_size
+    if given("asymmetric"):
+        changes["symmetric"] = not asymmetric
+    if given("gate"):
+        changes["accuracy_gate"] = gate
+    if given("method"):
+        changes["method"] = method
+    if given("smooth_alpha"):
+        changes["smooth_alpha"] = smooth_alpha
+    if given("nodes"):
+        changes["nodes"] = tuple(n.strip() for n in nodes.split(",") if n.strip()) if nodes else None
+    return base.replace(**changes)
+
+
+def _print_presets(as_json: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..quantize.algorithms import get_algorithm
+    from ..quantize.presets import list_presets
+
+    presets = list_presets()
+    if as_json:
+        click.echo(json.dumps([p.to_dict() for p in presets]))
+        return
+    t = Table(title="compression presets (dsedge quantize --preset NAME)")
+    for col in ("preset", "precision", "algorithm", "block size", "calibration data", "what"):
+        t.add_column(col)
+    for p in presets:
+        needs = get_algorithm(p.precision, p.algorithm).needs_calibration
+        t.add_row(p.name, p.precision, p.algorithm, str(p.block_size) if p.precision == "int4" else "—",
+                  "needed" if needs else "optional", p.description)
+    Console().print(t)

@@ -114,10 +114,11 @@ def quantize_with(w: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | N
 
 def quantize_blockwise(w: np.ndarray, *, bits: int = 4, block_size: int = 32, symmetric: bool = True,
                        clip_search: bool = True, name: str = "weight",
-                       importance: np.ndarray | None = None, hessian: np.ndarray | None = None) -> BlockwiseWeight:
+                       importance: np.ndarray | None = None, hessian: np.ndarray | None = None,
+                       clip_grid: tuple[float, ...] = CLIP_GRID) -> BlockwiseWeight:
     """Round-to-nearest blockwise quantization of a float ``[K, N]`` weight.
 
-    With ``clip_search`` the clip ratio of each block is chosen from ``CLIP_GRID`` to minimise the block's squared
+    With ``clip_search`` the clip ratio of each block is chosen from ``clip_grid`` (default ``CLIP_GRID``) to minimise the block's squared
     error, weighted per input channel by ``importance`` (float ``[K]``, e.g. mean x² of the calibration
     activations; None = plain weight MSE). This is the grid search of GPTQ's reference code / AWQ's clip search
     restricted to one block. With ``hessian`` (``[K, K]`` = X^T X of the calibration activations) the error is the
@@ -148,7 +149,7 @@ def quantize_blockwise(w: np.ndarray, *, bits: int = 4, block_size: int = 32, sy
     best_s = np.zeros_like(best_err)
     best_z = None if symmetric else np.zeros(wmin.shape, np.int16)
     qmin, qmax = qrange(bits, symmetric)
-    for clip in CLIP_GRID:
+    for clip in clip_grid:
         s, z = scales_for(wmin, wmax, bits, symmetric, clip)
         q = np.round(wb / s[:, None, :])
         if z is not None:

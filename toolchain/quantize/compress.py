@@ -1,234 +1,53 @@
-"""The compressors ``dsedge build`` calls per precision: (exported ONNX, work dir, options, source) → Compressed.
+"""The one verb for compression: ``compress(model, preset, calibration) -> Compressed``, used by ``dsedge quantize``
+and by ``dsedge build``'s compressors.
 
-- ``int4``: W4A16 weight-only (symmetric: TensorRT's INT4 needs it) with ``--algorithm`` (auto = gptq with
-  calibration data, else rtn | rtn | awq | gptq | awq+gptq) and, with
-  ``--accuracy-gate``, mixed precision (sensitive layers raised to INT8 / float until the gate passes on the
-  held-out data); word-embedding tables INT4 too unless ``--no-embeddings`` — asymmetric (UINT4 + zero point:
-  TensorRT folds the table to FP16 at build anyway, ORT gathers UINT4 rows; measured on MiniLM: cosine cost of the
-  table 0.0008 vs 0.0012 symmetric).
-- ``int8``: CNNs (Conv) on every target: W8A8 explicit Q/DQ calibrated with MinMax (needs calibration data);
-  other models on ORT targets (cpu) dynamic INT8 after ORT's transformer fusions (the fastest ORT CPU form);
-  for TensorRT targets W8A8 explicit Q/DQ calibrated with MinMax after SmoothQuant (alpha 0.5); with held-out
-  data, under an accuracy gate (``--accuracy-gate``, default ``cosine:0.99``): the layers whose INT8 costs the most
-  stay float (:mod:`.int8_gate`). Needs calibration data; under ``--precision auto`` or ``--fallback`` without
-  any, INT8 weight-only per-channel Q/DQ, said in the report.
-- ``fp16`` / ``bf16``: 16-bit with FP32 islands.
-Calibration data: ``source.calibration`` (the reference model's committed sentences, or ``--calib``).
+    >>> import onnx
+    >>> from dsedge.toolchain.quantize.compress import Calibration, compress
+    >>> out = compress(onnx.load("model.onnx"), "int4-awq", Calibration("calib/"))
+    >>> onnx.save(out.model, "model-int4.onnx"); out.details["layers"]
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from ...runtime.errors import CalibrationError
-
-DEFAULT_INT8_GATE = "cosine:0.99"   # W8A8 on TensorRT targets when held-out data exists and no --accuracy-gate
-
-
-def _save(model: Any, path: Path) -> None:
-    import onnx
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, os.fspath(path))
+from ..artifacts import Compressed
+from .algorithms import get_algorithm
+from .presets import Preset, get_preset
 
 
-def _calibration(source: Any, what: str) -> Any:
-    if getattr(source, "calibration", None) is None:
-        raise CalibrationError(f"{what} needs calibration data and this source has none",
-                               "pass --calib DIR with .npz files of real inputs")
-    return source.calibration
+@dataclass(frozen=True)
+class Calibration:
+    """What an algorithm may read besides the model.
 
-
-def _embedding_output(exported: Any, source: Any) -> int | str:
-    names = [o.name for o in getattr(exported, "outputs", [])]
-    if getattr(source, "task", "") == "sentence-embedding" and "sentence_embedding" in names:
-        return "sentence_embedding"
-    return 0
-
-
-def _gate_reference(exported: Any, model: Any) -> Any:
-    """The model accuracy gates compare with: the original export when the source was pruned / QAT-tuned first."""
-    import onnx
-
-    ref = getattr(exported, "reference", None)
-    return onnx.load(os.fspath(ref)) if ref is not None else model
-
-
-def compress_int4(exported: Any, work: Path, opts: Any, source: Any) -> Any:
-    """INT4 (W4A16) with the chosen algorithm, optional accuracy gate, and INT4 embedding tables."""
-    import onnx
-
-    from ..pipeline import Compressed
-    from .mixed import quantize_mixed
-    from .weight_only import quantize_embedding_tables, quantize_weight_only
-
-    algorithm = getattr(opts, "algorithm", "auto") or "auto"
-    gate = getattr(opts, "accuracy_gate", None)
-    model = onnx.load(os.fspath(exported.path))
-    calib = getattr(source, "calibration", None)
-    if algorithm == "auto":
-        algorithm = "gptq" if calib is not None else "rtn"
-    if calib is None and (algorithm != "rtn" or gate):
-        calib = _calibration(source, f"INT4 {algorithm}" + (f" with --accuracy-gate {gate}" if gate else ""))
-    tables: list = []
-    if gate:
-        heldout = source.validation if source.validation is not None else source.example_inputs
-        base = onnx.ModelProto()
-        base.CopyFrom(model)
-        if opts.embeddings:                      # first, so the gate measures the final model
-            base, tables = quantize_embedding_tables(base, block_size=opts.block_size, symmetric=False)
-        q, details = quantize_mixed(base, calib, gate=gate, heldout=heldout, algorithm=algorithm,
-                                    block_size=opts.block_size, output=_embedding_output(exported, source),
-                                    reference=_gate_reference(exported, model))
-    else:
-        # after QAT: absmax scales without clip search, the quantizer the fake-quant fine-tune trained for
-        qat = bool(getattr(opts, "qat_steps", 0)) and algorithm == "rtn"
-        q, details = quantize_weight_only(model, calib, algorithm=algorithm, block_size=opts.block_size,
-                                          **({"clip_search": False} if qat else {}))
-        if qat:
-            details["clip_search"] = False
-        if opts.embeddings:
-            q, tables = quantize_embedding_tables(q, block_size=opts.block_size, symmetric=False)
-    details["embeddings"] = tables
-    if tables:
-        int4_bytes = sum(int(t["shape"][0] * t["shape"][1] // 2 + t["shape"][0] * (t["shape"][1] // opts.block_size) * 4.5)
-                         for t in tables)                  # codes + fp32 scale and uint4 zero point per block
-        fp16_bytes = sum(t["shape"][0] * t["shape"][1] * 2 for t in tables)
-        details["embedding_bytes"] = {"onnx_int4": int4_bytes, "tensorrt_fp16": fp16_bytes}
-        details["tensorrt_embedding_note"] = (
-            "TensorRT reads INT4 only for GEMM weights: the INT4 embedding table's DequantizeLinear is constant-"
-            f"folded at engine build, so the engine holds it in FP16 ({fp16_bytes / 1e6:.1f} MB) while the ONNX "
-            f"holds {int4_bytes / 1e6:.1f} MB; ORT gathers the INT4 rows directly.")
-    details["algorithm"] = algorithm
-    out = work / "models" / "int4.onnx"
-    _save(q, out)
-    return Compressed(out, "int4", details)
-
-
-def fusable_export(exported: Any, source: Any, work: Path, tol: float = 1e-3) -> Path | None:
-    """A TorchScript-exporter copy of a transformer encoder for ORT's fusions, or None.
-
-    ORT's transformer optimizer matches the attention/GELU patterns of the TorchScript exporter (``dynamo=False``)
-    and fuses them into Attention / BiasGelu / EmbedLayerNormalization kernels; on the dynamo export it fuses only
-    the LayerNorms. Same input/output names and dynamic axes as ``exported``; kept only when its outputs match the
-    dynamo export within ``tol`` on the source's example inputs.
+    Attributes:
+        data: calibration inputs: a ``.npz`` file, a directory of them, or a list of ``{input: array}`` batches
+            (batch axis 0); None when there are none.
+        heldout: held-out inputs for an accuracy gate (same forms), never calibrated on.
+        reference: the fp32 ``onnx.ModelProto`` a gate compares with (default: the model being compressed).
+        output: the output (index or name) a gate's cosine compares.
+        on_step: called with one line per gate measurement (progress).
     """
-    import numpy as np
-    import onnxruntime as ort
-    import torch
 
-    if getattr(source, "module", None) is None or getattr(source, "task", "") != "sentence-embedding":
-        return None
-    ins, outs = exported.inputs, exported.outputs
-    example = {s.name: source.example_inputs[s.name] for s in ins}
-    axes = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in list(ins) + list(outs)}
-    dest = work / "fusable-fp32.onnx"
-    try:
-        with torch.inference_mode():
-            torch.onnx.export(source.module, tuple(torch.from_numpy(example[s.name]) for s in ins), os.fspath(dest),
-                              input_names=[s.name for s in ins], output_names=[s.name for s in outs],
-                              dynamic_axes=axes, opset_version=17, dynamo=False)
-        a = ort.InferenceSession(os.fspath(dest), providers=["CPUExecutionProvider"]).run(None, example)
-        b = ort.InferenceSession(os.fspath(exported.path), providers=["CPUExecutionProvider"]).run(None, example)
-    except Exception:  # the TorchScript exporter is optional here: fall back to the dynamo export
-        return None
-    diff = max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
-    return dest if diff <= tol else None
+    data: Any = None
+    heldout: Any = None
+    reference: Any = None
+    output: int | str = 0
+    on_step: Callable[[str], None] | None = None
 
 
-def has_conv(model: Any) -> bool:
-    """True when the ONNX graph holds a Conv node (Conv1d/2d/3d: a CNN)."""
-    return any(n.op_type == "Conv" for n in model.graph.node)
+def compress(model: Any, preset: Preset | str, calibration: Calibration | Any = None) -> Compressed:
+    """Compress an ``onnx.ModelProto`` with a preset (a ``Preset`` or a registered preset's name).
 
-
-def input_convs(model: Any) -> list[str]:
-    """Names of the Conv nodes that read a graph input directly (a CNN's stem on the raw image)."""
-    inputs = {i.name for i in model.graph.input}
-    return [n.name for n in model.graph.node if n.op_type == "Conv" and n.input[0] in inputs]
-
-
-INPUT_CONV_REASON = ("reads the model input directly: per-tensor INT8 steps on the raw image (e.g. 1/127 of a CT lung "
-                     "window = 11 HU) cost most of the INT8 error while the stem is a small share of the MACs; "
-                     "measured on the CT student: logit cosine 0.991 -> 0.9998 vs fp32 with it float")
-
-
-def compress_int8(exported: Any, work: Path, opts: Any, source: Any) -> Any:
-    """INT8 for a target.
-
-    - CNNs (any Conv node), every target: W8A8 explicit Q/DQ, per-channel weights (axis 0 = output channel),
-      per-tensor symmetric activations calibrated with MinMax on ``source.calibration``, Q/DQ on the inputs and
-      outputs of each Conv/Gemm (ORT CPU then runs QLinearConv), the model's outputs kept float, and the Conv(s)
-      reading the model input kept float (``INPUT_CONV_REASON``; listed in the report's layers). No SmoothQuant (it
-      acts on MatMul/Gemm only). Calibration data is required (CalibrationError otherwise).
-    - Other models on ORT targets (cpu): dynamic INT8 after ORT's transformer fusions (the fastest ORT CPU form).
-    - Other models on TensorRT targets: W8A8 Q/DQ calibrated with MinMax after SmoothQuant (alpha 0.5), under the
-      accuracy gate (``--accuracy-gate``, default ``cosine:0.99``) when there is held-out data; without
-      calibration data under ``auto``/``--fallback``, INT8 weight-only per-channel Q/DQ (said in the report).
+    Returns:
+        ``Compressed`` with ``model`` (the compressed ``onnx.ModelProto``; ``path`` None until saved),
+        ``precision`` and ``details`` (the algorithm's report: layers, bytes, gate values, …).
+    Raises:
+        ConfigError: unknown preset or algorithm. CalibrationError (the algorithm needs calibration data and there is
+            none) / QuantizationError / AccuracyGateError: from the algorithm.
     """
-    import onnx
-
-    from ...targets import get_target
-    from ..pipeline import Compressed
-    from .graph import name_nodes
-    from .int8 import quantize_int8_dynamic, quantize_int8_static
-    from .int8_gate import quantize_int8_gated
-    from .weight_only import quantize_weight_only
-
-    target = get_target(opts.target)
-    model = onnx.load(os.fspath(exported.path))
-    calib = getattr(source, "calibration", None)
-    heldout = getattr(source, "validation", None)
-    if has_conv(model):
-        name_nodes(model)
-        stem = input_convs(model)
-        q, details = quantize_int8_static(model, _calibration(source, "INT8 Q/DQ of a CNN (Conv)"), method="minmax",
-                                          nodes_to_exclude=stem)
-        details["form"] = "W8A8 explicit Q/DQ (CNN): per-channel weights, per-tensor activations, MinMax"
-        details["layers"] = [{"node": n, "kept": "float", "why": INPUT_CONV_REASON} for n in stem]
-    elif target.backend == "onnxruntime":
-        fusable = fusable_export(exported, source, work)
-        if fusable is not None:
-            model = onnx.load(os.fspath(fusable))
-        q, details = quantize_int8_dynamic(model, fuse="bert" if fusable is not None else None)
-        details["fusion_export"] = "torchscript (parity-checked)" if fusable is not None else "none"
-    elif calib is not None and heldout is not None:
-        gate = getattr(opts, "accuracy_gate", None) or DEFAULT_INT8_GATE
-        q, details = quantize_int8_gated(model, calib, gate=gate, heldout=heldout, smooth_alpha=0.5,
-                                         output=_embedding_output(exported, source),
-                                         reference=_gate_reference(exported, model))
-    elif calib is not None:
-        q, details = quantize_int8_static(model, calib, smooth_alpha=0.5)
-    elif getattr(opts, "precision", "") != "int8" or getattr(opts, "fallback", False):
-        # int8 chosen for the user (auto, or --fallback from int4) and no calibration data:
-        # INT8 weights only (per-channel DQ); said in the report
-        q, details = quantize_weight_only(model, None, algorithm="rtn", bits=8)
-        details["note"] = ("no calibration data: INT8 weight-only (W8A16 per-channel Q/DQ); pass --calib for "
-                           "W8A8 with calibrated activations")
-    else:
-        q, details = quantize_int8_static(model, _calibration(source, "INT8 W8A8"))
-    if getattr(source, "calibration_kind", ""):
-        details["calibration"] = source.calibration_kind
-    out = work / "models" / "int8.onnx"
-    _save(q, out)
-    return Compressed(out, "int8", details)
-
-
-def _compress_float(dtype: str):
-    def compress(exported: Any, work: Path, opts: Any, source: Any) -> Any:
-        import onnx
-
-        from ..pipeline import Compressed
-        from .fp16 import convert_float16
-
-        q, details = convert_float16(onnx.load(os.fspath(exported.path)), dtype=dtype)
-        out = work / "models" / f"{dtype}.onnx"
-        _save(q, out)
-        return Compressed(out, dtype, details)
-
-    compress.__doc__ = f"{dtype.upper()} with FP32 islands (LayerNorm, Softmax, reductions)."
-    return compress
-
-
-COMPRESSORS = {"int4": compress_int4, "int8": compress_int8, "fp16": _compress_float("fp16"),
-               "bf16": _compress_float("bf16")}
+    p = get_preset(preset) if isinstance(preset, str) else preset
+    calib = calibration if isinstance(calibration, Calibration) else Calibration(data=calibration)
+    algorithm = get_algorithm(p.precision, p.algorithm)
+    out, details = algorithm.fn(model, p, calib)
+    return Compressed(path=None, precision=p.precision, details=details, model=out)

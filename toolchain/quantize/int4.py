@@ -6,7 +6,7 @@ quantization), whose output keeps the weight's original name, so every consumer 
 input dimension K (``block_size`` weights share one scale). TensorRT (10.x) reads this form for GEMM weights; ORT CPU
 fuses DequantizeLinear+MatMul into MatMulNBits at load.
 
-Round-to-nearest (RTN) is the baseline algorithm; AWQ (arXiv:2306.00978) and GPTQ (arXiv:2210.17323) produce codes and
+Round-to-nearest (RTN) is the baseline algorithm, computed by :mod:`.blockwise` (the one INT4 quantizer); AWQ (arXiv:2306.00978) and GPTQ (arXiv:2210.17323) produce codes and
 scales that ``write_int4_dq`` places in the same form.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ...runtime.errors import QuantizationError
+from .blockwise import dequantize_blockwise, quantize_blockwise
 
 INT4_MIN, INT4_MAX = -8, 7
 UINT4_MAX = 15
@@ -33,79 +34,35 @@ class WeightSite:
     shape: tuple[int, ...]
 
 
-def quantize_blockwise(w: np.ndarray, axis: int, block_size: int, symmetric: bool = True,
-                       clip_ratio: float | np.ndarray = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Round-to-nearest 4-bit quantization of a 2-D weight in blocks of ``block_size`` along ``axis``.
+#: Clip ratios of the RTN scale search (``quantize_int4``, INT4 embedding tables): 0.70 … 8/7 — above 1 the code -8
+#: becomes reachable for the block's largest magnitude.
+RTN_CLIP_GRID = tuple(float(r) for r in np.linspace(0.70, 8 / 7, 23))
 
-    Args:
-        w: float weight, 2-D.
-        axis: the blocked axis (K).
-        block_size: weights per scale (>= 16, a power of two as TensorRT requires).
-        symmetric: int4 codes in [-8, 7] with scale = amax / 7 and no zero point; else uint4 codes in [0, 15] with a
-            uint4 zero point per block.
-        clip_ratio: multiplies the block range before rounding (< 1 clips outliers; scalar or per-block array).
+
+def quantize_site(w: np.ndarray, axis: int, block_size: int, symmetric: bool = True,
+                  scale_search: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """RTN 4-bit codes of a 2-D weight blocked along ``axis`` (the site's K), through ``blockwise.quantize_blockwise``
+    (the one INT4 quantizer), with the per-block MSE scale search over ``RTN_CLIP_GRID`` unless ``scale_search`` is
+    False.
+
     Returns:
-        (codes int8/uint8 same shape as ``w``, scales float32, zero_points uint8 or None); scales and zero points have
-        ``w``'s shape with ``axis`` reduced to ceil(K / block_size), as DequantizeLinear's blocked form requires.
+        (codes int8 / uint8 with ``w``'s shape, scales float32, zero points uint8 or None), scales and zero points
+        with ``axis`` reduced to ceil(K / block_size): what ``write_int4_dq`` writes.
     """
-    w = np.asarray(w, dtype=np.float32)
-    wt = np.moveaxis(w, axis, 0)
-    k, n = wt.shape
-    nb = -(-k // block_size)
-    pad = nb * block_size - k
-    blocks = np.pad(wt, ((0, pad), (0, 0))).reshape(nb, block_size, n)
-    if isinstance(clip_ratio, np.ndarray):
-        clip_ratio = np.moveaxis(clip_ratio, axis, 0)
-    if symmetric:
-        amax = np.abs(blocks).max(axis=1) * clip_ratio
-        scale = np.where(amax > 0, amax / INT4_MAX, 1.0).astype(np.float32)
-        q = np.clip(np.rint(blocks / scale[:, None, :]), INT4_MIN, INT4_MAX).astype(np.int8)
-        zp = None
-    else:
-        lo = np.minimum(blocks.min(axis=1), 0) * clip_ratio
-        hi = np.maximum(blocks.max(axis=1), 0) * clip_ratio
-        scale = np.where(hi > lo, (hi - lo) / UINT4_MAX, 1.0).astype(np.float32)
-        zp8 = np.clip(np.rint(-lo / scale), 0, UINT4_MAX).astype(np.uint8)
-        q = np.clip(np.rint(blocks / scale[:, None, :]) + zp8[:, None, :], 0, UINT4_MAX).astype(np.uint8)
-        zp = np.moveaxis(zp8, 0, axis)
-    codes = np.moveaxis(q.reshape(nb * block_size, n)[:k], 0, axis)
-    return codes, np.ascontiguousarray(np.moveaxis(scale, 0, axis)), zp
+    kn = np.moveaxis(np.asarray(w, dtype=np.float32), axis, 0)
+    q = quantize_blockwise(kn, bits=4, block_size=block_size, symmetric=symmetric, clip_search=scale_search,
+                           clip_grid=RTN_CLIP_GRID)
+    codes = np.moveaxis(q.codes.astype(np.int8 if symmetric else np.uint8), 0, axis)
+    zp = None if q.zero_points is None else np.moveaxis(q.zero_points.astype(np.uint8), 0, axis)
+    return codes, np.ascontiguousarray(np.moveaxis(q.scales, 0, axis)), zp
 
 
-def search_clip_ratio(w: np.ndarray, axis: int, block_size: int, symmetric: bool = True,
-                      grid: np.ndarray | None = None) -> np.ndarray:
-    """Per-block clip ratio minimizing the block's squared rounding error (an MSE-optimal scale for RTN).
-
-    Tries each ratio in ``grid`` (default 0.70 … 1.14) on every block and keeps the best; the result has the scale's
-    shape (``w``'s shape with ``axis`` reduced to ceil(K / block_size)) and is passed to ``quantize_blockwise``.
-    """
-    grid = np.linspace(0.70, 8 / 7, 23) if grid is None else grid
-    wt = np.moveaxis(np.asarray(w, dtype=np.float32), axis, 0)
-    k, n = wt.shape
-    nb = -(-k // block_size)
-    blocks = np.pad(wt, ((0, nb * block_size - k), (0, 0))).reshape(nb, block_size, n)
-    best_err = np.full((nb, n), np.inf, dtype=np.float32)
-    best = np.ones((nb, n), dtype=np.float32)
-    for r in grid:
-        codes, scale, zp = quantize_blockwise(w, axis, block_size, symmetric, clip_ratio=float(r))
-        deq = np.moveaxis(dequantize_blockwise(codes, scale, axis, block_size, zp), axis, 0)
-        deq = np.pad(deq, ((0, nb * block_size - k), (0, 0))).reshape(nb, block_size, n)
-        err = ((deq - blocks) ** 2).sum(axis=1)
-        better = err < best_err
-        best_err[better] = err[better]
-        best[better] = r
-    return np.ascontiguousarray(np.moveaxis(best, 0, axis))
-
-
-def dequantize_blockwise(codes: np.ndarray, scales: np.ndarray, axis: int, block_size: int,
-                         zero_points: np.ndarray | None = None) -> np.ndarray:
-    """Inverse of ``quantize_blockwise``: float32 weights (what DequantizeLinear computes)."""
-    k = codes.shape[axis]
-    s = np.repeat(scales, block_size, axis=axis).take(np.arange(k), axis=axis)
-    c = codes.astype(np.float32)
-    if zero_points is not None:
-        c = c - np.repeat(zero_points, block_size, axis=axis).take(np.arange(k), axis=axis).astype(np.float32)
-    return (c * s).astype(np.float32)
+def dequantize_site(codes: np.ndarray, scales: np.ndarray, axis: int, block_size: int,
+                    zero_points: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of ``quantize_site``: float32 weights (what DequantizeLinear computes)."""
+    zp = None if zero_points is None else np.moveaxis(zero_points, axis, 0)
+    kn = dequantize_blockwise(np.moveaxis(codes, axis, 0), np.moveaxis(scales, axis, 0), zp, block_size)
+    return np.moveaxis(kn, 0, axis)
 
 
 def find_weight_sites(model: Any, embeddings: bool = True, min_vocab: int = 1024,
@@ -169,7 +126,7 @@ def ensure_opset21(model: Any) -> Any:
     """Blocked DequantizeLinear needs opset >= 21 (and IR version >= 10)."""
     version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if version < 21:
-        from ..opset_tools import upgrade_opset
+        from ..opset import upgrade_opset
 
         model = upgrade_opset(model, 21)
     model.ir_version = max(model.ir_version, 10)
@@ -212,9 +169,8 @@ def quantize_int4(model: Any, *, block_size: int = 32, symmetric: bool = True, e
         if not np.isfinite(w).all():
             raise QuantizationError(f"weight {site.name!r} of {site.op} node {site.node!r} has NaN or Inf values",
                                     "fix the checkpoint before quantizing")
-        ratio = search_clip_ratio(w, site.axis, block_size, symmetric) if scale_search else 1.0
-        codes, scales, zp = quantize_blockwise(w, site.axis, block_size, symmetric, clip_ratio=ratio)
-        deq = dequantize_blockwise(codes, scales, site.axis, block_size, zp)
+        codes, scales, zp = quantize_site(w, site.axis, block_size, symmetric, scale_search)
+        deq = dequantize_site(codes, scales, site.axis, block_size, zp)
         err = float(np.sqrt(np.mean((deq - w) ** 2)) / (np.sqrt(np.mean(w ** 2)) + 1e-12))
         write_int4_dq(model, site, codes, scales, block_size, zp)
         b0 = w.size * 4

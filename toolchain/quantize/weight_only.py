@@ -197,14 +197,13 @@ def quantize_embedding_tables(model: onnx.ModelProto, *, block_size: int = 32, s
                               min_vocab: int = 1024) -> tuple[onnx.ModelProto, list[dict]]:
     """INT4 blockwise (along the hidden dim) word-embedding tables: Gather tables with >= ``min_vocab`` rows.
 
-    RTN with an MSE-searched scale per block (``int4.search_clip_ratio``), written by ``int4.write_int4_dq`` (the
+    RTN with an MSE-searched scale per block (``int4.quantize_site``), written by ``int4.write_int4_dq`` (the
     DequantizeLinear output keeps the table's name). In place; returns (model, one dict per table). TensorRT reads
     INT4 only for GEMM weights, so it folds this DequantizeLinear into an FP16/FP32 constant at engine build.
     """
     from onnx import numpy_helper
 
-    from .int4 import dequantize_blockwise, find_weight_sites, quantize_blockwise as rtn, search_clip_ratio, \
-        write_int4_dq
+    from .int4 import dequantize_site, find_weight_sites, quantize_site, write_int4_dq
 
     model = ensure_qdq_opset(model)
     inits = {t.name: t for t in model.graph.initializer}
@@ -215,9 +214,8 @@ def quantize_embedding_tables(model: onnx.ModelProto, *, block_size: int = 32, s
         w = numpy_helper.to_array(inits[site.name]).astype(np.float32)
         if not np.isfinite(w).all():
             raise QuantizationError(f"embedding table {site.name!r} holds NaN/Inf values", "fix the checkpoint")
-        ratio = search_clip_ratio(w, site.axis, block_size, symmetric)
-        codes, scales, zp = rtn(w, site.axis, block_size, symmetric, clip_ratio=ratio)
-        err = float(np.sqrt(np.mean((dequantize_blockwise(codes, scales, site.axis, block_size, zp) - w) ** 2))
+        codes, scales, zp = quantize_site(w, site.axis, block_size, symmetric)
+        err = float(np.sqrt(np.mean((dequantize_site(codes, scales, site.axis, block_size, zp) - w) ** 2))
                     / (np.sqrt(np.mean(w ** 2)) + 1e-12))
         write_int4_dq(model, site, codes, scales, block_size, zp)
         done.append({"name": site.name, "node": site.node, "shape": list(site.shape), "bits": 4,

@@ -137,6 +137,26 @@ class WarmupCosine:
         self.warmup = int(round(warmup_fraction * self.total))
         self.min_ratio = min_ratio
 
+    def schedulers(self, optimizer: "HybridOptimizer | torch.optim.Optimizer") -> list:
+        """The same schedule as ``torch.optim.lr_scheduler`` objects, one per inner optimizer: ``LinearLR`` warmup
+        (1/(W+1) → 1 over W steps) then ``CosineAnnealingLR`` to ``min_ratio`` × lr, chained by ``SequentialLR``;
+        call ``.step()`` once per optimizer step. ``__call__`` is its closed form (stateless, for resuming at any
+        step)."""
+        from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+
+        out = []
+        for opt in getattr(optimizer, "optimizers", [optimizer]):
+            base = {g.get("initial_lr", g["lr"]) for g in opt.param_groups}
+            if len(base) != 1:
+                raise ValueError("WarmupCosine.schedulers needs one initial lr per optimizer (HybridOptimizer has)")
+            cosine = CosineAnnealingLR(opt, T_max=max(1, self.total - self.warmup), eta_min=base.pop() * self.min_ratio)
+            if self.warmup:
+                warm = LinearLR(opt, start_factor=1 / (self.warmup + 1), end_factor=1.0, total_iters=self.warmup)
+                out.append(SequentialLR(opt, [warm, cosine], milestones=[self.warmup]))
+            else:
+                out.append(cosine)
+        return out
+
     def __call__(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / (self.warmup + 1)

@@ -1,5 +1,6 @@
-"""The compensation stage of ``dsedge build`` (``--prune``, ``--finetune-steps``, ``--qat-steps``): prune and/or
-fine-tune the torch source before it is exported and compressed, and measure held-out accuracy before and after.
+"""The student of ``dsedge build --prune / --finetune-steps / --qat-steps`` (report.json ``compensation``): prune
+and/or fine-tune the torch source before it is exported and compressed, and measure held-out accuracy before and
+after (the ``finetune`` stage, ``stages/finetune.py``).
 
 Order: structured channel pruning (``prune_torch.prune_ffn_channels``) or 2:4 masks (``prune_torch.mask_2_4``) →
 distillation fine-tune to the untouched teacher (``finetune.distill_finetune``, ``--finetune-steps``; for text
@@ -17,11 +18,16 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..runtime.errors import ConfigError, SourceError, TargetError
 
-DEFAULT_FINETUNE_STEPS = 500   # issue 4: "fine-tune in torch for N steps (default 500)"
+if TYPE_CHECKING:  # annotations only
+    from ..targets import Target
+    from .config import BuildConfig
+    from .sources import Source
+
+DEFAULT_FINETUNE_STEPS = 500   # --finetune-steps when not given
 FINETUNE_LR = 1e-4             # pruned student: all weights but the embedding tables
 QAT_LR = 1e-5                  # QAT: small moves across INT4 rounding boundaries
 TRAIN_BATCH = 8
@@ -57,24 +63,24 @@ def parse_prune(spec: str) -> PruneSpec:
     raise ConfigError(f"--prune {spec!r} is not a pruning spec", "use --prune channels:0.3 or --prune 2:4")
 
 
-def check_options(opts: Any, target: Any) -> tuple[PruneSpec | None, list[str]]:
+def check_options(opts: BuildConfig, target: Target) -> tuple[PruneSpec | None, list[str], str]:
     """Validate ``--prune`` / ``--finetune-steps`` / ``--qat-steps`` against each other and the target, before any
-    work. With QAT or 2:4, ``--algorithm auto`` becomes ``rtn`` in ``opts`` (said in the returned notes).
+    work. With QAT or 2:4, ``--algorithm auto`` becomes ``rtn`` (said in the returned notes).
 
     Returns:
-        (the parsed ``--prune`` or None, notes for the report).
+        (the parsed ``--prune`` or None, notes for the report, the INT4 algorithm to use).
 
     Raises:
         ConfigError: a bad spec, negative steps, ``--finetune-steps`` without ``--prune``, ``--qat-steps`` without
             ``--precision int4``, an INT4 algorithm that would undo the fine-tune (GPTQ/AWQ after QAT, GPTQ after 2:4).
         TargetError: ``--prune 2:4`` on a target without sparse tensor cores (its profile lacks ``sparsity``).
     """
-    qat, ft = int(getattr(opts, "qat_steps", 0) or 0), getattr(opts, "finetune_steps", None)
+    qat, ft = opts.qat_steps, opts.finetune_steps
     if qat < 0:
         raise ConfigError(f"--qat-steps must be >= 0, got {qat}", "e.g. --qat-steps 500; 0 turns QAT off")
     if ft is not None and ft < 0:
         raise ConfigError(f"--finetune-steps must be >= 0, got {ft}", "e.g. --finetune-steps 500; 0 = prune only")
-    spec = parse_prune(opts.prune) if getattr(opts, "prune", None) else None
+    spec = parse_prune(opts.prune) if opts.prune else None
     if spec is None and ft is not None:
         raise ConfigError("--finetune-steps fine-tunes a pruned model and needs --prune",
                           "add --prune channels:0.3 or --prune 2:4 (QAT has its own --qat-steps)")
@@ -93,11 +99,12 @@ def check_options(opts: Any, target: Any) -> tuple[PruneSpec | None, list[str]]:
         raise ConfigError(f"--algorithm {opts.algorithm} does not fit here: {why}",
                           "use --algorithm rtn (or auto) with --qat-steps / --prune 2:4")
     notes = []
+    algorithm = opts.algorithm
     if (qat or (spec and spec.pattern == "2:4")) and opts.algorithm == "auto":
-        opts.algorithm = "rtn"
+        algorithm = "rtn"
         notes.append("INT4 algorithm rtn (if INT4 is built): " + ("QAT trains for the RTN codes (absmax scales, no clip search)" if qat
                                                else "GPTQ would refill the 2:4 zeros"))
-    return spec, notes
+    return spec, notes, algorithm
 
 
 def _trainable(model: Any) -> list:
@@ -130,8 +137,8 @@ def text_finetune_settings(source: Any, fwd: Callable) -> tuple[Callable, float,
             token_replacement(list(source.calibration), TOKEN_REPLACEMENT))
 
 
-def compensate_torch(source: Any, opts: Any, spec: PruneSpec | None,
-                     log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def make_student(source: Source, opts: BuildConfig, spec: PruneSpec | None,
+                 log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Prune / fine-tune / QAT ``source.module`` (replaced by the student; the teacher is kept unchanged).
 
     Returns:
@@ -191,7 +198,7 @@ def compensate_torch(source: Any, opts: Any, spec: PruneSpec | None,
         rep["heldout_after"] = metrics()
         _log_change(log, f"fine-tune ({steps} steps, {rep['finetune']['time_s']:.0f} s)", rep)
         section["prune"] = rep
-    qat = int(getattr(opts, "qat_steps", 0) or 0)
+    qat = opts.qat_steps
     if qat:
         wrap_linears(student, opts.block_size)
         before = metrics()
@@ -227,25 +234,19 @@ def prune_onnx_source(path: Any, spec: PruneSpec, calibration: Any) -> dict[str,
 
     import onnx
 
-    from .prune import prune_2_4, prune_channels
-    from .quantize.graph import select_layers
-    from .quantize.weight_only import layer_activations
+    from .prune import prune_onnx
 
-    model = onnx.load(os.fspath(path))
-    acts = layer_activations(model, [calibration], select_layers(model, None)) if calibration is not None else None
-    if spec.pattern == "2:4":
-        out, rep = prune_2_4(model, acts)
-    else:
-        out, rep = prune_channels(model, spec.sparsity, activations=acts)
+    out, rep = prune_onnx(onnx.load(os.fspath(path)), spec.pattern, spec.sparsity,
+                          [calibration] if calibration is not None else None)
     onnx.save(out, os.fspath(path))
     rep["finetune"] = None
     return rep
 
 
-def refuse_for_onnx(opts: Any) -> None:
+def refuse_for_onnx(opts: BuildConfig) -> None:
     """Raises SourceError when an ONNX source is asked for a fine-tune (QAT or pruning fine-tune)."""
-    asked = [o for o, on in (("--qat-steps", int(getattr(opts, "qat_steps", 0) or 0) > 0),
-                             ("--finetune-steps", (getattr(opts, "finetune_steps", None) or 0) > 0)) if on]
+    asked = [o for o, on in (("--qat-steps", opts.qat_steps > 0),
+                             ("--finetune-steps", (opts.finetune_steps or 0) > 0)) if on]
     if asked:
         raise SourceError(f"{' and '.join(asked)} train{'s' if len(asked) == 1 else ''} in torch and the source is "
                           "an ONNX file",

@@ -1,0 +1,58 @@
+"""File helpers used across dsedge: one chunked ``sha256_file`` (``hashlib.file_digest`` needs Python 3.11 and
+JetPack 6 ships 3.10) and atomic writes — a temporary file in the destination's folder, then ``os.replace``, so a
+reader sees the old file or the new one, never half of one."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+CHUNK = 1 << 20
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = CHUNK) -> str:
+    """Hex sha256 of a file, read in ``chunk``-byte blocks (1 MiB), so memory stays flat for GB-sized models."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def usual_mode(bits: int = 0o666) -> int:
+    """``bits`` less the process umask: the mode ``open()`` would give, for files made by ``mkstemp`` (0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return bits & ~umask
+
+
+@contextlib.contextmanager
+def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``dest`` to write; on success it is renamed to ``dest`` (with the mode a plain
+    ``open()`` would give), on any exception removed and ``dest`` left as it was."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, usual_mode())               # mkstemp makes 0600
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_bytes_atomic(dest: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``dest`` atomically; returns ``dest``."""
+    with atomic_path(dest) as tmp:
+        tmp.write_bytes(data)
+    return Path(dest)
+
+
+def write_text_atomic(dest: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
+    """Write ``text`` to ``dest`` atomically; returns ``dest``."""
+    return write_bytes_atomic(dest, text.encode(encoding))

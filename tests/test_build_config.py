@@ -1,0 +1,104 @@
+"""``BuildConfig``: read from flags or ``--config build.toml`` (flags override), immutable, validated up front."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from dsedge.runtime.errors import ConfigError, PrecisionNotSupported
+from dsedge.toolchain.config import BuildConfig, dump_config, plan_build, read_config_file
+from tiny_models import mlp_onnx
+
+TIMING_KEYS = {"latency_ms", "wall_time_s", "timings_s"}
+
+
+def _without_timings(obj):
+    if isinstance(obj, dict):
+        return {k: _without_timings(v) for k, v in obj.items() if k not in TIMING_KEYS}
+    if isinstance(obj, list):
+        return [_without_timings(v) for v in obj]
+    return obj
+
+
+def _build(args, out):
+    from dsedge.cli import cli
+
+    r = CliRunner().invoke(cli, ["build", *args, "--out", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    bundle = next(out.glob("*.dse"))
+    return json.loads((bundle / "manifest.json").read_text()), json.loads((bundle / "report.json").read_text())
+
+
+def test_build_from_flags_and_from_build_toml_give_the_same_bundle(tmp_path):
+    model = mlp_onnx(tmp_path / "m.onnx")
+    flags = ["--target", "jetson", "--precision", "int4", "--model", str(model), "--block-size", "64"]
+    m1, r1 = _build(flags, tmp_path / "a")
+    cfg = tmp_path / "build.toml"
+    cfg.write_text(dump_config(BuildConfig(model=str(model), target="jetson", precision="int4", block_size=64)))
+    m2, r2 = _build(["--config", str(cfg)], tmp_path / "b")
+    for m in (m1, m2):
+        m["files"].pop("report.json")                 # it holds the timings, compared below without them
+    assert _without_timings(m1) == _without_timings(m2)
+    assert _without_timings(r1) == _without_timings(r2)
+    assert r1["compression"]["block_size"] == 64
+    # a flag given on the command line overrides the file; flags left at their defaults do not
+    m3, r3 = _build(["--config", str(cfg), "--block-size", "32"], tmp_path / "c")
+    assert r3["compression"]["block_size"] == 32 and r3["precision"] == "int4" and m3["target"]["name"] == "jetson-orin"
+
+
+def test_config_file_round_trips_and_refuses_unknown_keys_and_wrong_types(tmp_path):
+    cfg = BuildConfig(model="m.onnx", target="cpu", precision="int8", fallback=True, threads=2, accuracy_gate="cosine:0.99")
+    path = tmp_path / "build.toml"
+    path.write_text(dump_config(cfg))
+    assert read_config_file(path) == cfg
+    path.write_text('[build]\ntarget = "cpu"\nprecison = "int8"\n')
+    with pytest.raises(ConfigError, match="unknown key 'precison'"):
+        read_config_file(path)
+    path.write_text('[build]\nblock_size = "32"\n')
+    with pytest.raises(ConfigError, match="block_size = '32' is not of type int"):
+        read_config_file(path)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.precision = "int4"  # type: ignore[misc]
+
+
+def test_bad_combinations_are_refused_before_any_work(tmp_path):
+    out = tmp_path / "never"
+    with pytest.raises(PrecisionNotSupported, match="t4 does not support int4"):
+        plan_build(BuildConfig(target="t4", precision="int4", out_dir=str(out)))
+    with pytest.raises(ConfigError, match="--qat-steps fine-tunes for INT4"):
+        plan_build(BuildConfig(target="jetson", precision="int8", qat_steps=10, out_dir=str(out)))
+    with pytest.raises(ConfigError, match="block size 48"):
+        plan_build(BuildConfig(block_size=48))
+    plan = plan_build(BuildConfig(target="jetson", precision="int4", prune="2:4"))
+    assert plan.config.algorithm == "rtn" and plan.prune.pattern == "2:4"   # auto would refill the 2:4 zeros
+    assert not out.exists()
+
+
+def test_verbosity_flags_and_third_party_warnings_go_to_the_log():
+    import warnings
+
+    import click
+
+    from dsedge.cli import with_verbosity
+
+    @click.command()
+    def noisy():
+        warnings.warn("TracerWarning: converting a tensor to a Python boolean", UserWarning)
+        click.echo("done")
+
+    cmd = with_verbosity(noisy)
+    quiet, verbose = CliRunner().invoke(cmd, []), CliRunner().invoke(cmd, ["-v"])
+    assert quiet.output == "done\n" and "TracerWarning" not in quiet.output
+    assert "TracerWarning" in verbose.output and verbose.output.endswith("done\n")
+
+
+def test_prune_json_prints_the_report_last(tmp_path):
+    from dsedge.cli import cli
+
+    model = mlp_onnx(tmp_path / "m.onnx")
+    r = CliRunner().invoke(cli, ["prune", str(model), "-o", str(tmp_path / "p.onnx"), "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["output"] == str(tmp_path / "p.onnx") and len(report["layers"]) == 2

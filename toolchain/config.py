@@ -1,0 +1,191 @@
+"""What ``dsedge build`` is asked for: a typed, immutable ``BuildConfig`` (CLI flags or a ``build.toml``; flags
+override the file) and ``plan_build``, which validates it once, up front, into a ``BuildPlan``.
+
+Every incompatibility is refused in ``plan_build`` before any work is done (the torchtune habit: reject bad
+combinations in one place): unknown target, a precision the target lacks (without ``fallback``), a DLA core the
+target does not have, a bad ``--prune`` / ``--accuracy-gate`` spec, QAT without INT4, an INT4 algorithm that would
+undo the fine-tune, ``--engine`` on a machine without TensorRT.
+
+A ``build.toml`` holds the same keys as ``BuildConfig`` (``[build]`` table or top level)::
+
+    [build]
+    model = "model.onnx"
+    target = "jetson"
+    precision = "int4"
+    block_size = 32
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..runtime.errors import ConfigError
+from ..targets import Target, get_target
+
+ALGORITHM_CHOICES = ("auto", "rtn", "awq", "gptq", "awq+gptq")
+PRECISION_CHOICES = ("auto", "int4", "int8", "fp16", "bf16", "fp32")
+BLOCK_SIZES = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """What ``dsedge build`` was asked for (CLI flags map one to one; ``dsedge build --help`` says each)."""
+
+    model: str | None = None
+    target: str = "jetson"
+    out_dir: str = "out"
+    precision: str = "auto"
+    calib: str | None = None
+    heldout: str | None = None              # .npz dir validating against fp32; with it, all of --calib calibrates
+    fallback: bool = False
+    block_size: int = 32
+    algorithm: str = "auto"                 # INT4: auto (gptq with calibration data, else rtn) | rtn | awq | gptq | awq+gptq
+    accuracy_gate: str | None = None        # e.g. "cosine:0.99": mixed precision until it passes on held-out data
+    embeddings: bool = True
+    keep_fp32: bool = True
+    latency_iterations: int = 50
+    threads: int | None = None
+    dla_core: int | None = None
+    engine: bool = False
+    prune: str | None = None                # "channels:0.3" | "2:4": prune the torch source before export
+    finetune_steps: int | None = None       # fine-tune after --prune (None = 500 for torch sources, 0 = none)
+    qat_steps: int = 0                      # INT4 fake-quant fine-tune before export (0 = off)
+
+    def replace(self, **changes: Any) -> "BuildConfig":
+        """A copy with ``changes`` (the config itself never changes)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (the keys of a ``build.toml``'s ``[build]`` table), None values left out."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+FIELD_NAMES = tuple(f.name for f in fields(BuildConfig))
+
+
+def config_from_mapping(data: Mapping[str, Any], what: str = "build config") -> BuildConfig:
+    """A ``BuildConfig`` from plain data (``-`` and ``_`` both accepted in keys).
+
+    Raises:
+        ConfigError: an unknown key or a value of the wrong type.
+    """
+    clean: dict[str, Any] = {}
+    types = {f.name: f.type for f in fields(BuildConfig)}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        name = {"out": "out_dir", "dla": "dla_core"}.get(name, name)
+        if name not in types:
+            raise ConfigError(f"{what}: unknown key {key!r}", f"known keys: {', '.join(FIELD_NAMES)}")
+        want = types[name]
+        ok = (value is None and "None" in want) or (
+            isinstance(value, bool) if want.startswith("bool") else
+            isinstance(value, int) and not isinstance(value, bool) if want.startswith("int") else
+            isinstance(value, str))
+        if not ok:
+            raise ConfigError(f"{what}: {key} = {value!r} is not of type {want}", f"write {key} as a {want.split()[0]}")
+        clean[name] = value
+    return BuildConfig(**clean)
+
+
+def read_config_file(path: str | os.PathLike) -> BuildConfig:
+    """``--config build.toml``: the ``[build]`` table (or the top level) as a ``BuildConfig``.
+
+    Raises:
+        ConfigError: missing or unreadable file, TOML syntax error, unknown key, wrong type.
+    """
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"build config {str(p)!r} not found", "pass the path of a build.toml")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p} is not valid TOML ({e})", "see docs/architecture.md for a build.toml example") from None
+    return config_from_mapping(data.get("build", data), what=str(p))
+
+
+def dump_config(config: BuildConfig) -> str:
+    """``config`` as a ``build.toml`` text that ``read_config_file`` reads back to an equal config."""
+    lines = ["[build]"]
+    for key, value in config.to_dict().items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int):
+            text = str(value)
+        else:
+            text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """A validated ``BuildConfig`` and what validating it decided.
+
+    Attributes:
+        config: the config as it will run (``algorithm`` may be ``rtn`` where ``auto`` would undo a fine-tune).
+        target: the resolved target profile.
+        precision: the precision to build (``auto`` stays ``auto``: candidates are measured later).
+        notes: what was decided about the precision and why (report.json ``notes``).
+        prune: the parsed ``--prune`` (a ``PruneSpec``) or None.
+        finetune_notes: what validating ``--prune`` / ``--qat-steps`` decided (report.json ``notes``).
+        gates: the parsed ``--accuracy-gate`` (list of ``Gate``).
+    """
+
+    config: BuildConfig
+    target: Target
+    precision: str
+    notes: tuple[str, ...] = ()
+    prune: Any = None
+    finetune_notes: tuple[str, ...] = ()
+    gates: tuple = field(default_factory=tuple)
+
+    def chosen_for_user(self, precision: str) -> bool:
+        """True when ``precision`` is built because dsedge chose it (``auto``, or ``--fallback`` stepping down),
+        not because it was asked for by name."""
+        return self.config.precision != precision or self.config.fallback
+
+    @property
+    def finetuning(self) -> bool:
+        """True when the torch source is pruned and/or QAT-tuned before compression."""
+        return self.prune is not None or self.config.qat_steps > 0
+
+
+def plan_build(config: BuildConfig) -> BuildPlan:
+    """Validate ``config`` against itself, the target and this machine, before any work.
+
+    Raises:
+        TargetError / PrecisionNotSupported / ConfigError / BackendUnavailable: a bad combination, with nothing
+            written.
+    """
+    from .student import check_options
+    from .gates import build_gates
+    from .target_precision import check_dla, resolve_precision
+
+    if config.precision not in PRECISION_CHOICES:
+        raise ConfigError(f"precision {config.precision!r} is not one of {', '.join(PRECISION_CHOICES)}",
+                          "pass --precision auto, int4, int8, fp16, bf16 or fp32")
+    if config.algorithm not in ALGORITHM_CHOICES:
+        raise ConfigError(f"INT4 algorithm {config.algorithm!r} is not one of {', '.join(ALGORITHM_CHOICES)}",
+                          "pass --algorithm auto, rtn, awq, gptq or awq+gptq")
+    if config.block_size not in BLOCK_SIZES:
+        raise ConfigError(f"block size {config.block_size} is not one of {', '.join(map(str, BLOCK_SIZES))}",
+                          "pass --block-size 32 (or 16, 64, 128)")
+    target = get_target(config.target)
+    precision, notes = resolve_precision(target, config.precision, config.fallback)
+    check_dla(target, config.dla_core)
+    prune_spec, finetune_notes, algorithm = check_options(config, target)
+    gates = build_gates(config.accuracy_gate)
+    if config.engine:  # fail before any work when this machine cannot build engines
+        from ..runtime.backends.tensorrt import import_tensorrt
+
+        import_tensorrt()
+    return BuildPlan(config=config.replace(algorithm=algorithm), target=target, precision=precision,
+                     notes=tuple(notes), prune=prune_spec, finetune_notes=tuple(finetune_notes), gates=tuple(gates))

@@ -1,0 +1,32 @@
+"""Stage ``write``: publish the bundle atomically (manifest, models/, build/trtexec.sh, report.json)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..artifacts import Prepared, Recipe, VariantDraft
+from ..bundle_writer import bundle_path, write_bundle
+from ..config import BuildPlan
+from ..golden import attach_golden
+
+
+def write(plan: BuildPlan, model: Prepared, variants: list[VariantDraft], recipe: Recipe,
+          report: dict[str, Any]) -> Path:
+    """``OUT/NAME-TARGET.dse``; nothing exists there unless every file and the manifest were written.
+
+    Golden I/O (held-out rows, fp32 reference outputs, per-variant tolerances: ``golden/``) is attached here.
+
+    Raises:
+        BundleError: the destination exists and is not a bundle.
+    """
+    source, exported, target = model.source, model.exported, plan.target
+    dest = bundle_path(plan.config.out_dir, source.name, target.name)
+    models = {v.file: v.path for v in variants}
+    shipped = [v.to_variant() for v in variants]
+    golden = attach_golden(model.reference, models, shipped, model.validation, exported.inputs, recipe.shape_ranges,
+                           source.validation_kind)
+    return write_bundle(dest, name=source.name, target=target.to_dict(), inputs=exported.inputs,
+                        outputs=exported.outputs, models=models, variants=shipped,
+                        default_variant=report["precision"], shape_ranges=recipe.shape_ranges,
+                        latency_budget_ms=target.default_budget_ms, source=report["source"], report=report,
+                        extra_files={**dict(recipe.files), **golden})
