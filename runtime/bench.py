@@ -18,12 +18,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .bench_compare import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, Comparison, compare_reports, load_report  # noqa: F401
+from .bench_compare import (PERCENTILES, REPORT_SCHEMA, REPORT_SCHEMA_VERSION, Comparison,  # noqa: F401
+                            compare_reports, load_report, normalize_percentile)
 from .bench_load import input_windows, measure_concurrent
 from .bundle import IOSpec
 from .device_facts import device_info, tensorrt_version, uses_gpu  # noqa: F401
 from .errors import BenchError, InputError
-PERCENTILES = {"p50": 50, "p90": 90, "p95": 95, "p99": 99}
 DEFAULT_ID_RANGE = 100  # token ids below 100 exist in every vocabulary; id values do not change a dense model's latency
 _SEQUENCE_WORDS = ("seq", "sequence", "token", "length", "len")
 
@@ -158,16 +158,6 @@ class BenchSettings:
         if self.duration_s is not None and self.duration_s <= 0:
             raise InputError(f"duration {self.duration_s} s is not positive", "pass --duration 3")
         self.percentile = normalize_percentile(self.percentile)
-
-
-def normalize_percentile(p: str | int | float) -> str:
-    """``"p99"``, ``"99"`` or ``99`` → ``"p99"``; one of p50/p90/p95/p99. Raises InputError."""
-    key = str(p).strip().lower()
-    key = key if key.startswith("p") else f"p{key}"
-    key = key[:-2] if key.endswith(".0") else key
-    if key not in PERCENTILES:
-        raise InputError(f"unknown percentile {p!r}", f"choose one of {', '.join(PERCENTILES)}")
-    return key
 
 
 def measure(fn: Callable[[], Any], settings: BenchSettings) -> tuple[np.ndarray, float]:

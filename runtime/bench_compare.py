@@ -9,6 +9,19 @@ from typing import Any, Mapping
 
 from .errors import BenchError, InputError
 
+PERCENTILES = {"p50": 50, "p90": 90, "p95": 95, "p99": 99}
+
+
+def normalize_percentile(p: str | int | float) -> str:
+    """``"p99"``, ``"99"`` or ``99`` → ``"p99"``; one of p50/p90/p95/p99. Raises InputError."""
+    key = str(p).strip().lower()
+    key = key if key.startswith("p") else f"p{key}"
+    key = key[:-2] if key.endswith(".0") else key
+    if key not in PERCENTILES:
+        raise InputError(f"unknown percentile {p!r}", f"choose one of {', '.join(PERCENTILES)}")
+    return key
+
+
 REPORT_SCHEMA = "dsedge.bench"
 REPORT_SCHEMA_VERSION = 1
 
@@ -68,7 +81,6 @@ def compare_reports(current: Mapping[str, Any], baseline: Mapping[str, Any], tol
     """
     if tolerance < 0:
         raise InputError(f"tolerance {tolerance} is negative", "pass --tolerance 0.10 for 10 %")
-    from .bench import normalize_percentile
 
     percentile = normalize_percentile(percentile)
 
