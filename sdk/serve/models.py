@@ -107,13 +107,14 @@ class ServedModel:
             checked = validate_inputs(s.inputs, inputs, s.manifest.shape_ranges)
         except InputError as e:
             raise invalid(str(e)) from None
-        await self.gate.enter(level, dl.budget_ms / 1e3)
+        waited = await self.gate.enter(level, dl.budget_ms / 1e3)
         self.metrics.inflight.labels(self.name).inc()
         try:
             waited_ms = (time.perf_counter() - t_arrive) * 1e3
             left = dl.budget_ms - waited_ms
-            if left <= 0:
-                raise rejection("deadline", f"budget of {dl.budget_ms:g} ms spent waiting for a slot")
+            if left <= 0:  # spent in the priority queue, or (a budget under the parsing time) before it
+                raise rejection("deadline" if waited else "budget",
+                                f"budget of {dl.budget_ms:g} ms spent before the request reached the scheduler")
             try:
                 fut = s.submit(checked, budget_ms=left, priority=self.levels.dsedge_priority(level),
                                id=next(self._ids))

@@ -63,14 +63,14 @@ class PriorityGate:
     def waiting(self) -> int:
         return sum(1 for *_, f in self._waiting if not f.done())
 
-    async def enter(self, level: int, timeout_s: float) -> None:
-        """Wait for a slot (level order); raises ServeError "overload" (queue full), "deadline" (``timeout_s``
+    async def enter(self, level: int, timeout_s: float) -> bool:
+        """Wait for a slot (level order); True if it had to wait. Raises ServeError "overload" (queue full), "deadline" (``timeout_s``
         passed while waiting) or "shutdown" (closing)."""
         if self._closed:
             raise rejection("shutdown", "the server is shutting down")
         if self.inflight < self.max_inflight and not self.waiting:
             self.inflight += 1
-            return
+            return False
         if self.waiting >= self.max_queue:
             raise rejection("overload", f"{self.inflight} requests running and {self.waiting} queued "
                                         f"(--max-inflight {self.max_inflight}, --max-queue {self.max_queue})")
@@ -85,7 +85,7 @@ class PriorityGate:
         except asyncio.TimeoutError:
             raise rejection("deadline", f"budget of {timeout_s * 1e3:.1f} ms ran out while waiting for one of "
                                         f"{self.max_inflight} slots") from None
-        # fut carried the slot over from leave(), or an error from close()
+        return True  # fut carried the slot over from leave() (close() sets an error instead)
 
     def leave(self) -> None:
         """Release a slot: hand it to the highest-level waiter, if any."""
