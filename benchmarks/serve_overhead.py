@@ -1,0 +1,214 @@
+"""Protocol overhead of ``dsedge serve`` vs ``Session.submit`` in-process, and goodput within budget at 1.5× load over
+the network, side by side in one run.
+
+1. Round trip of one small request (batch 1), closed loop, one at a time: in-process ``Session.submit(...).result()``,
+   tritonclient HTTP (binary tensors) and tritonclient gRPC against a real ``dsedge serve`` subprocess on loopback.
+   The three paths alternate in short blocks so machine noise hits them alike; p50/p99 per path and the overhead.
+2. Capacity over HTTP and gRPC (closed loop, tritonclient asyncio, ``--concurrency`` in flight), then open-loop
+   Poisson arrivals at 1.5× that capacity for ``--seconds``: goodput = answers whose client-side round trip is within
+   the budget, per second, and the share of requests that got one. The same schedule in-process, at 1.5× the
+   in-process capacity, for reference.
+
+Client and server share this machine's cores: on a small CPU the client's own work is part of the figure.
+
+    python benchmarks/serve_overhead.py --bundle out/all-minilm-l6-v2-cpu.dse --seq-len 16 --threads 1 --budget-ms 50
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+
+def simd_flags() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown"
+    return " ".join(f"{f}{'+' if f in flags else '-'}" for f in ["avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni"])
+
+
+def start_server(bundle: str, threads: int | None) -> tuple[subprocess.Popen, dict[str, str]]:
+    cmd = [sys.executable, "-m", "dsedge", "serve", bundle, "--http-port", "0", "--grpc-port", "0",
+           "--metrics-port", "off", "--log-level", "warning", "--max-queue", "4096"]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    for raw in proc.stdout:  # type: ignore[union-attr]
+        m = re.search(r"dsedge serve ready (.*)", raw.decode())
+        if m:
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore
+            return proc, dict(kv.split("=", 1) for kv in m.group(1).split())
+    raise SystemExit(f"dsedge serve exited with {proc.wait()} before it was ready")
+
+
+def pct(a: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(a), q)) if a else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1, help="ORT intra-op threads (server and in-process alike)")
+    ap.add_argument("--budget-ms", type=float, default=50.0)
+    ap.add_argument("--rounds", type=int, default=20, help="alternating blocks per path")
+    ap.add_argument("--block", type=int, default=10, help="requests per block")
+    ap.add_argument("--concurrency", type=int, default=16, help="in flight while measuring capacity")
+    ap.add_argument("--seconds", type=float, default=5.0, help="length of each open-loop run")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.grpc.aio as grpcaio
+    import tritonclient.http as httpclient
+    import tritonclient.http.aio as httpaio
+    from tritonclient.utils import InferenceServerException
+
+    import dsedge
+    from dsedge.runtime.bench import manifest_vocab_size, synthetic_inputs
+    from dsedge.serve.protocol import v2_datatype
+
+    proc, addrs = start_server(args.bundle, args.threads)
+    sess = dsedge.load(args.bundle, threads=args.threads)
+    sess.warmup()
+    name = addrs["models"]
+    feed = synthetic_inputs(sess.inputs, sess.manifest.shape_ranges, 1, args.seq_len,
+                            manifest_vocab_size(sess.manifest))
+    outs = [o.name for o in sess.outputs][-1:]  # one output, as a client usually asks for
+    big = 60_000.0
+
+    def h_inputs(mod):
+        xs = []
+        for k, v in feed.items():
+            i = mod.InferInput(k, list(v.shape), v2_datatype(v.dtype.name))
+            if mod is httpclient:
+                i.set_data_from_numpy(v, binary_data=True)
+            else:
+                i.set_data_from_numpy(v)
+            xs.append(i)
+        return xs
+
+    hc = httpclient.InferenceServerClient(addrs["http"])
+    gc = grpcclient.InferenceServerClient(addrs["grpc"])
+    h_out = [httpclient.InferRequestedOutput(o, binary_data=True) for o in outs]
+    g_out = [grpcclient.InferRequestedOutput(o) for o in outs]
+    paths = {
+        "in-process submit": lambda: sess.submit(feed, budget_ms=big).result(),
+        "HTTP (tritonclient)": lambda: hc.infer(name, h_inputs(httpclient), outputs=h_out,
+                                                parameters={"budget_ms": big}),
+        "gRPC (tritonclient)": lambda: gc.infer(name, h_inputs(grpcclient), outputs=g_out,
+                                                parameters={"budget_ms": big}),
+    }
+    print(f"bundle {args.bundle} ({name}, variant {sess.variant.name}); batch 1 × seq {args.seq_len}; threads "
+          f"{args.threads}; CPU {os.cpu_count()} cores, SIMD {simd_flags()}; load average {os.getloadavg()[0]:.2f}")
+    lat: dict[str, list[float]] = {k: [] for k in paths}
+    for f in paths.values():  # warm-up: connections, ORT arenas
+        for _ in range(5):
+            f()
+    for _ in range(args.rounds):
+        for k, f in paths.items():
+            for _ in range(args.block):
+                t0 = time.perf_counter()
+                f()
+                lat[k].append((time.perf_counter() - t0) * 1e3)
+    base = pct(lat["in-process submit"], 50)
+    print(f"\n1. round trip of one request, closed loop, {args.rounds}×{args.block} per path (alternating blocks)")
+    print(f"{'path':<22} {'p50 ms':>8} {'p99 ms':>8} {'p50 overhead ms':>16}")
+    results: dict = {"round_trip": {}}
+    for k, v in lat.items():
+        print(f"{k:<22} {pct(v, 50):8.3f} {pct(v, 99):8.3f} {pct(v, 50) - base:16.3f}")
+        results["round_trip"][k] = {"p50_ms": round(pct(v, 50), 3), "p99_ms": round(pct(v, 99), 3)}
+
+    # -- capacity and open-loop goodput ---------------------------------------------------------------------
+    async def one_net(client, mod, outputs, budget: float) -> tuple[str, float]:
+        t0 = time.perf_counter()
+        try:
+            await client.infer(name, h_inputs(mod), outputs=outputs, parameters={"budget_ms": budget})
+            ms = (time.perf_counter() - t0) * 1e3
+            return ("ok" if ms <= args.budget_ms else "late"), ms
+        except InferenceServerException as e:
+            return str(e.status()), (time.perf_counter() - t0) * 1e3
+
+    async def one_local(budget: float) -> tuple[str, float]:
+        t0 = time.perf_counter()
+        r = await asyncio.wrap_future(sess.submit(feed, budget_ms=budget))
+        ms = (time.perf_counter() - t0) * 1e3
+        if not r.ok:
+            return f"rejected:{r.reason}", ms
+        return ("ok" if ms <= args.budget_ms else "late"), ms
+
+    def make(kind: str):
+        if kind == "HTTP":
+            c = httpaio.InferenceServerClient(addrs["http"], conn_limit=512)
+            return c, (lambda b: one_net(c, httpclient, h_out, b))
+        if kind == "gRPC":
+            c = grpcaio.InferenceServerClient(addrs["grpc"])
+            return c, (lambda b: one_net(c, grpcclient, g_out, b))
+        return None, one_local
+
+    async def capacity(kind: str, seconds: float = 2.0) -> float:
+        c, call = make(kind)
+        n, t_end = 0, time.perf_counter() + seconds
+
+        async def worker() -> None:
+            nonlocal n
+            while time.perf_counter() < t_end:
+                await call(big)
+                n += 1
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        if c is not None:
+            await c.close()
+        return n / seconds
+
+    async def open_loop(kind: str, rate: float) -> dict:
+        c, call = make(kind)
+        rng = np.random.default_rng(0)
+        tasks, t, t0 = [], 0.0, time.perf_counter()
+        while t < args.seconds:
+            t += rng.exponential(1.0 / rate)
+            d = t0 + t - time.perf_counter()
+            if d > 0:
+                await asyncio.sleep(d)
+            tasks.append(asyncio.ensure_future(call(args.budget_ms)))
+        got = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+        if c is not None:
+            await c.close()
+        kinds = [k for k, _ in got]
+        ok_ms = [ms for k, ms in got if k in ("ok", "late")]
+        return {"offered_per_s": round(len(got) / args.seconds, 1), "requests": len(got),
+                "goodput_per_s": round(kinds.count("ok") / wall, 1),
+                "within_budget_share": round(kinds.count("ok") / len(got), 3),
+                "answered_p50_ms": round(pct(ok_ms, 50), 2), "answered_p99_ms": round(pct(ok_ms, 99), 2),
+                "outcomes": {k: kinds.count(k) for k in sorted(set(kinds))}}
+
+    print(f"\n2. open loop at 1.5× capacity for {args.seconds:g} s, budget {args.budget_ms:g} ms "
+          f"(capacity: closed loop, {args.concurrency} in flight)")
+    results["load"] = {}
+    for kind in ("in-process", "HTTP", "gRPC"):
+        cap = asyncio.run(capacity(kind))
+        r = asyncio.run(open_loop(kind, 1.5 * cap))
+        r["capacity_per_s"] = round(cap, 1)
+        results["load"][kind] = r
+        print(f"{kind:<11} capacity {cap:7.1f}/s  offered {r['offered_per_s']:7.1f}/s  goodput {r['goodput_per_s']:7.1f}/s"
+              f"  within budget {100 * r['within_budget_share']:5.1f}%  answered p50 {r['answered_p50_ms']:.2f} ms"
+              f" p99 {r['answered_p99_ms']:.2f} ms  {r['outcomes']}")
+    proc.terminate()
+    proc.wait(30)
+    sess.close()
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
