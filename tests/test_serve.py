@@ -188,7 +188,7 @@ def test_budget_timeout_and_priority_parameters(client, gclient):
 def test_unmeetable_budget_is_503_and_unavailable(client, gclient):
     with pytest.raises(InferenceServerException) as e:
         client.infer("mlp-cpu", [_http_input(_x(1))], headers=auth(), parameters={"budget_ms": 0.001})
-    assert e.value.status() == "503" and e.value.message().startswith("budget:")
+    assert e.value.status() == "503" and e.value.message().startswith("budget:"), e.value.message()
     with pytest.raises(InferenceServerException) as e:
         gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers=gauth(), timeout=1)  # 1 µs
     assert e.value.status() == "StatusCode.UNAVAILABLE" and e.value.message().startswith("budget:")

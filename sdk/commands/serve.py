@@ -55,6 +55,8 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
               help="Require 'Authorization: Bearer <token in this file>' (HTTP and gRPC; health stays open).")
 @click.option("--tls-cert", type=click.Path(dir_okay=False), default=None, help="PEM certificate (HTTP and gRPC).")
 @click.option("--tls-key", type=click.Path(dir_okay=False), default=None, help="PEM private key.")
+@click.option("--http-impl", type=click.Choice(["auto", "httptools", "h11"]), default="auto", show_default=True,
+              help="HTTP/1.1 parser (uvicorn's): auto = httptools when installed, else h11.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
@@ -63,7 +65,7 @@ def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port:
           max_batch: int | None, threads: int | None, max_inflight: int | None, max_queue: int,
           max_body_bytes: int, max_connections: int, priority_levels: int, default_priority: int,
           drain_timeout: float, auth_token_file: str | None, tls_cert: str | None, tls_key: str | None,
-          log_format: str, log_level: str) -> None:
+          http_impl: str, log_format: str, log_level: str) -> None:
     """Serve BUNDLE... over the Open Inference Protocol (KServe v2): HTTP/REST and gRPC, with latency budgets.
 
     Any v2 client works, e.g. tritonclient.http.InferenceServerClient("localhost:8000").infer(
@@ -80,7 +82,8 @@ def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port:
                       max_body_bytes=max_body_bytes, max_connections=max_connections,
                       priority_levels=priority_levels, default_priority=default_priority,
                       drain_timeout_s=drain_timeout, auth_token_file=auth_token_file, tls_cert=tls_cert,
-                      tls_key=tls_key, log_format=log_format, log_level=log_level)
+                      tls_key=tls_key, log_format=log_format, log_level=log_level,
+                      http_impl=http_impl)
     code = run(cfg)
     if code:
         raise SystemExit(code)

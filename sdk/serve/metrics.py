@@ -10,6 +10,7 @@ Series:
     dsedge_inflight_requests{model}                  gauge, inside the model's session
     dsedge_queued_requests{model}                    gauge, waiting for a slot (priority queue)
     dsedge_model_ready{model}                        gauge, 1 once loaded and profiled
+    dsedge_event_loop_lag_seconds                    gauge, how late the event loop wakes (CPU-bound front end)
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ class ServeMetrics:
                               registry=r)
         self.queued = Gauge("dsedge_queued_requests", "Requests waiting for a slot", ["model"], registry=r)
         self.ready = Gauge("dsedge_model_ready", "1 once the model is loaded and profiled", ["model"], registry=r)
+        self.loop_lag = Gauge("dsedge_event_loop_lag_seconds", "How late the server's event loop wakes up, seconds "
+                              "(time requests wait before their handler runs)", registry=r)
 
     def answered(self, model: str, protocol: str, variant: str, latency_s: float, queue_s: float, batch: int,
                  within: bool) -> None:

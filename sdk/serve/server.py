@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ..runtime.errors import ConfigError, DsedgeError
@@ -55,13 +55,26 @@ class ServeConfig:
     tls_key: str | None = None
     log_format: str = "text"
     log_level: str = "info"
+    http_impl: str = "auto"  # uvicorn's HTTP/1.1 parser: "auto" (httptools when installed), "h11", "httptools"
 
 
 @dataclass
 class ServerState:
+    """Shared by the front ends: ``draining`` after SIGTERM, ``active`` infer calls, and ``lag_ms``, the event
+    loop's scheduling delay (time a request waits before its handler runs, which no budget check can see; exported
+    as ``dsedge_event_loop_lag_seconds``: when it nears the budgets, the process is CPU-bound before admission)."""
+
     draining: bool = False
     active: int = 0
-    answered_while_draining: int = field(default=0)
+    lag_ms: float = 0.0
+
+    async def watch_loop(self, interval_s: float = 0.005) -> None:
+        """Track ``lag_ms``: how late a ``sleep(interval_s)`` wakes up; rises at once, decays over ~10 ticks."""
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(interval_s)
+            lag = max(0.0, (time.perf_counter() - t0 - interval_s) * 1e3)
+            self.lag_ms = lag if lag > self.lag_ms else self.lag_ms + 0.1 * (lag - self.lag_ms)
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
@@ -103,7 +116,8 @@ def setup_logging(fmt: str, level: str) -> None:
 
 def _socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then (else Nagle + delayed ACK: +40 ms)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -160,6 +174,8 @@ async def serve(cfg: ServeConfig) -> int:
         def capture_signals(self) -> Iterator[None]:  # the loop's own handlers below drain first
             yield
 
+    metrics.loop_lag.set_function(lambda: state.lag_ms / 1e3)
+    watcher = asyncio.ensure_future(state.watch_loop())
     servers: list[tuple[Any, asyncio.Task]] = []
     ready_parts: list[str] = []
     stop = asyncio.Event()
@@ -169,7 +185,7 @@ async def serve(cfg: ServeConfig) -> int:
 
     def http_server(app: Any, port: int, kind: str) -> None:
         sock = _socket(cfg.host, port)
-        conf = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", loop="asyncio", http="h11",
+        conf = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", loop="asyncio", http=cfg.http_impl,
                               limit_concurrency=cfg.max_connections, timeout_keep_alive=5,
                               ssl_certfile=cfg.tls_cert if kind == "http" else None,
                               ssl_keyfile=cfg.tls_key if kind == "http" else None)
@@ -238,6 +254,7 @@ async def serve(cfg: ServeConfig) -> int:
     if grpc_server is not None:
         await grpc_server.stop(grace=1.0)
     await asyncio.gather(*(t for _, t in servers), return_exceptions=True)
+    watcher.cancel()
     log.info("stopped", extra={"fields": {"drain_s": round(time.perf_counter() - t_drain, 3),
                                           "unanswered": state.active}})
     return code
