@@ -266,7 +266,7 @@ def main() -> None:
     print(f"\n2. open loop at 1.5× capacity for {args.seconds:g} s, budget {args.budget_ms:g} ms "
           f"(capacity: closed loop, {args.concurrency} in flight; lean generators, see the source)")
     results["load"] = {}
-    for kind in args.load_paths.split(","):
+    for kind in [k for k in args.load_paths.split(",") if k]:
         cap = asyncio.run(capacity(kind))
         r = asyncio.run(open_loop(kind, 1.5 * cap))
         r["capacity_per_s"] = round(cap, 1)
