@@ -94,7 +94,7 @@ class ServedModel:
         if self.draining:
             raise rejection("shutdown", "the server is shutting down")
         if not self.ready:
-            raise rejection("budget", f"model {self.name!r} is not ready")
+            raise ServeError(503, "UNAVAILABLE", f"model {self.name!r} is not ready", "not_ready")
         check_unsupported(params)
         dl = deadline(params, s.default_budget_ms())
         level = self.levels.level(params.get(PRIORITY_PARAM))
@@ -195,7 +195,7 @@ class Repository:
         if m is None:
             known = ", ".join(self.names) or "none"
             if name in self.names:
-                raise rejection("budget", f"model {name!r} is still loading")
+                raise ServeError(503, "UNAVAILABLE", f"model {name!r} is still loading", "not_ready")
             raise not_found(f"unknown model {name!r} (served: {known})")
         m.check_version(version)
         return m
