@@ -91,7 +91,19 @@ def _raw_post(server, path: str, body: bytes, headers: dict | None = None) -> tu
     return r.status, json.loads(data)
 
 
+def _requests_total(server) -> float:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "dsedge_requests"
+               for s in f.samples if s.name == "dsedge_requests_total")
+
+
 def test_health_is_open_everything_else_needs_the_token(server, client, gclient):
+    assert server.http.startswith("127.0.0.1:") and server.grpc.startswith("127.0.0.1:")  # loopback by default
+    before = _requests_total(server)
     assert client.is_server_live() and client.is_server_ready()
     assert gclient.is_server_live() and gclient.is_server_ready()
     with pytest.raises(InferenceServerException) as e:
@@ -106,6 +118,7 @@ def test_health_is_open_everything_else_needs_the_token(server, client, gclient)
     with pytest.raises(InferenceServerException) as e:
         gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers={"authorization": "Bearer " + TOKEN[:-1] + "X"})
     assert e.value.status() == "StatusCode.UNAUTHENTICATED"
+    assert _requests_total(server) == before  # refused before any model saw them
 
 
 def test_server_and_model_metadata(client, gclient):
