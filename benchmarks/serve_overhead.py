@@ -67,18 +67,21 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0, help="length of each open-loop run")
     ap.add_argument("--server-args", default="", help="extra `dsedge serve` options, e.g. '--http-impl h11'")
     ap.add_argument("--load-paths", default="in-process,HTTP,gRPC", help="which paths to load in part 2")
+    ap.add_argument("--fresh", action="store_true",
+                    help="a new session / server before each path of part 2 (no state carried over between paths)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     proc, addrs = start_server(args.bundle, args.threads, args.server_args.split())
+    box = {"proc": proc}
     try:
-        run(args, proc, addrs)
+        run(args, box, addrs)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(30)
+        if box["proc"].poll() is None:
+            box["proc"].terminate()
+            box["proc"].wait(30)
 
 
-def run(args, proc, addrs) -> None:
+def run(args, box, addrs) -> None:
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
@@ -279,6 +282,15 @@ def run(args, proc, addrs) -> None:
           f"(capacity: answers within budget per s, closed loop, {args.concurrency} in flight; lean generators)")
     results["load"] = {}
     for kind in [k for k in args.load_paths.split(",") if k]:
+        if args.fresh and kind == "in-process":
+            sess.close()
+            sess = dsedge.load(args.bundle, threads=args.threads)
+            sess.warmup()
+        elif args.fresh:  # a new server, so that one path's overload does not carry over into the next
+            box["proc"].terminate()
+            box["proc"].wait(30)
+            box["proc"], new = start_server(args.bundle, args.threads, args.server_args.split())
+            addrs.update(new)
         cap = asyncio.run(capacity(kind))
         r = asyncio.run(open_loop(kind, max(1.5 * cap, 1.0)))
         r["capacity_per_s"] = round(cap, 1)
