@@ -91,3 +91,15 @@ def test_the_dockerfiles_pass_hadolint():
     assert r.returncode == 0, r.stdout + r.stderr
     for f in files:
         assert "onnxruntime-gpu" not in f.read_text() or "dsedge[cpu]" not in f.read_text()
+
+
+def test_every_subpackage_is_listed_for_a_normal_install():
+    """A non-editable install copies only the packages pyproject lists: each folder with an __init__.py is one."""
+    import tomllib
+
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for pkg, folder in cfg["package-dir"].items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            found.add(".".join((pkg, *init.parent.relative_to(REPO / folder).parts)))
+    assert sorted(found - set(cfg["packages"])) == []
