@@ -16,9 +16,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from . import schema as _schema
 from .errors import BundleError, BundleIntegrityError
+from .external_data import check_external_data
+from .names import inside
 
 SCHEMA_VERSION = 1
+MANIFEST_SCHEMA = "dsedge.manifest/1"
 MANIFEST = "manifest.json"
 BUNDLE_SUFFIX = ".dse"
 _DTYPES = {"float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool"}
@@ -102,6 +106,7 @@ class Manifest:
     latency_budget_ms: float | None = None
     dsedge_version: str = ""
     schema_version: int = SCHEMA_VERSION
+    schema: str = MANIFEST_SCHEMA
 
     def variant(self, name: str | None = None) -> Variant:
         """The variant called ``name`` (default: ``default_variant``). Raises BundleError if there is none."""
@@ -121,6 +126,11 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+        """Check ``d`` against the manifest schema and its consistency rules (``runtime/schema.py``), then build it.
+
+        Raises:
+            BundleError: one line naming the first bad field.
+        """
         if not isinstance(d, dict):
             raise BundleError("manifest.json is not a JSON object", "rebuild the bundle with `dsedge build`")
         version = d.get("schema_version")
@@ -129,26 +139,17 @@ class Manifest:
                 f"manifest schema version {version!r} is not supported (this dsedge reads {SCHEMA_VERSION})",
                 "rebuild the bundle with this dsedge version",
             )
-        try:
-            m = cls(
-                name=d["name"], target=dict(d["target"]),
-                inputs=[IOSpec.from_dict(x) for x in d["inputs"]],
-                outputs=[IOSpec.from_dict(x) for x in d["outputs"]],
-                variants=[Variant.from_dict(x) for x in d["variants"]],
-                default_variant=d["default_variant"], files=dict(d.get("files", {})),
-                source=dict(d.get("source", {})), shape_ranges=dict(d.get("shape_ranges", {})),
-                latency_budget_ms=d.get("latency_budget_ms"), dsedge_version=d.get("dsedge_version", ""),
-                schema_version=version,
-            )
-            for sym, rng in m.shape_ranges.items():
-                if not all(isinstance(rng.get(k), int) for k in ("min", "max")) or rng["min"] > rng["max"]:
-                    raise TypeError(f"shape_ranges[{sym!r}] needs integer min <= max")
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise BundleError(f"manifest.json lacks or mangles field {e}", "rebuild the bundle") from None
-        if not m.variants:
-            raise BundleError("manifest.json lists no variants", "rebuild the bundle")
-        m.variant(m.default_variant)  # the default must exist
-        return m
+        _schema.validate("manifest", d, BundleError, "manifest.json")
+        return cls(
+            name=d["name"], target=dict(d["target"]),
+            inputs=[IOSpec.from_dict(x) for x in d["inputs"]],
+            outputs=[IOSpec.from_dict(x) for x in d["outputs"]],
+            variants=[Variant.from_dict(x) for x in d["variants"]],
+            default_variant=d["default_variant"], files=dict(d["files"]),
+            source=dict(d.get("source", {})), shape_ranges={k: dict(v) for k, v in d.get("shape_ranges", {}).items()},
+            latency_budget_ms=d.get("latency_budget_ms"), dsedge_version=d.get("dsedge_version", ""),
+            schema_version=version,
+        )
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -171,10 +172,10 @@ def read_manifest(bundle: str | os.PathLike) -> Manifest:
     if not path.is_file():
         raise BundleError(f"{str(root)!r} has no {MANIFEST}", "is this a dsedge bundle? rebuild it with `dsedge build`")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BundleError(f"{path} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})", "rebuild the bundle") from None
-    return Manifest.from_dict(data)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BundleError(f"{path} is not valid JSON ({e})", "rebuild the bundle") from None
+    return Manifest.from_dict(_schema.loads(text, BundleError, str(path), "rebuild the bundle"))
 
 
 def verify_bundle(bundle: str | os.PathLike) -> Manifest:
@@ -187,13 +188,8 @@ def verify_bundle(bundle: str | os.PathLike) -> Manifest:
     """
     root = Path(bundle)
     m = read_manifest(root)
-    for v in m.variants:
-        if v.file not in m.files:
-            raise BundleIntegrityError(f"variant {v.name!r} file {v.file!r} has no hash in the manifest", "rebuild the bundle")
     for rel, expected in m.files.items():
-        p = (root / rel).resolve()
-        if root.resolve() not in p.parents:
-            raise BundleIntegrityError(f"manifest lists a file outside the bundle: {rel!r}", "rebuild the bundle")
+        p = inside(root, rel, "manifest lists a file", BundleIntegrityError)
         if not p.is_file():
             raise BundleIntegrityError(f"bundle file {rel!r} is missing", "copy the whole .dse directory, or rebuild it")
         actual = sha256_file(p)
@@ -203,6 +199,7 @@ def verify_bundle(bundle: str | os.PathLike) -> Manifest:
                 "copy the bundle again or rebuild it with `dsedge build`",
             )
     for v in m.variants:
+        check_external_data(root / v.file, root, m.files)
         check_model_io(m, root / v.file)
     return m
 
@@ -243,9 +240,14 @@ def hash_files(root: str | os.PathLike, exclude: tuple[str, ...] = (MANIFEST,)) 
 
 
 def write_manifest(root: str | os.PathLike, manifest: Manifest) -> None:
-    """Hash every file under ``root`` into ``manifest.files`` and write ``manifest.json``."""
+    """Hash every file under ``root`` into ``manifest.files`` and write ``manifest.json``.
+
+    Raises:
+        BundleError: the manifest would not pass its schema or consistency rules (so no reader could load it).
+    """
     manifest.files = hash_files(root)
-    (Path(root) / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n", encoding="utf-8")
+    text = _schema.dumps("manifest", manifest.to_dict(), BundleError, "manifest.json", root=root)
+    (Path(root) / MANIFEST).write_text(text, encoding="utf-8")
 
 
 def _pid_alive(pid: int) -> bool:

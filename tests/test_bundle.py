@@ -46,12 +46,12 @@ def test_truncated_and_missing_files_are_refused(bundle):
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d.update(schema_version=99), "schema version 99"),
     (lambda d: d.pop("inputs"), "inputs"),
-    (lambda d: d["files"].update({"../outside": "00"}), "outside the bundle"),
-    (lambda d: d["files"].pop("models/fp32.onnx"), "has no hash"),
-    (lambda d: d.update(target="jetson"), "mangles field"),
-    (lambda d: d.update(default_variant="nope"), "no variant 'nope'"),
-    (lambda d: d.update(variants=[]), "lists no variants"),
-    (lambda d: d["shape_ranges"]["batch"].update(min="a"), "integer min <= max"),
+    (lambda d: d["files"].update({"../outside": "0" * 64}), "files: '../outside' is not a path inside the bundle"),
+    (lambda d: d["files"].pop("models/fp32.onnx"), "variants\\[0\\].file: 'models/fp32.onnx' has no hash"),
+    (lambda d: d.update(target="jetson"), "field target: 'jetson' is not of type 'object'"),
+    (lambda d: d.update(default_variant="nope"), "default_variant: 'nope' is not one of the variants"),
+    (lambda d: d.update(variants=[]), "field variants: .* should be non-empty"),
+    (lambda d: d["shape_ranges"]["batch"].update(min="a"), "field shape_ranges.batch.min: 'a' is not of type 'integer'"),
     (lambda d: d["inputs"][0].update(dtype="int64"), "manifest inputs do not match fp32.onnx"),
     (lambda d: d["inputs"][0].update(name="y"), "manifest inputs do not match fp32.onnx"),
 ])
