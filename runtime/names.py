@@ -57,3 +57,19 @@ def inside(root: str | os.PathLike, rel: str, what: str, error: type[DsedgeError
     if base != p and base not in p.parents:
         raise error(f"{what} {rel!r} resolves outside {Path(root).name}", "a bundle must not point outside itself")
     return Path(root) / rel
+
+
+def bundle_dir(out_dir: str | os.PathLike, name: str, target: str, suffix: str = ".dse") -> Path:
+    """``OUT/NAME-TARGET.dse`` after checking both names, so the bundle lands directly in ``out_dir``.
+
+    Raises:
+        BundleError: an unsafe model or target name.
+    """
+    from .errors import BundleError
+
+    check_name(name, "model name", BundleError)
+    check_name(target, "target name", BundleError)
+    path = Path(out_dir) / f"{name}-{target}{suffix}"
+    if path.resolve().parent != Path(out_dir).resolve():
+        raise BundleError(f"bundle {path.name!r} would not land in {str(out_dir)!r}", "choose another --out")
+    return path

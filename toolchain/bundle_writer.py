@@ -8,13 +8,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import __version__
+from .model_check import check_onnx_file
 from ..runtime.errors import BundleError
+from ..runtime.names import bundle_dir
 from ..runtime.bundle import BUNDLE_SUFFIX, IOSpec, Manifest, Variant, atomic_directory, write_manifest
 
 
 def bundle_path(out_dir: str | os.PathLike, name: str, target: str) -> Path:
     """``OUT/NAME-TARGET.dse``."""
-    return Path(out_dir) / f"{name}-{target}{BUNDLE_SUFFIX}"
+    return bundle_dir(out_dir, name, target, BUNDLE_SUFFIX)
 
 
 def write_bundle(
@@ -54,6 +56,7 @@ def write_bundle(
             p = tmp / rel
             p.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, p)
+            check_onnx_file(p, rel)
         for v in variants:
             v.size_bytes = (tmp / v.file).stat().st_size
         for rel, content in (extra_files or {}).items():

@@ -20,6 +20,7 @@ import numpy as np
 from ..runtime.bundle import IOSpec, Variant, remove_stale_temp
 from ..runtime.errors import AccuracyGateError, CalibrationError, ConfigError, PrecisionNotSupported, TargetError
 from ..runtime.latency import time_calls
+from ..runtime.names import safe_model_name
 from ..targets import Target, get_target
 from .bundle_writer import bundle_path, write_bundle
 from .evaluate import compare_models
@@ -458,6 +459,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
     log(f"target {target.name}: precision "
         + (precision if opts.precision != "auto" else f"auto (candidates measured below; {notes[0]})"))
     source = resolve_source(opts.model)
+    source.name = safe_model_name(source.name)
     log(f"source {source.kind}: {source.name}")
     compensating = prune_spec is not None or opts.qat_steps > 0
     if compensating and source.module is None:
