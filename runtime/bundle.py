@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -20,6 +17,7 @@ from . import schema as _schema
 from .errors import BundleError, BundleIntegrityError
 from .external_data import check_external_data
 from .names import inside
+from .tempdirs import disown, exchange, owned_temp_dir, publish_lock, release, remove_stale
 
 SCHEMA_VERSION = 1
 MANIFEST_SCHEMA = "dsedge.manifest/1"
@@ -250,32 +248,10 @@ def write_manifest(root: str | os.PathLike, manifest: Manifest) -> None:
     (Path(root) / MANIFEST).write_text(text, encoding="utf-8")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temp(parent: str | os.PathLike) -> list[Path]:
-    """Remove temporary directories (``.NAME.tmp-PID-…``, ``.dsedge-build-PID-…``) left in ``parent`` by a process
-    that was killed (SIGKILL runs no clean-up) and is no longer alive. Returns what was removed."""
-    removed = []
-    parent = Path(parent)
-    if not parent.is_dir():
-        return removed
-    for p in parent.iterdir():
-        if not (p.is_dir() and p.name.startswith(".") and ("-tmp-" in p.name or ".tmp-" in p.name
-                                                            or p.name.startswith(".dsedge-build-"))):
-            continue
-        pid = next((int(part) for part in p.name.replace(".tmp-", "-").split("-") if part.isdigit()), None)
-        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-    return removed
+    """Remove temporary directories in ``parent`` left by processes that died (SIGKILL runs no clean-up); never
+    a live process's. Ownership is an advisory lock, not a pid in the name: see ``runtime/tempdirs.py``."""
+    return remove_stale(parent)
 
 
 def usual_mode(bits: int = 0o666) -> int:
@@ -289,24 +265,37 @@ def usual_mode(bits: int = 0o666) -> int:
 def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``final``; on success rename it to ``final``.
 
-    The temporary directory lives in ``final``'s parent so ``os.replace`` never crosses filesystems. An existing
-    ``final`` is moved aside first and removed only after the new one is in place. On any exception the temporary
-    directory is removed and ``final`` is left as it was.
+    The temporary directory lives in ``final``'s parent so renames never cross filesystems, and is owned by this
+    process (``runtime/tempdirs.py``: no other build's clean-up removes it). An existing ``final`` is swapped with
+    the new one atomically (``renameat2(RENAME_EXCHANGE)``; where that is missing, moved aside and moved back on
+    failure) and removed only after the new one is in place; concurrent writers of one ``final`` take turns and the
+    last one wins. On any exception the temporary directory is removed and ``final`` is left as it was.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp(final.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
-    os.chmod(tmp, usual_mode(0o777))  # mkdtemp makes 0700; a published bundle gets the user's usual mode
+    tmp = owned_temp_dir(final.parent, f".{final.name}.tmp-{os.getpid()}-")
+    os.chmod(tmp, usual_mode(0o777))  # a private temp directory; a published bundle gets the user's usual mode
     try:
         yield tmp
-        old = None
-        if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-old-", dir=final.parent))
-            os.replace(final, old / final.name)
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        with publish_lock(final.parent):   # concurrent writers of one destination publish one after the other
+            if final.exists() and exchange(tmp, final):
+                pass                         # atomic swap: `final` is new, `tmp` holds the old bundle
+            elif final.exists():
+                old = owned_temp_dir(final.parent, f".{final.name}.tmp-{os.getpid()}-old-")
+                os.replace(final, old / final.name)
+                try:
+                    os.replace(tmp, final)
+                except BaseException:
+                    os.replace(old / final.name, final)
+                    raise
+                finally:
+                    release(old)
+            else:
+                os.replace(tmp, final)
+                disown(tmp)
+                return
+        release(tmp)                          # the old bundle (swapped), or nothing
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        release(tmp)
         raise

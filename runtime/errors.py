@@ -75,3 +75,7 @@ class SessionClosedError(DsedgeError):
 class BenchError(DsedgeError):
     """A benchmark cannot run or compare: no samples, a missing/malformed/foreign baseline report."""
 
+
+
+class StorageError(DsedgeError):
+    """The disk refused a write: full, over a quota or file-size limit, read-only, or not permitted."""

@@ -1,7 +1,9 @@
 """Check request inputs against a bundle's IO specs before they reach a backend."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+import math
+import numbers
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -63,3 +65,45 @@ def validate_inputs(
                                  "use the tokenizer / encoder the bundle was built with")
         out[spec.name] = arr
     return out
+
+
+MAX_BUDGET_MS = 3_600_000.0   # one hour: a longer "latency budget" is a unit mistake (s vs ms)
+MAX_PRIORITY = 2**31 - 1
+
+
+def check_request_options(budget_ms: Any, priority: Any,
+                          default_budget_ms: Callable[[], Any] | float | None = None) -> tuple[float, int]:
+    """A request's latency budget and priority as ``(float ms, int)``, checked before anything is queued.
+
+    Args:
+        budget_ms: latency budget in ms, a finite real number in (0, ``MAX_BUDGET_MS``]; None takes
+            ``default_budget_ms`` (a value, or a callable called only then).
+        priority: an integer in [-``MAX_PRIORITY``, ``MAX_PRIORITY``] (numpy integers too; bools, floats and
+            strings are refused rather than truncated or compared with ints later).
+    Raises:
+        InputError: a budget that is not a number, NaN, infinite, ≤ 0 or too large; a priority that is not an
+            integer or out of range.
+    """
+    if budget_ms is None:
+        try:
+            budget_ms = default_budget_ms() if callable(default_budget_ms) else default_budget_ms
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InputError(f"the session's default latency budget is not a number ({e})",
+                             "pass load(..., budget_ms=50.0) or submit(..., budget_ms=50.0)") from None
+        what = "default latency budget"
+    else:
+        what = "budget_ms"
+    if isinstance(budget_ms, (bool, np.bool_)) or not isinstance(budget_ms, (numbers.Real, np.number)):
+        raise InputError(f"{what} must be a number of milliseconds, got {type(budget_ms).__name__} {budget_ms!r}",
+                         "pass budget_ms=50.0 (ms), or None for the session's default")
+    budget = float(budget_ms)
+    if not math.isfinite(budget) or not 0 < budget <= MAX_BUDGET_MS:
+        raise InputError(f"{what} must be a finite number in (0, {MAX_BUDGET_MS:.0f}] ms, got {budget_ms!r}",
+                         "pass budget_ms=50.0 (ms), or None for the session's default")
+    if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, (numbers.Integral, np.integer)):
+        raise InputError(f"priority must be an integer, got {type(priority).__name__} {priority!r}",
+                         "pass priority=0 (higher wins among equal deadlines)")
+    if not -MAX_PRIORITY <= int(priority) <= MAX_PRIORITY:
+        raise InputError(f"priority {priority} is outside [-{MAX_PRIORITY}, {MAX_PRIORITY}]",
+                         "pass a small integer, e.g. priority=1")
+    return budget, int(priority)

@@ -17,7 +17,7 @@ from .runtime.batching import BatchLayout, example_feed
 from .runtime.decode import GenerationStream
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import DsedgeError, SessionClosedError
-from .runtime.io import validate_inputs
+from .runtime.io import check_request_options, validate_inputs
 from .runtime.latency_profile import LatencyProfile, measure
 from .runtime.metrics import StreamMetrics
 from .runtime.results import Rejected, Result
@@ -198,7 +198,7 @@ class Session:
         """
         sched = self._scheduler()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
-        budget = self.default_budget_ms() if budget_ms is None else float(budget_ms)
+        budget, priority = check_request_options(budget_ms, priority, self.default_budget_ms)
         try:
             return sched.submit(checked, budget, priority, id)
         except RuntimeError:

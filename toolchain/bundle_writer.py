@@ -1,7 +1,6 @@
 """Write a bundle directory atomically from ONNX files and metadata (the last stage of ``dsedge build``)."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -11,6 +10,8 @@ from .. import __version__
 from .model_check import check_onnx_file
 from ..runtime.errors import BundleError
 from ..runtime.names import bundle_dir
+from ..runtime.schema import dumps
+from ..runtime.storage import storage_errors
 from ..runtime.bundle import BUNDLE_SUFFIX, IOSpec, Manifest, Variant, atomic_directory, write_manifest
 
 
@@ -19,6 +20,7 @@ def bundle_path(out_dir: str | os.PathLike, name: str, target: str) -> Path:
     return bundle_dir(out_dir, name, target, BUNDLE_SUFFIX)
 
 
+@storage_errors("writing the bundle")
 def write_bundle(
     dest: str | os.PathLike,
     *,
@@ -69,7 +71,7 @@ def write_bundle(
             if rel.endswith(".sh"):
                 p.chmod(0o755)
         if report is not None:
-            (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+            (tmp / "report.json").write_text(dumps("build-report", report, BundleError, "report.json"), encoding="utf-8")
         manifest = Manifest(
             name=name, target=target, inputs=inputs, outputs=outputs, variants=variants,
             default_variant=default_variant, source=source or {}, shape_ranges=shape_ranges or {},

@@ -21,6 +21,8 @@ from ..runtime.bundle import IOSpec, Variant, remove_stale_temp
 from ..runtime.errors import AccuracyGateError, CalibrationError, ConfigError, PrecisionNotSupported, TargetError
 from ..runtime.latency import time_calls
 from ..runtime.names import safe_model_name
+from ..runtime.storage import storage_errors
+from ..runtime.tempdirs import owned_temp_dir, release
 from ..targets import Target, get_target
 from .bundle_writer import bundle_path, write_bundle
 from .evaluate import compare_models
@@ -437,6 +439,7 @@ def _auto_why(chosen: str, candidates: list[dict[str, Any]], target: Target, thr
     return f"auto: {chosen} ({', '.join(parts)}; {how})" + (f"; {'; '.join(skipped)}" if skipped else "")
 
 
+@storage_errors("dsedge build")
 def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> BuildResult:
     """Run every stage and publish the bundle. Returns its path and the report (also in ``report.json``).
 
@@ -469,7 +472,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
     out_dir = Path(opts.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temp(out_dir)
-    work = Path(tempfile.mkdtemp(prefix=f".dsedge-build-{os.getpid()}-", dir=out_dir))
+    work = owned_temp_dir(out_dir, f".dsedge-build-{os.getpid()}-")
     (work / "models").mkdir()
     try:
         timings: dict[str, float] = {}
@@ -637,4 +640,4 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
         log(f"wrote {dest}")
         return BuildResult(dest, report)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        release(work)
