@@ -24,8 +24,10 @@ import numpy as np
 
 from .bundle import IOSpec
 from .errors import BenchError, InputError
+from .schema import validate
 
-REPORT_SCHEMA = "dsedge.bench"
+REPORT_SCHEMA = "dsedge.bench-report/1"
+LEGACY_SCHEMAS = ("dsedge.bench",)  # the same format, version 1, under its former name
 REPORT_SCHEMA_VERSION = 1
 PERCENTILES = {"p50": 50, "p90": 90, "p95": 95, "p99": 99}
 DEFAULT_ID_RANGE = 100  # token ids below 100 exist in every vocabulary; id values do not change a dense model's latency
@@ -435,13 +437,14 @@ def load_report(path: str | os.PathLike) -> dict[str, Any]:
         raise BenchError(f"baseline report {str(p)!r} does not exist", "write one with `dsedge bench BUNDLE --json > base.json`") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BenchError(f"baseline report {str(p)!r} is not valid JSON ({e})", "pass a file written by `dsedge bench --json`") from None
-    if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA:
+    if not isinstance(data, dict) or data.get("schema") not in (REPORT_SCHEMA, *LEGACY_SCHEMAS):
         raise BenchError(f"{str(p)!r} is not a dsedge bench report", "pass a file written by `dsedge bench --json`")
     if data.get("schema_version") != REPORT_SCHEMA_VERSION:
         raise BenchError(f"bench report {str(p)!r} has schema version {data.get('schema_version')!r}; this dsedge "
                          f"reads {REPORT_SCHEMA_VERSION}", "measure the baseline again with this dsedge")
     if not isinstance(data.get("results"), list):
         raise BenchError(f"bench report {str(p)!r} has no results list", "pass a file written by `dsedge bench --json`")
+    validate("bench-report", data, BenchError, f"bench report {p.name}")
     return data
 
 
