@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsedge.runtime.bundle import verify_bundle
+from dsedge.runtime.bundle import remove_stale_temp, verify_bundle
 from dsedge.runtime.tempdirs import is_temp_name, owned_temp_dir, owner, release, remove_stale
 from tiny_models import mlp_onnx
 
@@ -34,10 +34,10 @@ def test_a_live_owner_keeps_its_folder_whatever_digits_its_name_holds(tmp_path):
     try:
         live = Path(holder.stdout.readline().strip())
         assert live.is_dir() and owner(live)["pid"] == holder.pid
-        assert remove_stale(tmp_path) == [] and live.is_dir()
+        assert remove_stale_temp(tmp_path) == [] and live.is_dir()      # what every build and bundle write runs
         holder.kill()
         holder.wait()
-        assert remove_stale(tmp_path) == [live] and _litter(tmp_path) == []
+        assert remove_stale_temp(tmp_path) == [live] and _litter(tmp_path) == []
     finally:
         holder.kill()
         holder.wait()
