@@ -169,6 +169,8 @@ def read_manifest(bundle: str | os.PathLike) -> Manifest:
     path = root / MANIFEST
     if not path.is_file():
         raise BundleError(f"{str(root)!r} has no {MANIFEST}", "is this a dsedge bundle? rebuild it with `dsedge build`")
+    if path.is_symlink():
+        raise BundleError(f"{MANIFEST} of {str(root)!r} is a link", "a bundle's manifest must be a file inside it")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -245,6 +247,8 @@ def write_manifest(root: str | os.PathLike, manifest: Manifest) -> None:
     """
     manifest.files = hash_files(root)
     text = _schema.dumps("manifest", manifest.to_dict(), BundleError, "manifest.json", root=root)
+    for v in manifest.variants:  # every file a model reads is inside the bundle and hashed, before it is published
+        check_external_data(Path(root) / v.file, root, manifest.files)
     (Path(root) / MANIFEST).write_text(text, encoding="utf-8")
 
 

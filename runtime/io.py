@@ -34,7 +34,11 @@ def validate_inputs(
     for spec in specs:
         if spec.name not in inputs:
             raise InputError(f"missing input {spec.name!r}", f"pass all of: {', '.join(s.name for s in specs)}")
-        arr = np.asarray(inputs[spec.name])
+        try:
+            arr = np.asarray(inputs[spec.name])
+        except (ValueError, TypeError) as e:  # a ragged nested list, an object numpy cannot hold as an array
+            raise InputError(f"input {spec.name!r} is not an array ({str(e).splitlines()[0][:120]})",
+                             f"pass a numpy array of dtype {spec.dtype}") from None
         if arr.dtype != np.dtype(spec.dtype):
             raise InputError(f"input {spec.name!r} has dtype {arr.dtype}, expected {spec.dtype}",
                              f"convert it with .astype(np.{spec.dtype})")
@@ -107,3 +111,48 @@ def check_request_options(budget_ms: Any, priority: Any,
         raise InputError(f"priority {priority} is outside [-{MAX_PRIORITY}, {MAX_PRIORITY}]",
                          "pass a small integer, e.g. priority=1")
     return budget, int(priority)
+
+
+PROFILE_SOURCES = ("auto", "measure", "bundle")
+
+
+def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = None, max_queue: Any = 1024,
+                          max_delay_ms: Any = None, profile: Any = "auto", threads: Any = None,
+                          window: Any = None) -> None:
+    """Check ``dsedge.load``'s options (and ``stream``'s ``window``) before anything is opened.
+
+    ``path`` is a str or ``os.PathLike``; ``budget_ms``/``max_delay_ms`` None or a finite number > 0 (ms; a
+    ``max_delay_ms`` of 0 holds no batch open); ``max_batch``/``threads``/``window`` None or an integer ≥ 1;
+    ``max_queue`` an integer ≥ 1; ``profile`` one of ``PROFILE_SOURCES``.
+
+    Raises:
+        InputError: naming the first bad option.
+    """
+    import os
+
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise InputError(f"bundle path must be a str or pathlib.Path, got {type(path).__name__}",
+                         "pass the NAME-TARGET.dse directory, e.g. dsedge.load('out/model-cpu.dse')")
+
+    def integer(name: str, value: Any, low: int, optional: bool = True) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)) \
+                or not low <= int(value) <= 2**31 - 1:
+            raise InputError(f"{name} must be an integer >= {low}, got {value!r}", f"pass {name}={max(low, 1)} or more")
+
+    integer("max_batch", max_batch, 1)
+    integer("max_queue", max_queue, 1, optional=False)
+    integer("threads", threads, 1)
+    integer("window", window, 1)
+    for name, value, low_open in (("budget_ms", budget_ms, True), ("max_delay_ms", max_delay_ms, False)):
+        if value is None:
+            continue
+        ok = isinstance(value, (numbers.Real, np.number)) and not isinstance(value, (bool, np.bool_))
+        v = float(value) if ok else math.nan
+        if not (math.isfinite(v) and (v > 0 if low_open else v >= 0) and v <= MAX_BUDGET_MS):
+            raise InputError(f"{name} must be a finite number of ms {'>' if low_open else '>='} 0, got {value!r}",
+                             f"pass {name}=50.0, or None for the default")
+    if profile not in PROFILE_SOURCES:
+        raise InputError(f"profile must be one of {', '.join(PROFILE_SOURCES)}, got {profile!r}",
+                         "pass profile='auto'")

@@ -17,7 +17,7 @@ from .runtime.batching import BatchLayout, example_feed
 from .runtime.decode import GenerationStream
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import DsedgeError, SessionClosedError
-from .runtime.io import check_request_options, validate_inputs
+from .runtime.io import check_request_options, check_session_options, validate_inputs
 from .runtime.latency_profile import LatencyProfile, measure
 from .runtime.metrics import StreamMetrics
 from .runtime.results import Rejected, Result
@@ -450,6 +450,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         BundleError / BundleIntegrityError: missing, malformed, truncated or tampered bundle.
         BackendUnavailable: a requested provider is not installed.
     """
+    check_session_options(path, budget_ms=budget_ms, max_batch=max_batch, max_queue=max_queue,
+                          max_delay_ms=max_delay_ms, profile=profile, threads=threads)
     if isinstance(providers, str):
         providers = [providers]
     if threads is not None and (not isinstance(threads, int) or threads < 1):

@@ -236,3 +236,37 @@ def test_onnx_source_gets_its_vocabulary_bound_from_the_gather_table(tmp_path):
         for bad in (2048, 40000, 10**6, 10**12, -5):
             with pytest.raises(InputError, match="outside the model's range"):
                 s.run({"ids": np.array([[1, bad]], np.int64)})
+
+
+def test_a_manifest_that_is_a_link_out_is_refused(bundle, tmp_path):
+    elsewhere = tmp_path / "m.json"
+    elsewhere.write_text((bundle / MANIFEST).read_text())
+    (bundle / MANIFEST).unlink()
+    (bundle / MANIFEST).symlink_to(elsewhere)
+    with pytest.raises(BundleError, match="is a link"):
+        read_manifest(bundle)
+
+
+def test_a_model_reading_data_from_outside_is_never_bundled(tmp_path):
+    from onnx import TensorProto
+
+    from dsedge.runtime.bundle import IOSpec, Variant
+    from dsedge.toolchain.bundle_writer import write_bundle
+
+    src = mlp_onnx(tmp_path / "m.onnx")
+    model = onnx.load(str(src))
+    w1 = next(t for t in model.graph.initializer if t.name == "w1")
+    raw = onnx.numpy_helper.to_array(w1).tobytes()
+    (tmp_path / "w1.bin").write_bytes(raw)
+    w1.ClearField("raw_data")
+    w1.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", "w1.bin"), ("offset", "0"), ("length", str(len(raw)))):
+        e = w1.external_data.add()
+        e.key, e.value = k, v
+    onnx.save(model, str(src))
+    with pytest.raises(DsedgeError):
+        write_bundle(tmp_path / "b.dse", name="b", target={"name": "cpu"},
+                     inputs=[IOSpec("x", "float32", ("batch", 64))], outputs=[IOSpec("logits", "float32", ("batch", 4))],
+                     models={"models/fp32.onnx": src}, variants=[Variant("fp32", "fp32", "models/fp32.onnx")],
+                     default_variant="fp32")
+    assert not (tmp_path / "b.dse").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -163,3 +163,31 @@ def test_session_default_budget_that_is_not_a_number_is_an_input_error(tmp_path)
             s.submit({"x": np.ones((1, 64), np.float32)})
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"max_batch": -1}, "max_batch must be an integer >= 1"),
+    ({"max_batch": "8"}, "max_batch must be an integer"),
+    ({"max_queue": 0}, "max_queue must be an integer >= 1"),
+    ({"max_delay_ms": float("nan")}, "max_delay_ms must be a finite number"),
+    ({"budget_ms": -5}, "budget_ms must be a finite number"),
+    ({"profile": "fast"}, "profile must be one of auto, measure, bundle"),
+    ({"threads": 0}, "threads must be an integer >= 1"),
+])
+def test_load_options_are_checked_before_anything_opens(tmp_path, kw, words):
+    """Found beyond the issue: a negative max_batch or a str one died in raw ValueError/TypeError at the first
+    submit, max_queue=0 or max_delay_ms=nan rejected every request, an unknown profile was silently ignored."""
+    b = tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path)
+    with pytest.raises(InputError, match=words):
+        dsedge.load(b, **kw)
+
+
+@pytest.mark.parametrize("path", [b"/x.dse", 5, None])
+def test_load_path_of_the_wrong_type_is_an_input_error(path):
+    with pytest.raises(InputError, match="bundle path must be a str or pathlib.Path"):
+        dsedge.load(path)
+
+
+def test_ragged_inputs_are_input_errors(session):
+    with pytest.raises(InputError, match="input 'x' is not an array"):
+        session.run({"x": [[1.0] * 64, [1.0]]})
