@@ -270,3 +270,10 @@ def test_a_model_reading_data_from_outside_is_never_bundled(tmp_path):
                      models={"models/fp32.onnx": src}, variants=[Variant("fp32", "fp32", "models/fp32.onnx")],
                      default_variant="fp32")
     assert not (tmp_path / "b.dse").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("rel", ["../escape.txt", "/tmp/abs.txt", "build/../../x", ".hidden/x"])
+def test_the_writer_refuses_bundle_files_outside_the_bundle(tmp_path, rel):
+    with pytest.raises(BundleError, match="is not a safe relative path"):
+        tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path, extra_files={rel: "x"})
+    assert not (tmp_path / "mlp-cpu.dse").exists() and not (tmp_path / "escape.txt").exists()

@@ -18,7 +18,7 @@ from dsedge.runtime.backends import tensorrt as trt_backend
 from dsedge.runtime.backends.tensorrt import (TensorRTBackend, build_engine_file, build_serialized_engine,
                                                import_tensorrt, open_engine_backend)
 from dsedge.runtime.build_settings import engine_build_settings
-from dsedge.runtime.bundle import IOSpec, Variant, read_manifest, verify_bundle
+from dsedge.runtime.bundle import IOSpec, Variant, read_manifest, sha256_file, verify_bundle
 from dsedge.runtime.engine_cache import EngineCache, read_engine
 from dsedge.runtime.errors import BackendUnavailable, EngineError, TargetError
 from dsedge.runtime.gpu_info import GpuInfo
@@ -193,6 +193,10 @@ def test_prebuilt_engine_in_bundle_is_used_on_its_gpu_only(tmp_path, onnx_file, 
     path = build_engine_file(bundle, m, m.variant("int8"), bundle / "engines")  # `dsedge build --engine`
     assert path.parent.name == "engines" and fake.calls["builds"] == 1
     open_engine_backend(bundle, m, m.variant("int8"), gpu=AGX, cache=EngineCache(tmp_path / "c"))
+    assert fake.calls["builds"] == 2 and "is not in the manifest's hashes" in caplog.text   # dropped in: not used
+    m.files[f"engines/{path.name}"] = sha256_file(path)            # what `dsedge build --engine` hash-lists
+    fake.calls["builds"] = 1
+    open_engine_backend(bundle, m, m.variant("int8"), gpu=AGX, cache=EngineCache(tmp_path / "c2"))
     assert fake.calls["builds"] == 1 and "using prebuilt engine" in caplog.text
     open_engine_backend(bundle, m, m.variant("int8"), gpu=NX, cache=EngineCache(tmp_path / "c"))
     assert fake.calls["builds"] == 2 and "is not for this device: built for GPU" in caplog.text

@@ -9,7 +9,7 @@ from typing import Any, Callable
 from .. import __version__
 from .model_check import check_onnx_file
 from ..runtime.errors import BundleError
-from ..runtime.names import bundle_dir
+from ..runtime.names import bundle_dir, inside
 from ..runtime.schema import dumps
 from ..runtime.storage import storage_errors
 from ..runtime.bundle import BUNDLE_SUFFIX, IOSpec, Manifest, Variant, atomic_directory, write_manifest
@@ -55,14 +55,14 @@ def write_bundle(
                           "move it away or choose another --out directory")
     with atomic_directory(dest) as tmp:
         for rel, src in models.items():
-            p = tmp / rel
+            p = inside(tmp, rel, "bundle file", BundleError)
             p.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, p)
             check_onnx_file(p, rel)
         for v in variants:
             v.size_bytes = (tmp / v.file).stat().st_size
         for rel, content in (extra_files or {}).items():
-            p = tmp / rel
+            p = inside(tmp, rel, "bundle file", BundleError)
             p.parent.mkdir(parents=True, exist_ok=True)
             if isinstance(content, bytes):
                 p.write_bytes(content)

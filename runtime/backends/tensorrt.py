@@ -281,7 +281,7 @@ def open_engine_backend(bundle_dir: str | os.PathLike, manifest: Any, variant: A
     try:
         s = _settings(manifest, variant, dla_core)
         key = engine_key(trt, gpu, s, manifest.files.get(s.onnx_file) or _sha(root / s.onnx_file))
-        plan = _prebuilt(root, key)
+        plan = _prebuilt(root, key, manifest.files)
         cache = cache or EngineCache()
         if plan is None:
             plan, built = cache.get_or_build(key, lambda: build_serialized_engine(
@@ -300,10 +300,12 @@ def open_engine_backend(bundle_dir: str | os.PathLike, manifest: Any, variant: A
         return None
 
 
-def _prebuilt(root: Path, key: EngineKey) -> bytes | None:
-    """A matching engine shipped in the bundle's ``engines/``; logs why others of this variant do not match."""
+def _prebuilt(root: Path, key: EngineKey, files: dict[str, str] | None = None) -> bytes | None:
+    """A matching engine shipped in the bundle's ``engines/`` and listed in its hashes (``files``: an engine added
+    to a bundle after it was built is never deserialized); logs why others of this variant do not match."""
     engines = root / "engines"
-    plan, reason = load_matching(engines / key.slot(), key)
+    listed = files is None or f"engines/{key.slot()}" in files
+    plan, reason = load_matching(engines / key.slot(), key) if listed else (None, "is not in the manifest's hashes")
     if plan is not None:
         log.info("using prebuilt engine engines/%s", key.slot())
         return plan
