@@ -435,7 +435,7 @@ def load_report(path: str | os.PathLike) -> dict[str, Any]:
         data = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise BenchError(f"baseline report {str(p)!r} does not exist", "write one with `dsedge bench BUNDLE --json > base.json`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise BenchError(f"baseline report {str(p)!r} is not valid JSON ({e})", "pass a file written by `dsedge bench --json`") from None
     if not isinstance(data, dict) or data.get("schema") not in (REPORT_SCHEMA, *LEGACY_SCHEMAS):
         raise BenchError(f"{str(p)!r} is not a dsedge bench report", "pass a file written by `dsedge bench --json`")

@@ -21,6 +21,7 @@ from .tempdirs import disown, exchange, owned_temp_dir, publish_lock, release, r
 
 SCHEMA_VERSION = 1
 MANIFEST_SCHEMA = "dsedge.manifest/1"
+MAX_MANIFEST_BYTES = 64 << 20
 MANIFEST = "manifest.json"
 BUNDLE_SUFFIX = ".dse"
 _DTYPES = {"float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool"}
@@ -171,6 +172,9 @@ def read_manifest(bundle: str | os.PathLike) -> Manifest:
         raise BundleError(f"{str(root)!r} has no {MANIFEST}", "is this a dsedge bundle? rebuild it with `dsedge build`")
     if path.is_symlink():
         raise BundleError(f"{MANIFEST} of {str(root)!r} is a link", "a bundle's manifest must be a file inside it")
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise BundleError(f"{path} is {path.stat().st_size} bytes, more than a manifest can be "
+                          f"({MAX_MANIFEST_BYTES >> 20} MiB)", "rebuild the bundle")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -69,16 +69,17 @@ def field_path(parts: Any) -> str:
 
 
 def non_finite(data: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    """Every (path, value) in ``data`` that is a NaN or infinite float."""
-    if isinstance(data, numbers.Real) and not isinstance(data, numbers.Integral):
-        if not math.isfinite(float(data)):
-            yield path, data
-    elif isinstance(data, dict):
-        for k, v in data.items():
-            yield from non_finite(v, (*path, k))
-    elif isinstance(data, (list, tuple)):
-        for i, v in enumerate(data):
-            yield from non_finite(v, (*path, i))
+    """Every (path, value) in ``data`` that is a NaN or infinite float, in document order (iterative: any depth)."""
+    stack = [(path, data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+            if not math.isfinite(float(value)):
+                yield where, value
+        elif isinstance(value, dict):
+            stack.extend(reversed([((*where, k), v) for k, v in value.items()]))
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed([((*where, i), v) for i, v in enumerate(value)]))
 
 
 def problems(kind: str, data: Any, root: str | os.PathLike | None = None) -> list[tuple[str, str]]:
@@ -229,6 +230,8 @@ def loads(text: str, error: type[DsedgeError] = DsedgeError, what: str = "docume
         return json.loads(text, parse_constant=_reject_constant)
     except ValueError as e:  # JSONDecodeError is a ValueError
         raise error(f"{what} is not valid JSON ({getattr(e, 'msg', e)})", hint) from None
+    except RecursionError:
+        raise error(f"{what} nests deeper than this reader allows", hint) from None
 
 
 def dumps(kind: str, data: Any, error: type[DsedgeError] = DsedgeError, what: str | None = None,

@@ -126,6 +126,8 @@ def load_profile(path: str | os.PathLike) -> Target:
         raise TargetError(f"target profile {str(path)!r} does not exist", "pass a .toml profile or a target name") from None
     except IsADirectoryError:
         raise TargetError(f"target profile {str(path)!r} is a directory", "pass a .toml profile or a target name") from None
+    except RecursionError:
+        raise TargetError(f"target profile {path.name} nests too deeply", "compare with a built-in profile") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, ValueError) as e:
         raise TargetError(f"target profile {path} is not valid TOML: {e}", "fix the file's syntax") from None
     unknown = sorted(set(data) - _FIELDS - {"schema"})

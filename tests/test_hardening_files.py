@@ -277,3 +277,20 @@ def test_the_writer_refuses_bundle_files_outside_the_bundle(tmp_path, rel):
     with pytest.raises(BundleError, match="is not a safe relative path"):
         tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path, extra_files={rel: "x"})
     assert not (tmp_path / "mlp-cpu.dse").exists() and not (tmp_path / "escape.txt").exists()
+
+
+def test_deeply_nested_documents_fail_in_one_line(bundle, tmp_path):
+    """Found beyond the issue: a manifest, profile or baseline nested 10^5 deep died in a raw RecursionError."""
+    (bundle / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(BundleError, match="nests deeper"):
+        read_manifest(bundle)
+    p = tmp_path / "deep.toml"
+    p.write_text('name = "x"\nnotes = ' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(TargetError, match="nests too deeply"):
+        load_profile(p)
+    from dsedge.runtime.bench import load_report
+    from dsedge.runtime.errors import BenchError
+
+    (tmp_path / "base.json").write_text("[" * 100_000)
+    with pytest.raises(BenchError, match="not valid JSON"):
+        load_report(tmp_path / "base.json")
