@@ -19,6 +19,7 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 LOCK_SUFFIX = ".lock"
+INIT_PREFIX = ".dsedge-new-"   # a lock file being made: never matched by is_temp_name
 _held: dict[str, int] = {}          # directory path → fd of its locked lock file
 _held_lock = threading.Lock()
 
@@ -40,22 +42,42 @@ def is_temp_name(name: str) -> bool:
 def owned_temp_dir(parent: str | os.PathLike, prefix: str) -> Path:
     """Create a fresh directory ``parent/PREFIXxxxx`` owned by this process (see the module docstring).
 
-    Returns its path; release it with ``release`` (remove) or ``disown`` (after renaming it away).
+    The lock file is made and locked under a name no clean-up looks at (``.dsedge-new-…``), then linked to
+    ``D.lock``, then ``D`` is made: whenever a clean-up can see ``D.lock`` it is already locked, and ``D`` never
+    exists without it. Returns ``D``; release it with ``release`` (remove) or ``disown`` (after renaming it away).
     """
     parent = Path(parent)
-    fd, lock_path = tempfile.mkstemp(prefix=prefix, suffix=LOCK_SUFFIX, dir=parent)
+    fd, init = tempfile.mkstemp(prefix=INIT_PREFIX, dir=parent)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # a brand-new file: always free
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started_unix": round(time.time(), 3),
                   "argv": sys.argv[:4]}
         os.write(fd, (json.dumps(record) + "\n").encode())
-        d = Path(lock_path[: -len(LOCK_SUFFIX)])
-        os.mkdir(d, 0o700)
+        for _ in range(100):
+            d = parent / f"{prefix}{secrets.token_hex(5)}"
+            lock = os.fspath(d) + LOCK_SUFFIX
+            try:
+                os.link(init, lock)
+            except FileExistsError:
+                continue
+            except OSError:                      # a filesystem without hard links
+                if os.path.exists(lock):
+                    continue
+                os.rename(init, lock)
+            try:
+                os.mkdir(d, 0o700)
+            except FileExistsError:
+                os.unlink(lock)
+                continue
+            break
+        else:
+            raise FileExistsError(errno.EEXIST, "no free temporary directory name", os.fspath(parent))
     except BaseException:
         os.close(fd)
-        with _suppress():
-            os.unlink(lock_path)
         raise
+    finally:
+        with _suppress():
+            os.unlink(init)
     with _held_lock:
         _held[os.fspath(d)] = fd
     return d

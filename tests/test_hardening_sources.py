@@ -156,13 +156,15 @@ def test_bad_request_options_are_input_errors_and_metrics_stay_balanced(session,
     assert m["submitted"] == m["answered"] + sum(m["rejected"].values()) and m["in_flight"] == 0
 
 
-def test_session_default_budget_that_is_not_a_number_is_an_input_error(tmp_path):
-    s = dsedge.load(tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path), budget_ms=float("nan"))
-    try:
-        with pytest.raises(InputError, match="default latency budget must be a finite number"):
-            s.submit({"x": np.ones((1, 64), np.float32)})
-    finally:
-        s.close()
+def test_a_default_budget_that_is_not_a_number_is_an_input_error(tmp_path):
+    from dsedge.runtime.io import check_request_options
+
+    with pytest.raises(InputError, match="budget_ms must be a finite number"):
+        dsedge.load(tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path), budget_ms=float("nan"))
+    with pytest.raises(InputError, match="default latency budget must be a finite number"):
+        check_request_options(None, 0, lambda: float("nan"))
+    with pytest.raises(InputError, match="default latency budget is not a number"):
+        check_request_options(None, 0, lambda: float("abc"))
 
 
 @pytest.mark.parametrize("kw, words", [
