@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .bundle import IOSpec
-from .errors import InputError
+from .errors import DsedgeError, InputError
 
 
 def validate_inputs(
@@ -156,3 +156,14 @@ def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = 
     if profile not in PROFILE_SOURCES:
         raise InputError(f"profile must be one of {', '.join(PROFILE_SOURCES)}, got {profile!r}",
                          "pass profile='auto'")
+
+
+def check_finite(arrays: Mapping[str, Any], error: type[DsedgeError] = InputError, where: str = "") -> None:
+    """Refuse NaN or infinite values in float arrays (calibration and held-out data: one NaN poisons every
+    activation range, a GPTQ Hessian, or a SmoothQuant scale). Raises ``error`` naming the array and the count."""
+    for name, a in arrays.items():
+        arr = np.asarray(a)
+        if arr.dtype.kind == "f" and arr.size and not np.isfinite(arr).all():
+            bad = int(arr.size - np.isfinite(arr).sum())
+            raise error(f"{where + ': ' if where else ''}input {name!r} holds {bad} NaN/Inf values",
+                        "clean the data (drop or impute non-finite rows) before calibrating or validating")

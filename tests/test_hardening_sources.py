@@ -193,3 +193,30 @@ def test_load_path_of_the_wrong_type_is_an_input_error(path):
 def test_ragged_inputs_are_input_errors(session):
     with pytest.raises(InputError, match="input 'x' is not an array"):
         session.run({"x": [[1.0] * 64, [1.0]]})
+
+
+@pytest.mark.parametrize("precision, target", [("int4", "cpu"), ("int8", "cpu"), ("int8", "t4")])
+def test_calibration_data_with_nan_is_refused_naming_the_file(tmp_path, precision, target):
+    """Found beyond the issue: NaN calibration data gave a raw torch LinAlgError (GPTQ), a bundle calibrated on NaN
+    (ORT INT8), or a misleading "weights hold NaN" (SmoothQuant spread it into the weights)."""
+    from dsedge.runtime.errors import CalibrationError
+    from dsedge.toolchain.pipeline import BuildOptions, build
+
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    for i in range(4):
+        np.savez(calib / f"{i}.npz", x=np.full((1, 64), np.nan if i == 0 else 1.0, np.float32))
+    with pytest.raises(CalibrationError, match=r"0.npz: input 'x' holds 64 NaN/Inf values"):
+        build(BuildOptions(model=str(mlp_onnx(tmp_path / "m.onnx")), target=target, precision=precision,
+                           calib=str(calib), out_dir=str(tmp_path / "o")))
+    assert not list((tmp_path / "o").iterdir())
+
+
+def test_quantize_api_refuses_nan_calibration_batches(tmp_path):
+    from dsedge.runtime.errors import CalibrationError
+    from dsedge.toolchain.quantize.int8 import quantize_int8_static
+
+    model = onnx.load(str(mlp_onnx(tmp_path / "m.onnx")))
+    batches = [{"x": np.ones((1, 64), np.float32)}, {"x": np.full((1, 64), np.inf, np.float32)}]
+    with pytest.raises(CalibrationError, match="calibration batch 1: input 'x' holds 64 NaN/Inf"):
+        quantize_int8_static(model, batches)
