@@ -214,6 +214,7 @@ class Session:
         Raises InputError (from the item that failed validation) or SessionClosedError.
         """
         sched = self._scheduler()
+        check_session_options(self.path, window=window)
         window = window or max(2, 2 * sched.lanes[0].max_batch)
         slots = threading.Semaphore(window)
         done: _queue.Queue = _queue.Queue()
@@ -278,6 +279,7 @@ class Session:
                            window: int | None = None) -> AsyncIterator[Result | Rejected]:
         """``async for`` form of ``stream`` over a sync or async iterable (same ids, order and window)."""
         sched = self._scheduler()
+        check_session_options(self.path, window=window)
         window = window or max(2, 2 * sched.lanes[0].max_batch)
         slots = asyncio.Semaphore(window)
         pending: list[asyncio.Future] = []

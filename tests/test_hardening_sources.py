@@ -220,3 +220,9 @@ def test_quantize_api_refuses_nan_calibration_batches(tmp_path):
     batches = [{"x": np.ones((1, 64), np.float32)}, {"x": np.full((1, 64), np.inf, np.float32)}]
     with pytest.raises(CalibrationError, match="calibration batch 1: input 'x' holds 64 NaN/Inf"):
         quantize_int8_static(model, batches)
+
+
+@pytest.mark.parametrize("window", [-1, 0, 1.5, "8"])
+def test_stream_window_is_checked(session, window):
+    with pytest.raises(InputError, match="window must be an integer >= 1"):
+        list(session.stream([{"x": np.ones((1, 64), np.float32)}], window=window))
