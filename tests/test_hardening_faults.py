@@ -162,3 +162,36 @@ def test_owned_dirs_are_released_and_orphan_locks_removed(tmp_path):
     orphan = tmp_path / ".y.dse.tmp-2-abc.lock"      # owner died between its lock file and its directory
     orphan.write_text("{}")
     assert remove_stale(tmp_path) == [] and not orphan.exists()
+
+
+TMPFS_SCRIPT = """
+set -u
+mount -t tmpfs -o size=160k tmpfs "$MNT" || exit 77
+"$PY" -m dsedge.cli build --model "$MODEL" --target cpu --out "$MNT/out" --precision fp32 >/dev/null 2>&1 || exit 78
+echo "first ok"
+"$PY" -m dsedge.cli build --model "$MODEL" --target cpu --out "$MNT/out" --precision int8 >/dev/null 2>"$ERR"
+echo "second rc $?"
+"$PY" -c "import sys, os; from dsedge.runtime.bundle import verify_bundle; verify_bundle(sys.argv[1] + '/mlp-cpu.dse');
+print('left', sorted(os.listdir(sys.argv[1])))" "$MNT/out"
+"""
+
+
+def test_a_full_tmpfs_fails_in_one_line_and_the_existing_bundle_survives(tmp_path):
+    """A real ENOSPC: a 160 KiB tmpfs in a private mount namespace (where this machine allows mounting)."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here; the RLIMIT_FSIZE test covers the full-disk path")
+    mnt, err = tmp_path / "mnt", tmp_path / "err.txt"
+    mnt.mkdir()
+    env = {**os.environ, "MNT": str(mnt), "PY": sys.executable, "MODEL": str(mlp_onnx(tmp_path / "mlp.onnx")),
+           "ERR": str(err)}
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", TMPFS_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=120)
+    if r.returncode == 77 or "unshare:" in r.stderr:
+        pytest.skip(f"mounting a tmpfs is not allowed here ({r.stderr.strip()[:80]})")
+    assert "first ok" in r.stdout, r.stdout + r.stderr
+    assert "second rc 2" in r.stdout, r.stdout + err.read_text()
+    text = err.read_text()
+    assert "the disk is full" in text and "Traceback" not in text and text.count("\n") <= 2
+    assert "left ['mlp-cpu.dse']" in r.stdout, r.stdout + r.stderr
