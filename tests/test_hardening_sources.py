@@ -226,3 +226,17 @@ def test_quantize_api_refuses_nan_calibration_batches(tmp_path):
 def test_stream_window_is_checked(session, window):
     with pytest.raises(InputError, match="window must be an integer >= 1"):
         list(session.stream([{"x": np.ones((1, 64), np.float32)}], window=window))
+
+
+def test_a_checkpoint_marker_naming_files_outside_is_not_loadable(tmp_path):
+    """Found beyond the issue: a COMPLETE marker listing ``../../x`` made resume hash files outside the run."""
+    import json
+
+    pytest.importorskip("torch")
+    from dsedge.toolchain.train.checkpoint import COMPLETE, Checkpointer
+
+    step = tmp_path / "checkpoints" / "step_1"
+    step.mkdir(parents=True)
+    (tmp_path / "secret").write_text("x")
+    (step / COMPLETE).write_text(json.dumps({"step": 1, "files": {"../../secret": {"bytes": 1, "sha256": "0"}}}))
+    assert "leaves the checkpoint" in Checkpointer(tmp_path).verify(step)
