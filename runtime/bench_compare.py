@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import BenchError, InputError
+from .schema import validate
 
 PERCENTILES = {"p50": 50, "p90": 90, "p95": 95, "p99": 99}
 
@@ -22,7 +23,8 @@ def normalize_percentile(p: str | int | float) -> str:
     return key
 
 
-REPORT_SCHEMA = "dsedge.bench"
+REPORT_SCHEMA = "dsedge.bench-report/1"
+LEGACY_SCHEMAS = ("dsedge.bench",)  # the same format, version 1, under its former name
 REPORT_SCHEMA_VERSION = 1
 
 
@@ -33,15 +35,16 @@ def load_report(path: str | os.PathLike) -> dict[str, Any]:
         data = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise BenchError(f"baseline report {str(p)!r} does not exist", "write one with `dsedge bench BUNDLE --json > base.json`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise BenchError(f"baseline report {str(p)!r} is not valid JSON ({e})", "pass a file written by `dsedge bench --json`") from None
-    if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA:
+    if not isinstance(data, dict) or data.get("schema") not in (REPORT_SCHEMA, *LEGACY_SCHEMAS):
         raise BenchError(f"{str(p)!r} is not a dsedge bench report", "pass a file written by `dsedge bench --json`")
     if data.get("schema_version") != REPORT_SCHEMA_VERSION:
         raise BenchError(f"bench report {str(p)!r} has schema version {data.get('schema_version')!r}; this dsedge "
                          f"reads {REPORT_SCHEMA_VERSION}", "measure the baseline again with this dsedge")
     if not isinstance(data.get("results"), list):
         raise BenchError(f"bench report {str(p)!r} has no results list", "pass a file written by `dsedge bench --json`")
+    validate("bench-report", data, BenchError, f"bench report {p.name}")
     return data
 
 

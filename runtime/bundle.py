@@ -9,16 +9,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from . import schema as _schema
 from .errors import BundleError, BundleIntegrityError
 from .files import sha256_file, usual_mode  # noqa: F401  (re-exported: bundle.sha256_file, bundle.usual_mode)
+from .external_data import check_external_data
+from .names import inside
+from .tempdirs import disown, exchange, owned_temp_dir, publish_lock, release, remove_stale
 
 SCHEMA_VERSION = 1
+MANIFEST_SCHEMA = "dsedge.manifest/1"
+MAX_MANIFEST_BYTES = 64 << 20
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"  # detached Ed25519 signature over manifest.json (runtime/signing.py); not hash-listed
 BUNDLE_SUFFIX = ".dse"
@@ -105,6 +109,7 @@ class Manifest:
     latency_budget_ms: float | None = None
     dsedge_version: str = ""
     schema_version: int = SCHEMA_VERSION
+    schema: str = MANIFEST_SCHEMA
 
     def variant(self, name: str | None = None) -> Variant:
         """The variant called ``name`` (default: ``default_variant``). Raises BundleError if there is none."""
@@ -124,6 +129,11 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+        """Check ``d`` against the manifest schema and its consistency rules (``runtime/schema.py``), then build it.
+
+        Raises:
+            BundleError: one line naming the first bad field.
+        """
         if not isinstance(d, dict):
             raise BundleError("manifest.json is not a JSON object", "rebuild the bundle with `dsedge build`")
         version = d.get("schema_version")
@@ -132,26 +142,17 @@ class Manifest:
                 f"manifest schema version {version!r} is not supported (this dsedge reads {SCHEMA_VERSION})",
                 "rebuild the bundle with this dsedge version",
             )
-        try:
-            m = cls(
-                name=d["name"], target=dict(d["target"]),
-                inputs=[IOSpec.from_dict(x) for x in d["inputs"]],
-                outputs=[IOSpec.from_dict(x) for x in d["outputs"]],
-                variants=[Variant.from_dict(x) for x in d["variants"]],
-                default_variant=d["default_variant"], files=dict(d.get("files", {})),
-                source=dict(d.get("source", {})), shape_ranges=dict(d.get("shape_ranges", {})),
-                latency_budget_ms=d.get("latency_budget_ms"), dsedge_version=d.get("dsedge_version", ""),
-                schema_version=version,
-            )
-            for sym, rng in m.shape_ranges.items():
-                if not all(isinstance(rng.get(k), int) for k in ("min", "max")) or rng["min"] > rng["max"]:
-                    raise TypeError(f"shape_ranges[{sym!r}] needs integer min <= max")
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise BundleError(f"manifest.json lacks or mangles field {e}", "rebuild the bundle") from None
-        if not m.variants:
-            raise BundleError("manifest.json lists no variants", "rebuild the bundle")
-        m.variant(m.default_variant)  # the default must exist
-        return m
+        _schema.validate("manifest", d, BundleError, "manifest.json")
+        return cls(
+            name=d["name"], target=dict(d["target"]),
+            inputs=[IOSpec.from_dict(x) for x in d["inputs"]],
+            outputs=[IOSpec.from_dict(x) for x in d["outputs"]],
+            variants=[Variant.from_dict(x) for x in d["variants"]],
+            default_variant=d["default_variant"], files=dict(d["files"]),
+            source=dict(d.get("source", {})), shape_ranges={k: dict(v) for k, v in d.get("shape_ranges", {}).items()},
+            latency_budget_ms=d.get("latency_budget_ms"), dsedge_version=d.get("dsedge_version", ""),
+            schema_version=version,
+        )
 
 
 def read_manifest(bundle: str | os.PathLike) -> Manifest:
@@ -164,11 +165,16 @@ def read_manifest(bundle: str | os.PathLike) -> Manifest:
     path = root / MANIFEST
     if not path.is_file():
         raise BundleError(f"{str(root)!r} has no {MANIFEST}", "is this a dsedge bundle? rebuild it with `dsedge build`")
+    if path.is_symlink():
+        raise BundleError(f"{MANIFEST} of {str(root)!r} is a link", "a bundle's manifest must be a file inside it")
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise BundleError(f"{path} is {path.stat().st_size} bytes, more than a manifest can be "
+                          f"({MAX_MANIFEST_BYTES >> 20} MiB)", "rebuild the bundle")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BundleError(f"{path} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})", "rebuild the bundle") from None
-    return Manifest.from_dict(data)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BundleError(f"{path} is not valid JSON ({e})", "rebuild the bundle") from None
+    return Manifest.from_dict(_schema.loads(text, BundleError, str(path), "rebuild the bundle"))
 
 
 def verify_bundle(bundle: str | os.PathLike) -> Manifest:
@@ -181,13 +187,8 @@ def verify_bundle(bundle: str | os.PathLike) -> Manifest:
     """
     root = Path(bundle)
     m = read_manifest(root)
-    for v in m.variants:
-        if v.file not in m.files:
-            raise BundleIntegrityError(f"variant {v.name!r} file {v.file!r} has no hash in the manifest", "rebuild the bundle")
     for rel, expected in m.files.items():
-        p = (root / rel).resolve()
-        if root.resolve() not in p.parents:
-            raise BundleIntegrityError(f"manifest lists a file outside the bundle: {rel!r}", "rebuild the bundle")
+        p = inside(root, rel, "manifest lists a file", BundleIntegrityError)
         if not p.is_file():
             raise BundleIntegrityError(f"bundle file {rel!r} is missing", "copy the whole .dse directory, or rebuild it")
         actual = sha256_file(p)
@@ -197,6 +198,7 @@ def verify_bundle(bundle: str | os.PathLike) -> Manifest:
                 "copy the bundle again or rebuild it with `dsedge build`",
             )
     for v in m.variants:
+        check_external_data(root / v.file, root, m.files)
         check_model_io(m, root / v.file)
     return m
 
@@ -237,61 +239,59 @@ def hash_files(root: str | os.PathLike, exclude: tuple[str, ...] = (MANIFEST, SI
 
 
 def write_manifest(root: str | os.PathLike, manifest: Manifest) -> None:
-    """Hash every file under ``root`` into ``manifest.files`` and write ``manifest.json``."""
+    """Hash every file under ``root`` into ``manifest.files`` and write ``manifest.json``.
+
+    Raises:
+        BundleError: the manifest would not pass its schema or consistency rules (so no reader could load it).
+    """
     manifest.files = hash_files(root)
-    (Path(root) / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n", encoding="utf-8")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    text = _schema.dumps("manifest", manifest.to_dict(), BundleError, "manifest.json", root=root)
+    for v in manifest.variants:  # every file a model reads is inside the bundle and hashed, before it is published
+        check_external_data(Path(root) / v.file, root, manifest.files)
+    (Path(root) / MANIFEST).write_text(text, encoding="utf-8")
 
 
 def remove_stale_temp(parent: str | os.PathLike) -> list[Path]:
-    """Remove temporary directories (``.NAME.tmp-PID-…``, ``.dsedge-build-PID-…``) left in ``parent`` by a process
-    that was killed (SIGKILL runs no clean-up) and is no longer alive. Returns what was removed."""
-    removed = []
-    parent = Path(parent)
-    if not parent.is_dir():
-        return removed
-    for p in parent.iterdir():
-        if not (p.is_dir() and p.name.startswith(".") and ("-tmp-" in p.name or ".tmp-" in p.name
-                                                            or p.name.startswith(".dsedge-build-"))):
-            continue
-        pid = next((int(part) for part in p.name.replace(".tmp-", "-").split("-") if part.isdigit()), None)
-        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-    return removed
+    """Remove temporary directories in ``parent`` left by processes that died (SIGKILL runs no clean-up); never
+    a live process's. Ownership is an advisory lock, not a pid in the name: see ``runtime/tempdirs.py``."""
+    return remove_stale(parent)
 
 
 @contextlib.contextmanager
 def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``final``; on success rename it to ``final``.
 
-    The temporary directory lives in ``final``'s parent so ``os.replace`` never crosses filesystems. An existing
-    ``final`` is moved aside first and removed only after the new one is in place. On any exception the temporary
-    directory is removed and ``final`` is left as it was.
+    The temporary directory lives in ``final``'s parent so renames never cross filesystems, and is owned by this
+    process (``runtime/tempdirs.py``: no other build's clean-up removes it). An existing ``final`` is swapped with
+    the new one atomically (``renameat2(RENAME_EXCHANGE)``; where that is missing, moved aside and moved back on
+    failure) and removed only after the new one is in place; concurrent writers of one ``final`` take turns and the
+    last one wins. On any exception the temporary directory is removed and ``final`` is left as it was.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp(final.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
-    os.chmod(tmp, usual_mode(0o777))  # mkdtemp makes 0700; a published bundle gets the user's usual mode
+    tmp = owned_temp_dir(final.parent, f".{final.name}.tmp-{os.getpid()}-")
+    os.chmod(tmp, usual_mode(0o777))  # a private temp directory; a published bundle gets the user's usual mode
     try:
         yield tmp
-        old = None
-        if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-old-", dir=final.parent))
-            os.replace(final, old / final.name)
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        with publish_lock(final.parent):   # concurrent writers of one destination publish one after the other
+            if final.exists() and exchange(tmp, final):
+                pass                         # atomic swap: `final` is new, `tmp` holds the old bundle
+            elif final.exists():
+                old = owned_temp_dir(final.parent, f".{final.name}.tmp-{os.getpid()}-old-")
+                os.replace(final, old / final.name)
+                try:
+                    os.replace(tmp, final)
+                except BaseException:
+                    os.replace(old / final.name, final)
+                    raise
+                finally:
+                    release(old)
+            else:
+                os.replace(tmp, final)
+                disown(tmp)
+                return
+        release(tmp)                          # the old bundle (swapped), or nothing
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        release(tmp)
         raise

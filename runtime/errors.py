@@ -76,7 +76,6 @@ class BenchError(DsedgeError):
     """A benchmark cannot run or compare: no samples, a missing/malformed/foreign baseline report."""
 
 
-
 class OutputMismatchError(DsedgeError):
     """A backend's answers on the bundle's golden inputs are outside the build-time tolerance (the figures say how
     far); ``dsedge verify`` exits 1 on it."""
@@ -87,3 +86,7 @@ class OutputMismatchError(DsedgeError):
 class SignatureError(BundleIntegrityError):
     """Trusted keys are configured and the bundle is unsigned, signed by an untrusted key, or its signature does not
     match the manifest."""
+
+
+class StorageError(DsedgeError):
+    """The disk refused a write: full, over a quota or file-size limit, read-only, or not permitted."""

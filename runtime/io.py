@@ -1,12 +1,14 @@
 """Check request inputs against a bundle's IO specs before they reach a backend."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+import math
+import numbers
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from .bundle import IOSpec
-from .errors import InputError
+from .errors import DsedgeError, InputError
 
 
 def validate_inputs(
@@ -32,7 +34,11 @@ def validate_inputs(
     for spec in specs:
         if spec.name not in inputs:
             raise InputError(f"missing input {spec.name!r}", f"pass all of: {', '.join(s.name for s in specs)}")
-        arr = np.asarray(inputs[spec.name])
+        try:
+            arr = np.asarray(inputs[spec.name])
+        except (ValueError, TypeError) as e:  # a ragged nested list, an object numpy cannot hold as an array
+            raise InputError(f"input {spec.name!r} is not an array ({str(e).splitlines()[0][:120]})",
+                             f"pass a numpy array of dtype {spec.dtype}") from None
         if arr.dtype != np.dtype(spec.dtype):
             raise InputError(f"input {spec.name!r} has dtype {arr.dtype}, expected {spec.dtype}",
                              f"convert it with .astype(np.{spec.dtype})")
@@ -63,3 +69,101 @@ def validate_inputs(
                                  "use the tokenizer / encoder the bundle was built with")
         out[spec.name] = arr
     return out
+
+
+MAX_BUDGET_MS = 3_600_000.0   # one hour: a longer "latency budget" is a unit mistake (s vs ms)
+MAX_PRIORITY = 2**31 - 1
+
+
+def check_request_options(budget_ms: Any, priority: Any,
+                          default_budget_ms: Callable[[], Any] | float | None = None) -> tuple[float, int]:
+    """A request's latency budget and priority as ``(float ms, int)``, checked before anything is queued.
+
+    Args:
+        budget_ms: latency budget in ms, a finite real number in (0, ``MAX_BUDGET_MS``]; None takes
+            ``default_budget_ms`` (a value, or a callable called only then).
+        priority: an integer in [-``MAX_PRIORITY``, ``MAX_PRIORITY``] (numpy integers too; bools, floats and
+            strings are refused rather than truncated or compared with ints later).
+    Raises:
+        InputError: a budget that is not a number, NaN, infinite, ≤ 0 or too large; a priority that is not an
+            integer or out of range.
+    """
+    if budget_ms is None:
+        try:
+            budget_ms = default_budget_ms() if callable(default_budget_ms) else default_budget_ms
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InputError(f"the session's default latency budget is not a number ({e})",
+                             "pass load(..., budget_ms=50.0) or submit(..., budget_ms=50.0)") from None
+        what = "default latency budget"
+    else:
+        what = "budget_ms"
+    if isinstance(budget_ms, (bool, np.bool_)) or not isinstance(budget_ms, (numbers.Real, np.number)):
+        raise InputError(f"{what} must be a number of milliseconds, got {type(budget_ms).__name__} {budget_ms!r}",
+                         "pass budget_ms=50.0 (ms), or None for the session's default")
+    budget = float(budget_ms)
+    if not math.isfinite(budget) or not 0 < budget <= MAX_BUDGET_MS:
+        raise InputError(f"{what} must be a finite number in (0, {MAX_BUDGET_MS:.0f}] ms, got {budget_ms!r}",
+                         "pass budget_ms=50.0 (ms), or None for the session's default")
+    if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, (numbers.Integral, np.integer)):
+        raise InputError(f"priority must be an integer, got {type(priority).__name__} {priority!r}",
+                         "pass priority=0 (higher wins among equal deadlines)")
+    if not -MAX_PRIORITY <= int(priority) <= MAX_PRIORITY:
+        raise InputError(f"priority {priority} is outside [-{MAX_PRIORITY}, {MAX_PRIORITY}]",
+                         "pass a small integer, e.g. priority=1")
+    return budget, int(priority)
+
+
+PROFILE_SOURCES = ("auto", "measure", "bundle")
+
+
+def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = None, max_queue: Any = 1024,
+                          max_delay_ms: Any = None, profile: Any = "auto", threads: Any = None,
+                          window: Any = None) -> None:
+    """Check ``dsedge.load``'s options (and ``stream``'s ``window``) before anything is opened.
+
+    ``path`` is a str or ``os.PathLike``; ``budget_ms``/``max_delay_ms`` None or a finite number > 0 (ms; a
+    ``max_delay_ms`` of 0 holds no batch open); ``max_batch``/``threads``/``window`` None or an integer ≥ 1;
+    ``max_queue`` an integer ≥ 1; ``profile`` one of ``PROFILE_SOURCES``.
+
+    Raises:
+        InputError: naming the first bad option.
+    """
+    import os
+
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise InputError(f"bundle path must be a str or pathlib.Path, got {type(path).__name__}",
+                         "pass the NAME-TARGET.dse directory, e.g. dsedge.load('out/model-cpu.dse')")
+
+    def integer(name: str, value: Any, low: int, optional: bool = True) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)) \
+                or not low <= int(value) <= 2**31 - 1:
+            raise InputError(f"{name} must be an integer >= {low}, got {value!r}", f"pass {name}={max(low, 1)} or more")
+
+    integer("max_batch", max_batch, 1)
+    integer("max_queue", max_queue, 1, optional=False)
+    integer("threads", threads, 1)
+    integer("window", window, 1)
+    for name, value, low_open in (("budget_ms", budget_ms, True), ("max_delay_ms", max_delay_ms, False)):
+        if value is None:
+            continue
+        ok = isinstance(value, (numbers.Real, np.number)) and not isinstance(value, (bool, np.bool_))
+        v = float(value) if ok else math.nan
+        if not (math.isfinite(v) and (v > 0 if low_open else v >= 0) and v <= MAX_BUDGET_MS):
+            raise InputError(f"{name} must be a finite number of ms {'>' if low_open else '>='} 0, got {value!r}",
+                             f"pass {name}=50.0, or None for the default")
+    if profile not in PROFILE_SOURCES:
+        raise InputError(f"profile must be one of {', '.join(PROFILE_SOURCES)}, got {profile!r}",
+                         "pass profile='auto'")
+
+
+def check_finite(arrays: Mapping[str, Any], error: type[DsedgeError] = InputError, where: str = "") -> None:
+    """Refuse NaN or infinite values in float arrays (calibration and held-out data: one NaN poisons every
+    activation range, a GPTQ Hessian, or a SmoothQuant scale). Raises ``error`` naming the array and the count."""
+    for name, a in arrays.items():
+        arr = np.asarray(a)
+        if arr.dtype.kind == "f" and arr.size and not np.isfinite(arr).all():
+            bad = int(arr.size - np.isfinite(arr).sum())
+            raise error(f"{where + ': ' if where else ''}input {name!r} holds {bad} NaN/Inf values",
+                        "clean the data (drop or impute non-finite rows) before calibrating or validating")

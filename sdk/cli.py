@@ -8,6 +8,7 @@ import sys
 import click
 
 from .runtime.errors import DsedgeError
+from .runtime.storage import storage_error
 
 # name → "module:attribute". Device-side commands live in dsedge.commands, host-side ones in dsedge.toolchain.commands.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -108,6 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     except DsedgeError as e:
         report_error(e)
         sys.exit(e.exit_code)
+    except OSError as e:  # a full disk, a quota, a read-only --out: one line, no traceback
+        err = storage_error(e, "dsedge")
+        if err is None:
+            raise
+        report_error(err)
+        sys.exit(err.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.ClickException as e:

@@ -19,7 +19,7 @@ from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import DsedgeError, SessionClosedError
 from .runtime.golden import check_backend
 from .runtime.signing import check_signature
-from .runtime.io import validate_inputs
+from .runtime.io import check_request_options, check_session_options, validate_inputs
 from .runtime.latency_profile import LatencyProfile, measure
 from .runtime.metrics import StreamMetrics
 from .runtime.results import Rejected, Result
@@ -200,7 +200,7 @@ class Session:
         """
         sched = self._scheduler()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
-        budget = self.default_budget_ms() if budget_ms is None else float(budget_ms)
+        budget, priority = check_request_options(budget_ms, priority, self.default_budget_ms)
         try:
             return sched.submit(checked, budget, priority, id)
         except RuntimeError:
@@ -216,6 +216,7 @@ class Session:
         Raises InputError (from the item that failed validation) or SessionClosedError.
         """
         sched = self._scheduler()
+        check_session_options(self.path, window=window)
         window = window or max(2, 2 * sched.lanes[0].max_batch)
         slots = threading.Semaphore(window)
         done: _queue.Queue = _queue.Queue()
@@ -280,6 +281,7 @@ class Session:
                            window: int | None = None) -> AsyncIterator[Result | Rejected]:
         """``async for`` form of ``stream`` over a sync or async iterable (same ids, order and window)."""
         sched = self._scheduler()
+        check_session_options(self.path, window=window)
         window = window or max(2, 2 * sched.lanes[0].max_batch)
         slots = asyncio.Semaphore(window)
         pending: list[asyncio.Future] = []
@@ -458,6 +460,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         SignatureError: trusted keys are configured and the bundle is unsigned, wrongly signed or was edited.
         OutputMismatchError: ``check_outputs`` and the backend's golden answers are outside tolerance.
     """
+    check_session_options(path, budget_ms=budget_ms, max_batch=max_batch, max_queue=max_queue,
+                          max_delay_ms=max_delay_ms, profile=profile, threads=threads)
     if isinstance(providers, str):
         providers = [providers]
     if threads is not None and (not isinstance(threads, int) or threads < 1):

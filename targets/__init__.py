@@ -16,6 +16,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from ..runtime.errors import TargetError
+from ..runtime.schema import validate
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 MODEL_PRECISIONS = ("int4", "int8", "fp16", "bf16", "fp32")
@@ -116,81 +117,35 @@ def _profile_files() -> list[Path]:
 
 
 def load_profile(path: str | os.PathLike) -> Target:
-    """Parse one profile file. Raises TargetError naming the file and the bad key/value."""
+    """Parse one profile file and check it against ``dsedge.target-profile/1`` (``runtime/schemas/``) and its
+    consistency rules (``runtime.schema.check_consistency``). Raises TargetError naming the file and the bad field."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise TargetError(f"target profile {str(path)!r} does not exist", "pass a .toml profile or a target name") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+    except IsADirectoryError:
+        raise TargetError(f"target profile {str(path)!r} is a directory", "pass a .toml profile or a target name") from None
+    except RecursionError:
+        raise TargetError(f"target profile {path.name} nests too deeply", "compare with a built-in profile") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, ValueError) as e:
         raise TargetError(f"target profile {path} is not valid TOML: {e}", "fix the file's syntax") from None
-    unknown = sorted(set(data) - _FIELDS)
+    unknown = sorted(set(data) - _FIELDS - {"schema"})
     if unknown:
         raise TargetError(f"target profile {path.name} has unknown key {unknown[0]!r}",
                           f"allowed keys: {', '.join(sorted(_FIELDS))}")
     if "name" not in data:
         raise TargetError(f"target profile {path.name} has no 'name'", "add name = \"my-device\"")
-    for key in ("precisions", "precision_order"):
-        bad = [p for p in data.get(key, []) if p not in MODEL_PRECISIONS]
-        if bad:
-            raise TargetError(f"target profile {path.name}: {key} has unknown precision {bad[0]!r}",
-                              f"use some of {', '.join(MODEL_PRECISIONS)}")
-    order = data.get("precision_order", data.get("precisions", ["fp32"]))
-    if any(p not in data.get("precisions", ["fp32"]) for p in order):
-        raise TargetError(f"target profile {path.name}: precision_order lists a precision not in precisions",
-                          "keep precision_order a subset of precisions")
-    try:
-        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-        kwargs.setdefault("precision_order", kwargs.get("precisions", ("fp32",)))
-        target = Target(source=str(path), **kwargs)
-    except TypeError as e:
-        raise TargetError(f"target profile {path.name} is malformed: {e}", "compare with a built-in profile") from None
-    _check_values(target, path.name)
-    return target
-
-
-def _check_values(t: Target, fname: str) -> None:
-    """Reject values a build could not use (wrong types, impossible ranges). Raises TargetError naming the key."""
-
-    def bad(key: str, why: str) -> TargetError:
-        return TargetError(f"target profile {fname}: {key} {why}", "compare with a built-in profile in dsedge/targets/profiles")
-
+    validate("target-profile", data, TargetError, f"target profile {path.name}")
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k != "schema"}
+    kwargs.setdefault("precision_order", kwargs.get("precisions", ("fp32",)))
+    target = Target(source=str(path), **kwargs)
     from ..runtime.backends import backend_names
 
-    if t.backend not in backend_names():
-        raise bad("backend", f"is {t.backend!r}; use one of {', '.join(backend_names())}")
-    unknown = [f for f in t.engine_flags if f not in ENGINE_FLAGS]
-    if unknown:
-        raise bad("engine_flags", f"has unknown flag {unknown[0]!r}; use some of {', '.join(ENGINE_FLAGS)}")
-    if not isinstance(t.dla_cores, int) or isinstance(t.dla_cores, bool) or t.dla_cores < 0:
-        raise bad("dla_cores", f"must be an integer >= 0, got {t.dla_cores!r}")
-    for key in ("memory_gb", "workspace_mb", "default_budget_ms"):
-        val = getattr(t, key)
-        if isinstance(val, bool) or not isinstance(val, (int, float)) or val < 0:
-            raise bad(key, f"must be a number >= 0, got {val!r}")
-    if t.compute_capability is not None:
-        cc = str(t.compute_capability)
-        if not (cc.count(".") == 1 and all(part.isdigit() for part in cc.split("."))):
-            raise bad("compute_capability", f"must look like \"8.7\", got {cc!r}")
-    if t.backend == "tensorrt":
-        if not t.compute_capability:
-            raise bad("compute_capability", "is required for a tensorrt target")
-        try:
-            if t.trt_version is None:
-                raise ValueError
-        except ValueError:
-            raise bad("tensorrt", "needs version = \"MAJOR.MINOR\" (e.g. \"10.3\")") from None
-    if not isinstance(t.opset, dict) or not all(isinstance(t.opset.get(k), int) for k in ("min", "max")):
-        raise bad("opset", f"must be {{ min = N, max = M }} with integers, got {t.opset!r}")
-    if t.opset["min"] > t.opset["max"]:
-        raise bad("opset", f"min {t.opset['min']} is above max {t.opset['max']}")
-    for dim, rng in t.shapes.items():
-        try:
-            lo, opt, hi = (int(rng[k]) for k in ("min", "opt", "max"))
-        except (KeyError, TypeError, ValueError):
-            raise bad("shapes", f"{dim!r} must be {{ min = a, opt = b, max = c }}") from None
-        if not 1 <= lo <= opt <= hi:
-            raise bad("shapes", f"{dim!r} needs 1 <= min <= opt <= max, got {lo}/{opt}/{hi}")
+    if target.backend not in backend_names():  # registered backends (register_backend), not a fixed list
+        raise TargetError(f"target profile {path.name}: backend is {target.backend!r}",
+                          f"use one of {', '.join(backend_names())}, or register yours first")
+    return target
 
 
 def list_targets() -> list[Target]:

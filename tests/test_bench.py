@@ -175,7 +175,7 @@ def test_bench_session_on_real_ort(bundles: dict[str, Path]) -> None:
     r4 = report["results"][1]
     assert r4["throughput"]["samples_per_s"] == pytest.approx(4 * r4["throughput"]["inferences_per_s"], rel=1e-3)
     assert r4["latency_ms"]["min"] <= r4["latency_ms"]["p50"] <= r4["latency_ms"]["p99"] <= r4["latency_ms"]["max"]
-    assert report["schema"] == "dsedge.bench" and report["schema_version"] == 1 and report["passed"] is True
+    assert report["schema"] == "dsedge.bench-report/1" and report["schema_version"] == 1 and report["passed"] is True
     assert report["device"]["providers"] == ["CPUExecutionProvider"] and report["device"]["backend"] == "onnxruntime"
     assert report["bundle"]["variant"] == "fp32" and report["settings"]["budget_source"] == "option"
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -46,12 +47,12 @@ def test_truncated_and_missing_files_are_refused(bundle):
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d.update(schema_version=99), "schema version 99"),
     (lambda d: d.pop("inputs"), "inputs"),
-    (lambda d: d["files"].update({"../outside": "00"}), "outside the bundle"),
-    (lambda d: d["files"].pop("models/fp32.onnx"), "has no hash"),
-    (lambda d: d.update(target="jetson"), "mangles field"),
-    (lambda d: d.update(default_variant="nope"), "no variant 'nope'"),
-    (lambda d: d.update(variants=[]), "lists no variants"),
-    (lambda d: d["shape_ranges"]["batch"].update(min="a"), "integer min <= max"),
+    (lambda d: d["files"].update({"../outside": "0" * 64}), "files: '../outside' is not a path inside the bundle"),
+    (lambda d: d["files"].pop("models/fp32.onnx"), "variants\\[0\\].file: 'models/fp32.onnx' has no hash"),
+    (lambda d: d.update(target="jetson"), "field target: 'jetson' is not of type 'object'"),
+    (lambda d: d.update(default_variant="nope"), "default_variant: 'nope' is not one of the variants"),
+    (lambda d: d.update(variants=[]), "field variants: .* should be non-empty"),
+    (lambda d: d["shape_ranges"]["batch"].update(min="a"), "field shape_ranges.batch.min: 'a' is not of type 'integer'"),
     (lambda d: d["inputs"][0].update(dtype="int64"), "manifest inputs do not match fp32.onnx"),
     (lambda d: d["inputs"][0].update(name="y"), "manifest inputs do not match fp32.onnx"),
 ])
@@ -116,18 +117,22 @@ def test_stale_temp_dirs_of_dead_processes_are_removed(tmp_path):
     import sys
 
     from dsedge.runtime.bundle import remove_stale_temp
+    from dsedge.runtime.tempdirs import owned_temp_dir, release
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    pid = int(dead.stdout)
-    stale = tmp_path / f".dsedge-build-{pid}-abc"
-    stale.mkdir()
-    (stale / "fp32.onnx").write_bytes(b"x" * 100)
-    mine = tmp_path / f".x.dse.tmp-{__import__('os').getpid()}-def"
-    mine.mkdir()
+    child = ("import sys; from dsedge.runtime.tempdirs import owned_temp_dir; "
+             "d = owned_temp_dir(sys.argv[1], '.dsedge-build-7-'); (d / 'fp32.onnx').write_bytes(b'x' * 100); "
+             "print(d)")
+    dead = Path(subprocess.run([sys.executable, "-c", child, str(tmp_path)], capture_output=True, text=True,
+                               check=True).stdout.strip())          # its owner exited without cleaning up
+    legacy = tmp_path / ".x.dse.tmp-1-def"                           # no owner record at all
+    legacy.mkdir()
+    mine = owned_temp_dir(tmp_path, f".dsedge-build-{dead.name.split('-')[2]}-")  # live, whatever its digits
     keep = tmp_path / "user-folder"
     keep.mkdir()
-    assert remove_stale_temp(tmp_path) == [stale]
-    assert mine.exists() and keep.exists()
+    assert sorted(remove_stale_temp(tmp_path)) == sorted([dead, legacy])
+    assert mine.exists() and keep.exists() and not Path(str(dead) + ".lock").exists()
+    release(mine)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["user-folder"]
 
 
 def test_refuses_to_replace_a_folder_that_is_not_a_bundle(tmp_path):

@@ -18,7 +18,7 @@ from dsedge.runtime.backends import tensorrt as trt_backend
 from dsedge.runtime.backends.tensorrt import (TensorRTBackend, build_engine_file, build_serialized_engine,
                                                import_tensorrt, open_engine_backend)
 from dsedge.runtime.build_settings import engine_build_settings
-from dsedge.runtime.bundle import IOSpec, Variant, read_manifest, verify_bundle, write_manifest
+from dsedge.runtime.bundle import IOSpec, Variant, read_manifest, sha256_file, verify_bundle, write_manifest
 from dsedge.runtime.engine_cache import EngineCache, read_engine
 from dsedge.runtime.errors import BackendUnavailable, EngineError, TargetError
 from dsedge.runtime.gpu_info import GpuInfo
@@ -195,6 +195,10 @@ def test_prebuilt_engine_in_bundle_is_used_on_its_gpu_only(tmp_path, onnx_file, 
     write_manifest(bundle, m)  # the build hash-lists engines/ like every file (an unlisted engine is ignored)
     m = verify_bundle(bundle)
     open_engine_backend(bundle, m, m.variant("int8"), gpu=AGX, cache=EngineCache(tmp_path / "c"))
+    assert fake.calls["builds"] == 2 and "is not in the manifest's hashes" in caplog.text   # dropped in: not used
+    m.files[f"engines/{path.name}"] = sha256_file(path)            # what `dsedge build --engine` hash-lists
+    fake.calls["builds"] = 1
+    open_engine_backend(bundle, m, m.variant("int8"), gpu=AGX, cache=EngineCache(tmp_path / "c2"))
     assert fake.calls["builds"] == 1 and "using prebuilt engine" in caplog.text
     open_engine_backend(bundle, m, m.variant("int8"), gpu=NX, cache=EngineCache(tmp_path / "c"))
     assert fake.calls["builds"] == 2 and "is not for this device: built for GPU" in caplog.text

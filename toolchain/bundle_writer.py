@@ -1,22 +1,26 @@
 """Write a bundle directory atomically from ONNX files and metadata (the last stage of ``dsedge build``)."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 from ..runtime.version import __version__
+from .model_check import check_onnx_file
 from ..runtime.errors import BundleError
+from ..runtime.names import bundle_dir, inside
+from ..runtime.schema import dumps
+from ..runtime.storage import storage_errors
 from ..runtime.bundle import BUNDLE_SUFFIX, IOSpec, Manifest, Variant, atomic_directory, write_manifest
 
 
 def bundle_path(out_dir: str | os.PathLike, name: str, target: str) -> Path:
     """``OUT/NAME-TARGET.dse``."""
-    return Path(out_dir) / f"{name}-{target}{BUNDLE_SUFFIX}"
+    return bundle_dir(out_dir, name, target, BUNDLE_SUFFIX)
 
 
+@storage_errors("writing the bundle")
 def write_bundle(
     dest: str | os.PathLike,
     *,
@@ -51,13 +55,14 @@ def write_bundle(
                           "move it away or choose another --out directory")
     with atomic_directory(dest) as tmp:
         for rel, src in models.items():
-            p = tmp / rel
+            p = inside(tmp, rel, "bundle file", BundleError)
             p.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, p)
+            check_onnx_file(p, rel)
         for v in variants:
             v.size_bytes = (tmp / v.file).stat().st_size
         for rel, content in (extra_files or {}).items():
-            p = tmp / rel
+            p = inside(tmp, rel, "bundle file", BundleError)
             p.parent.mkdir(parents=True, exist_ok=True)
             if isinstance(content, bytes):
                 p.write_bytes(content)
@@ -66,7 +71,7 @@ def write_bundle(
             if rel.endswith(".sh"):
                 p.chmod(0o755)
         if report is not None:
-            (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+            (tmp / "report.json").write_text(dumps("build-report", report, BundleError, "report.json"), encoding="utf-8")
         manifest = Manifest(
             name=name, target=target, inputs=inputs, outputs=outputs, variants=variants,
             default_variant=default_variant, source=source or {}, shape_ranges=shape_ranges or {},

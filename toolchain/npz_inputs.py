@@ -21,7 +21,7 @@ def read_npz_dir(path: str | os.PathLike, specs: list[IOSpec], what: str = "cali
             not match the model's inputs, no sample at all.
     """
     from ..runtime.errors import InputError
-    from ..runtime.io import validate_inputs
+    from ..runtime.io import check_finite, validate_inputs
 
     input_names = [s.name for s in specs]
     d = Path(path)
@@ -41,6 +41,7 @@ def read_npz_dir(path: str | os.PathLike, specs: list[IOSpec], what: str = "cali
                 arrays = {n: z[n] for n in input_names}
                 try:
                     validate_inputs(specs, arrays)
+                    check_finite(arrays)
                 except InputError as e:
                     raise CalibrationError(f"{f.name}: {e}", e.hint) from None
                 for n in input_names:

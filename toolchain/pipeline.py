@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
+from ..runtime.storage import storage_errors
 from .config import BuildConfig, plan_build
 from .stages.compress import compress
 from .stages.engine_recipe import engine_recipe
@@ -36,6 +37,7 @@ class BuildResult:
     report: dict[str, Any]
 
 
+@storage_errors("dsedge build")
 def build(config: BuildConfig, log: Callable[[str], None] = lambda s: None,
           progress: Callable[[str], ContextManager[Any]] | None = None) -> BuildResult:
     """Run every stage and publish the bundle. Returns its path and the report (also in ``report.json``).

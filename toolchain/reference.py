@@ -85,5 +85,5 @@ def sentence_encoder(model_path: str | os.PathLike) -> Any:
             emb = (h * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
             return h, emb
 
-    encoder = AutoModel.from_pretrained(os.fspath(model_path), local_files_only=True)
+    encoder = AutoModel.from_pretrained(os.fspath(model_path), local_files_only=True, use_safetensors=True)
     return MeanPooledEncoder(encoder).eval()

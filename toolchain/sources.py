@@ -15,7 +15,9 @@ import numpy as np
 
 from ..runtime.files import sha256_file
 from ..runtime.errors import SourceError
+from ..runtime.token_bounds import graph_token_bounds
 from . import reference
+from .weights_policy import hf_source_files
 
 TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -94,10 +96,7 @@ def _reference() -> Source:
 
 
 def _hf_dir(path: Path) -> Source:
-    weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".json", ".txt")]
-    if not any(p.suffix == ".safetensors" for p in weights):
-        raise SourceError(f"{path} has config.json but no model.safetensors",
-                          "save the model with save_pretrained(safe_serialization=True); .bin (pickle) is not loaded")
+    weights = hf_source_files(path)
     name = path.resolve().name.lower().replace("_", "-")
     return _text_source("hf", name, path, _fingerprint(weights))
 
@@ -120,7 +119,7 @@ def _onnx_file(path: Path) -> Source:
     dyn = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in inputs}
     name = path.stem.lower().replace("_", "-")
     return Source(kind="onnx", name=name, example_inputs=example, dynamic_axes=dyn, onnx_path=path,
-                  fingerprint=_fingerprint([path]), ref=str(path))
+                  fingerprint=_fingerprint([path]), ref=str(path), **graph_token_bounds(model))
 
 
 def _to_numpy(x: Any) -> np.ndarray:

@@ -16,6 +16,10 @@ from typing import Any, Sequence
 
 import click
 
+from ..runtime.errors import BenchError
+from ..runtime.params import FiniteFloat
+from ..runtime.schema import dumps
+
 from ..runtime import bench as core
 from ..runtime.bundle import usual_mode
 from ..runtime.errors import DsedgeError
@@ -84,13 +88,13 @@ def _write_atomic(path: Path, data: bytes) -> None:
               help="Comma-separated batch sizes, e.g. 1,8,32.")
 @click.option("--seq-len", type=click.IntRange(min=1), default=None,
               help="Tokens per sequence for text models (default: the bundle's optimum shape, else 128).")
-@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--duration", "duration_s", type=FiniteFloat(min=0, min_open=True, max=86400), default=None,
               help="Seconds of timed runs per batch size (default 3).")
 @click.option("--iterations", type=click.IntRange(min=1), default=None, help="Timed runs per batch size (instead of --duration).")
 @click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True, help="Untimed runs first.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU intra-op threads (default: ONNX Runtime's).")
 @click.option("--providers", default=None, help="Comma-separated ORT providers (default: TensorRT → CUDA → CPU, whichever exist).")
-@click.option("--budget-ms", type=float, default=None,
+@click.option("--budget-ms", type=FiniteFloat(max=3.6e6), default=None,
               help="Latency budget in ms (default: the manifest's, else the target profile's).")
 @click.option("--percentile", default="p99", show_default=True, help="Percentile judged against the budget: p50/p90/p95/p99.")
 @click.option("--vocab-size", type=click.IntRange(min=1), default=None,
@@ -104,7 +108,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write latency CDFs per batch size to this PNG.")
 @click.option("--compare", "baseline", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="A baseline report (from --json / -o): exit 1 if a percentile regressed beyond --tolerance.")
-@click.option("--tolerance", type=click.FloatRange(min=0), default=0.10, show_default=True,
+@click.option("--tolerance", type=FiniteFloat(min=0), default=0.10, show_default=True,
               help="Allowed slowdown vs --compare as a fraction (0.10 = 10 %).")
 @click.pass_context
 def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[int], seq_len: int | None,
@@ -146,7 +150,7 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
                                 "baseline_device": {k: bdev.get(k) for k in ("host", "cpu", "gpu", "providers")},
                                 "results": [c.to_dict() for c in comparisons],
                                 "regressed": any(c.regressed for c in comparisons)}
-    text = json.dumps(report, indent=2)
+    text = dumps("bench-report", report, BenchError, "bench report")
     if output:
         _write_atomic(output, (text + "\n").encode())
     if plot:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from ...runtime.params import FiniteFloat
 from ...runtime.errors import ConfigError
 from ...runtime.files import atomic_path, write_text_atomic
 from .quantize import _load, save_model_atomic
@@ -54,7 +55,7 @@ def _prune_torch(model: str, output: Path, pattern: str, sparsity: float, steps:
 @click.option("--pattern", type=click.Choice(["2:4", "channels"]), default="2:4", show_default=True,
               help="2:4 = zero 2 of every 4 weights along K (A100/Orin sparse tensor cores); channels = remove "
                    "hidden channels of Linear → activation → Linear blocks.")
-@click.option("--sparsity", type=float, default=0.3, show_default=True,
+@click.option("--sparsity", type=FiniteFloat(), default=0.3, show_default=True,
               help="Global fraction of FFN/MLP hidden channels to remove (--pattern channels).")
 @click.option("--calib", type=click.Path(path_type=Path),
               help="Calibration data (.npz or dir): activation-aware importance (Wanda) instead of magnitude; for a "

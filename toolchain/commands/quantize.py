@@ -10,6 +10,7 @@ from click.core import ParameterSource
 
 from ...runtime.errors import ConfigError, SourceError
 from ...runtime.files import atomic_path, write_text_atomic
+from ...runtime.params import FiniteFloat
 
 
 def _load(path: Path):
@@ -53,7 +54,7 @@ def save_model_atomic(model, dest: Path) -> None:
               show_default=True, help="INT8 activation calibration.")
 @click.option("--int8-mode", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,
               help="static = W8A8 Q/DQ (TensorRT and ORT); dynamic = ORT CPU only.")
-@click.option("--smooth-alpha", type=click.FloatRange(0, 1), default=None,
+@click.option("--smooth-alpha", type=FiniteFloat(0, 1), default=None,
               help="INT8 static: SmoothQuant (arXiv:2211.10438) with this alpha first (e.g. 0.5).")
 @click.option("--nodes", help="Comma-separated node names to quantize (default: all MatMul/Gemm weights).")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here.")

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 
 from ...runtime.errors import CalibrationError
+from ...runtime.io import check_finite
 
 Batch = dict[str, np.ndarray]
 CalibrationSource = Union[str, os.PathLike, Iterable[Batch]]
@@ -91,6 +92,7 @@ def check_batches(model: onnx.ModelProto, batches: list[Batch], what: str = "cal
         fixed = {}
         for name, (dtype, rank) in specs.items():
             a = np.asarray(b[name])
+            check_finite({name: a}, CalibrationError, f"{what} batch {j}")
             if rank is not None and a.ndim != rank:
                 raise CalibrationError(f"{what} input {name!r} has rank {a.ndim}, the model expects {rank}",
                                        "check the batch layout")

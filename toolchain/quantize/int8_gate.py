@@ -25,6 +25,7 @@ import onnx
 
 from ...runtime.errors import AccuracyGateError, ConfigError
 from .calibration import CalibrationSource, load_calibration
+from .float_restore import restore_float_initializer
 from .graph import ensure_qdq_opset, name_nodes
 from .int8 import _copy, quantize_int8_static, smooth_quant
 from .mixed import AccuracyGate, GateCheck
@@ -73,10 +74,7 @@ def keep_float(quantized: onnx.ModelProto, float_model: onnx.ModelProto, nodes: 
         node, ref = by_name[name], float_nodes[name]
         for i, (cur, orig) in enumerate(zip(node.input, ref.input)):
             if orig in float_inits:
-                if orig not in have:
-                    out.graph.initializer.append(float_inits[orig])
-                    have.add(orig)
-                node.input[i] = orig
+                node.input[i] = restore_float_initializer(out, float_inits[orig], have)
                 continue
             dq = prod.get(cur)
             if dq is not None and dq.op_type == "DequantizeLinear":

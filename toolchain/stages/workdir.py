@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
 from ...runtime.bundle import remove_stale_temp
+from ...runtime.tempdirs import owned_temp_dir, release
 
 
 @contextlib.contextmanager
@@ -18,9 +17,9 @@ def workdir(out_dir: str | os.PathLike) -> Iterator[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temp(out)
-    work = Path(tempfile.mkdtemp(prefix=f".dsedge-build-{os.getpid()}-", dir=out))
+    work = owned_temp_dir(out, f".dsedge-build-{os.getpid()}-")  # locked by this process while it lives
     (work / "models").mkdir()
     try:
         yield work
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        release(work)

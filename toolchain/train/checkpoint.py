@@ -130,6 +130,8 @@ class Checkpointer:
         except (ValueError, KeyError) as e:
             return f"unreadable COMPLETE marker ({e})"
         for name, info in files.items():
+            if not isinstance(name, str) or (path / name).resolve().parent != path.resolve():
+                return f"file name {name!r} in the COMPLETE marker leaves the checkpoint"
             f = path / name
             if not f.is_file():
                 return f"missing file {name}"

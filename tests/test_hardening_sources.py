@@ -1,0 +1,242 @@
+"""Toolchain-side hardening: pickle weights refused and every loaded file fingerprinted, an INT8 gate choice never
+writes an invalid graph, every model is fully checked before it enters a bundle; request options checked."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import dsedge
+from dsedge.runtime.errors import InputError, QuantizationError, SourceError
+from tiny_models import mlp_onnx, tiny_bundle
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny BERT saved with safetensors, with the reference tokenizer (a real HF directory)."""
+    torch = pytest.importorskip("torch")
+    from transformers import BertConfig, BertModel
+
+    from dsedge.toolchain import reference
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("hf") / "tiny-bert"
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                         vocab_size=30522)).save_pretrained(d, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(reference.verified_model_dir() / f, d / f)
+    return d
+
+
+def _pickle_file(path: Path) -> None:
+    import torch
+
+    torch.save({"w": torch.zeros(2)}, path)
+
+
+def test_pickle_weights_beside_safetensors_are_refused(hf_dir, tmp_path, monkeypatch):
+    """Before: pytorch_model.bin plus any dummy *.safetensors passed the check and transformers loaded the pickle."""
+    from dsedge.toolchain.sources import resolve_source
+
+    d = tmp_path / "m"
+    shutil.copytree(hf_dir, d)
+    (d / "dummy.safetensors").write_bytes(b"{}")
+    _pickle_file(d / "pytorch_model.bin")
+    with pytest.raises(SourceError, match=r"holds pickle files \(pytorch_model.bin\)"):
+        resolve_source(str(d))
+    (d / "pytorch_model.bin").rename(d / "weights.dat")          # a renamed pickle is recognised by content
+    with pytest.raises(SourceError, match="weights.dat"):
+        resolve_source(str(d))
+    (d / "weights.dat").unlink()
+    (d / "model.safetensors").rename(d / "other.safetensors")     # only a dummy safetensors: not a model
+    with pytest.raises(SourceError, match="no model.safetensors"):
+        resolve_source(str(d))
+
+
+def test_allowed_pickle_warns_and_the_fingerprint_covers_every_file(hf_dir, tmp_path, monkeypatch, caplog):
+    from dsedge.toolchain.sources import resolve_source
+
+    d = tmp_path / "m"
+    shutil.copytree(hf_dir, d)
+    clean = resolve_source(str(d)).fingerprint
+    _pickle_file(d / "pytorch_model.bin")
+    monkeypatch.setenv("DSEDGE_ALLOW_PICKLE", "1")
+    with caplog.at_level("WARNING", logger="dsedge"):
+        with_bin = resolve_source(str(d)).fingerprint
+    assert "DSEDGE_ALLOW_PICKLE=1" in caplog.text and with_bin != clean
+    (d / "vocab.txt").write_text((d / "vocab.txt").read_text() + "extra\n")   # tokenizer files count too
+    assert resolve_source(str(d)).fingerprint != with_bin
+
+
+def _gated_int8(tmp_path: Path):
+    from dsedge.toolchain.quantize.int8_gate import quantize_int8_gated
+
+    rng = np.random.default_rng(0)
+    calib = [{"x": rng.standard_normal((1, 64)).astype(np.float32)} for _ in range(2)]
+    model = onnx.load(str(mlp_onnx(tmp_path / "g.onnx")))
+    return quantize_int8_gated(model, calib, gate="cosine:0.99999", heldout=calib, smooth_alpha=None)
+
+
+def test_int8_gate_keeping_a_gemm_float_writes_a_valid_graph(tmp_path):
+    """Before: the Gemm's float bias was added beside the DequantizeLinear output of the same name
+    (`Duplicate definition of name (b2)`)."""
+    import onnxruntime as ort
+
+    q, rep = _gated_int8(tmp_path)
+    assert [k["node"] for k in rep["kept_float"]] == ["fc2"]
+    onnx.checker.check_model(q, full_check=True)
+    names = [t.name for t in q.graph.initializer] + [o for n in q.graph.node for o in n.output]
+    assert len(names) == len(set(names))
+    sess = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert sess.run(None, {"x": np.ones((1, 64), np.float32)})[0].shape == (1, 4)
+
+
+def test_tensorrt_int8_build_with_few_samples_and_a_strict_gate_succeeds(tmp_path):
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(4):
+        np.savez(calib / f"{i}.npz", x=rng.standard_normal((1, 64)).astype(np.float32))
+    r = subprocess.run([sys.executable, "-m", "dsedge.cli", "build", "--model", str(mlp_onnx(tmp_path / "m.onnx")),
+                        "--target", "t4", "--out", str(tmp_path / "o"), "--precision", "int8", "--calib", str(calib),
+                        "--accuracy-gate", "cosine:0.99999"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    dsedge.runtime.bundle.verify_bundle(tmp_path / "o" / "m-t4.dse")
+
+
+def test_an_invalid_graph_never_enters_a_bundle(tmp_path):
+    bad = onnx.load(str(mlp_onnx(tmp_path / "m.onnx")))
+    bad.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros(4, np.float32), "logits"))  # defined twice
+    onnx.save(bad, str(tmp_path / "bad.onnx"))
+    from dsedge.runtime.bundle import IOSpec, Variant
+    from dsedge.toolchain.bundle_writer import write_bundle
+
+    with pytest.raises(QuantizationError, match="models/fp32.onnx is not a valid ONNX graph"):
+        write_bundle(tmp_path / "b.dse", name="b", target={"name": "cpu"},
+                     inputs=[IOSpec("x", "float32", ("batch", 64))], outputs=[IOSpec("logits", "float32", ("batch", 4))],
+                     models={"models/fp32.onnx": tmp_path / "bad.onnx"},
+                     variants=[Variant("fp32", "fp32", "models/fp32.onnx")], default_variant="fp32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.onnx", "m.onnx"]
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("s")
+    s = dsedge.load(tiny_bundle(tmp / "mlp-cpu.dse", tmp))
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"budget_ms": float("nan")}, "budget_ms must be a finite number"),
+    ({"budget_ms": float("inf")}, "budget_ms must be a finite number"),
+    ({"budget_ms": "5"}, "budget_ms must be a number"),
+    ({"budget_ms": 0}, "budget_ms must be a finite number"),
+    ({"budget_ms": True}, "budget_ms must be a number"),
+    ({"priority": "high"}, "priority must be an integer"),
+    ({"priority": None}, "priority must be an integer"),
+    ({"priority": float("nan")}, "priority must be an integer"),
+    ({"priority": 1.5}, "priority must be an integer"),
+    ({"priority": 10**30}, "outside"),
+])
+def test_bad_request_options_are_input_errors_and_metrics_stay_balanced(session, kw, words):
+    """Before: raw ValueError/TypeError/OverflowError, metrics counting more submitted than answered, and a float
+    priority silently truncated."""
+    x = {"x": np.ones((1, 64), np.float32)}
+    with pytest.raises(InputError, match=words):
+        session.submit(x, **kw)
+    ok = session.submit(x, budget_ms=1000.0, priority=np.int64(3)).result(timeout=30)
+    assert ok.error is None
+    m = session.metrics()
+    assert m["submitted"] == m["answered"] + sum(m["rejected"].values()) and m["in_flight"] == 0
+
+
+def test_a_default_budget_that_is_not_a_number_is_an_input_error(tmp_path):
+    from dsedge.runtime.io import check_request_options
+
+    with pytest.raises(InputError, match="budget_ms must be a finite number"):
+        dsedge.load(tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path), budget_ms=float("nan"))
+    with pytest.raises(InputError, match="default latency budget must be a finite number"):
+        check_request_options(None, 0, lambda: float("nan"))
+    with pytest.raises(InputError, match="default latency budget is not a number"):
+        check_request_options(None, 0, lambda: float("abc"))
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"max_batch": -1}, "max_batch must be an integer >= 1"),
+    ({"max_batch": "8"}, "max_batch must be an integer"),
+    ({"max_queue": 0}, "max_queue must be an integer >= 1"),
+    ({"max_delay_ms": float("nan")}, "max_delay_ms must be a finite number"),
+    ({"budget_ms": -5}, "budget_ms must be a finite number"),
+    ({"profile": "fast"}, "profile must be one of auto, measure, bundle"),
+    ({"threads": 0}, "threads must be an integer >= 1"),
+])
+def test_load_options_are_checked_before_anything_opens(tmp_path, kw, words):
+    """Found beyond the issue: a negative max_batch or a str one died in raw ValueError/TypeError at the first
+    submit, max_queue=0 or max_delay_ms=nan rejected every request, an unknown profile was silently ignored."""
+    b = tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path)
+    with pytest.raises(InputError, match=words):
+        dsedge.load(b, **kw)
+
+
+@pytest.mark.parametrize("path", [b"/x.dse", 5, None])
+def test_load_path_of_the_wrong_type_is_an_input_error(path):
+    with pytest.raises(InputError, match="bundle path must be a str or pathlib.Path"):
+        dsedge.load(path)
+
+
+def test_ragged_inputs_are_input_errors(session):
+    with pytest.raises(InputError, match="input 'x' is not an array"):
+        session.run({"x": [[1.0] * 64, [1.0]]})
+
+
+@pytest.mark.parametrize("precision, target", [("int4", "cpu"), ("int8", "cpu"), ("int8", "t4")])
+def test_calibration_data_with_nan_is_refused_naming_the_file(tmp_path, precision, target):
+    """Found beyond the issue: NaN calibration data gave a raw torch LinAlgError (GPTQ), a bundle calibrated on NaN
+    (ORT INT8), or a misleading "weights hold NaN" (SmoothQuant spread it into the weights)."""
+    from dsedge.runtime.errors import CalibrationError
+    from dsedge.toolchain.pipeline import BuildOptions, build
+
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    for i in range(4):
+        np.savez(calib / f"{i}.npz", x=np.full((1, 64), np.nan if i == 0 else 1.0, np.float32))
+    with pytest.raises(CalibrationError, match=r"0.npz: input 'x' holds 64 NaN/Inf values"):
+        build(BuildOptions(model=str(mlp_onnx(tmp_path / "m.onnx")), target=target, precision=precision,
+                           calib=str(calib), out_dir=str(tmp_path / "o")))
+    assert not list((tmp_path / "o").iterdir())
+
+
+def test_quantize_api_refuses_nan_calibration_batches(tmp_path):
+    from dsedge.runtime.errors import CalibrationError
+    from dsedge.toolchain.quantize.int8 import quantize_int8_static
+
+    model = onnx.load(str(mlp_onnx(tmp_path / "m.onnx")))
+    batches = [{"x": np.ones((1, 64), np.float32)}, {"x": np.full((1, 64), np.inf, np.float32)}]
+    with pytest.raises(CalibrationError, match="calibration batch 1: input 'x' holds 64 NaN/Inf"):
+        quantize_int8_static(model, batches)
+
+
+@pytest.mark.parametrize("window", [-1, 0, 1.5, "8"])
+def test_stream_window_is_checked(session, window):
+    with pytest.raises(InputError, match="window must be an integer >= 1"):
+        list(session.stream([{"x": np.ones((1, 64), np.float32)}], window=window))
+
+
+def test_a_checkpoint_marker_naming_files_outside_is_not_loadable(tmp_path):
+    """Found beyond the issue: a COMPLETE marker listing ``../../x`` made resume hash files outside the run."""
+    import json
+
+    pytest.importorskip("torch")
+    from dsedge.toolchain.train.checkpoint import COMPLETE, Checkpointer
+
+    step = tmp_path / "checkpoints" / "step_1"
+    step.mkdir(parents=True)
+    (tmp_path / "secret").write_text("x")
+    (step / COMPLETE).write_text(json.dumps({"step": 1, "files": {"../../secret": {"bytes": 1, "sha256": "0"}}}))
+    assert "leaves the checkpoint" in Checkpointer(tmp_path).verify(step)
