@@ -7,7 +7,6 @@ renamed into place with ``os.replace``, so a crash never leaves a half-written b
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

@@ -7,7 +7,6 @@ Exit codes: 0 every batch size within budget (and no regression), 1 over budget 
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
