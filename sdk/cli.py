@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("dsedge.commands.doctor:doctor", "Show the backends, providers and GPUs this machine has."),
     "targets": ("dsedge.commands.targets:targets", "List target profiles, or show one."),
     "bench": ("dsedge.commands.bench:bench", "Measure a bundle's latency and check it against its budget."),
+    "export": ("dsedge.toolchain.commands.export:export", "Export a bundle for another serving stack (Triton)."),
 }
 
 

@@ -78,6 +78,7 @@ class TritonServer:
         self.workdir = Path(workdir)
         self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen | None = None
+        self.removed_shm: list[str] = []  # regions stop() had to remove (a crashed stub leaves them behind)
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         self.http_url = f"127.0.0.1:{self.http_port}"
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
@@ -120,9 +121,10 @@ class TritonServer:
                                          start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            code = self.proc.poll()
+            if code is not None:
                 self.stop()
-                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"tritonserver exited with {code}:\n{self.log_tail()}")
             if self.ready():
                 return self
             time.sleep(0.25)
@@ -164,6 +166,7 @@ class TritonServer:
         for p in self.shm_regions():
             with contextlib.suppress(OSError):
                 p.unlink()
+                self.removed_shm.append(p.name)
 
     def __enter__(self) -> "TritonServer":
         return self.start()
@@ -188,3 +191,28 @@ def serving(repository: str | os.PathLike, stub_bin: str | os.PathLike,
         server.stop()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def retarget_bundle(bundle: str | os.PathLike, dest: str | os.PathLike, target: str) -> Path:
+    """A copy of ``bundle`` (model files hard-linked) whose manifest names another target profile, re-hashed.
+
+    The models and their build-time latency (ORT CPU on the build machine) stay as built; budget and shape ranges
+    become the profile's: for the reference model this is what ``dsedge build --target T --precision P`` writes
+    (the build measures ORT CPU latency on the build host for every target), without re-running export and
+    quantization.
+    """
+    from dataclasses import asdict
+
+    from dsedge.runtime.bundle import verify_bundle, write_manifest
+    from dsedge.targets import get_target
+
+    manifest = verify_bundle(bundle)
+    dest = Path(dest)
+    shutil.copytree(bundle, dest, copy_function=lambda s, d: os.link(s, d))
+    (dest / "manifest.json").unlink()  # a fresh file, not a link into the original bundle
+    profile = get_target(target)
+    manifest.target = asdict(profile)
+    manifest.latency_budget_ms = float(profile.default_budget_ms)
+    manifest.shape_ranges = {k: dict(v) for k, v in (profile.shapes or manifest.shape_ranges).items()}
+    write_manifest(dest, manifest)
+    return dest
