@@ -190,3 +190,45 @@ def test_cli_export_json_and_errors(target_bundles, tmp_path, capsys):
     r = subprocess.run([sys.executable, "-m", "dsedge", "export", "triton", str(tmp_path / "missing.dse"),
                         "--out", str(tmp_path / "r2")], capture_output=True, text=True)
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def _manifest(latency_ms: dict, target: dict | None = None, shapes=("batch", "sequence")):
+    from dsedge.runtime.bundle import IOSpec, Manifest, Variant
+
+    ids = IOSpec("input_ids", "int64", shapes, (0, 99))
+    mask = IOSpec("attention_mask", "int64", shapes, (0, 1))
+    out = IOSpec("emb", "float32", (shapes[0], 8))
+    v = Variant("int4", "int4", "models/int4.onnx", latency_ms=latency_ms)
+    return Manifest("m", target or {"name": "cpu", "backend": "onnxruntime"}, [ids, mask], [out], [v], "int4",
+                    shape_ranges={"batch": {"min": 1, "opt": 8, "max": 64}, "sequence": {"min": 1, "opt": 16,
+                                                                                          "max": 64}},
+                    latency_budget_ms=50.0), v
+
+
+def test_policy_numbers_from_a_known_profile():
+    from dsedge.toolchain.triton.policy import derive_policy, dynamic_batching
+
+    shape = {"input_ids": [1, 32]}
+    m, v = _manifest({"1": {"p50": 2.0, "p99": 5.0, "shape": shape},
+                      "8": {"p50": 10.0, "p99": 19.0, "shape": {"input_ids": [8, 32]}}})
+    p = derive_policy(m, v, gpu=False)
+    # batch 8: p50 10 + p99 19 = 29 ms ≤ 50; batch 16 (extrapolated): p50 10 + 8·8/7 = 19.1 ms, p99 deviation
+    # scaled ×2: 19.1 + 3·6 = 37.1 ms, sum 56.3 > 50
+    assert p.max_batch_size == 64 and p.preferred_batch_sizes == (1, 2, 4, 8)
+    assert p.max_queue_delay_us == 12500  # 50 − 29 = 21 ms left, capped at a quarter of the budget
+    assert p.timeout_us == 40000  # budget − p50 of batch 8
+    assert p.max_queue_size == 5 * 8  # 50 / 10 ms batches of 8
+    db = dynamic_batching(p)
+    assert db["default_queue_policy"]["timeout_action"] == "REJECT" and db["priority_levels"] == 2
+
+    slow, sv = _manifest({"1": {"p50": 30.0, "p99": 40.0, "shape": shape}})
+    p = derive_policy(slow, sv, gpu=False)
+    assert p.preferred_batch_sizes == (1,) and p.max_queue_delay_us == 0 and p.timeout_us == 50000
+    assert "batching off" in " ".join(p.derived_from)
+
+    gpu = derive_policy(*_manifest({}, {"name": "t4", "backend": "tensorrt"}), gpu=True)
+    assert gpu.preferred_batch_sizes == (1, 2, 4, 8) and gpu.max_queue_delay_us == 5000
+    assert "no GPU latency" in " ".join(gpu.derived_from)
+
+    static = derive_policy(*_manifest({}, shapes=(1, 16)), gpu=False)
+    assert static.max_batch_size == 0 and dynamic_batching(static) is None

@@ -140,10 +140,31 @@ def test_a_failed_start_is_stopped_and_its_shared_memory_removed(stub_bin, tmp_p
         server.start(timeout_s=60)
     assert "broken on purpose" in str(e.value)
     assert server.proc is None and not server.shm_regions()
-    print(f"removed after the failed start: {server.removed_shm}")
     assert not server.ready()
     with pytest.raises(OSError):
         os.kill(int(_pid_from_log(server.log)), 0)  # the server process is gone
+
+
+def test_a_killed_server_leaves_no_shared_memory_behind(stub_bin, tmp_path):
+    model = tmp_path / "repo" / "identity"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text('backend: "python"\nmax_batch_size: 0\n'
+                                        'input { name: "x" data_type: TYPE_FP32 dims: [ 1 ] }\n'
+                                        'output { name: "y" data_type: TYPE_FP32 dims: [ 1 ] }\n')
+    (model / "1" / "model.py").write_text(
+        "import triton_python_backend_utils as pb_utils\n\nclass TritonPythonModel:\n"
+        "    def execute(self, requests):\n        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("
+        "'y', pb_utils.get_input_tensor_by_name(r, 'x').as_numpy())]) for r in requests]\n")
+    server = TritonServer(tmp_path / "repo", stub_bin, tmp_path / "work")
+    try:
+        server.start(timeout_s=60)
+        assert server.shm_regions()  # the Python backend's regions, under this server's own prefix
+        os.kill(server.proc.pid, 9)  # no chance to clean up after itself
+        server.proc.wait(10)
+        assert server.shm_regions()
+    finally:
+        server.stop()
+    assert server.removed_shm and not server.shm_regions()
 
 
 def _pid_from_log(log: Path) -> int:
