@@ -163,6 +163,9 @@ def test_tensorrt_platform_writes_the_trtexec_command(target_bundles, tmp_path):
     assert "--maxShapes=input_ids:64x512" in cmd and "--fp16" in cmd and "--skipInference" in cmd  # TensorRT 10
     assert (model_dir / "1" / "model.onnx").is_file() and not (model_dir / "1" / "model.plan").exists()
     assert "build_engine.sh" in " ".join(result.models[0].notes)
+    ort = export_triton(target_bundles["cpu"], tmp_path / "ort", threads=2)
+    cfg = parse_config(tmp_path / "ort" / ort.models[0].name / "config.pbtxt")
+    assert cfg.parameters["intra_op_thread_count"].string_value == "2"
     with pytest.raises(TargetError, match="runs ONNX Runtime"):
         export_triton(target_bundles["cpu"], tmp_path / "nope", platform="tensorrt")
     assert not (tmp_path / "nope").exists()
@@ -232,3 +235,17 @@ def test_policy_numbers_from_a_known_profile():
 
     static = derive_policy(*_manifest({}, shapes=(1, 16)), gpu=False)
     assert static.max_batch_size == 0 and dynamic_batching(static) is None
+
+
+def test_warmup_of_integer_inputs_without_a_range_is_zeros(tmp_path):
+    from dsedge.runtime.bundle import IOSpec
+    from dsedge.toolchain.triton.policy import derive_policy
+    from dsedge.toolchain.triton.repository import _warmup
+
+    m, v = _manifest({})
+    m.inputs = [IOSpec("ids", "int64", ("batch", "sequence")), IOSpec("x", "float32", ("batch", 4))]
+    warm = _warmup(m, derive_policy(m, v, gpu=True), tmp_path)
+    fields = {f["key"]: f["value"] for f in warm[0]["inputs"]}
+    assert fields["ids"].get("zero_data") and fields["ids"]["dims"] == [16]
+    assert fields["x"].get("random_data") and fields["x"]["dims"] == [4]
+    assert [w["batch_size"] for w in warm] == [1, 8]

@@ -44,8 +44,11 @@ def server(cpu_bundle, stub_bin, tmp_path_factory):
     from dsedge.toolchain.triton import export_triton
 
     repo = tmp_path_factory.mktemp("repo") / "triton"
+    t0 = time.monotonic()
     export_triton(cpu_bundle, repo, platform="python", threads=1)
+    t1 = time.monotonic()
     with serving(repo, stub_bin, tmp_path_factory.mktemp("server")) as s:
+        print(f"export {t1 - t0:.1f} s, tritonserver ready in {time.monotonic() - t1:.1f} s")
         yield s
     assert s.proc is None and not s.shm_regions()
 

@@ -51,15 +51,21 @@ def free_port() -> int:
 
 
 def build_stub_env(dest: Path, timeout_s: float = 300) -> Path:
-    """A virtualenv for the Python-backend stub: numpy < 2, onnxruntime, onnx and dsedge (no deps, editable).
+    """A virtualenv for the Python-backend stub: numpy < 2, onnxruntime, onnx and dsedge (editable, no deps).
 
-    Returns the env's ``bin`` folder. Raises ``subprocess.CalledProcessError`` / ``TimeoutExpired`` on failure.
+    The env gets no pip of its own (ensurepip alone takes ~15 s): this interpreter's pip installs into it
+    (``pip --python``, pip ≥ 22.3). Returns the env's ``bin`` folder. Raises ``subprocess.CalledProcessError`` or
+    ``subprocess.TimeoutExpired`` when pip fails (e.g. no index reachable).
     """
-    venv.EnvBuilder(with_pip=True, clear=True).create(dest)
+    import pip
+
+    own_pip = tuple(int(x) for x in pip.__version__.split(".")[:2]) >= (22, 3)
+    venv.EnvBuilder(with_pip=not own_pip, clear=True).create(dest)
     py = dest / "bin" / "python"
-    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, *STUB_ENV_PACKAGES], check=True, timeout=timeout_s, capture_output=True)
-    subprocess.run([*pip, "--no-deps", "-e", str(REPO)], check=True, timeout=timeout_s, capture_output=True)
+    pip_cmd = [sys.executable, "-m", "pip", "--python", str(py)] if own_pip else [str(py), "-m", "pip"]
+    pip_cmd += ["install", "-q", "--disable-pip-version-check", "--no-compile"]
+    subprocess.run([*pip_cmd, *STUB_ENV_PACKAGES], check=True, timeout=timeout_s, capture_output=True)
+    subprocess.run([*pip_cmd, "--no-deps", "-e", str(REPO)], check=True, timeout=timeout_s, capture_output=True)
     return dest / "bin"
 
 
@@ -203,10 +209,10 @@ def retarget_bundle(bundle: str | os.PathLike, dest: str | os.PathLike, target: 
     """
     from dataclasses import asdict
 
-    from dsedge.runtime.bundle import verify_bundle, write_manifest
+    from dsedge.runtime.bundle import read_manifest, write_manifest
     from dsedge.targets import get_target
 
-    manifest = verify_bundle(bundle)
+    manifest = read_manifest(bundle)  # write_manifest re-hashes every file of the copy
     dest = Path(dest)
     shutil.copytree(bundle, dest, copy_function=lambda s, d: os.link(s, d))
     (dest / "manifest.json").unlink()  # a fresh file, not a link into the original bundle

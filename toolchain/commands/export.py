@@ -23,7 +23,7 @@ def export() -> None:
 @click.option("--instances", type=click.IntRange(min=1), default=None,
               help="Model instances per device (instance_group count). Default 1.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Intra-op CPU threads per instance (python platform).")
+              help="ONNX Runtime intra-op threads per instance (python and onnxruntime platforms).")
 @click.option("--json", "as_json", is_flag=True, help="Print the models and their batching settings as JSON.")
 def triton(bundle: str, out: str, platform: str | None, instances: int | None, threads: int | None,
            as_json: bool) -> None:

@@ -100,8 +100,8 @@ def _warmup(manifest: Manifest, policy: BatchingPolicy, model_dir: Path, seed: i
     """Warm-up at batch 1 and at the largest preferred batch, at the optimization profile's opt sizes.
 
     Float inputs use Triton's ``random_data``; integer inputs with a value range (token ids < vocabulary) get random
-    values inside it, written to ``warmup/<input>`` (raw row-major bytes), since random integers would index outside
-    an embedding table.
+    values inside it, written to ``warmup/<input>`` (raw row-major bytes), since Triton's random integers would index
+    outside an embedding table; integer inputs without a range get ``zero_data``.
     """
     batched = policy.max_batch_size > 0
     rng = np.random.default_rng(seed)
@@ -124,7 +124,7 @@ def _warmup(manifest: Manifest, policy: BatchingPolicy, model_dir: Path, seed: i
             data = rng.integers(lo, hi + 1, size=dims, dtype=np.int64).astype(dt.newbyteorder("<"))
             (model_dir / "warmup" / s.name).write_bytes(data.tobytes())
             entry["input_data_file"] = s.name
-        elif dt.kind == "b":
+        elif dt.kind in "biu":  # integers without a known range: zeros are always a valid index
             entry["zero_data"] = True
         else:
             entry["random_data"] = True
@@ -148,7 +148,7 @@ def _param(key: str, value: str) -> dict:
 
 
 def _write_onnxruntime(bundle: Path, manifest: Manifest, variant: Variant, version_dir: Path, gpu: bool,
-                       model: TritonModel) -> dict[str, Any]:
+                       model: TritonModel, threads: int | None) -> dict[str, Any]:
     src = bundle / variant.file
     dst = version_dir / "model.onnx"
     rewritten = 0
@@ -166,6 +166,8 @@ def _write_onnxruntime(bundle: Path, manifest: Manifest, variant: Variant, versi
     if not rewritten:
         _link_or_copy(str(src), str(dst))
     cfg: dict[str, Any] = {"platform": "onnxruntime_onnx", "backend": "onnxruntime"}
+    if threads:  # Triton's ORT backend session options, as dsedge's OrtBackend sets them
+        cfg["parameters"] = [_param("intra_op_thread_count", str(threads)), _param("inter_op_thread_count", "1")]
     if gpu:
         precision = _TRT_PRECISION.get(variant.precision, "FP32")
         params = [{"key": "precision_mode", "value": precision}, {"key": "trt_engine_cache_enable", "value": "1"},
@@ -223,7 +225,7 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: s
         out: the repository directory; written to a temporary directory beside it, then renamed into place.
         platform: ``onnxruntime``, ``tensorrt`` or ``python`` (default: :func:`default_platform`).
         instances: model instances per device (default 1: on CPU one ORT session uses every core).
-        threads: intra-op threads per instance for the ``python`` platform (default: ORT's choice).
+        threads: ORT intra-op threads per instance (``python`` and ``onnxruntime``; default: ORT's choice).
     Returns:
         :class:`TritonExport` (repository path, models with their batching settings and notes).
     Raises:
@@ -254,7 +256,7 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: s
             version_dir = model_dir / "1"
             version_dir.mkdir(parents=True)
             if platform == "onnxruntime":
-                head = _write_onnxruntime(bundle, manifest, variant, version_dir, gpu, model)
+                head = _write_onnxruntime(bundle, manifest, variant, version_dir, gpu, model, threads)
             elif platform == "tensorrt":
                 head = _write_tensorrt(bundle, manifest, variant, model_dir, version_dir, model)
             else:
