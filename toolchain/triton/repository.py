@@ -22,9 +22,9 @@ import numpy as np
 
 from ...runtime.batching import BatchLayout
 from ...runtime.bundle import Manifest, Variant, atomic_directory, verify_bundle
-from ...runtime.errors import BundleError, DsedgeError, TargetError
+from ...runtime.errors import DsedgeError, TargetError
 from .pbtxt import Enum, to_pbtxt
-from .policy import BatchingPolicy, batch_range, derive_policy, dynamic_batching
+from .policy import BatchingPolicy, derive_policy, dynamic_batching
 
 PLATFORMS = ("onnxruntime", "tensorrt", "python")
 TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int64": "TYPE_INT64",
