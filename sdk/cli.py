@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "targets": ("dsedge.commands.targets:targets", "List target profiles, or show one."),
     "bench": ("dsedge.commands.bench:bench", "Measure a bundle's latency and check it against its budget."),
     "export": ("dsedge.toolchain.commands.export:export", "Export a bundle for another serving stack (Triton)."),
+    "serve": ("dsedge.commands.serve:serve", "Serve bundles over KServe v2 / Triton's protocol (HTTP and gRPC)."),
 }
 
 

@@ -1,0 +1,142 @@
+"""The KServe v2 gRPC service (``inference.GRPCInferenceService``) on ``grpc.aio``.
+
+Implemented: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelInfer. Every other method of
+the service (ModelStreamInfer, repository, statistics, …) answers UNIMPLEMENTED. The message classes and the
+servicer base are the stubs generated from the v2 ``grpc_service.proto`` that ``tritonclient[grpc]`` ships.
+
+ModelInfer takes ``raw_input_contents`` (what tritonclient sends) or the typed ``contents`` fields, and answers
+with ``raw_output_contents`` (little-endian, row-major), as Triton does. Errors abort the call with the status code
+of ``protocol.ServeError`` and the reason in the trailing metadata key ``dsedge-reason``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+from .models import VERSION, Repository
+from .protocol import NUMPY_OF_V2, ServeError, check_shape, from_list, from_raw, invalid, rejection, v2_datatype
+
+log = logging.getLogger("dsedge.serve")
+
+# typed ``contents`` field per v2 datatype (FP16 has none: raw only)
+_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+             "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+             "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+             "FP64": "fp64_contents"}
+
+
+def _param_value(p: Any) -> Any:
+    kind = p.WhichOneof("parameter_choice")
+    return None if kind is None else getattr(p, kind)
+
+
+def _set_param(p: Any, value: Any) -> None:
+    if isinstance(value, bool):
+        p.bool_param = value
+    elif isinstance(value, int):
+        p.int64_param = value
+    elif isinstance(value, float):
+        p.double_param = value
+    else:
+        p.string_param = str(value)
+
+
+def decode_inputs(request: Any) -> dict[str, np.ndarray]:
+    inputs: dict[str, np.ndarray] = {}
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise invalid(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs")
+    for i, t in enumerate(request.inputs):
+        if t.name in inputs:
+            raise invalid(f"input {t.name!r} is given twice")
+        if raw:
+            inputs[t.name] = from_raw(t.name, t.datatype, list(t.shape), raw[i])
+            continue
+        field = _CONTENTS.get(t.datatype.upper())
+        if field is None:
+            if t.datatype.upper() not in NUMPY_OF_V2:
+                from_raw(t.name, t.datatype, list(t.shape), b"")  # raises the datatype error
+            raise invalid(f"input {t.name!r}: {t.datatype} needs raw_input_contents")
+        check_shape(t.name, list(t.shape))
+        inputs[t.name] = from_list(t.name, t.datatype, list(t.shape), list(getattr(t.contents, field)))
+    if not inputs:
+        raise invalid("the request has no inputs")
+    return inputs
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, repo: Repository, state: Any, server_metadata: Callable[[], dict[str, Any]]) -> None:
+        self.repo = repo
+        self.state = state
+        self.server_metadata = server_metadata
+
+    async def _abort(self, context: Any, e: ServeError) -> None:
+        await context.abort(grpc.StatusCode[e.code], e.message, (("dsedge-reason", e.reason),))
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        return pb.ServerReadyResponse(ready=self.repo.ready and not self.state.draining)
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        md = self.server_metadata()
+        return pb.ServerMetadataResponse(name=md["name"], version=md["version"], extensions=md["extensions"])
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        try:
+            m = self.repo.get(request.name, request.version)
+        except ServeError as e:
+            if e.status == 404:
+                await self._abort(context, e)
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=m.ready and not self.state.draining)
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        try:
+            md = self.repo.get(request.name, request.version).metadata()
+        except ServeError as e:
+            await self._abort(context, e)
+        tensors = lambda ts: [pb.ModelMetadataResponse.TensorMetadata(**t) for t in ts]  # noqa: E731
+        return pb.ModelMetadataResponse(name=md["name"], versions=md["versions"], platform=md["platform"],
+                                        inputs=tensors(md["inputs"]), outputs=tensors(md["outputs"]))
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        with self.state.track():
+            try:
+                if self.state.draining:
+                    raise rejection("shutdown", "the server is shutting down")
+                m = self.repo.get(request.model_name, request.model_version)
+                params = {k: _param_value(v) for k, v in request.parameters.items()}
+                inputs = decode_inputs(request)
+                for o in request.outputs:
+                    if _param_value(o.parameters["classification"]) if "classification" in o.parameters else False:
+                        raise invalid("the classification extension is not supported")
+                names = [o.name for o in request.outputs] or None
+                answer = await m.infer(inputs, params, names, "grpc")
+            except ServeError as e:
+                log.debug("infer refused", extra={"fields": {"model": request.model_name, "code": e.code,
+                                                             "reason": e.reason, "error": e.message}})
+                await self._abort(context, e)
+        resp = pb.ModelInferResponse(model_name=m.name, model_version=VERSION, id=request.id)
+        for k, v in answer.parameters.items():
+            _set_param(resp.parameters[k], v)
+        for name, arr in answer.outputs.items():
+            resp.outputs.add(name=name, datatype=v2_datatype(arr.dtype.name), shape=list(arr.shape))
+            resp.raw_output_contents.append(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes())
+        return resp
+
+
+def build_server(repo: Repository, state: Any, *, max_message: int, max_rpcs: int, interceptors: list,
+                 server_metadata: Callable[[], dict[str, Any]]) -> Any:
+    server = grpc.aio.server(
+        interceptors=interceptors, maximum_concurrent_rpcs=max_rpcs,
+        options=[("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message),
+                 ("grpc.so_reuseport", 0)])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(repo, state, server_metadata), server)
+    return server

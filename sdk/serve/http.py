@@ -1,0 +1,213 @@
+"""The KServe v2 REST API on Starlette (served by uvicorn), with Triton's binary-tensor extension.
+
+Routes: ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2``, ``GET /v2/models/{m}[/versions/{v}]``,
+``GET …/ready``, ``POST …/infer``. Errors are ``{"error": message, "reason": …}`` with the status of
+``protocol.ServeError``.
+
+Binary tensors (Triton's ``binary_tensor_data`` extension): a request whose JSON header is followed by raw data says
+so with ``Inference-Header-Content-Length: <json bytes>``; each binary input carries ``parameters.binary_data_size``
+and the buffers follow the header in input order, little-endian, row-major. An output is returned binary when its
+request entry has ``parameters.binary_data: true``, or, for outputs without that key, when the request has
+``parameters.binary_data_output: true``; the response then has the same header and the buffers in output order.
+Request bodies compressed with ``Content-Encoding: gzip``/``deflate`` are accepted; the size cap applies to the
+compressed and the inflated body both.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from typing import Any, Callable
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .auth import TokenCheck
+from .models import VERSION, Repository
+from .protocol import ServeError, from_list, from_raw, invalid, rejection, v2_datatype
+
+log = logging.getLogger("dsedge.serve")
+_HEADER_LEN = "inference-header-content-length"
+
+
+def _error(e: ServeError) -> JSONResponse:
+    return JSONResponse({"error": e.message, "reason": e.reason}, status_code=e.status)
+
+
+def _too_big(cap: int) -> ServeError:
+    return ServeError(413, "RESOURCE_EXHAUSTED", f"request body over the {cap}-byte limit (--max-body-bytes)",
+                      "too_large")
+
+
+async def _read_body(request: Request, cap: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > cap:
+        raise _too_big(cap)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise _too_big(cap)
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "identity").lower()
+    if encoding in ("gzip", "deflate"):
+        d = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+        try:
+            body = d.decompress(body, cap + 1)
+        except zlib.error as e:
+            raise invalid(f"request body is not valid {encoding} ({e})") from None
+        if len(body) > cap or d.unconsumed_tail:
+            raise _too_big(cap)
+    elif encoding != "identity":
+        raise invalid(f"Content-Encoding {encoding!r} is not supported (use gzip or deflate)")
+    return body
+
+
+def parse_infer_body(body: bytes, header_len: str | None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A v2 infer request body → (the JSON header, numpy inputs). Raises ServeError(400)."""
+    if header_len is not None:
+        if not header_len.isdigit() or int(header_len) > len(body):
+            raise invalid(f"Inference-Header-Content-Length {header_len!r} does not fit a {len(body)}-byte body")
+        n = int(header_len)
+        head, rest = body[:n], memoryview(body)[n:]
+    else:
+        head, rest = body, memoryview(b"")
+    try:
+        req = json.loads(head)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise invalid(f"request body is not valid JSON ({e})") from None
+    if not isinstance(req, dict) or not isinstance(req.get("inputs"), list) or not req["inputs"]:
+        raise invalid("request must be a JSON object with a non-empty 'inputs' list")
+    inputs: dict[str, np.ndarray] = {}
+    offset = 0
+    for t in req["inputs"]:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise invalid("each input must be an object with 'name', 'datatype', 'shape' and 'data'")
+        name = t["name"]
+        if name in inputs:
+            raise invalid(f"input {name!r} is given twice")
+        params = t.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise invalid(f"input {name!r}: 'parameters' must be an object")
+        size = params.get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or offset + size > len(rest):
+                raise invalid(f"input {name!r}: binary_data_size {size!r} runs past the end of the body")
+            inputs[name] = from_raw(name, t.get("datatype", ""), t.get("shape"), bytes(rest[offset:offset + size]))
+            offset += size
+        elif "data" in t:
+            inputs[name] = from_list(name, t.get("datatype", ""), t.get("shape"), t["data"])
+        else:
+            raise invalid(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
+    if offset != len(rest):
+        raise invalid(f"{len(rest) - offset} bytes of binary data after the last binary input")
+    return req, inputs
+
+
+def requested_outputs(req: dict[str, Any]) -> tuple[list[str] | None, dict[str, bool]]:
+    """The ``outputs`` list (names, or None for all) and which are asked for binary."""
+    default_binary = bool((req.get("parameters") or {}).get("binary_data_output", False))
+    outs = req.get("outputs")
+    if outs is None:
+        return None, {"*": default_binary}
+    if not isinstance(outs, list):
+        raise invalid("'outputs' must be a list of {\"name\": …} objects")
+    names, binary = [], {"*": default_binary}
+    for o in outs:
+        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+            raise invalid("each requested output must be an object with a 'name'")
+        p = o.get("parameters") or {}
+        if p.get("classification"):
+            raise invalid("the classification extension is not supported")
+        names.append(o["name"])
+        binary[o["name"]] = bool(p.get("binary_data", default_binary))
+    return names, binary
+
+
+def encode_response(model: str, req: dict[str, Any], outputs: dict[str, np.ndarray], parameters: dict[str, Any],
+                    binary: dict[str, bool]) -> Response:
+    blobs: list[bytes] = []
+    entries = []
+    for name, arr in outputs.items():
+        e: dict[str, Any] = {"name": name, "datatype": v2_datatype(arr.dtype.name), "shape": list(arr.shape)}
+        if binary.get(name, binary["*"]):
+            raw = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+            e["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            e["data"] = arr.reshape(-1).tolist()
+        entries.append(e)
+    out: dict[str, Any] = {"model_name": model, "model_version": VERSION, "outputs": entries,
+                           "parameters": parameters}
+    if "id" in req:
+        out["id"] = req["id"]
+    head = json.dumps(out, separators=(",", ":")).encode()
+    if not blobs:
+        return Response(head, media_type="application/json")
+    return Response(head + b"".join(blobs), media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(head))})
+
+
+def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck | None,
+              server_metadata: Callable[[], dict[str, Any]]) -> Any:
+    """The ASGI app. ``state`` has ``draining`` (bool) and ``track()`` (a context manager counting live infers)."""
+
+    async def live(request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def ready(request: Request) -> Response:
+        ok = repo.ready and not state.draining
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    async def metadata(request: Request) -> Response:
+        return JSONResponse(server_metadata())
+
+    async def model_metadata(request: Request) -> Response:
+        try:
+            m = repo.get(request.path_params["model"], request.path_params.get("version"))
+        except ServeError as e:
+            return _error(e)
+        return JSONResponse(m.metadata())
+
+    async def model_ready(request: Request) -> Response:
+        try:
+            m = repo.get(request.path_params["model"], request.path_params.get("version"))
+        except ServeError as e:
+            return _error(e)
+        ok = m.ready and not state.draining
+        return JSONResponse({"name": m.name, "ready": ok}, status_code=200 if ok else 503)
+
+    async def infer(request: Request) -> Response:
+        name = request.path_params["model"]
+        with state.track():
+            try:
+                if state.draining:
+                    raise rejection("shutdown", "the server is shutting down")
+                m = repo.get(name, request.path_params.get("version"))
+                body = await _read_body(request, max_body)
+                req, inputs = parse_infer_body(body, request.headers.get(_HEADER_LEN))
+                params = req.get("parameters") or {}
+                if not isinstance(params, dict):
+                    raise invalid("'parameters' must be an object")
+                names, binary = requested_outputs(req)
+                answer = await m.infer(inputs, params, names, "http")
+            except ServeError as e:
+                log.debug("infer refused", extra={"fields": {"model": name, "status": e.status, "reason": e.reason,
+                                                             "error": e.message}})
+                return _error(e)
+            return encode_response(m.name, req, answer.outputs, answer.parameters, binary)
+
+    routes = [
+        Route("/v2/health/live", live), Route("/v2/health/ready", ready), Route("/v2", metadata),
+        Route("/v2/models/{model}", model_metadata), Route("/v2/models/{model}/versions/{version}", model_metadata),
+        Route("/v2/models/{model}/ready", model_ready),
+        Route("/v2/models/{model}/versions/{version}/ready", model_ready),
+        Route("/v2/models/{model}/infer", infer, methods=["POST"]),
+        Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes)
+    return app if auth is None else auth.asgi(app, open_paths=("/v2/health/",))

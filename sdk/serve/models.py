@@ -1,0 +1,257 @@
+"""The served models: one ``Session`` per bundle behind a ``PriorityGate``, shared by the HTTP and gRPC front ends.
+
+A model's v2 name is the manifest's name; bundles of the same model for different targets get ``NAME-TARGET``
+(``NAME=PATH`` on the command line picks a name). Each model has one version, ``"1"``: the bundle's variants are not
+versions a client pins but forms the budget-aware scheduler chooses between per request (``--cascade``), so the
+variant that served a request is reported in the response ``parameters`` (``variant``) instead.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..runtime.errors import DsedgeError, InputError, SessionClosedError
+from ..runtime.io import validate_inputs
+from ..runtime.results import Rejected
+from .metrics import ServeMetrics
+from .priority import PriorityGate, PriorityLevels
+from .protocol import PRIORITY_PARAM, ServeError, check_unsupported, deadline, invalid, not_found, rejection, \
+    v2_datatype, v2_shape
+
+log = logging.getLogger("dsedge.serve")
+VERSION = "1"
+
+
+@dataclass
+class InferAnswer:
+    """What a front end encodes: the outputs asked for (in request order) and the response ``parameters``."""
+
+    outputs: dict[str, np.ndarray]
+    parameters: dict[str, Any]
+
+
+@dataclass
+class ServedModel:
+    name: str
+    path: Path
+    session: Any
+    gate: PriorityGate
+    levels: PriorityLevels
+    metrics: ServeMetrics
+    ready: bool = False
+    draining: bool = False
+    _ids: Any = field(default_factory=itertools.count)
+
+    # -- metadata ---------------------------------------------------------------------------------------------
+    def metadata(self) -> dict[str, Any]:
+        """v2 model metadata: datatypes in v2 spelling, -1 for dynamic dims."""
+        s = self.session
+        return {
+            "name": self.name, "versions": [VERSION], "platform": f"dsedge_{s.backend_name}",
+            "inputs": [{"name": i.name, "datatype": v2_datatype(i.dtype), "shape": v2_shape(i.shape)} for i in s.inputs],
+            "outputs": [{"name": o.name, "datatype": v2_datatype(o.dtype), "shape": v2_shape(o.shape)}
+                        for o in s.outputs],
+        }
+
+    def describe(self) -> dict[str, Any]:
+        d = self.session.describe()
+        d.update(model=self.name, default_budget_ms=self.session.default_budget_ms(),
+                 variants=[v.name for v in self.session.manifest.variants])
+        return d
+
+    def check_version(self, version: str | None) -> None:
+        if version not in (None, "", VERSION):
+            raise not_found(f"model {self.name!r} has no version {version!r} (versions: {VERSION})")
+
+    # -- inference --------------------------------------------------------------------------------------------
+    async def infer(self, inputs: Mapping[str, np.ndarray], params: Mapping[str, Any],
+                    outputs: Sequence[str] | None, protocol: str) -> InferAnswer:
+        """Admit, queue and run one request; raises ServeError for every way it can end without an answer."""
+        t_arrive = time.perf_counter()
+        try:
+            answer = await self._infer(inputs, params, outputs, t_arrive)
+        except ServeError as e:
+            outcome = "rejected" if e.reason in ("overload", "budget", "deadline", "shutdown") else (
+                "error" if e.status >= 500 else "invalid")
+            self.metrics.failed(self.name, protocol, outcome, e.reason)
+            raise
+        p = answer.parameters
+        self.metrics.answered(self.name, protocol, p["variant"], p["latency_ms"] / 1e3, p["queue_ms"] / 1e3,
+                              p["batch_size"], p["latency_ms"] <= p["budget_ms"])
+        return answer
+
+    async def _infer(self, inputs: Mapping[str, np.ndarray], params: Mapping[str, Any],
+                     outputs: Sequence[str] | None, t_arrive: float) -> InferAnswer:
+        s = self.session
+        if self.draining:
+            raise rejection("shutdown", "the server is shutting down")
+        if not self.ready:
+            raise rejection("budget", f"model {self.name!r} is not ready")
+        check_unsupported(params)
+        dl = deadline(params, s.default_budget_ms())
+        level = self.levels.level(params.get(PRIORITY_PARAM))
+        names = [o.name for o in s.outputs]
+        wanted = list(outputs) if outputs else names
+        for o in wanted:
+            if o not in names:
+                raise invalid(f"model {self.name!r} has no output {o!r} (outputs: {', '.join(names)})")
+        try:
+            checked = validate_inputs(s.inputs, inputs, s.manifest.shape_ranges)
+        except InputError as e:
+            raise invalid(str(e)) from None
+        waited = await self.gate.enter(level, dl.budget_ms / 1e3)
+        self.metrics.inflight.labels(self.name).inc()
+        try:
+            waited_ms = (time.perf_counter() - t_arrive) * 1e3
+            left = dl.budget_ms - waited_ms
+            if left <= 0:  # spent in the priority queue, or (a budget under the parsing time) before it
+                raise rejection("deadline" if waited else "budget",
+                                f"budget of {dl.budget_ms:g} ms spent before the request reached the scheduler")
+            try:
+                fut = s.submit(checked, budget_ms=left, priority=self.levels.dsedge_priority(level),
+                               id=next(self._ids))
+            except SessionClosedError:
+                raise rejection("shutdown", "the server is shutting down") from None
+            except DsedgeError as e:
+                raise invalid(str(e)) from None
+            res = await asyncio.wrap_future(fut)
+        finally:
+            self.metrics.inflight.labels(self.name).dec()
+            self.gate.leave()
+        if isinstance(res, Rejected):
+            raise rejection(res.reason, res.detail)
+        if res.error is not None:
+            raise ServeError(500, "INTERNAL", f"the backend failed: {res.error}", "backend_error")
+        latency_ms = (time.perf_counter() - t_arrive) * 1e3
+        return InferAnswer(
+            outputs={o: res.outputs[o] for o in wanted},
+            parameters={"variant": res.variant, "latency_ms": round(latency_ms, 3),
+                        "queue_ms": round(waited_ms + res.queue_ms, 3), "batch_size": int(res.batch_size),
+                        "budget_ms": round(dl.budget_ms, 3), "budget_source": dl.source, "priority_level": level},
+        )
+
+
+class Repository:
+    """The models of one server, by name. ``load()`` opens, warms up (profiles) and marks each ready."""
+
+    def __init__(self, bundles: Sequence[str], metrics: ServeMetrics, *, variant: str | None = None,
+                 cascade: bool = False, budget_ms: float | None = None, max_batch: int | None = None,
+                 threads: int | None = None, providers: Sequence[str] | None = None, max_inflight: int | None = None,
+                 max_queue: int = 1024, levels: PriorityLevels | None = None) -> None:
+        self.metrics = metrics
+        self.models: dict[str, ServedModel] = {}
+        self._specs = _name_bundles(bundles)
+        self._opts = dict(variant=variant, cascade=cascade, budget_ms=budget_ms, max_batch=max_batch,
+                          threads=threads, providers=providers)
+        self._max_inflight = max_inflight
+        self._max_queue = max_queue
+        self.levels = levels or PriorityLevels()
+        for name, _ in self._specs:
+            metrics.ready.labels(name).set(0)
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _ in self._specs]
+
+    def load(self) -> None:
+        """Open and profile every bundle (blocking; run it off the event loop). Raises DsedgeError."""
+        import dsedge
+
+        for name, path in self._specs:
+            t0 = time.perf_counter()
+            s = dsedge.load(path, variant=self._opts["variant"], providers=self._opts["providers"],
+                            threads=self._opts["threads"], budget_ms=self._opts["budget_ms"],
+                            cascade=self._opts["cascade"], max_batch=self._opts["max_batch"],
+                            max_queue=self._max_queue)
+            try:
+                lanes = s.warmup()  # latency profiles measured here: admission control is usable from now on
+            except DsedgeError:
+                s.close(drain=False)
+                raise
+            max_batch = _max_batch(s, self._opts["max_batch"])
+            inflight = self._max_inflight or 2 * max_batch * len(lanes)
+            model = ServedModel(name, Path(path), s, PriorityGate(inflight, self._max_queue), self.levels,
+                                self.metrics, ready=True)
+            self.models[name] = model
+            self.metrics.ready.labels(name).set(1)
+            self.metrics.queued.labels(name).set_function(lambda g=model.gate: g.waiting)
+            log.info("model ready", extra={"fields": {**model.describe(), "max_inflight": inflight,
+                                                      "load_s": round(time.perf_counter() - t0, 3)}})
+
+    @property
+    def ready(self) -> bool:
+        return len(self.models) == len(self._specs) and all(m.ready for m in self.models.values())
+
+    def get(self, name: str, version: str | None = None) -> ServedModel:
+        m = self.models.get(name)
+        if m is None:
+            known = ", ".join(self.names) or "none"
+            if name in self.names:
+                raise rejection("budget", f"model {name!r} is still loading")
+            raise not_found(f"unknown model {name!r} (served: {known})")
+        m.check_version(version)
+        return m
+
+    def stop_admitting(self) -> None:
+        for m in self.models.values():
+            m.ready, m.draining = False, True
+            m.gate.close()
+            self.metrics.ready.labels(m.name).set(0)
+
+    def close(self, timeout_s: float) -> None:
+        """Drain every session (blocking): queued requests run, or are rejected "shutdown" after ``timeout_s``."""
+        t_end = time.perf_counter() + timeout_s
+        for m in self.models.values():
+            m.session.close(drain=True, timeout_s=max(0.0, t_end - time.perf_counter()))
+
+
+def _max_batch(s: Any, asked: int | None) -> int:
+    """Rows per batch the session forms (as Session decides it: the option, else the batch range max, else 32)."""
+    from ..runtime.batching import BatchLayout
+
+    layout = BatchLayout.of(s.inputs, s.outputs)
+    if not layout.dynamic:
+        return 1
+    return int(asked or s.manifest.shape_ranges.get(layout.batch_symbol or "", {}).get("max", 32))
+
+
+def _name_bundles(bundles: Sequence[str]) -> list[tuple[str, str]]:
+    """``[PATH | NAME=PATH]`` → ``[(name, path)]``: the manifest name, ``NAME-TARGET`` where names collide."""
+    import json
+
+    raw: list[tuple[str | None, str]] = []
+    for b in bundles:
+        name, sep, path = str(b).partition("=")
+        if sep and not os.path.exists(b):
+            raw.append((name, path))
+        else:
+            raw.append((None, str(b)))
+    found: list[tuple[str | None, str, str, str]] = []
+    for name, path in raw:
+        try:
+            m = json.loads((Path(path) / "manifest.json").read_text())
+            base, target = str(m["name"]), str(m.get("target", {}).get("name", "target"))
+        except (OSError, ValueError, KeyError, TypeError):
+            raise DsedgeError(f"{path} is not a dsedge bundle (no readable manifest.json)",
+                              "pass NAME-TARGET.dse directories made by `dsedge build`") from None
+        found.append((name, path, base, target))
+    counts: dict[str, int] = {}
+    for name, _, base, _ in found:
+        if name is None:
+            counts[base] = counts.get(base, 0) + 1
+    out: list[tuple[str, str]] = []
+    for name, path, base, target in found:
+        final = name or (base if counts[base] == 1 else f"{base}-{target}")
+        if final in dict(out):
+            raise DsedgeError(f"two bundles would both be served as {final!r}",
+                              "name them on the command line: NAME=PATH")
+        out.append((final, path))
+    return out

@@ -1,0 +1,265 @@
+"""One process, one asyncio loop: uvicorn (HTTP, and /metrics on its own port) and grpc.aio share it; each model's
+``Session`` runs its batches on its own worker threads, so the loop only parses, admits and encodes.
+
+Lifecycle:
+  1. bind every port (live from here; ``/v2/health/ready`` says 503),
+  2. load and profile every bundle off the loop, then print the ready line on stdout::
+
+         dsedge serve ready http=127.0.0.1:8000 grpc=127.0.0.1:8001 metrics=127.0.0.1:8002 models=a,b
+
+  3. on SIGTERM/SIGINT: stop admitting (new requests and those waiting for a slot get 503/UNAVAILABLE
+     "shutdown"), let each session answer what it has queued, rejecting what is left after ``drain_timeout_s``,
+     wait for every in-flight response to be written, close the listeners and exit 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from ..runtime.errors import ConfigError, DsedgeError
+
+log = logging.getLogger("dsedge.serve")
+
+
+@dataclass
+class ServeConfig:
+    """Everything ``dsedge serve`` takes (see ``dsedge serve --help`` for each option)."""
+
+    bundles: Sequence[str]
+    host: str = "127.0.0.1"
+    http_port: int | None = 8000
+    grpc_port: int | None = 8001
+    metrics_port: int | None = 8002
+    variant: str | None = None
+    cascade: bool = False
+    budget_ms: float | None = None
+    max_batch: int | None = None
+    threads: int | None = None
+    max_inflight: int | None = None
+    max_queue: int = 1024
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_connections: int = 1024
+    priority_levels: int = 3
+    default_priority: int = 2
+    drain_timeout_s: float = 10.0
+    auth_token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    log_format: str = "text"
+    log_level: str = "info"
+    http_impl: str = "auto"  # uvicorn's HTTP/1.1 parser: "auto" (httptools when installed), "h11", "httptools"
+
+
+@dataclass
+class ServerState:
+    """Shared by the front ends: ``draining`` after SIGTERM, ``active`` infer calls, and ``lag_ms``, the event
+    loop's scheduling delay (time a request waits before its handler runs, which no budget check can see; exported
+    as ``dsedge_event_loop_lag_seconds``: when it nears the budgets, the process is CPU-bound before admission)."""
+
+    draining: bool = False
+    active: int = 0
+    lag_ms: float = 0.0
+
+    async def watch_loop(self, interval_s: float = 0.005) -> None:
+        """Track ``lag_ms``: how late a ``sleep(interval_s)`` wakes up; rises at once, decays over ~10 ticks."""
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(interval_s)
+            lag = max(0.0, (time.perf_counter() - t0 - interval_s) * 1e3)
+            self.lag_ms = lag if lag > self.lag_ms else self.lag_ms + 0.1 * (lag - self.lag_ms)
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        d = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+             "msg": record.getMessage()}
+        d.update(getattr(record, "fields", {}) or {})
+        if record.exc_info:
+            d["exc"] = self.formatException(record.exc_info)
+        return json.dumps(d, default=str)
+
+
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        base = super().format(record)
+        fields = getattr(record, "fields", None)
+        return base + ("".join(f" {k}={v}" for k, v in fields.items()) if fields else "")
+
+
+def setup_logging(fmt: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else
+                         _TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("dsedge", "uvicorn", "uvicorn.error"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [handler]
+        lg.propagate = False
+        lg.setLevel(level.upper())
+    logging.getLogger("uvicorn.access").disabled = True
+
+
+def _socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then (else Nagle + delayed ACK: +40 ms)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot bind {host}:{port}: {e.strerror}", "pick another port, or 0 for any free one") \
+            from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _fmt(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(cfg: ServeConfig) -> int:
+    """Run the server until SIGTERM/SIGINT; returns the exit code. Raises DsedgeError for a bad configuration."""
+    import uvicorn
+
+    from .. import __version__
+    from .auth import TokenCheck
+    from .grpc_service import build_server
+    from .http import build_app
+    from .metrics import ServeMetrics
+    from .models import Repository
+    from .priority import PriorityLevels
+
+    if (cfg.tls_cert is None) != (cfg.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together", "pass both, or neither")
+    try:
+        levels = PriorityLevels(cfg.priority_levels, cfg.default_priority)
+    except ValueError as e:
+        raise ConfigError(str(e), "e.g. --priority-levels 3 --default-priority 2") from None
+    auth = TokenCheck.from_file(cfg.auth_token_file) if cfg.auth_token_file else None
+    tls = None
+    if cfg.tls_cert:
+        try:
+            tls = (open(cfg.tls_key, "rb").read(), open(cfg.tls_cert, "rb").read())
+        except OSError as e:
+            raise ConfigError(f"cannot read TLS file {e.filename}: {e.strerror}", "pass PEM files") from None
+
+    metrics = ServeMetrics()
+    repo = Repository(cfg.bundles, metrics, variant=cfg.variant, cascade=cfg.cascade, budget_ms=cfg.budget_ms,
+                      max_batch=cfg.max_batch, threads=cfg.threads, max_inflight=cfg.max_inflight,
+                      max_queue=cfg.max_queue, levels=levels)
+    state = ServerState()
+    extensions = ["binary_tensor_data"]
+
+    def server_metadata() -> dict[str, Any]:
+        return {"name": "dsedge", "version": __version__, "extensions": extensions}
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:  # the loop's own handlers below drain first
+            yield
+
+    metrics.loop_lag.set_function(lambda: state.lag_ms / 1e3)
+    watcher = asyncio.ensure_future(state.watch_loop())
+    servers: list[tuple[Any, asyncio.Task]] = []
+    ready_parts: list[str] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def http_server(app: Any, port: int, kind: str) -> None:
+        sock = _socket(cfg.host, port)
+        conf = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", loop="asyncio", http=cfg.http_impl,
+                              limit_concurrency=cfg.max_connections, timeout_keep_alive=5,
+                              ssl_certfile=cfg.tls_cert if kind == "http" else None,
+                              ssl_keyfile=cfg.tls_key if kind == "http" else None)
+        srv = _Server(conf)
+        servers.append((srv, asyncio.ensure_future(srv.serve(sockets=[sock]))))
+        ready_parts.append(f"{kind}={_fmt(cfg.host, sock.getsockname()[1])}")
+
+    if cfg.http_port is not None:
+        http_server(build_app(repo, state, max_body=cfg.max_body_bytes, auth=auth, server_metadata=server_metadata),
+                    cfg.http_port, "http")
+    grpc_server = None
+    if cfg.grpc_port is not None:
+        grpc_server = build_server(repo, state, max_message=cfg.max_body_bytes, max_rpcs=cfg.max_connections,
+                                   interceptors=[auth.grpc_interceptor()] if auth else [],
+                                   server_metadata=server_metadata)
+        addr = _fmt(cfg.host, cfg.grpc_port)
+        try:
+            port = (grpc_server.add_secure_port(addr, __import__("grpc").ssl_server_credentials([tls])) if tls
+                    else grpc_server.add_insecure_port(addr))
+        except RuntimeError as e:
+            raise ConfigError(f"cannot bind gRPC {addr}: {e}", "pick another --grpc-port, or 0") from None
+        await grpc_server.start()
+        ready_parts.append(f"grpc={_fmt(cfg.host, port)}")
+    if cfg.metrics_port is not None:
+        http_server(metrics.asgi_app(), cfg.metrics_port, "metrics")
+    for srv, task in servers:
+        while not srv.started and not task.done():
+            await asyncio.sleep(0.01)
+        if task.done():
+            task.result()
+            raise ConfigError("an HTTP listener failed to start", "see the log above")
+
+    code = 0
+    t0 = time.perf_counter()
+    load = asyncio.ensure_future(asyncio.to_thread(repo.load))
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if load.done() and load.exception() is None:
+        line = f"dsedge serve ready {' '.join(ready_parts)} models={','.join(repo.names)}"
+        log.info("ready", extra={"fields": {"load_s": round(time.perf_counter() - t0, 3), "tls": tls is not None,
+                                            "auth": auth is not None}})
+        print(line, flush=True)
+        await waiter
+    elif load.done():
+        err = load.exception()
+        log.error("loading failed: %s", err)
+        code = 2
+        waiter.cancel()
+        if isinstance(err, DsedgeError):
+            from ..cli import report_error
+
+            report_error(err)
+    else:
+        await asyncio.wait({load})  # a bundle still loading: let it finish before the sessions close
+    # -- drain ------------------------------------------------------------------------------------------------
+    t_drain = time.perf_counter()
+    state.draining = True
+    repo.stop_admitting()
+    log.info("draining", extra={"fields": {"active": state.active, "timeout_s": cfg.drain_timeout_s}})
+    await asyncio.to_thread(repo.close, cfg.drain_timeout_s)
+    t_end = time.perf_counter() + 2.0
+    while state.active and time.perf_counter() < t_end:  # every answer or rejection written back
+        await asyncio.sleep(0.01)
+    for srv, _ in servers:
+        srv.should_exit = True
+    if grpc_server is not None:
+        await grpc_server.stop(grace=1.0)
+    await asyncio.gather(*(t for _, t in servers), return_exceptions=True)
+    watcher.cancel()
+    log.info("stopped", extra={"fields": {"drain_s": round(time.perf_counter() - t_drain, 3),
+                                          "unanswered": state.active}})
+    return code
+
+
+def run(cfg: ServeConfig) -> int:
+    setup_logging(cfg.log_format, cfg.log_level)
+    return asyncio.run(serve(cfg))

@@ -1,0 +1,300 @@
+"""`dsedge serve` over the wire with the real tritonclient (HTTP and gRPC): metadata, infer, binary tensors,
+budget/timeout/priority parameters, rejections, malformed requests, auth, Prometheus metrics, JSON logs.
+
+One real server for the module: two bundles of the same tiny model (targets cpu and t4, so served as ``mlp-cpu``
+and ``mlp-t4``), a bearer token, ``--log-format json`` and a 64 KiB body cap.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+
+import grpc
+import numpy as np
+import pytest
+
+import dsedge
+from serve_process import ServeProcess, mlp_bundle
+
+httpclient = pytest.importorskip("tritonclient.http")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+TOKEN = "s3cret-token_for-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+GRPC_AUTH = {"authorization": f"Bearer {TOKEN}"}
+CAP = 64 * 1024
+
+
+def auth() -> dict:
+    return dict(AUTH)  # a fresh dict per call: tritonclient's infer() adds its own headers to the one it is given
+
+
+def gauth() -> dict:
+    return dict(GRPC_AUTH)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    cpu = mlp_bundle(tmp / "mlp-cpu.dse", tmp, "cpu")
+    t4 = mlp_bundle(tmp / "mlp-t4.dse", tmp, "t4")
+    (tmp / "token").write_text(TOKEN + "\n")
+    proc = ServeProcess([cpu, t4], ["--auth-token-file", str(tmp / "token"), "--log-format", "json",
+                                    "--max-body-bytes", str(CAP), "--threads", "1"], tmp / "serve.log")
+    proc.bundle = cpu
+    yield proc
+    code, _ = proc.terminate()
+    assert code == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return httpclient.InferenceServerClient(server.http)
+
+
+@pytest.fixture(scope="module")
+def gclient(server):
+    return grpcclient.InferenceServerClient(server.grpc)
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    s = dsedge.load(server.bundle)
+    yield s
+    s.close()
+
+
+def _x(rows: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, 64)).astype(np.float32)
+
+
+def _http_input(x: np.ndarray, binary: bool = True, datatype: str = "FP32") -> "httpclient.InferInput":
+    i = httpclient.InferInput("x", list(x.shape), datatype)
+    i.set_data_from_numpy(x, binary_data=binary)
+    return i
+
+
+def _grpc_input(x: np.ndarray) -> "grpcclient.InferInput":
+    i = grpcclient.InferInput("x", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    return i
+
+
+def _raw_post(server, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    host, port = server.http.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("POST", path, body=body, headers={**AUTH, "Content-Type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, json.loads(data)
+
+
+def test_health_is_open_everything_else_needs_the_token(server, client, gclient):
+    assert client.is_server_live() and client.is_server_ready()
+    assert gclient.is_server_live() and gclient.is_server_ready()
+    with pytest.raises(InferenceServerException) as e:
+        client.get_server_metadata()
+    assert e.value.status() == "401" and "bearer token" in e.value.message()
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("mlp-cpu", [_http_input(_x(1))], headers={"Authorization": "Bearer wrong"})
+    assert e.value.status() == "401"
+    with pytest.raises(InferenceServerException) as e:
+        gclient.get_model_metadata("mlp-cpu")
+    assert e.value.status() == "StatusCode.UNAUTHENTICATED"
+    with pytest.raises(InferenceServerException) as e:
+        gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers={"authorization": "Bearer " + TOKEN[:-1] + "X"})
+    assert e.value.status() == "StatusCode.UNAUTHENTICATED"
+
+
+def test_server_and_model_metadata(client, gclient):
+    md = client.get_server_metadata(headers=auth())
+    assert md["name"] == "dsedge" and md["extensions"] == ["binary_tensor_data"]
+    for name in ("mlp-cpu", "mlp-t4"):  # same model, two targets: distinct names
+        m = client.get_model_metadata(name, headers=auth())
+        assert m["versions"] == ["1"]
+        assert m["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 64]}]
+        assert m["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 4]}]
+        assert client.is_model_ready(name, headers=auth())
+        g = gclient.get_model_metadata(name, headers=gauth(), as_json=True)
+        assert g["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "64"]}]
+        assert gclient.is_model_ready(name, headers=gauth())
+    assert not client.is_model_ready("mlp-cpu", "2", headers=auth())
+    assert gclient.get_server_metadata(headers=gauth(), as_json=True)["extensions"] == ["binary_tensor_data"]
+
+
+@pytest.mark.parametrize("binary_in, binary_out", [(True, True), (False, False), (True, False)])
+def test_http_infer_equals_session_run(client, reference, binary_in, binary_out):
+    x = _x(5, seed=3)  # several rows in one request
+    want = reference.run({"x": x})["logits"]
+    r = client.infer("mlp-cpu", [_http_input(x, binary_in)], request_id="req-42", headers=auth(),
+                     outputs=[httpclient.InferRequestedOutput("logits", binary_data=binary_out)])
+    np.testing.assert_allclose(r.as_numpy("logits"), want, rtol=1e-5, atol=1e-6)
+    resp = r.get_response()
+    assert resp["id"] == "req-42" and resp["model_name"] == "mlp-cpu"
+    out = resp["outputs"][0]
+    assert ("binary_data_size" in out.get("parameters", {})) == binary_out and ("data" in out) != binary_out
+    p = resp["parameters"]
+    assert p["variant"] == "fp32" and p["batch_size"] >= 5
+    assert 0 <= p["queue_ms"] <= p["latency_ms"]
+
+
+def test_grpc_infer_sync_and_asyncio_equal_session_run(server, gclient, reference):
+    import asyncio
+
+    import tritonclient.grpc.aio as grpcaio
+
+    x = _x(3, seed=4)
+    want = reference.run({"x": x})["logits"]
+    r = gclient.infer("mlp-t4", [_grpc_input(x)], request_id="g1", headers=gauth())
+    np.testing.assert_allclose(r.as_numpy("logits"), want, rtol=1e-5, atol=1e-6)
+    resp = r.get_response(as_json=True)
+    assert resp["id"] == "g1" and resp["parameters"]["variant"]["string_param"] == "fp32"
+
+    async def many() -> list[np.ndarray]:
+        c = grpcaio.InferenceServerClient(server.grpc)
+        try:
+            rs = await asyncio.gather(*(c.infer("mlp-cpu", [_grpc_input(x[i:i + 1])], headers=gauth())
+                                        for i in range(3)))
+        finally:
+            await c.close()
+        return [r.as_numpy("logits") for r in rs]
+
+    got = np.concatenate(asyncio.run(many()))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_budget_timeout_and_priority_parameters(client, gclient):
+    x = [_http_input(_x(1))]
+    p = client.infer("mlp-cpu", x, headers=auth()).get_response()["parameters"]
+    assert (p["budget_ms"], p["budget_source"], p["priority_level"]) == (250.0, "default", 2)  # manifest's budget
+    p = client.infer("mlp-cpu", x, headers=auth(), parameters={"budget_ms": 400}, priority=1).get_response()["parameters"]
+    assert (p["budget_ms"], p["budget_source"], p["priority_level"]) == (400.0, "budget_ms", 1)
+    # Triton's timeout is in µs; the tighter of the two applies
+    p = client.infer("mlp-cpu", x, headers=auth(), parameters={"budget_ms": 400}, timeout=300_000).get_response()
+    assert (p["parameters"]["budget_ms"], p["parameters"]["budget_source"]) == (300.0, "timeout")
+    p = client.infer("mlp-cpu", x, headers=auth(), parameters={"budget_ms": 250}, timeout=300_000).get_response()
+    assert (p["parameters"]["budget_ms"], p["parameters"]["budget_source"]) == (250.0, "budget_ms")
+    g = gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers=gauth(), priority=3, timeout=350_000)
+    gp = g.get_response(as_json=True)["parameters"]
+    assert gp["budget_source"]["string_param"] == "timeout" and gp["budget_ms"]["double_param"] == 350.0
+    assert gp["priority_level"]["int64_param"] == "3"
+    with pytest.raises(InferenceServerException, match="priority") as e:
+        client.infer("mlp-cpu", x, headers=auth(), priority=9)
+    assert e.value.status() == "400"
+
+
+def test_unmeetable_budget_is_503_and_unavailable(client, gclient):
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("mlp-cpu", [_http_input(_x(1))], headers=auth(), parameters={"budget_ms": 0.001})
+    assert e.value.status() == "503" and e.value.message().startswith("budget:"), e.value.message()
+    with pytest.raises(InferenceServerException) as e:
+        gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers=gauth(), timeout=1)  # 1 µs
+    assert e.value.status() == "StatusCode.UNAVAILABLE" and e.value.message().startswith("budget:")
+
+
+def _header(obj: dict) -> bytes:
+    return json.dumps(obj).encode()
+
+
+@pytest.mark.parametrize("body, headers, status, message", [
+    (b"{not json", {}, 400, "not valid JSON"),
+    (_header({"inputs": []}), {}, 400, "non-empty 'inputs'"),
+    (_header({"inputs": [{"name": "x", "datatype": "INT64", "shape": [1, 64], "data": [0] * 64}]}), {}, 400,
+     "dtype int64, expected float32"),
+    (_header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 63], "data": [0.5] * 63}]}), {}, 400,
+     "dim 1 is 63, expected 64"),
+    (_header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 64], "data": [0.5] * 64}]}), {}, 400,
+     "64 values for shape [2, 64]"),
+    (_header({"inputs": [{"name": "y", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}), {}, 400,
+     "unknown input 'y'"),
+    (_header({"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["a"]}]}), {}, 400,
+     "datatype 'BYTES' is not supported"),
+    (_header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64], "data": ["a"] * 64}]}), {}, 400,
+     "not a list of FP32"),
+    (_header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}],
+              "outputs": [{"name": "probs"}]}), {}, 400, "no output 'probs'"),
+    (_header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64],
+                          "parameters": {"binary_data_size": 256}}]}) + b"\0" * 100,
+     {"Inference-Header-Content-Length": str(len(_header({"inputs": [{"name": "x", "datatype": "FP32",
+                                                                        "shape": [1, 64], "parameters":
+                                                                            {"binary_data_size": 256}}]})))},
+     400, "runs past the end"),
+    (b"{" + b" " * (CAP + 10) + b"}", {}, 413, "65536-byte limit"),
+], ids=["garbage-json", "no-inputs", "wrong-datatype", "wrong-shape", "too-few-values", "unknown-input", "bytes",
+        "strings-for-floats", "unknown-output", "short-binary", "oversized"])
+def test_malformed_requests_get_4xx_with_a_message(server, body, headers, status, message):
+    code, err = _raw_post(server, "/v2/models/mlp-cpu/infer", body, headers)
+    assert code == status and message in err["error"], err
+
+
+def test_unknown_model_version_and_server_keeps_serving(server, client, gclient, reference):
+    code, err = _raw_post(server, "/v2/models/nope/infer", b"{}")
+    assert code == 404 and "unknown model 'nope'" in err["error"] and "mlp-cpu" in err["error"]
+    code, err = _raw_post(server, "/v2/models/mlp-cpu/versions/7/infer", b"{}")
+    assert code == 404 and "no version '7'" in err["error"]
+    with pytest.raises(InferenceServerException) as e:
+        gclient.infer("nope", [_grpc_input(_x(1))], headers=gauth())
+    assert e.value.status() == "StatusCode.NOT_FOUND"
+    with pytest.raises(InferenceServerException) as e:  # gRPC's message cap is the HTTP body cap
+        gclient.infer("mlp-cpu", [_grpc_input(_x(300))], headers=gauth())
+    assert e.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    bad = grpcclient.InferInput("x", [1, 64], "INT64")
+    bad.set_data_from_numpy(np.zeros((1, 64), np.int64))
+    with pytest.raises(InferenceServerException, match="dtype int64, expected float32") as e:
+        gclient.infer("mlp-cpu", [bad], headers=gauth())
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    x = _x(2, seed=9)  # still serving, same answers
+    r = client.infer("mlp-cpu", [_http_input(x)], headers=auth())
+    np.testing.assert_allclose(r.as_numpy("logits"), reference.run({"x": x})["logits"], rtol=1e-5, atol=1e-6)
+    assert client.is_server_ready()
+
+
+def test_metrics_are_histograms_per_model_and_variant(server, client):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for name in ("mlp-cpu", "mlp-t4"):
+        client.infer(name, [_http_input(_x(1))], headers=auth())
+    text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for fam in ("dsedge_request_duration_seconds", "dsedge_request_queue_seconds", "dsedge_batch_size"):
+        assert fams[fam].type == "histogram"
+        counts = {s.labels["model"]: s.value for s in fams[fam].samples if s.name.endswith("_count")}
+        assert counts["mlp-cpu"] >= 1 and counts["mlp-t4"] >= 1
+        assert all(s.labels["variant"] == "fp32" for s in fams[fam].samples)
+    reqs = [(s.labels["model"], s.labels["protocol"], s.labels["outcome"], s.labels["reason"], s.value)
+            for s in fams["dsedge_requests"].samples if s.name == "dsedge_requests_total"]
+    assert any(m == "mlp-t4" and o in ("ok", "late") and v >= 1 for m, _, o, _, v in reqs)
+    assert not any(m == "mlp-t4" and o == "rejected" for m, _, o, _, v in reqs)
+    ready = {s.labels["model"]: s.value for s in fams["dsedge_model_ready"].samples}
+    assert ready == {"mlp-cpu": 1.0, "mlp-t4": 1.0}
+
+
+def test_rejections_and_invalid_requests_are_counted(server, client):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def count(outcome: str, reason: str) -> float:
+        text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
+        return sum(s.value for f in text_string_to_metric_families(text) if f.name == "dsedge_requests"
+                   for s in f.samples if s.name == "dsedge_requests_total" and s.labels["model"] == "mlp-t4"
+                   and s.labels["outcome"] == outcome and s.labels["reason"] == reason)
+
+    before_budget, before_invalid = count("rejected", "budget"), count("invalid", "invalid")
+    with pytest.raises(InferenceServerException):
+        client.infer("mlp-t4", [_http_input(_x(1))], headers=auth(), parameters={"budget_ms": 0.001})
+    _raw_post(server, "/v2/models/mlp-t4/infer",
+              _header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]}))
+    assert count("rejected", "budget") == before_budget + 1
+    assert count("invalid", "invalid") == before_invalid + 1
+
+
+def test_logs_are_json_lines(server):
+    records = [json.loads(line) for line in server.log().splitlines() if line.strip()]
+    ready = [r for r in records if r["msg"] == "model ready"]
+    assert sorted(r["model"] for r in ready) == ["mlp-cpu", "mlp-t4"]
+    assert all({"ts", "level", "logger"} <= set(r) for r in records)

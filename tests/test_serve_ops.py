@@ -1,0 +1,209 @@
+"""`dsedge serve` operations: TLS with a self-signed certificate made here, Triton priority on a queued backlog,
+429/RESOURCE_EXHAUSTED on a full queue, 503 for a timeout that runs out while queued, and SIGTERM drain.
+
+One real server for the module, without auth, with TLS, ``--max-inflight 1 --max-queue 6``: one request inside each
+model's scheduler at a time, so a backlog forms behind a slow request (the ``slow`` model, ~15 ms per row).
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import ssl
+import time
+
+import numpy as np
+import pytest
+
+from serve_process import ServeProcess, mlp_bundle, slow_bundle
+
+httpclient = pytest.importorskip("tritonclient.http")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+import tritonclient.grpc.aio as grpcaio  # noqa: E402
+import tritonclient.http.aio as httpaio  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+QUEUE = 6
+DIM = 384
+
+
+def _self_signed(tmp) -> tuple[str, str]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-ops")
+    cert, key = _self_signed(tmp)
+    proc = ServeProcess([mlp_bundle(tmp / "mlp-cpu.dse", tmp), slow_bundle(tmp / "slow-cpu.dse", tmp, DIM, 10)],
+                        ["--tls-cert", cert, "--tls-key", key, "--max-inflight", "1", "--max-queue", str(QUEUE),
+                         "--drain-timeout", "10", "--threads", "1"], tmp / "serve.log")
+    proc.cert = cert
+    yield proc
+    if proc.proc.poll() is None:
+        proc.terminate()
+
+
+def _ctx(server) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=server.cert)
+
+
+def _x(rows: int, dim: int = DIM) -> np.ndarray:
+    return np.random.default_rng(rows).random((rows, dim), dtype=np.float32)
+
+
+def _ginput(x: np.ndarray) -> "grpcclient.InferInput":
+    i = grpcclient.InferInput("x", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    return i
+
+
+def _hinput(x: np.ndarray) -> "httpclient.InferInput":
+    i = httpclient.InferInput("x", list(x.shape), "FP32")
+    i.set_data_from_numpy(x, binary_data=True)
+    return i
+
+
+def test_tls_on_http_and_grpc(server):
+    import gevent.ssl
+
+    c = httpclient.InferenceServerClient(
+        server.http, ssl=True, ssl_context_factory=lambda *a, **k: gevent.ssl.create_default_context(cafile=server.cert))
+    x = _x(2, 64)
+    r = c.infer("mlp", [_hinput(x)])
+    assert r.as_numpy("logits").shape == (2, 4)
+    g = grpcclient.InferenceServerClient(server.grpc, ssl=True, root_certificates=server.cert)
+    assert g.is_server_ready()
+    np.testing.assert_allclose(g.infer("mlp", [_ginput(x)]).as_numpy("logits"), r.as_numpy("logits"), rtol=1e-6)
+    with pytest.raises(Exception):  # plain HTTP to the TLS port
+        httpclient.InferenceServerClient(server.http, connection_timeout=5, network_timeout=5).is_server_live()
+
+
+async def _blocker(client, model: str = "slow") -> asyncio.Task:
+    """A 16-row request on ``model`` (~0.1–0.3 s here) that holds its only slot; returns once it is running."""
+    task = asyncio.ensure_future(client.infer(model, [_ginput(_x(16))], parameters={"budget_ms": 60_000}))
+    await asyncio.sleep(0.05)
+    return task
+
+
+def test_triton_priority_orders_a_queued_backlog(server):
+    async def go() -> list[int]:
+        c = grpcaio.InferenceServerClient(server.grpc, ssl=True, root_certificates=server.cert)
+        done: list[int] = []
+
+        async def one(priority: int) -> None:
+            await c.infer("slow", [_ginput(_x(1))], priority=priority, parameters={"budget_ms": 60_000})
+            done.append(priority)
+
+        try:
+            blocker = await _blocker(c)
+            tasks = []
+            for p in (3, 3, 0, 0, 1, 1):  # arrival order: low, default, high
+                tasks.append(asyncio.ensure_future(one(p)))
+                await asyncio.sleep(0.002)
+            await asyncio.gather(blocker, *tasks)
+        finally:
+            await c.close()
+        return done
+
+    # Triton: 1 is the highest level, 0 the default (here level 2), 3 the lowest
+    assert asyncio.run(go()) == [1, 1, 0, 0, 3, 3]
+
+
+def test_full_queue_is_429_and_resource_exhausted(server):
+    async def go() -> tuple[list, list]:
+        h = httpaio.InferenceServerClient(server.http, ssl=True, ssl_context=_ctx(server))
+        g = grpcaio.InferenceServerClient(server.grpc, ssl=True, root_certificates=server.cert)
+        try:
+            outcomes = []
+            for client in (h, g):
+                blocker = await _blocker(g)
+                results = await asyncio.gather(*(client.infer("slow", [(_hinput if client is h else _ginput)(_x(1))],
+                                                              parameters={"budget_ms": 60_000})
+                                                 for _ in range(QUEUE + 4)), return_exceptions=True)
+                await blocker
+                outcomes.append([r.status() if isinstance(r, InferenceServerException) else "ok" for r in results])
+                assert all(r.message().startswith("overload:") for r in results
+                           if isinstance(r, InferenceServerException))
+        finally:
+            await h.close()
+            await g.close()
+        return outcomes
+
+    http_out, grpc_out = asyncio.run(go())
+    assert set(http_out) == {"ok", "429"} and http_out.count("ok") >= QUEUE
+    assert set(grpc_out) == {"ok", "StatusCode.RESOURCE_EXHAUSTED"} and grpc_out.count("ok") >= QUEUE
+
+
+def test_timeout_running_out_in_the_queue_is_503(server):
+    async def go() -> InferenceServerException:
+        g = grpcaio.InferenceServerClient(server.grpc, ssl=True, root_certificates=server.cert)
+        h = httpaio.InferenceServerClient(server.http, ssl=True, ssl_context=_ctx(server))
+        try:
+            blocker = await _blocker(g)
+            with pytest.raises(InferenceServerException) as e:
+                await h.infer("slow", [_hinput(_x(1))], timeout=20_000)  # 20 ms, behind a ≥ 100 ms request
+            await blocker
+        finally:
+            await g.close()
+            await h.close()
+        return e.value
+
+    err = asyncio.run(go())
+    assert err.status() == "503" and err.message().startswith("deadline:")
+
+
+def test_sigterm_drains_every_request_exactly_once(server):
+    async def go() -> list[str]:
+        g = grpcaio.InferenceServerClient(server.grpc, ssl=True, root_certificates=server.cert)
+        h = httpaio.InferenceServerClient(server.http, ssl=True, ssl_context=_ctx(server))
+
+        async def one(client, model: str, rows: int) -> str:
+            make = _ginput if client is g else _hinput
+            try:
+                await client.infer(model, [make(_x(rows, DIM if model == "slow" else 64))],
+                                   parameters={"budget_ms": 60_000})
+                return "ok"
+            except InferenceServerException as e:
+                return f"{e.status()} {e.message().split(':')[0]}"
+
+        try:
+            tasks = [asyncio.ensure_future(one(g, "slow", 16))]
+            await asyncio.sleep(0.05)
+            tasks += [asyncio.ensure_future(one(c, "slow", rows)) for c, rows in ((h, 16), (g, 1), (h, 1), (g, 1))]
+            tasks += [asyncio.ensure_future(one(c, "mlp", 4)) for c in (g, h)]
+            await asyncio.sleep(0.02)
+            server.proc.send_signal(15)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        finally:
+            await g.close()
+            await h.close()
+
+    t0 = time.perf_counter()
+    outcomes = asyncio.run(go())
+    code = server.proc.wait(30)
+    assert code == 0 and time.perf_counter() - t0 < 20
+    assert outcomes[0] == "ok"  # running when SIGTERM came: answered; those queued behind it: rejected
+    allowed = {"ok", "503 shutdown", "StatusCode.UNAVAILABLE shutdown"}
+    assert set(outcomes) <= allowed, outcomes
+    assert "503 shutdown" in outcomes[1:5] or "StatusCode.UNAVAILABLE shutdown" in outcomes[1:5], outcomes
+    assert "unanswered=0" in server.log()
