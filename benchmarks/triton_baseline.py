@@ -87,11 +87,13 @@ class GrpcDriver:
         from tritonclient.utils import InferenceServerException
 
         times = []
+        self.serial_errors: list[str] = []
         for k in range(n + 5):
             t0 = _clock()
             try:
                 self.client.infer(self.model, inputs)
-            except InferenceServerException:  # a queue timeout on a noisy machine: not a round-trip time
+            except InferenceServerException as e:  # a queue timeout on a noisy machine: not a round-trip time
+                self.serial_errors.append(str(e)[:120])
                 continue
             if k >= 5:
                 times.append((_clock() - t0) * 1e3)
@@ -263,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             drv = GrpcDriver(server.grpc_url, model)
             if "triton_model_b1_p50_ms" not in overhead:
                 overhead["triton_model_b1_p50_ms"] = round(drv.serial_p50_ms(pool[0], 30), 3)
+                if drv.serial_errors:
+                    print(f"# triton serial errors: {len(drv.serial_errors)}, first: {drv.serial_errors[0]}")
             for load, sched in schedules.items():
                 row = drive(drv, sched, pool, budget)
                 row.update(load=load, server=f"triton-{d:g}ms")
@@ -278,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             serve_proc, url = start_dsedge_serve(bundle, model, args, budget, work / "serve.log")
             ours = GrpcDriver(url, model)
             overhead["dsedge_serve_b1_p50_ms"] = round(ours.serial_p50_ms(pool[0], 30), 3)
+            if ours.serial_errors:
+                print(f"# dsedge serve serial errors: {len(ours.serial_errors)}, first: {ours.serial_errors[0]}")
         else:
             session.warmup()
             ours = DsedgeServer(session)
