@@ -5,10 +5,11 @@ by the same open-loop bursty arrival schedule, at 0.5×, 1.5× and 3× measured 
     python benchmarks/triton_baseline.py --small        # a tiny text model built here
 
 Servers:
-  * ``triton-D``: the bundle's ``dsedge export triton --platform python`` model on real Triton 2.51 (the
-    nvidia-pytriton wheel's server, Python backend), dynamic batcher with preferred sizes up to --max-batch, ragged
-    batching (model.py pads like dsedge), max_queue_delay D (a few tried: best reported), queue timeout REJECT at the
-    budget (each request carries ``timeout`` = budget µs), max_queue_size = --max-queue.
+  * ``triton-bM-D``: the bundle's ``dsedge export triton --platform python`` model on real Triton 2.51 (the
+    nvidia-pytriton wheel's server, Python backend), dynamic batcher with max_batch_size M and preferred sizes the
+    powers of two up to M, ragged batching (model.py pads like dsedge), max_queue_delay D (a few M and D tried: the
+    best is the baseline), queue timeout REJECT at the budget (each request carries ``timeout`` = budget µs),
+    max_queue_size = --max-queue.
   * ``dsedge``: ``dsedge serve`` over the same tritonclient gRPC client and the same ``timeout`` parameter when the
     CLI has ``serve`` (--dsedge serve); else ``Session.submit`` in this process (--dsedge inprocess: no network or
     protocol cost, which favours dsedge — the table header says which ran).
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-queue", type=int, default=256)
     ap.add_argument("--triton-delays-ms", default="1,auto",
                     help="max_queue_delay values to try, ms ('auto' = 10 %% of the budget)")
+    ap.add_argument("--triton-max-batch", default="8,32",
+                    help="Triton max_batch_size values to try (preferred sizes: powers of two up to it)")
     ap.add_argument("--min-seq", type=int, default=8)
     ap.add_argument("--max-seq", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'dsedge serve (same gRPC client)' if mode == 'serve' else 'Session.submit in-process (no network)'}")
 
     delays = [0.1 * budget if d.strip() == "auto" else float(d) for d in args.triton_delays_ms.split(",") if d.strip()]
-    preferred = sorted({min(1 << i, args.max_batch) for i in range(args.max_batch.bit_length())})[-4:]
+    settings = [(int(mb), d) for mb in args.triton_max_batch.split(",") if mb.strip() for d in delays]
     server = TritonServer(repo, stub / "bin", work / "triton", extra_args=("--model-control-mode=explicit",
                                                                            "--load-model=identity"))
     results, overhead = [], {}
@@ -258,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         import tritonclient.grpc as grpcclient
 
         admin = grpcclient.InferenceServerClient(server.grpc_url)
-        for d in delays:
-            set_batching(repo / model / "config.pbtxt", int(d * 1000), preferred, args.max_batch, args.max_queue,
+        for mb, d in settings:
+            preferred = sorted({min(1 << i, mb) for i in range(mb.bit_length())})[-4:]
+            set_batching(repo / model / "config.pbtxt", int(d * 1000), preferred, mb, args.max_queue,
                          int(budget * 1000))
             admin.load_model(model)
             drv = GrpcDriver(server.grpc_url, model)
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"# triton serial errors: {len(drv.serial_errors)}, first: {drv.serial_errors[0]}")
             for load, sched in schedules.items():
                 row = drive(drv, sched, pool, budget)
-                row.update(load=load, server=f"triton-{d:g}ms")
+                row.update(load=load, server=f"triton-b{mb}-{d:g}ms")
                 results.append(row)
                 print(json.dumps(row), flush=True)
             drv.close()
