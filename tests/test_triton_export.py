@@ -249,3 +249,21 @@ def test_warmup_of_integer_inputs_without_a_range_is_zeros(tmp_path):
     assert fields["ids"].get("zero_data") and fields["ids"]["dims"] == [16]
     assert fields["x"].get("random_data") and fields["x"]["dims"] == [4]
     assert [w["batch_size"] for w in warm] == [1, 8]
+
+
+def test_a_bundle_with_engines_exports_them_as_model_plan(target_bundles, tmp_path):
+    from dsedge.runtime.bundle import read_manifest, write_manifest
+
+    b = retarget_bundle(target_bundles["a100"], tmp_path / "with-engines.dse", "a100")
+    (b / "engines").mkdir()
+    for v in ("int4", "fp32"):
+        (b / "engines" / f"{v}.plan").write_bytes(f"engine bytes of {v}".encode())  # never parsed by the export
+    write_manifest(b, read_manifest(b))
+    result = export_triton(b, tmp_path / "repo")  # every variant has an engine: tensorrt is the default
+    assert {m.platform for m in result.models} == {"tensorrt"}
+    for v in ("int4", "fp32"):
+        model_dir = tmp_path / "repo" / f"all-minilm-l6-v2_{v}"
+        assert (model_dir / "1" / "model.plan").read_bytes() == f"engine bytes of {v}".encode()
+        assert not (model_dir / "build_engine.sh").exists()
+        cfg = parse_config(model_dir / "config.pbtxt")
+        assert cfg.platform == "tensorrt_plan" and cfg.max_batch_size == 128
