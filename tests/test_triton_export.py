@@ -267,3 +267,16 @@ def test_a_bundle_with_engines_exports_them_as_model_plan(target_bundles, tmp_pa
         assert not (model_dir / "build_engine.sh").exists()
         cfg = parse_config(model_dir / "config.pbtxt")
         assert cfg.platform == "tensorrt_plan" and cfg.max_batch_size == 128
+
+
+def test_pbtxt_strings_and_enums_round_trip():
+    from dsedge.toolchain.triton.pbtxt import Enum, to_pbtxt
+
+    text = to_pbtxt({"name": 'modèle "q" \\ x', "max_batch_size": 0,
+                     "instance_group": [{"count": 2, "kind": Enum("KIND_CPU")}],
+                     "parameters": [{"key": "k", "value": {"string_value": "a\nb"}}], "input": []}, ["µs ≤ budget"])
+    cfg = text_format.Parse(text, model_config_pb2.ModelConfig())
+    assert cfg.name == 'modèle "q" \\ x' and cfg.parameters["k"].string_value == "a\nb"
+    assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU and not cfg.input
+    with pytest.raises(text_format.ParseError):  # what "no unknown field" rests on
+        text_format.Parse(to_pbtxt({"max_batch_sise": 4}), model_config_pb2.ModelConfig())

@@ -21,7 +21,7 @@ def _scalar(v: Any) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, str):
-        return json.dumps(v)  # a double-quoted string with C-style escapes, which text format accepts
+        return json.dumps(v, ensure_ascii=False)  # double-quoted, C-style escapes, UTF-8 kept as is
     raise TypeError(f"cannot write {type(v).__name__} in protobuf text format")
 
 
