@@ -91,7 +91,19 @@ def _raw_post(server, path: str, body: bytes, headers: dict | None = None) -> tu
     return r.status, json.loads(data)
 
 
+def _requests_total(server) -> float:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "dsedge_requests"
+               for s in f.samples if s.name == "dsedge_requests_total")
+
+
 def test_health_is_open_everything_else_needs_the_token(server, client, gclient):
+    assert server.http.startswith("127.0.0.1:") and server.grpc.startswith("127.0.0.1:")  # loopback by default
+    before = _requests_total(server)
     assert client.is_server_live() and client.is_server_ready()
     assert gclient.is_server_live() and gclient.is_server_ready()
     with pytest.raises(InferenceServerException) as e:
@@ -106,6 +118,7 @@ def test_health_is_open_everything_else_needs_the_token(server, client, gclient)
     with pytest.raises(InferenceServerException) as e:
         gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers={"authorization": "Bearer " + TOKEN[:-1] + "X"})
     assert e.value.status() == "StatusCode.UNAUTHENTICATED"
+    assert _requests_total(server) == before  # refused before any model saw them
 
 
 def test_server_and_model_metadata(client, gclient):
@@ -298,3 +311,85 @@ def test_logs_are_json_lines(server):
     ready = [r for r in records if r["msg"] == "model ready"]
     assert sorted(r["model"] for r in ready) == ["mlp-cpu", "mlp-t4"]
     assert all({"ts", "level", "logger"} <= set(r) for r in records)
+
+
+def test_gzip_request_and_typed_grpc_contents(server, client, reference):
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    x = _x(2, seed=11)
+    want = reference.run({"x": x})["logits"]
+    r = client.infer("mlp-cpu", [_http_input(x)], headers=auth(), request_compression_algorithm="gzip")
+    np.testing.assert_allclose(r.as_numpy("logits"), want, rtol=1e-5, atol=1e-6)
+    req = pb.ModelInferRequest(model_name="mlp-cpu", id="typed")
+    t = req.inputs.add(name="x", datatype="FP32", shape=[2, 64])
+    t.contents.fp32_contents.extend(x.reshape(-1).tolist())
+    with grpc.insecure_channel(server.grpc) as ch:
+        resp = pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, metadata=(("authorization", AUTH["Authorization"]),))
+    assert resp.id == "typed" and list(resp.outputs[0].shape) == [2, 4]
+    got = np.frombuffer(resp.raw_output_contents[0], "<f4").reshape(2, 4)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bundle_names_and_cli_errors(tmp_path):
+    import subprocess
+    import sys
+
+    from dsedge.runtime.errors import DsedgeError
+    from dsedge.serve.models import _name_bundles
+
+    a, b = mlp_bundle(tmp_path / "a.dse", tmp_path, "cpu"), mlp_bundle(tmp_path / "b.dse", tmp_path, "t4")
+    assert _name_bundles([str(a)]) == [("mlp", str(a))]
+    assert _name_bundles([str(a), str(b)]) == [("mlp-cpu", str(a)), ("mlp-t4", str(b))]
+    assert _name_bundles([f"fast={a}", str(b)]) == [("fast", str(a)), ("mlp", str(b))]
+    with pytest.raises(DsedgeError, match="both be served as 'mlp-cpu'"):
+        _name_bundles([str(a), str(a)])
+    for args, message in ((["serve", str(tmp_path / "missing.dse")], "is not a dsedge bundle"),
+                          (["serve", str(a), "--tls-cert", str(a / "manifest.json")], "--tls-cert and --tls-key go together"),
+                          (["serve", str(a), "--auth-token-file", str(tmp_path / "none")], "cannot read --auth-token-file")):
+        p = subprocess.run([sys.executable, "-m", "dsedge", *args, "--http-port", "0", "--grpc-port", "0",
+                            "--metrics-port", "0"], capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_priority_gate_orders_bounds_and_times_out():
+    import asyncio
+
+    from dsedge.serve.priority import PriorityGate, PriorityLevels
+    from dsedge.serve.protocol import ServeError
+
+    levels = PriorityLevels(3, 2)
+    assert [levels.level(p) for p in (None, 0, 1, 2, 3)] == [2, 2, 1, 2, 3]
+    assert [levels.dsedge_priority(l) for l in (1, 2, 3)] == [2, 1, 0]
+
+    async def go() -> None:
+        gate = PriorityGate(max_inflight=1, max_queue=3)
+        assert await gate.enter(2, 1.0) is False  # a free slot: no wait
+        order: list[int] = []
+
+        async def waiter(level: int) -> None:
+            await gate.enter(level, 5.0)
+            order.append(level)
+            gate.leave()
+
+        tasks = [asyncio.ensure_future(waiter(l)) for l in (3, 2, 1)]
+        await asyncio.sleep(0.01)
+        assert gate.waiting == 3
+        with pytest.raises(ServeError) as e:  # queue full
+            await gate.enter(1, 1.0)
+        assert (e.value.status, e.value.reason) == (429, "overload")
+        gate.leave()
+        await asyncio.gather(*tasks)
+        assert order == [1, 2, 3] and gate.waiting == 0 and gate.inflight == 0
+        await gate.enter(2, 1.0)
+        with pytest.raises(ServeError) as e:  # budget runs out while waiting
+            await gate.enter(1, 0.02)
+        assert (e.value.status, e.value.reason) == (503, "deadline") and gate.waiting == 0
+        late = asyncio.ensure_future(gate.enter(3, 5.0))
+        await asyncio.sleep(0.01)
+        gate.close()
+        with pytest.raises(ServeError) as e:
+            await late
+        assert e.value.reason == "shutdown" and gate.waiting == 0
+
+    asyncio.run(go())

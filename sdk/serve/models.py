@@ -55,17 +55,25 @@ class ServedModel:
         """v2 model metadata: datatypes in v2 spelling, -1 for dynamic dims."""
         s = self.session
         return {
-            "name": self.name, "versions": [VERSION], "platform": f"dsedge_{s.backend_name}",
+            "name": self.name, "versions": [VERSION], "platform": f"dsedge_{getattr(s, 'backend_name', 'onnxruntime')}",
             "inputs": [{"name": i.name, "datatype": v2_datatype(i.dtype), "shape": v2_shape(i.shape)} for i in s.inputs],
             "outputs": [{"name": o.name, "datatype": v2_datatype(o.dtype), "shape": v2_shape(o.shape)}
                         for o in s.outputs],
         }
 
     def describe(self) -> dict[str, Any]:
-        d = self.session.describe()
-        d.update(model=self.name, default_budget_ms=self.session.default_budget_ms(),
+        s = self.session
+        d = s.describe() if hasattr(s, "describe") else {"bundle": str(self.path)}
+        d.update(model=self.name, default_budget_ms=self.default_budget_ms(),
                  variants=[v.name for v in self.session.manifest.variants])
         return d
+
+    def default_budget_ms(self) -> float:
+        """The session's default budget (``--budget-ms``, else the manifest's, else the target's), ms."""
+        s = self.session
+        if hasattr(s, "default_budget_ms"):
+            return float(s.default_budget_ms())
+        return float(s.manifest.latency_budget_ms or 50.0)
 
     def check_version(self, version: str | None) -> None:
         if version not in (None, "", VERSION):
@@ -94,9 +102,9 @@ class ServedModel:
         if self.draining:
             raise rejection("shutdown", "the server is shutting down")
         if not self.ready:
-            raise rejection("budget", f"model {self.name!r} is not ready")
+            raise ServeError(503, "UNAVAILABLE", f"model {self.name!r} is not ready", "not_ready")
         check_unsupported(params)
-        dl = deadline(params, s.default_budget_ms())
+        dl = deadline(params, self.default_budget_ms())
         level = self.levels.level(params.get(PRIORITY_PARAM))
         names = [o.name for o in s.outputs]
         wanted = list(outputs) if outputs else names
@@ -172,7 +180,7 @@ class Repository:
                             cascade=self._opts["cascade"], max_batch=self._opts["max_batch"],
                             max_queue=self._max_queue)
             try:
-                lanes = s.warmup()  # latency profiles measured here: admission control is usable from now on
+                lanes = warm_up(s)  # latency profiles measured here: admission control is usable from now on
             except DsedgeError:
                 s.close(drain=False)
                 raise
@@ -195,7 +203,7 @@ class Repository:
         if m is None:
             known = ", ".join(self.names) or "none"
             if name in self.names:
-                raise rejection("budget", f"model {name!r} is still loading")
+                raise ServeError(503, "UNAVAILABLE", f"model {name!r} is still loading", "not_ready")
             raise not_found(f"unknown model {name!r} (served: {known})")
         m.check_version(version)
         return m
@@ -211,6 +219,18 @@ class Repository:
         t_end = time.perf_counter() + timeout_s
         for m in self.models.values():
             m.session.close(drain=True, timeout_s=max(0.0, t_end - time.perf_counter()))
+
+
+def warm_up(s: Any) -> dict[str, Any]:
+    """Start the session's scheduler and measure its latency profiles now, not on the first request; returns
+    ``{variant: profile}`` (one request of example inputs when the session has no ``warmup()``)."""
+    if hasattr(s, "warmup"):
+        return s.warmup()
+    from ..runtime.batching import BatchLayout, example_feed
+
+    layout = BatchLayout.of(s.inputs, s.outputs)
+    r = s.submit(example_feed(layout, 1, 16 if layout.seq_symbol else None), budget_ms=60_000).result()
+    return {getattr(r, "variant", "?"): None}
 
 
 def _max_batch(s: Any, asked: int | None) -> int:

@@ -58,10 +58,7 @@ class PriorityGate:
         self._waiting: list[tuple[int, int, asyncio.Future]] = []
         self._order = itertools.count()
         self._closed = False
-
-    @property
-    def waiting(self) -> int:
-        return sum(1 for *_, f in self._waiting if not f.done())
+        self.waiting = 0  # live waiters (the heap may still hold cancelled ones until they surface)
 
     async def enter(self, level: int, timeout_s: float) -> bool:
         """Wait for a slot (level order); True if it had to wait. Raises ServeError "overload" (queue full), "deadline" (``timeout_s``
@@ -76,13 +73,17 @@ class PriorityGate:
                                         f"(--max-inflight {self.max_inflight}, --max-queue {self.max_queue})")
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting, (level, next(self._order), fut))
+        self.waiting += 1
         try:
             await asyncio.wait_for(fut, timeout=max(timeout_s, 0.0))
         except asyncio.CancelledError:  # the caller went away: pass on a slot it may have been handed
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
+            if fut.cancelled():
+                self.waiting -= 1
+            elif fut.exception() is None:
                 self.leave()
             raise
         except asyncio.TimeoutError:
+            self.waiting -= 1
             raise rejection("deadline", f"budget of {timeout_s * 1e3:.1f} ms ran out while waiting for one of "
                                         f"{self.max_inflight} slots") from None
         return True  # fut carried the slot over from leave() (close() sets an error instead)
@@ -93,6 +94,7 @@ class PriorityGate:
             _, _, fut = heapq.heappop(self._waiting)
             if not fut.done():
                 fut.set_result(None)  # the slot passes to it; inflight stays the same
+                self.waiting -= 1
                 return
         self.inflight -= 1
 
@@ -103,6 +105,7 @@ class PriorityGate:
             _, _, fut = heapq.heappop(self._waiting)
             if not fut.done():
                 fut.set_exception(rejection("shutdown", "the server is shutting down"))
+                self.waiting -= 1
 
 
 __all__ = ["PriorityGate", "PriorityLevels", "ServeError"]

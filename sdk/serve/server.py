@@ -68,7 +68,7 @@ class ServerState:
     active: int = 0
     lag_ms: float = 0.0
 
-    async def watch_loop(self, interval_s: float = 0.005) -> None:
+    async def watch_loop(self, interval_s: float = 0.02) -> None:
         """Track ``lag_ms``: how late a ``sleep(interval_s)`` wakes up; rises at once, decays over ~10 ticks."""
         while True:
             t0 = time.perf_counter()
