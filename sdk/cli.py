@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "keygen": ("dsedge.commands.signing:keygen", "Make an Ed25519 key pair for signing bundles."),
     "sign": ("dsedge.commands.signing:sign", "Sign a bundle's manifest (detached Ed25519 signature)."),
     "data": ("dsedge.toolchain.datacheck.cli:data", "Check a training data set's quality (data check DATA)."),
+    "export": ("dsedge.toolchain.commands.export:export", "Export a bundle for another serving stack (Triton)."),
     "serve": ("dsedge.commands.serve:serve", "Serve bundles over KServe v2 / Triton's protocol (HTTP and gRPC)."),
 }
 

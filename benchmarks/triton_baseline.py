@@ -1,0 +1,333 @@
+"""Real Triton as the baseline: the same ONNX model on a real ``tritonserver`` (dynamic batcher) vs dsedge, driven
+by the same open-loop bursty arrival schedule, at 0.5×, 1.5× and 3× measured capacity.
+
+    python benchmarks/triton_baseline.py --bundle out/all-minilm-l6-v2-cpu.dse --duration-s 8
+    python benchmarks/triton_baseline.py --small        # a tiny text model built here
+
+Servers:
+  * ``triton-bM-D``: the bundle's ``dsedge export triton --platform python`` model on real Triton 2.51 (the
+    nvidia-pytriton wheel's server, Python backend), dynamic batcher with max_batch_size M and preferred sizes the
+    powers of two up to M, ragged batching (model.py pads like dsedge), max_queue_delay D (a few M and D tried: the
+    best is the baseline), queue timeout REJECT at the budget (each request carries ``timeout`` = budget µs),
+    max_queue_size = --max-queue.
+  * ``dsedge``: ``dsedge serve`` over the same tritonclient gRPC client and the same ``timeout`` parameter when the
+    CLI has ``serve`` (--dsedge serve); else ``Session.submit`` in this process (--dsedge inprocess: no network or
+    protocol cost, which favours dsedge — the table header says which ran).
+Both run the same ORT settings (--threads). Reported per load: goodput (answers within budget per second of the
+arrival window), in-budget share of admitted, rejections, p99 of answered (client-side), and Triton's own
+per-request overhead (an identity Python-backend model, serial round trips) beside the model's own b1 run time.
+Arrivals, request pool and capacity come from benchmarks/streaming.py. Timings on a shared machine are noisy:
+compare ratios inside one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+
+import dsedge  # noqa: E402
+from dsedge.runtime.batching import BatchLayout  # noqa: E402
+from streaming import DsedgeServer, arrivals, capacity_rows_per_s, drive, make_requests  # noqa: E402
+from triton_server import TritonServer, build_stub_env, free_port  # noqa: E402
+
+_clock = time.perf_counter
+_V2 = {"int64": "INT64", "float32": "FP32", "int32": "INT32", "float16": "FP16", "bool": "BOOL"}
+
+
+class GrpcDriver:
+    """Open-loop client over tritonclient.grpc: ``submit(feed, budget_ms) -> Future[(kind, ms)]`` with kind
+    answered / rejected (refused at admission: queue full, overload, budget) / timeout (dropped after queueing)."""
+
+    def __init__(self, url: str, model: str) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.grpc = grpcclient
+        self.client = grpcclient.InferenceServerClient(url)
+        self.model = model
+
+    def submit(self, feed, budget_ms: float) -> Future:
+        fut: Future = Future()
+        inputs = []
+        for name, arr in feed.items():
+            i = self.grpc.InferInput(name, list(arr.shape), _V2[str(arr.dtype)])
+            i.set_data_from_numpy(arr)
+            inputs.append(i)
+        t0 = _clock()
+
+        def done(result, error) -> None:
+            ms = (_clock() - t0) * 1e3
+            if error is None:
+                fut.set_result(("answered", ms))
+            else:
+                msg = str(error).lower()
+                fut.set_result(("timeout" if ("timeout" in msg or "deadline" in msg) else "rejected", ms))
+
+        self.client.async_infer(self.model, inputs, callback=done, timeout=int(budget_ms * 1000))
+        return fut
+
+    def serial_p50_ms(self, feed, n: int = 100) -> float:
+        inputs = []
+        for name, arr in feed.items():
+            i = self.grpc.InferInput(name, list(arr.shape), _V2[str(arr.dtype)])
+            i.set_data_from_numpy(arr)
+            inputs.append(i)
+        from tritonclient.utils import InferenceServerException
+
+        times = []
+        self.serial_errors: list[str] = []
+        for k in range(n + 5):
+            t0 = _clock()
+            try:
+                self.client.infer(self.model, inputs)
+            except InferenceServerException as e:  # a queue timeout on a noisy machine: not a round-trip time
+                self.serial_errors.append(str(e)[:120])
+                continue
+            if k >= 5:
+                times.append((_clock() - t0) * 1e3)
+        return float(np.median(times)) if times else float("nan")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def identity_model(repo: Path) -> None:
+    d = repo / "identity" / "1"
+    d.mkdir(parents=True)
+    (repo / "identity" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\ninput { name: "x" data_type: TYPE_FP32 dims: [ 1 ] }\n'
+        'output { name: "y" data_type: TYPE_FP32 dims: [ 1 ] }\ninstance_group { count: 1 kind: KIND_CPU }\n')
+    (d / "model.py").write_text(
+        "import triton_python_backend_utils as pb_utils\n\nclass TritonPythonModel:\n"
+        "    def execute(self, requests):\n        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("
+        "'y', pb_utils.get_input_tensor_by_name(r, 'x').as_numpy())]) for r in requests]\n")
+
+
+def set_batching(config_path: Path, delay_us: int, preferred: list[int], max_batch: int, max_queue: int,
+                 timeout_us: int) -> None:
+    """Rewrite the exported config.pbtxt's dynamic batcher (parsed and written back with tritonclient's proto)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    cfg = text_format.Parse(config_path.read_text(), mc.ModelConfig())
+    cfg.max_batch_size = max_batch
+    db = cfg.dynamic_batching
+    del db.preferred_batch_size[:]
+    db.preferred_batch_size.extend(preferred)
+    db.max_queue_delay_microseconds = delay_us
+    q = db.default_queue_policy
+    q.timeout_action = mc.ModelQueuePolicy.REJECT
+    q.default_timeout_microseconds = timeout_us
+    q.allow_timeout_override = True
+    q.max_queue_size = max_queue
+    del cfg.model_warmup[1:]  # batch-1 warm-up only: the larger one is sized for the exported preferred batch
+    config_path.write_text(text_format.MessageToString(cfg))
+
+
+def start_dsedge_serve(bundle, name: str, args, budget: float, log: Path) -> tuple[subprocess.Popen, str]:
+    grpc_port = free_port()
+    cmd = [sys.executable, "-m", "dsedge", "serve", f"{name}={bundle}", "--host", "127.0.0.1", "--http-port", "off",
+           "--grpc-port", str(grpc_port), "--metrics-port", "off", "--budget-ms", f"{budget:g}",
+           "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    out = open(log, "w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"dsedge serve exited {proc.returncode}: see {log}")
+        if "ready" in line:
+            return proc, f"127.0.0.1:{grpc_port}"
+    proc.terminate()
+    raise RuntimeError("dsedge serve did not get ready in 180 s")
+
+
+def has_serve() -> bool:
+    from dsedge.cli import COMMANDS
+
+    return "serve" in COMMANDS
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--bundle")
+    src.add_argument("--small", action="store_true")
+    ap.add_argument("--variant", default=None)
+    ap.add_argument("--budget-ms", type=float, default=None)
+    ap.add_argument("--loads", default="0.5,1.5,3")
+    ap.add_argument("--duration-s", type=float, default=8.0)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-queue", type=int, default=256)
+    ap.add_argument("--triton-delays-ms", default="1,auto",
+                    help="max_queue_delay values to try, ms ('auto' = 10 %% of the budget)")
+    ap.add_argument("--triton-max-batch", default="8,32",
+                    help="Triton max_batch_size values to try (preferred sizes: powers of two up to it)")
+    ap.add_argument("--min-seq", type=int, default=8)
+    ap.add_argument("--max-seq", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dsedge", choices=("auto", "serve", "inprocess"), default="auto")
+    ap.add_argument("--stub-env", default=os.path.expanduser("~/.cache/dsedge/triton-stub-env"),
+                    help="the Python-backend stub's virtualenv (built here if missing)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="dsedge-triton-bench-"))
+    if args.small:
+        from streaming_models import text_bundle
+
+        bundle = text_bundle(work, dim=512, variants={"fp32": 6}, name="toy-bench")
+        vocab = 100
+    else:
+        bundle, vocab = Path(args.bundle), 30522
+    stub = Path(args.stub_env)
+    if not (stub / "bin" / "python").exists():
+        print(f"# building the stub env at {stub} …", flush=True)
+        build_stub_env(stub)
+
+    session = dsedge.load(bundle, variant=args.variant, threads=args.threads, budget_ms=args.budget_ms,
+                          max_batch=args.max_batch, max_queue=args.max_queue)
+    budget = session.default_budget_ms()
+    rng = np.random.default_rng(args.seed)
+    pool = make_requests(session, 512, rng, vocab, args.min_seq, args.max_seq)
+    layout = BatchLayout.of(session.inputs, session.outputs)
+    run = session._backend.run
+    cap, cap_b = capacity_rows_per_s(run, layout, pool, args.max_batch)
+    b1 = []
+    for feed in pool[:30]:
+        t0 = _clock()
+        run(feed)
+        b1.append((_clock() - t0) * 1e3)
+
+    from dsedge.toolchain.triton import export_triton
+
+    repo = work / "repo"
+    export = export_triton(bundle, repo, platform="python", threads=args.threads)
+    for m in export.models[1:]:  # only the served variant
+        shutil.rmtree(repo / m.name)
+    model = export.models[0].name
+    if args.variant and args.variant != export.models[0].variant:
+        raise SystemExit("--variant other than the default is not wired for the Triton side")
+    identity_model(repo)
+    mode = args.dsedge if args.dsedge != "auto" else ("serve" if has_serve() else "inprocess")
+
+    from importlib.metadata import version
+
+    import onnxruntime
+
+    flags = ""
+    try:
+        flags = " ".join(sorted({f for f in re.findall(r"\b(avx512\w*|avx2|avx_vnni|amx\w*)\b",
+                                                        Path("/proc/cpuinfo").read_text())}))
+    except OSError:
+        pass
+    print(f"# triton baseline  {platform.node()}  {platform.processor() or platform.machine()}  cores "
+          f"{os.cpu_count()}  cpu flags [{flags}]  python {platform.python_version()}  onnxruntime "
+          f"{onnxruntime.__version__}  tritonclient {version('tritonclient')}  dsedge {dsedge.__version__}")
+    print(f"# bundle {Path(str(bundle)).name}  variant {session.variant.name}  budget {budget:g} ms  capacity "
+          f"{cap:.0f} rows/s (batch {cap_b})  b1 p50 {np.median(b1):.2f} ms  seq {args.min_seq}-{args.max_seq}  "
+          f"window {args.duration_s:g} s  threads {args.threads}  dsedge via "
+          f"{'dsedge serve (same gRPC client)' if mode == 'serve' else 'Session.submit in-process (no network)'}")
+
+    delays = [0.1 * budget if d.strip() == "auto" else float(d) for d in args.triton_delays_ms.split(",") if d.strip()]
+    settings = [(int(mb), d) for mb in args.triton_max_batch.split(",") if mb.strip() for d in delays]
+    server = TritonServer(repo, stub / "bin", work / "triton", extra_args=("--model-control-mode=explicit",
+                                                                           "--load-model=identity"))
+    results, overhead = [], {}
+    serve_proc = None
+    try:
+        server.start(timeout_s=120)
+        ident = GrpcDriver(server.grpc_url, "identity")
+        overhead["identity_p50_ms"] = round(ident.serial_p50_ms({"x": np.zeros(1, np.float32)}, 200), 3)
+        ident.close()
+        schedules = {load: arrivals(load * cap, args.duration_s, np.random.default_rng(args.seed + int(load * 100)))
+                     for load in [float(x) for x in args.loads.split(",")]}
+        import tritonclient.grpc as grpcclient
+
+        admin = grpcclient.InferenceServerClient(server.grpc_url)
+        for mb, d in settings:
+            preferred = sorted({min(1 << i, mb) for i in range(mb.bit_length())})[-4:]
+            set_batching(repo / model / "config.pbtxt", int(d * 1000), preferred, mb, args.max_queue,
+                         int(budget * 1000))
+            admin.load_model(model)
+            drv = GrpcDriver(server.grpc_url, model)
+            if "triton_model_b1_p50_ms" not in overhead:
+                overhead["triton_model_b1_p50_ms"] = round(drv.serial_p50_ms(pool[0], 30), 3)
+                if drv.serial_errors:
+                    print(f"# triton serial errors: {len(drv.serial_errors)}, first: {drv.serial_errors[0]}")
+            for load, sched in schedules.items():
+                row = drive(drv, sched, pool, budget)
+                row.update(load=load, server=f"triton-b{mb}-{d:g}ms")
+                results.append(row)
+                print(json.dumps(row), flush=True)
+            drv.close()
+            admin.unload_model(model)
+            time.sleep(1.0)
+        admin.close()
+        server.stop()
+
+        if mode == "serve":
+            serve_proc, url = start_dsedge_serve(bundle, model, args, budget, work / "serve.log")
+            ours = GrpcDriver(url, model)
+            overhead["dsedge_serve_b1_p50_ms"] = round(ours.serial_p50_ms(pool[0], 30), 3)
+            if ours.serial_errors:
+                print(f"# dsedge serve serial errors: {len(ours.serial_errors)}, first: {ours.serial_errors[0]}")
+        else:
+            session.warmup()
+            ours = DsedgeServer(session)
+        for load, sched in schedules.items():
+            row = drive(ours, sched, pool, budget)
+            row.update(load=load, server="dsedge")
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        ours.close()
+    finally:
+        server.stop()
+        if serve_proc is not None:
+            serve_proc.terminate()
+            serve_proc.wait(30)
+        session.close()
+
+    overhead["model_b1_p50_ms_inprocess"] = round(float(np.median(b1)), 3)
+    print(f"# per-request overhead: Triton identity Python-backend round trip {overhead['identity_p50_ms']} ms; MiniLM "
+          f"b1 serial via Triton {overhead.get('triton_model_b1_p50_ms')} ms vs in-process {np.median(b1):.2f} ms"
+          + (f", via dsedge serve {overhead['dsedge_serve_b1_p50_ms']} ms" if "dsedge_serve_b1_p50_ms" in overhead
+             else ""))
+    print(f"{'load':>5} {'server':<14} {'sent':>6} {'goodput/s':>10} {'p99 ms':>8} {'reject %':>9} {'miss %':>7} "
+          f"{'in-budget % of admitted':>24}")
+    pct = (lambda x: f"{100 * x:.2f}" if x is not None else "-")
+    for load in schedules:
+        rows = [r for r in results if r["load"] == load]
+        for r in rows:
+            print(f"{load:>5g} {r['server']:<14} {r['submitted']:>6} {r['goodput_per_s']:>10.1f} "
+                  f"{r['p99_ms'] if r['p99_ms'] is not None else '-':>8} {pct(r['rejection_rate']):>9} "
+                  f"{pct(r['miss_rate']):>7} {pct(r['admitted_within_budget']):>24}")
+        tri = max((r for r in rows if r["server"].startswith("triton")), key=lambda r: r["goodput_per_s"])
+        ours_row = next(r for r in rows if r["server"] == "dsedge")
+        ratio = ours_row["goodput_per_s"] / tri["goodput_per_s"] if tri["goodput_per_s"] else float("inf")
+        print(f"{'':>5} dsedge / best real Triton ({tri['server']}) goodput = {ratio:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"budget_ms": budget, "capacity_rows_per_s": cap, "dsedge_via": mode,
+                                               "overhead": overhead, "results": results}, indent=2) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
