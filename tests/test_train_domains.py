@@ -210,3 +210,24 @@ def test_torchrun_same_schedule_exact_resume_and_plateau_step(tmp_path):
     assert eb[8]["augment_strength"] == 0.5  # the plateau count (2 at step 6) came back with the checkpoint
     for r in range(2):
         assert _served(b, r, 4) == shards[r][6:]
+
+
+def test_ct_random_erasing_spares_lesion_cells_and_is_off_by_default():
+    import numpy as np
+
+    from samples.ct.data import CELL, LesionPatches, _erase
+
+    lab = np.zeros((16, 16, 16), dtype=np.int64)
+    lab[6:10, 6:10, 6:10] = 1
+    img = np.full((32, 32, 32), 0.5, dtype=np.float32)
+    changed = 0
+    for k in range(200):
+        out = _erase(img, lab, np.random.default_rng(k))
+        diff = np.argwhere(out != img)
+        changed += len(diff) > 0
+        assert not lab[tuple((diff // CELL).T)].any()  # no erased voxel lies in a lesion cell
+    assert 20 < changed < 200
+    ds = LesionPatches.__new__(LesionPatches)
+    ds.erase_p = 0.0
+    ds.set_augment_strength(0.4)
+    assert ds.erase_p == 0.4
