@@ -110,7 +110,7 @@ def main() -> None:
                 rnd[mode] = run_mode(backend, config, window, args.sinks, args.max_new, args.batch, marks)
     print(f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores); SIMD: {simd_flags()}; "
           f"ORT threads {args.threads}; batch {args.batch}; window {args.window} + {args.sinks} sinks; prompt 16")
-    print(f"| generated | full tok/s | full K/V MiB | window tok/s | window K/V MiB | window/full speed |")
+    print("| generated | full tok/s | full K/V MiB | window tok/s | window K/V MiB | window/full speed |")
     print("|---:|---:|---:|---:|---:|---:|")
     for f, w in zip(out["full"]["marks"], out["window"]["marks"]):
         print(f"| {f['tokens']} | {f['tok_s']:.0f} | {f['kv_mib']:.2f} | {w['tok_s']:.0f} | {w['kv_mib']:.2f} | "

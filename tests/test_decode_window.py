@@ -111,7 +111,7 @@ def test_window_decodes_past_context_with_flat_cache(llama):
     bundle, model = llama
     window, sinks, n = 16, 4, 100  # 8 + 100 tokens: past the window and past the model's 64 positions
     with dsedge.load(bundle, providers=["CPUExecutionProvider"]) as s:
-        assert s.generate_stream([1], 1).wait(60)
+        assert s.generate_stream([1], 1, budget_ms=60_000).wait(60)
         dec = s._decoder
         # each alone, so the feeds are the same until the first eviction
         win = dec.submit(PROMPT, n, 60_000, 60_000, window=window, sink_tokens=sinks, output_scores=True)
@@ -143,7 +143,7 @@ def test_per_request_windows_batch_together(llama):
     bundle, model = llama
     reqs = [(PROMPT, 12, 4), ([7, 7, 30], 20, 2), ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], 9, 0)]
     with dsedge.load(bundle, providers=["CPUExecutionProvider"]) as s:
-        assert s.generate_stream([1], 1).wait(60)
+        assert s.generate_stream([1], 1, budget_ms=60_000).wait(60)
         dec = s._decoder
         streams = [dec.submit(p, 60, 60_000, 60_000, window=w, sink_tokens=k, output_scores=True)
                    for p, w, k in reqs]
@@ -166,7 +166,7 @@ def test_window_refused_without_rotary_positions(llama, tmp_path):
     with dsedge.load(gpt2, providers=["CPUExecutionProvider"]) as s:
         with pytest.raises(dsedge.InputError, match="absolute position embeddings"):
             s.generate_stream([1, 2, 3], 4, window=16)
-        assert len(list(s.generate_stream([1, 2, 3], 4))) == 4  # the full cache still decodes
+        assert len(list(s.generate_stream([1, 2, 3], 4, budget_ms=60_000))) == 4  # the full cache still decodes
     with pytest.raises(WindowUnsupported, match="ALiBi"):
         RotarySpec.from_config({"model_type": "bloom"}, 8)
     with pytest.raises(WindowUnsupported, match="no model_type"):
