@@ -5,6 +5,11 @@ sample's augmentations; ``plateau`` is the same config plus ``[augment] levels =
 starts off and the trainer's plateau monitor raises its probability one step each time the validation loss has
 improved by < 0.5 % for 3 evaluations. Each run is scored by FROC on the held-out volume (torch fp32, same
 lesions for every run); the summary gives mean ± sd over seeds per arm.
+
+Until the monitor first fires the two arms train bit-identically (erasing at probability 0 draws no random
+numbers, the monitor draws none either). So the ``plateau`` run of a seed is trained only when the monitor, replayed
+on the ``fixed`` run's validation losses, would fire; otherwise its row is the fixed row, marked
+``identical_to_fixed``.
 """
 from __future__ import annotations
 
@@ -49,6 +54,14 @@ def _events(run_dir: Path) -> list[dict]:
     return [r for r in recs if "event" in r]
 
 
+def _would_fire(val_losses: list[float]) -> bool:
+    """Whether the monitor raises at any of these evaluations (the last one, at the final step, never acts)."""
+    from dsedge.toolchain.train.plateau import PlateauMonitor
+
+    m = PlateauMonitor(LEVELS, 0.005, 3)
+    return any(m.update(v) for v in val_losses)
+
+
 def run_experiment(out: Path, seeds: list[int], steps: int, every: int, scans: list, threads: int = 2,
                    log=print, train_volume: str = TRAIN_VOLUME) -> dict[str, Any]:
     from dsedge.toolchain.train.config import dump_toml
@@ -57,6 +70,11 @@ def run_experiment(out: Path, seeds: list[int], steps: int, every: int, scans: l
     runs: dict[str, list[dict]] = {"fixed": [], "plateau": []}
     for seed in seeds:
         for arm in runs:
+            if arm == "plateau" and not _would_fire(runs["fixed"][-1]["val_loss"][:-1]):
+                row = {**runs["fixed"][-1], "identical_to_fixed": True}
+                log(json.dumps({"arm": arm, **row}))
+                runs[arm].append(row)
+                continue
             run_dir = out / f"{arm}-s{seed}"
             cfg_path = out / f"{arm}-s{seed}.toml"
             cfg_path.write_text(dump_toml(config(run_dir, seed, steps, every, arm == "plateau", train_volume)))
