@@ -5,9 +5,9 @@
 
 The decoder (hidden 256, 4 layers, 8 query / 4 K/V heads of 32 dims, vocab 512, 8192 positions) is built with
 transformers and exported by optimum with past key/values; both modes run the same ONNX Runtime session through
-``DecodeLoop``, greedy, ``--batch`` identical streams at once (1 = the batch-1 reference). Two rounds alternate the
-modes (window first): round 1 is cold (a fresh session, no warm-up) and gives the whole-run tokens/s and the RSS the
-process gained during each mode; round 2's table gives, per generated length, tokens/s over the segment that ends
+``DecodeLoop``, greedy, ``--batch`` identical streams at once (1 = the batch-1 reference). ``--rounds`` rounds
+alternate the modes (window first): round 1 is cold (a fresh session, no warm-up) and gives the RSS the process
+gained during each mode; the table (last round) gives, per generated length, tokens/s over the segment that ends
 there (all streams) and the K/V bytes the loop held after that step (measured on its arrays). Timings on a shared
 machine are noisy: compare the full/window ratios inside one run.
 """
@@ -98,16 +98,22 @@ def main() -> None:
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     marks = sorted({m for m in (64, 128, 256, 512, 1024, 2048, 4096, 8192) if m <= args.max_new} | {args.max_new})
     with tempfile.TemporaryDirectory() as tmp:
         path, config = build(Path(tmp))
         backend = _Backend(path, args.threads)
-        cold, out = {}, {}
-        for rnd in (cold, out):
+        rounds: list[dict] = []
+        for k in range(args.rounds):
+            rounds.append({})
             for mode, window in (("window", args.window), ("full", None)):
-                rnd[mode] = run_mode(backend, config, window, args.sinks, args.max_new, args.batch, marks)
+                rounds[-1][mode] = r = run_mode(backend, config, window, args.sinks, args.max_new, args.batch,
+                                                marks)
+                print(f"round {k + 1} {mode}: {r['tok_s']:.0f} tok/s, K/V MiB at marks "
+                      f"{[round(m['kv_mib'], 2) for m in r['marks']]}", flush=True)
+        cold, out = rounds[0], rounds[-1]
     print(f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores); SIMD: {simd_flags()}; "
           f"ORT threads {args.threads}; batch {args.batch}; window {args.window} + {args.sinks} sinks; prompt 16")
     print("| generated | full tok/s | full K/V MiB | window tok/s | window K/V MiB | window/full speed |")
@@ -115,13 +121,13 @@ def main() -> None:
     for f, w in zip(out["full"]["marks"], out["window"]["marks"]):
         print(f"| {f['tokens']} | {f['tok_s']:.0f} | {f['kv_mib']:.2f} | {w['tok_s']:.0f} | {w['kv_mib']:.2f} | "
               f"{w['tok_s'] / f['tok_s']:.2f} |")
-    for name, rnd in (("cold (round 1)", cold), ("warm (round 2)", out)):
+    for name, rnd in (("cold (round 1)", cold), (f"last (round {args.rounds})", out)):
         print(f"{name}: whole-run tok/s full {rnd['full']['tok_s']:.0f}, window {rnd['window']['tok_s']:.0f}; "
               f"TTFT ms full {rnd['full']['ttft_ms']:.1f}, window {rnd['window']['ttft_ms']:.1f}")
     print(f"RSS gained during round 1: window {cold['window']['rss_gain_mib']:.1f} MiB (ran first), "
           f"full {cold['full']['rss_gain_mib']:.1f} MiB")
     if args.json:
-        args.json.write_text(json.dumps({"cold": cold, "warm": out}, indent=1))
+        args.json.write_text(json.dumps({"rounds": rounds}, indent=1))
 
 
 if __name__ == "__main__":
