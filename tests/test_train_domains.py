@@ -117,6 +117,8 @@ def test_domain_and_augment_config_errors(tmp_path):
             "data": {"factory": "test_train_domains:make_domains", "batch_size": 8}}
     with pytest.raises(ConfigError, match="rule = 'dormi' is not one of"):
         from_dict({**base, "domains": {"rule": "dormi"}})
+    with pytest.raises(ConfigError, match="needs \\[loss\\] kind = 'cross_entropy'"):
+        from_dict({**base, "loss": {"kind": "mse"}, "domains": {"metric": "val_accuracy", "threshold": 0.9}})
     with pytest.raises(ConfigError, match="levels must be increasing"):
         from_dict({**base, "augment": {"levels": [0.4, 0.2]}})
     with pytest.raises(ConfigError, match="unknown domains"):

@@ -282,6 +282,9 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
         if not 0 < d.max_weight <= 1 or not 0 < d.step <= 1:
             raise ConfigError(f"{s}: [domains] step and max_weight must be in (0, 1], got {d.step}, {d.max_weight}",
                               "e.g. step = 0.1, max_weight = 0.5")
+        if d.metric == "val_accuracy" and cfg.loss.kind != "cross_entropy":
+            raise ConfigError(f"{s}: [domains] metric = 'val_accuracy' needs [loss] kind = 'cross_entropy'",
+                              "use metric = 'val_loss' with this loss")
         _positive(d.eta, "[domains] eta", s)
         if not 0 <= d.smoothing < 1:
             raise ConfigError(f"{s}: [domains] smoothing must be in [0, 1), got {d.smoothing}", "e.g. 1e-3")
