@@ -83,6 +83,12 @@ def run_experiment(out: Path, seeds: list[int], steps: int, every: int, scans: l
                                    capture_output=True)
                 if p.returncode:
                     raise RuntimeError(f"dsedge train {cfg_path} failed: {p.stderr[-1500:]}")
+            cached = run_dir / "froc_row.json"
+            if cached.is_file():  # scored already (seeds can run in separate processes, then be summarised)
+                row = json.loads(cached.read_text())
+                log(json.dumps({"arm": arm, **row}))
+                runs[arm].append(row)
+                continue
             ev = _events(run_dir)
             vals = [e["val_loss"] for e in ev if e["event"] == "checkpoint"]
             raised = [(e["step"], e["strength"]) for e in ev if e["event"] == "augment"]
@@ -91,6 +97,7 @@ def run_experiment(out: Path, seeds: list[int], steps: int, every: int, scans: l
                            batch_sizes={name: 16})["models"][name]["froc"]
             row = {"seed": seed, "val_loss": vals, "augment_raised": raised,
                    "sensitivity_at": res["sensitivity_at"], "cpm": res["cpm"]}
+            cached.write_text(json.dumps(row))
             log(json.dumps({"arm": arm, **row}))
             runs[arm].append(row)
     summary = {}
