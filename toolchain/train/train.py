@@ -471,8 +471,8 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
                     domain_weights.update(ev[f"domain_{metric}"])
                     resample = domain_weights.weights != before
                 ev["domain_weights"] = domain_weights.as_dict()
-            if plateau is not None and "val_loss" in ev and step < total_steps:
-                if plateau.update(ev["val_loss"]):
+            if plateau is not None:
+                if "val_loss" in ev and step < total_steps and plateau.update(ev["val_loss"]):
                     train_ds.set_augment_strength(plateau.strength)
                     log.event("augment", step=step, strength=plateau.strength, level=plateau.level)
                     log.message(f"validation loss on a plateau: augmentation strength raised to {plateau.strength:g}")
