@@ -7,6 +7,13 @@ per layer with an attention mask ``[B, L]`` marking real positions and explicit 
 of different lengths decode together and give the tokens each would give alone. Columns that are padding in every
 row are trimmed when sequences retire. Decoding is greedy (argmax).
 
+Sliding window (per request, ``window=W, sink_tokens=S``): before each step a windowed row keeps its first ``S``
+entries and its most recent ``W - 1``, so that with the new token it attends to at most ``S + W``; positions are
+assigned within the cache and the kept keys re-rotated (StreamingLLM; see ``kv_cache``). The prompt itself is
+prefilled whole (full attention, so it must fit the model's context); its cache is cut at the first step. Only
+rotary decoders whose bundle source names the ``model_type`` (and ``rope_theta`` ..., as a Hugging Face config does)
+qualify; others are refused with ``InputError``.
+
 Budgets: ``budget_ms`` bounds the time to first token (TTFT), ``token_budget_ms`` the gap between tokens. A
 prompt whose predicted prefill cannot meet its TTFT budget is rejected at once ("budget"); one that waited too long
 is rejected when its turn comes ("deadline"). New prompts join only while the predicted step time plus their
@@ -19,24 +26,23 @@ outputs ``logits`` [batch, seq, vocab] and ``present.{i}.key|value`` [batch, hea
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
-import queue as _queue
 import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from .errors import InputError
+from .generation_stream import GenerationStream
+from .kv_cache import RotarySpec, WindowUnsupported, cache_bound_bytes, evict_row
 from .latency_profile import LatencyProfile
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected
 
 _clock = time.perf_counter
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
-_DONE = object()
 
 
 def is_decoder(input_names: Sequence[str]) -> bool:
@@ -44,95 +50,17 @@ def is_decoder(input_names: Sequence[str]) -> bool:
     return "input_ids" in input_names and any(_PAST.match(n) for n in input_names)
 
 
-class GenerationStream:
-    """Tokens of one request as they are produced: ``for token in stream`` or ``async for token in stream``.
-
-    Attributes (final once iteration ends):
-        id: request id.
-        tokens: the generated token ids so far.
-        rejected: a ``Rejected`` when the request was refused (iteration then yields nothing), else None.
-        finish_reason: "length" (max_new_tokens), "eos", "rejected", "shutdown" or "error".
-        error: ``"Type: message"`` when the backend failed this sequence's step, else None.
-        ttft_ms: submit → first token, ms.
-        token_gaps_ms: time between consecutive tokens, ms.
-        budget_ms / token_budget_ms: the TTFT and per-token budgets it was admitted with.
-    """
-
-    def __init__(self, rid: Any, prompt: np.ndarray, max_new_tokens: int, budget_ms: float,
-                 token_budget_ms: float, eos_token_id: int | None = None) -> None:
-        self.id = rid
-        self.eos_token_id = eos_token_id
-        self.prompt = prompt
-        self.max_new_tokens = int(max_new_tokens)
-        self.budget_ms = float(budget_ms)
-        self.token_budget_ms = float(token_budget_ms)
-        self.tokens: list[int] = []
-        self.rejected: Rejected | None = None
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.ttft_ms: float | None = None
-        self.token_gaps_ms: list[float] = []
-        self.t_submit = _clock()
-        self._t_last: float | None = None
-        self._q: _queue.Queue = _queue.Queue()
-        self._done = threading.Event()
-
-    @property
-    def deadline(self) -> float:
-        return self.t_submit + self.budget_ms / 1e3
-
-    @property
-    def within_budget(self) -> bool:
-        """TTFT within ``budget_ms`` and every token gap within ``token_budget_ms`` (and no rejection/error)."""
-        return (self.rejected is None and self.error is None and self.ttft_ms is not None
-                and self.ttft_ms <= self.budget_ms and all(g <= self.token_budget_ms for g in self.token_gaps_ms))
-
-    def _emit(self, token: int) -> None:
-        now = _clock()
-        if self._t_last is None:
-            self.ttft_ms = (now - self.t_submit) * 1e3
-        else:
-            self.token_gaps_ms.append((now - self._t_last) * 1e3)
-        self._t_last = now
-        self.tokens.append(int(token))
-        self._q.put(int(token))
-
-    def _finish(self, reason: str, rejected: Rejected | None = None, error: str | None = None) -> None:
-        if self._done.is_set():
-            return
-        self.finish_reason, self.rejected, self.error = reason, rejected, error
-        self._done.set()
-        self._q.put(_DONE)
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the request finished; True if it did within ``timeout`` s."""
-        return self._done.wait(timeout)
-
-    def __iter__(self) -> Iterator[int]:
-        while True:
-            item = self._q.get()
-            if item is _DONE:
-                return
-            yield item
-
-    async def __aiter__(self) -> AsyncIterator[int]:
-        """``async for token in stream``: waits for each token in a worker thread, not on the event loop."""
-        loop = asyncio.get_running_loop()
-        while True:
-            item = await loop.run_in_executor(None, self._q.get)
-            if item is _DONE:
-                return
-            yield item
-
-
 @dataclass(eq=False)
 class _Row:
     stream: GenerationStream
-    length: int  # real tokens so far (prompt + generated), = next position id
+    length: int  # real cache entries (prompt + generated - evicted), = next position id
     last: int  # last token, fed at the next step
+
+    @property
+    def keep(self) -> int | None:
+        """Entries a windowed row may hold before a step (the step adds one), None for a full cache."""
+        s = self.stream
+        return None if s.window is None else s.sink_tokens + s.window - 1
 
 
 @dataclass
@@ -144,6 +72,8 @@ class DecodeStats:
     joins_while_running: int = 0
     prefills: int = 0
     rows_per_step: list[int] = field(default_factory=list)
+    evicted: int = 0
+    cache_bytes: list[int] = field(default_factory=list)  # K/V bytes held after each step
 
 
 class DecodeLoop:
@@ -155,10 +85,12 @@ class DecodeLoop:
         max_waiting: most prompts waiting to join; more are rejected with "overload".
         eos_token_id: default end-of-sequence token (a request may name its own; None: only max_new_tokens
             stops a sequence).
+        model_config: the decoder's Hugging Face style config (``model_type``, ``rope_theta``,
+            ``max_position_embeddings`` ...; a bundle's ``source``): needed for sliding-window requests.
     """
 
     def __init__(self, backend: Any, max_batch: int = 8, max_waiting: int = 256,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None, model_config: dict[str, Any] | None = None) -> None:
         self.backend = backend
         ins = {i.name: i for i in backend.session.get_inputs()}
         self.layers = sorted({int(m.group(1)) for n in ins if (m := _PAST.match(n))})
@@ -169,6 +101,16 @@ class DecodeLoop:
         self.heads, self.head_dim = int(k0.shape[1]), int(k0.shape[3])
         self.kv_dtype = np.float16 if "float16" in k0.type else np.float32
         self.has_positions = "position_ids" in ins
+        self.max_positions = (model_config or {}).get("max_position_embeddings")
+        self.rope: RotarySpec | None = None
+        self._no_window = ""
+        try:
+            self.rope = RotarySpec.from_config(model_config, self.head_dim)
+            if not self.has_positions:
+                raise WindowUnsupported("the exported decoder takes no position_ids, so positions cannot be "
+                                        "assigned within the cache")
+        except WindowUnsupported as e:
+            self.rope, self._no_window = None, str(e)
         self.max_batch = int(max_batch)
         self.max_waiting = int(max_waiting)
         self.eos = eos_token_id
@@ -190,7 +132,7 @@ class DecodeLoop:
         z = np.zeros((batch, self.heads, 0, self.head_dim), dtype=self.kv_dtype)
         return {f"past_key_values.{i}.{kv}": z for i in self.layers for kv in ("key", "value")}
 
-    def _prefill(self, prompt: np.ndarray) -> tuple[int, dict[str, np.ndarray]]:
+    def _prefill(self, prompt: np.ndarray) -> tuple[int, dict[str, np.ndarray], np.ndarray]:
         n = prompt.shape[0]
         feed = {"input_ids": prompt[None, :], "attention_mask": np.ones((1, n), dtype=np.int64),
                 **self._empty_past(1)}
@@ -200,7 +142,7 @@ class DecodeLoop:
         out = self.backend.run(feed)
         self.prefill_profile.observe(1, n, (_clock() - t0) * 1e3)
         kv = {f"past_key_values.{i}.{k}": out[f"present.{i}.{k}"] for i in self.layers for k in ("key", "value")}
-        return int(np.argmax(out["logits"][0, -1])), kv
+        return int(np.argmax(out["logits"][0, -1])), kv, out["logits"][0, -1]
 
     def _join(self, kv: dict[str, np.ndarray], length: int) -> None:
         """Append one prefilled row to the batch, left-padding whichever side is shorter."""
@@ -228,7 +170,33 @@ class DecodeLoop:
         self._mask = mask[:, first:]
         self._kv = {k: v[idx][:, :, first:] for k, v in self._kv.items()}
 
-    def _step(self) -> list[int]:
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the running batch's K/V cache (all layers, keys and values)."""
+        return sum(v.nbytes for v in self._kv.values())
+
+    def cache_bound_bytes(self, window: int, sink_tokens: int) -> int:
+        """Most K/V bytes one stream with this window holds (see ``kv_cache.cache_bound_bytes``)."""
+        return cache_bound_bytes(sink_tokens, window, len(self.layers), self.heads, self.head_dim,
+                                 np.dtype(self.kv_dtype).itemsize)
+
+    def _evict(self) -> None:
+        """Cut windowed rows down to sinks + recent entries, then trim columns that became padding in every row."""
+        rows = [(i, r) for i, r in enumerate(self._rows) if r.keep is not None and r.length > r.keep]
+        if not rows:
+            return
+        self._kv = {k: v if v.flags.writeable else v.copy() for k, v in self._kv.items()}
+        for i, r in rows:
+            e = evict_row(self._kv, self._mask, i, r.length, r.stream.sink_tokens, r.keep, self.rope)
+            r.length -= e
+            self.stats.evicted += e
+        first = int(np.argmax(self._mask.any(axis=0)))
+        if first:
+            self._mask = self._mask[:, first:]
+            self._kv = {k: v[:, :, first:] for k, v in self._kv.items()}
+
+    def _step(self) -> tuple[list[int], np.ndarray]:
+        self._evict()
         b = len(self._rows)
         mask = np.concatenate([self._mask, np.ones((b, 1), np.int64)], axis=1)
         feed = {"input_ids": np.array([[r.last] for r in self._rows], dtype=np.int64), "attention_mask": mask,
@@ -240,15 +208,24 @@ class DecodeLoop:
         self.step_profile.observe(b, mask.shape[1], (_clock() - t0) * 1e3)
         self._kv = {f"past_key_values.{i}.{k}": out[f"present.{i}.{k}"] for i in self.layers for k in ("key", "value")}
         self._mask = mask
-        return [int(t) for t in np.argmax(out["logits"][:, -1], axis=-1)]
+        logits = out["logits"][:, -1]
+        return [int(t) for t in np.argmax(logits, axis=-1)], logits
 
     # -- admission ----------------------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int] | np.ndarray, max_new_tokens: int, budget_ms: float,
-               token_budget_ms: float, id: Any = None, eos_token_id: int | None = None) -> GenerationStream:
+               token_budget_ms: float, id: Any = None, eos_token_id: int | None = None, window: int | None = None,
+               sink_tokens: int = 4, output_scores: bool = False) -> GenerationStream:
         """Queue a prompt (1-D token ids); returns its ``GenerationStream`` (maybe already rejected).
 
+        Args:
+            window: sliding-window decode: keep ``sink_tokens`` first entries plus the most recent ``window``
+                (None: the full cache grows with the sequence).
+            sink_tokens: attention-sink entries kept at the start of a windowed cache (StreamingLLM uses 4).
+            output_scores: keep each step's logits on ``stream.scores``.
         Raises:
-            InputError: empty or non-integer prompt, max_new_tokens < 1.
+            InputError: empty or non-integer prompt, max_new_tokens < 1, a window on a decoder that is not rotary
+                (or whose bundle does not say), window < 1, sink_tokens < 0, sinks + window past the model's
+                ``max_position_embeddings``.
             RuntimeError: after ``close()``.
         """
         p = np.asarray(prompt)
@@ -257,8 +234,12 @@ class DecodeLoop:
                              f"dtype {p.dtype}", "pass a list of ints from your tokenizer")
         if int(max_new_tokens) < 1:
             raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}", "ask for at least one token")
+        if window is not None:
+            self._check_window(int(window), int(sink_tokens))
         s = GenerationStream(next(self._ids) if id is None else id, p.astype(np.int64), max_new_tokens, budget_ms,
-                             token_budget_ms, self.eos if eos_token_id is None else eos_token_id)
+                             token_budget_ms, self.eos if eos_token_id is None else eos_token_id,
+                             None if window is None else int(window), int(sink_tokens) if window else 0,
+                             output_scores)
         with self._cond:
             if self._closing:
                 raise RuntimeError("decode loop is closed")
@@ -273,6 +254,19 @@ class DecodeLoop:
                 self._waiting.sort(key=lambda x: x.deadline)
                 self._cond.notify()
         return s
+
+    def _check_window(self, window: int, sink_tokens: int) -> None:
+        if self.rope is None:
+            raise InputError(f"sliding-window decode needs a rotary (RoPE) decoder: {self._no_window}",
+                             "decode with the full cache (window=None), or use a RoPE decoder (Llama, Mistral, "
+                             "Qwen, Phi-3 ...) whose bundle source carries its config")
+        if window < 1 or sink_tokens < 0:
+            raise InputError(f"window must be ≥ 1 and sink_tokens ≥ 0, got window={window} "
+                             f"sink_tokens={sink_tokens}", "StreamingLLM uses 4 sink tokens and a window of "
+                             "hundreds to thousands of tokens")
+        if self.max_positions and sink_tokens + window > int(self.max_positions):
+            raise InputError(f"sink_tokens + window = {sink_tokens + window} is past the model's "
+                             f"{self.max_positions} positions", "use a smaller window")
 
     def _reject(self, s: GenerationStream, reason: str, detail: str) -> None:
         s._finish("shutdown" if reason == SHUTDOWN else "rejected",
@@ -329,14 +323,14 @@ class DecodeLoop:
                 joining = self._admit()
             for s in joining:
                 try:
-                    token, kv = self._prefill(s.prompt)
+                    token, kv, logits = self._prefill(s.prompt)
                 except Exception as e:  # fails this prompt only
                     s._finish("error", error=f"{type(e).__name__}: {str(e).strip()[:300]}")
                     continue
                 self.stats.prefills += 1
                 if self._rows:
                     self.stats.joins_while_running += 1
-                s._emit(token)
+                s._emit(token, logits)
                 if self._finished(s, token):
                     continue
                 self._join(kv, s.prompt.size)
@@ -344,7 +338,7 @@ class DecodeLoop:
             if not self._rows:
                 continue
             try:
-                tokens = self._step()
+                tokens, logits = self._step()
             except Exception as e:  # a failed step fails the sequences in it; the loop keeps serving
                 err = f"{type(e).__name__}: {str(e).strip()[:300]}"
                 for r in self._rows:
@@ -355,9 +349,10 @@ class DecodeLoop:
             self.stats.max_rows = max(self.stats.max_rows, len(self._rows))
             if len(self.stats.rows_per_step) < 10_000:
                 self.stats.rows_per_step.append(len(self._rows))
+                self.stats.cache_bytes.append(self.cache_bytes)
             keep = []
             for i, (r, t) in enumerate(zip(self._rows, tokens)):
-                r.stream._emit(t)
+                r.stream._emit(t, logits[i])
                 r.length += 1
                 r.last = t
                 if not self._finished(r.stream, t):

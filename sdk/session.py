@@ -339,7 +339,8 @@ class Session:
 
     def generate_stream(self, prompt: Sequence[int] | np.ndarray, max_new_tokens: int = 32,
                         budget_ms: float | None = None, token_budget_ms: float | None = None, id: Any = None,
-                        eos_token_id: int | None = None) -> "GenerationStream":
+                        eos_token_id: int | None = None, window: int | None = None,
+                        sink_tokens: int = 4) -> "GenerationStream":
         """Greedy generation with continuous batching; iterate the result to get token ids as they come.
 
         Args:
@@ -348,6 +349,7 @@ class Session:
             budget_ms: time-to-first-token budget, ms (default ``default_budget_ms()``).
             token_budget_ms: budget between consecutive tokens, ms (default: ``budget_ms``).
             eos_token_id: stop token (default: the manifest's ``source["eos_token_id"]``, if any).
+            window, sink_tokens: sliding-window K/V cache (StreamingLLM) for RoPE decoders; see runtime/kv_cache.
         Returns:
             a ``GenerationStream``: ``for token in stream``; ``.rejected`` says why when refused; ``.ttft_ms``,
             ``.token_gaps_ms``, ``.finish_reason`` once done.
@@ -370,13 +372,14 @@ class Session:
             if self._decoder is None:
                 eos = self.manifest.source.get("eos_token_id")
                 self._decoder = DecodeLoop(self._backend, max_batch=self._max_batch or 8,
-                                           max_waiting=self._max_queue, eos_token_id=eos)
+                                           max_waiting=self._max_queue, eos_token_id=eos,
+                                           model_config=self.manifest.source)
                 self._decoder.warmup()
         budget = self.default_budget_ms() if budget_ms is None else float(budget_ms)
         try:
             return self._decoder.submit(prompt, max_new_tokens, budget,
                                         budget if token_budget_ms is None else float(token_budget_ms), id=id,
-                                        eos_token_id=eos_token_id)
+                                        eos_token_id=eos_token_id, window=window, sink_tokens=sink_tokens)
         except RuntimeError:
             raise SessionClosedError("this session is closed", "call dsedge.load() again") from None
 

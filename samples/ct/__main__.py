@@ -3,6 +3,7 @@
     python -m samples.ct train       # dsedge train samples/ct/teacher.toml; dsedge distill samples/ct/student.toml
     python -m samples.ct build       # dsedge build --model runs/ct-{teacher,student} --target cpu / jetson
     python -m samples.ct evaluate    # FROC + timing on the held-out NIfTI volume → runs/ct-report/report.{json,png}
+    python -m samples.ct plateau     # plateau-driven augmentation vs fixed, 3 seeds per arm → runs/ct-plateau
     python -m samples.ct all
 
 Only dsedge's CLI (train, distill, build) and public API (dsedge.load, Session) are used.
@@ -158,6 +159,29 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
     write_png(Path(out) / "report.png", scans[0], res["detections"][best][0], curves,
               title=f"{best}: synthetic lesions in the held-out volume (green: truth, red: detections)")
     click.echo(json.dumps({"summary": summary, "chest_timing": timing}, indent=2))
+
+
+@main.command()
+@click.option("--out", default="runs/ct-plateau", show_default=True)
+@click.option("--seeds", default="0,1,2", show_default=True, help="Training seeds (comma separated).")
+@click.option("--steps", default=240, show_default=True)
+@click.option("--every", default=20, show_default=True, help="Steps between evaluations (the monitor's clock).")
+@click.option("--train-volume", default=TIMING_VOLUME, show_default=True)
+@click.option("--volume", default=HELD_OUT, show_default=True)
+@click.option("--scans", "n_scans", default=4, show_default=True)
+@click.option("--lesions", default=6, show_default=True)
+@click.option("--threads", default=2, show_default=True)
+def plateau(out: str, seeds: str, steps: int, every: int, train_volume: str, volume: str, n_scans: int,
+            lesions: int, threads: int) -> None:
+    """Plateau-driven random erasing vs fixed augmentation: FROC mean ± sd over seeds (OUT/plateau.json)."""
+    from .plateau import markdown, run_experiment
+    from .scans import make_scans
+
+    scans = make_scans(volume, n_scans, lesions, seed=100)
+    res = run_experiment(Path(out), [int(x) for x in seeds.split(",")], steps, every, scans, threads,
+                         log=lambda s: click.echo(s, err=True), train_volume=train_volume)
+    (Path(out) / "plateau.json").write_text(json.dumps(res, indent=1) + "\n")
+    click.echo(markdown(res))
 
 
 SPEEDUPS = {"student_bundle_vs_student_torch_speedup": ("student cpu fp32", "student torch fp32"),

@@ -5,6 +5,9 @@ Each item is ``((patch, meta), target)``: patch float32 (1, 32, 32, 32) lung-win
 online: half are centred near a lesion (the lesion centre anywhere in the patch's middle 16³), half at a random lung
 position, then augmented (flips on all three axes, 90° rotations in the axial plane, intensity scale/shift, and
 dropping the slice-thickness/kVp tags with probability 0.2 so the model also sees them missing, as for NIfTI).
+Random erasing (Zhong et al., arXiv:1708.04896, in 3-D) is off until the trainer's plateau monitor raises its
+probability (``set_augment_strength``; ``[augment]`` in the training config): with probability p one cuboid of
+4–16 voxels a side that holds no lesion cell is filled with uniform noise in [0, 1].
 """
 from __future__ import annotations
 
@@ -48,12 +51,17 @@ class LesionPatches(Dataset):
         self.length = int(length)
         self.positive_fraction = positive_fraction
         self.augment = augment
+        self.erase_p = 0.0
         self._lesions = [(i, les) for i, s in enumerate(scans) for les in s.lesions]
         self._lung = [np.argwhere(s.mask[::CELL, ::CELL, ::CELL]) * CELL for s in scans]
         self._fixed = None if augment else [self._draw(np.random.default_rng([seed, k])) for k in range(self.length)]
 
     def __len__(self) -> int:
         return self.length
+
+    def set_augment_strength(self, strength: float) -> None:
+        """Random-erasing probability per training patch (0 = off; the default)."""
+        self.erase_p = float(strength)
 
     def _draw(self, rng: np.random.Generator) -> tuple[int, tuple[int, int, int]]:
         if self._lesions and rng.random() < self.positive_fraction:
@@ -78,6 +86,8 @@ class LesionPatches(Dataset):
         meta = scan.meta.copy()
         if self.augment:
             img, lab = _augment_geometry(img, lab, rng)
+            if self.erase_p > 0 and rng.random() < self.erase_p:  # no draw while off: same stream as before
+                img = _erase(img, lab, rng)
             img = np.clip(img * rng.uniform(0.9, 1.1) + rng.uniform(-0.05, 0.05), 0.0, 1.0)
             if rng.random() < 0.2:
                 meta[2:6] = [0.0, 1.0, 0.0, 1.0]        # thickness and kVp missing
@@ -92,6 +102,19 @@ def _augment_geometry(img: np.ndarray, lab: np.ndarray, rng: np.random.Generator
             img, lab = np.flip(img, ax), np.flip(lab, ax)
     k = int(rng.integers(4))
     return np.rot90(img, k, axes=(1, 2)), np.rot90(lab, k, axes=(1, 2))
+
+
+def _erase(img: np.ndarray, lab: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Fill one random cuboid (4–16 voxels a side, cell aligned) with noise, unless it would cover a lesion cell."""
+    size = rng.integers(2, 9, size=3) * CELL
+    start = np.array([rng.integers(0, PATCH - s + 1) for s in size]) // CELL * CELL
+    cells = tuple(slice(a // CELL, (a + s) // CELL) for a, s in zip(start, size))
+    if lab[cells].any():
+        return img
+    img = img.copy()
+    box = tuple(slice(a, a + s) for a, s in zip(start, size))
+    img[box] = rng.random(tuple(size)).astype(np.float32)
+    return img
 
 
 def make_datasets(volume: str = "../shared/data/ct-chest-lung-pet-ct-dx-a0002", train_scans: int = 3,

@@ -5,7 +5,8 @@ types and impossible settings raise :class:`~dsedge.runtime.errors.ConfigError` 
 line and a hint (the closest known key, or what would work). Keys beyond the contract are optional and default to
 the documented behaviour: ``device``; ``[data] num_workers, shuffle, max_tokens, max_batch_size, memory_limit_mb,
 bytes_per_token``; ``[optim] lamb_threshold``; ``[schedule] min_lr_ratio``; ``[parallel] comm_hook, powersgd_rank,
-tensor_plan``; ``[checkpoint] keep``; ``[health]``; ``[distill] features, feature_weight``.
+tensor_plan``; ``[checkpoint] keep``; ``[health]``; ``[distill] features, feature_weight``; ``[domains]``
+(multi-domain sampling, domains.py); ``[augment]`` (plateau-driven augmentation strength, plateau.py).
 """
 from __future__ import annotations
 
@@ -111,6 +112,25 @@ class DistillConfig:
 
 
 @dataclass
+class DomainsConfig:
+    rule: str = "threshold"  # threshold | doremi
+    weights: dict = field(default_factory=dict)  # initial {domain: weight}; default uniform
+    metric: str = "val_loss"  # val_loss | val_accuracy (threshold rule)
+    threshold: typing.Optional[float] = None  # no threshold: the mixture stays fixed
+    step: float = 0.1
+    max_weight: float = 0.5
+    eta: float = 1.0
+    smoothing: float = 1e-3
+
+
+@dataclass
+class AugmentConfig:
+    levels: list = field(default_factory=lambda: [0.2, 0.4])  # augmentation strengths, one step at a time
+    min_improvement: float = 0.005  # fraction of the best validation loss
+    patience: int = 3  # evaluations without that improvement before the next level
+
+
+@dataclass
 class TrainConfig:
     out_dir: str = ""
     seed: int = 0
@@ -127,6 +147,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     distill: typing.Optional[DistillConfig] = None
+    domains: typing.Optional[DomainsConfig] = None
+    augment: typing.Optional[AugmentConfig] = None
     source: str = field(default="<dict>", metadata={"internal": True})  # the file it came from
 
     def to_dict(self) -> dict:
@@ -253,6 +275,29 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
         raise ConfigError(f"{s}: [parallel] comm_hook needs data = 'ddp'", "FSDP has no DDP comm hooks; remove it")
     _positive(cfg.checkpoint.every, "[checkpoint] every", s)
     _positive(cfg.health.max_nonfinite, "[health] max_nonfinite", s)
+    if cfg.domains is not None:
+        d = cfg.domains
+        _choice(d.rule, ("threshold", "doremi"), "[domains] rule", s)
+        _choice(d.metric, ("val_loss", "val_accuracy"), "[domains] metric", s)
+        if not 0 < d.max_weight <= 1 or not 0 < d.step <= 1:
+            raise ConfigError(f"{s}: [domains] step and max_weight must be in (0, 1], got {d.step}, {d.max_weight}",
+                              "e.g. step = 0.1, max_weight = 0.5")
+        if d.metric == "val_accuracy" and cfg.loss.kind != "cross_entropy":
+            raise ConfigError(f"{s}: [domains] metric = 'val_accuracy' needs [loss] kind = 'cross_entropy'",
+                              "use metric = 'val_loss' with this loss")
+        _positive(d.eta, "[domains] eta", s)
+        if not 0 <= d.smoothing < 1:
+            raise ConfigError(f"{s}: [domains] smoothing must be in [0, 1), got {d.smoothing}", "e.g. 1e-3")
+    if cfg.augment is not None:
+        a = cfg.augment
+        if not a.levels or any(not isinstance(x, (int, float)) for x in a.levels) or \
+                list(a.levels) != sorted(a.levels):
+            raise ConfigError(f"{s}: [augment] levels must be increasing numbers, got {a.levels!r}",
+                              "e.g. levels = [0.2, 0.4, 0.6]")
+        _positive(a.patience, "[augment] patience", s)
+        if not 0 <= a.min_improvement < 1:
+            raise ConfigError(f"{s}: [augment] min_improvement must be in [0, 1), got {a.min_improvement}",
+                              "e.g. 0.005 (0.5 %)")
     if distill:
         if cfg.distill is None or not cfg.distill.teacher:
             raise ConfigError(f"{s}: dsedge distill needs a [distill] section with teacher = RUN_DIR",

@@ -2,7 +2,8 @@
 
     set up processes and mesh → build model and data → precision, checkpointing, parallelism → hybrid optimizer
     → resume from the latest complete checkpoint → loop (forward/backward, unscale, clip, skip non-finite, step,
-    log, checkpoint, roll back after K non-finite steps) → write ``final/`` (safetensors + model.json)
+    log, evaluate (per domain) → move the domain mixture / raise augmentation on a plateau → checkpoint, roll back
+    after K non-finite steps) → write ``final/`` (safetensors + model.json)
 
 Run in one process (``dsedge train CONFIG``) or under torchrun (``torchrun --nproc-per-node N -m dsedge.cli train
 CONFIG``); the distill recipe (distill.py) reuses this loop with its own ``forward_loss``.
@@ -23,10 +24,12 @@ import torch.distributed as dist
 from ...runtime.errors import ConfigError, TrainingError
 from . import parallel as par
 from .checkpoint import Checkpointer
-from .config import TrainConfig, dump_toml, resolve_callable
+from .config import DomainsConfig, TrainConfig, dump_toml, resolve_callable
+from .domains import DomainBatchSampler, DomainWeights, MultiDomain
 from .losses import make_loss
 from .metrics import MetricsLog
 from .optim import HybridOptimizer, WarmupCosine
+from .plateau import PlateauMonitor
 from .precision import PrecisionPolicy
 from .sampler import ShardedBatchSampler, TokenBudgetBatchSampler, pad_collate
 
@@ -65,16 +68,32 @@ def call_factory(cfg: TrainConfig, section: str, spec: str, kwargs: dict) -> Any
 
 
 def build_data(cfg: TrainConfig) -> tuple[Any, Any]:
-    """``(train_dataset, val_dataset | None)`` from the data factory; ConfigError when it returns something else."""
+    """``(train_dataset, val_dataset | None)`` from the data factory; ConfigError when it returns something else.
+    ``{name: dataset}`` dicts become ``MultiDomain`` (multi-domain sampling)."""
     out = call_factory(cfg, "data", cfg.data.factory, cfg.data.kwargs)
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise ConfigError(f"[data] factory {cfg.data.factory!r} must return (train_dataset, val_dataset or None)",
                           "return a 2-tuple")
-    return out[0], out[1]
+    train_ds, val_ds = (MultiDomain(x) if isinstance(x, dict) else x for x in out)
+    if cfg.domains is not None and not isinstance(train_ds, MultiDomain):
+        raise ConfigError(f"{cfg.source}: [domains] needs multi-domain data", "make the [data] factory return "
+                          "({name: train_dataset, ...}, {name: val_dataset, ...} or None)")
+    if isinstance(train_ds, MultiDomain) and isinstance(val_ds, MultiDomain) and val_ds.names != train_ds.names:
+        raise ConfigError(f"validation domains {val_ds.names} differ from the training domains {train_ds.names}",
+                          "give both the same names in the same order")
+    return train_ds, val_ds
 
 
-def build_sampler(cfg: TrainConfig, dataset: Any, env: par.DistEnv) -> Any:
+def build_domain_weights(cfg: TrainConfig, dataset: MultiDomain) -> DomainWeights:
+    d = cfg.domains or DomainsConfig()
+    return DomainWeights(dataset.names, d.rule, d.weights, d.metric, d.threshold, d.step, d.max_weight, d.eta,
+                         d.smoothing)
+
+
+def build_sampler(cfg: TrainConfig, dataset: Any, env: par.DistEnv, weights: DomainWeights | None = None) -> Any:
     d = cfg.data
+    if weights is not None:
+        return DomainBatchSampler(dataset, weights, d.batch_size, env.dp_rank, env.dp, cfg.seed)
     if d.max_tokens is None and d.memory_limit_mb is None and d.max_batch_size is None:
         return ShardedBatchSampler(len(dataset), d.batch_size, env.dp_rank, env.dp, cfg.seed, d.shuffle)
     lengths = getattr(dataset, "lengths", None)
@@ -204,6 +223,19 @@ def evaluate(model: torch.nn.Module, dataset: Any, cfg: TrainConfig, env: par.Di
     return res
 
 
+def evaluate_domains(model: torch.nn.Module, dataset: MultiDomain, cfg: TrainConfig, env: par.DistEnv,
+                     policy: PrecisionPolicy, loss_fn: Callable, schedule: Any = None) -> dict[str, Any]:
+    """``evaluate`` per domain: ``domain_val_loss`` (and ``domain_val_accuracy``) {name: value}, and the
+    sample-weighted overall ``val_loss`` (``val_accuracy``)."""
+    per = {n: evaluate(model, dataset.domain(n), cfg, env, policy, loss_fn, schedule) for n in dataset.names}
+    sizes = dict(zip(dataset.names, dataset.sizes))
+    out: dict[str, Any] = {}
+    for key in per[dataset.names[0]]:
+        out[key] = sum(per[n][key] * sizes[n] for n in per) / sum(sizes.values())
+        out[f"domain_{key}"] = {n: per[n][key] for n in per}
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------- recipe
 def run(cfg: TrainConfig, forward_loss: Callable[[Callable], ForwardLoss] | None = None,
         setup_extra: Callable[[par.DistEnv, PrecisionPolicy], None] | None = None) -> RunResult:
@@ -243,7 +275,14 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
     if cfg.model.input_names and len(cfg.model.input_names) != len(example):
         raise ConfigError(f"{cfg.source}: [model] input_names has {len(cfg.model.input_names)} names but the data "
                           f"gives {len(example)} inputs", "list one name per model input")
-    sampler = build_sampler(cfg, train_ds, env)
+    domain_weights = build_domain_weights(cfg, train_ds) if isinstance(train_ds, MultiDomain) else None
+    sampler = build_sampler(cfg, train_ds, env, domain_weights)
+    plateau = None
+    if cfg.augment is not None:
+        if not hasattr(train_ds, "set_augment_strength"):
+            raise ConfigError(f"{cfg.source}: [augment] needs a training set with set_augment_strength(strength)",
+                              "add the method to the dataset the [data] factory returns, or remove [augment]")
+        plateau = PlateauMonitor(cfg.augment.levels, cfg.augment.min_improvement, cfg.augment.patience)
     total_steps = cfg.steps if cfg.steps is not None else sampler.steps_for_epochs(cfg.epochs)
     hard_loss = make_loss(cfg.loss)
     forward_loss = forward_loss_factory(hard_loss) if forward_loss_factory else None
@@ -291,6 +330,10 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         state = ckpt.load_latest(model, optimizer.optimizers)
         if state is not None and scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
+        if state is not None and domain_weights is not None and state.get("domains"):
+            domain_weights.load_state_dict(state["domains"])
+        if state is not None and plateau is not None and state.get("plateau"):
+            plateau.load_state_dict(state["plateau"])
         return state
 
     state = restore()
@@ -305,6 +348,8 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
 
     from torch.utils.data import DataLoader
 
+    if plateau is not None:
+        train_ds.set_augment_strength(plateau.strength)
     collate = pad_collate if isinstance(sampler, TokenBudgetBatchSampler) else None
 
     def batches_from(s: int):
@@ -401,18 +446,49 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
             log.message(f"{nonfinite} non-finite steps in a row: rolled back from step {step} to "
                         f"step_{state['step']} (rollback {rollbacks}/{cfg.health.max_rollbacks})")
             step, nonfinite = state["step"], 0
+            if plateau is not None:
+                train_ds.set_augment_strength(plateau.strength)
             data = batches_from(step)
             continue
 
         if step % cfg.checkpoint.every == 0 or step == total_steps:
+            # evaluate first: the mixture and augmentation it moves are part of this checkpoint
+            ev: dict[str, Any] = {"step": step}
+            if val_ds is not None:
+                if isinstance(val_ds, MultiDomain):
+                    ev.update(evaluate_domains(model, val_ds, cfg, env, policy, hard_loss, schedule))
+                else:
+                    ev.update(evaluate(model, val_ds, cfg, env, policy, hard_loss, schedule))
+            if env.distributed and (domain_weights is not None or plateau is not None):
+                box = [ev]  # rank 0's figures move the mixture and the strength on every rank alike
+                dist.broadcast_object_list(box, src=0)
+                ev = box[0]
+            resample = False
+            if domain_weights is not None:
+                metric = "val_loss" if domain_weights.rule == "doremi" else domain_weights.metric
+                if f"domain_{metric}" in ev and step < total_steps:
+                    before = list(domain_weights.weights)
+                    domain_weights.update(ev[f"domain_{metric}"])
+                    resample = domain_weights.weights != before
+                ev["domain_weights"] = domain_weights.as_dict()
+            if plateau is not None:
+                if "val_loss" in ev and step < total_steps and plateau.update(ev["val_loss"]):
+                    train_ds.set_augment_strength(plateau.strength)
+                    log.event("augment", step=step, strength=plateau.strength, level=plateau.level)
+                    log.message(f"validation loss on a plateau: augmentation strength raised to {plateau.strength:g}")
+                    resample = True
+                ev["augment_strength"] = plateau.strength
             epoch, batch = sampler.locate(step)
             trainer = {"epoch": epoch, "batch": batch, "rollbacks": rollbacks,
                        "scaler": scaler.state_dict() if scaler is not None else None}
+            if domain_weights is not None:
+                trainer["domains"] = domain_weights.state_dict()
+            if plateau is not None:
+                trainer["plateau"] = plateau.state_dict()
             ckpt.save(step, model, optimizer.optimizers, trainer)
-            ev: dict[str, Any] = {"step": step}
-            if val_ds is not None:
-                ev.update(evaluate(model, val_ds, cfg, env, policy, hard_loss, schedule))
             log.event("checkpoint", **ev)
+            if resample:  # no prefetched batch keeps the old mixture or strength
+                data = batches_from(step)
 
     state_dict = model_state_for_export(model, env)
     if env.rank == 0:
