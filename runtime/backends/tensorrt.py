@@ -490,7 +490,7 @@ def _prebuilt(root: Path, key: EngineKey, manifest: Any = None) -> bytes | None:
     plan, reason = None, None
     if files is not None and f"engines/{key.slot()}" not in files:
         if (engines / key.slot()).is_file():
-            log.warning("engines/%s is not listed in the manifest; ignoring it", key.slot())
+            log.warning("engines/%s is not in the manifest's hashes; ignoring it", key.slot())
     else:
         plan, reason = load_matching(engines / key.slot(), key)
     if plan is not None:

@@ -12,6 +12,8 @@ Platforms:
 """
 from __future__ import annotations
 
+import importlib.resources
+
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -208,7 +210,9 @@ def _write_tensorrt(bundle: Path, manifest: Manifest, variant: Variant, model_di
 
 
 def _write_python(bundle: Path, variant: Variant, version_dir: Path, threads: int | None) -> dict[str, Any]:
-    shutil.copyfile(Path(__file__).with_name("python_model.py"), version_dir / "model.py")
+    # the model.py Triton's Python stub runs: device-side code (it loads the bundle with dsedge), kept in sdk/
+    with importlib.resources.as_file(importlib.resources.files("dsedge") / "triton_model.py") as model_py:
+        shutil.copyfile(model_py, version_dir / "model.py")
     shutil.copytree(bundle, version_dir / "bundle.dse", copy_function=_link_or_copy)
     params = [_param("variant", variant.name), _param("bundle", "bundle.dse")]
     if threads:

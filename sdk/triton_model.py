@@ -1,4 +1,5 @@
-"""Triton Python-backend model that serves a dsedge bundle (copied to ``REPO/<model>/1/model.py`` by the export).
+"""Triton Python-backend model that serves a dsedge bundle (copied to ``REPO/<model>/1/model.py`` by
+``dsedge export triton --platform python``; it runs inside Triton's Python stub, never imported by dsedge).
 
 Triton's dynamic batcher hands ``execute`` the requests it grouped; each is checked on its own (a bad request gets
 its own error, the rest still run), the good ones are stacked into one batch the way dsedge batches (right-padded
