@@ -1,8 +1,8 @@
 """Distributed checkpoints (torch.distributed.checkpoint), written atomically; resume from the latest complete one.
 
 Layout: ``RUN/checkpoints/step_N/`` holding the DCP shards and ``.metadata`` (model + optimizer state, resharded
-on load if the mesh changed), ``rng_rank{R}.pt`` (tensors only), ``trainer.json`` (step, sampler, scaler, health
-counters) and ``COMPLETE`` (JSON: step, world size, size and sha256 of every file). Every rank writes into
+on load if the mesh changed), ``rng_rank{R}.pt`` (tensors only), ``trainer.json`` (step, sampler, scaler, LR schedulers,
+health counters) and ``COMPLETE`` (JSON: step, world size, size and sha256 of every file). Every rank writes into
 ``.step_N.tmp``; after a barrier rank 0 hashes the files, writes ``COMPLETE`` and renames the folder into place, so a
 crash never leaves a folder named ``step_N`` that is half written. On resume a checkpoint whose ``COMPLETE`` is
 missing or whose files do not match it, or that fails to load, is skipped with a log line and the next older one

@@ -10,10 +10,10 @@ CONFIG``); the distill recipe (distill.py) reuses this loop with its own ``forwa
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -24,14 +24,18 @@ import torch.distributed as dist
 from ...runtime.errors import ConfigError, TrainingError
 from . import parallel as par
 from .checkpoint import Checkpointer
-from .config import DomainsConfig, TrainConfig, dump_toml, resolve_callable
-from .domains import DomainBatchSampler, DomainWeights, MultiDomain
+from .components import as_inputs, build_data, build_domain_weights, build_sampler, call_factory, to_device
+from .config import TrainConfig
+from .domains import MultiDomain
+from .evaluation import adapt, validation_figures
 from .losses import make_loss
 from .metrics import MetricsLog
 from .optim import HybridOptimizer, WarmupCosine
 from .plateau import PlateauMonitor
 from .precision import PrecisionPolicy
-from .sampler import ShardedBatchSampler, TokenBudgetBatchSampler, pad_collate
+from .reductions import clip_, global_loss, grad_norm
+from .run_files import model_state_for_export, write_final, write_resolved_config
+from .sampler import TokenBudgetBatchSampler, pad_collate
 
 # forward_loss(model, inputs: tuple[Tensor, ...], target) -> scalar loss; runs inside the precision autocast
 ForwardLoss = Callable[[torch.nn.Module, tuple, Any], torch.Tensor]
@@ -44,196 +48,13 @@ class RunResult:
     final_loss: float
 
 
-# ------------------------------------------------------------------------------------------------------ components
-def to_device(x: Any, device: torch.device) -> Any:
-    if torch.is_tensor(x):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, (tuple, list)):
-        return type(x)(to_device(v, device) for v in x)
-    return x
-
-
-def as_inputs(x: Any) -> tuple:
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
-def call_factory(cfg: TrainConfig, section: str, spec: str, kwargs: dict) -> Any:
-    """Call the config's ``[section] factory`` (``module:function``) with its kwargs; ConfigError on a bad call."""
-    factory = resolve_callable(spec, f"[{section}] factory")
-    try:
-        return factory(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{cfg.source}: [{section}] factory {spec!r} failed: {e}",
-                          f"check [{section}] kwargs against the function's parameters") from None
-
-
-def build_data(cfg: TrainConfig) -> tuple[Any, Any]:
-    """``(train_dataset, val_dataset | None)`` from the data factory; ConfigError when it returns something else.
-    ``{name: dataset}`` dicts become ``MultiDomain`` (multi-domain sampling)."""
-    out = call_factory(cfg, "data", cfg.data.factory, cfg.data.kwargs)
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise ConfigError(f"[data] factory {cfg.data.factory!r} must return (train_dataset, val_dataset or None)",
-                          "return a 2-tuple")
-    train_ds, val_ds = (MultiDomain(x) if isinstance(x, dict) else x for x in out)
-    if cfg.domains is not None and not isinstance(train_ds, MultiDomain):
-        raise ConfigError(f"{cfg.source}: [domains] needs multi-domain data", "make the [data] factory return "
-                          "({name: train_dataset, ...}, {name: val_dataset, ...} or None)")
-    if isinstance(train_ds, MultiDomain) and isinstance(val_ds, MultiDomain) and val_ds.names != train_ds.names:
-        raise ConfigError(f"validation domains {val_ds.names} differ from the training domains {train_ds.names}",
-                          "give both the same names in the same order")
-    return train_ds, val_ds
-
-
-def build_domain_weights(cfg: TrainConfig, dataset: MultiDomain) -> DomainWeights:
-    d = cfg.domains or DomainsConfig()
-    return DomainWeights(dataset.names, d.rule, d.weights, d.metric, d.threshold, d.step, d.max_weight, d.eta,
-                         d.smoothing)
-
-
-def build_sampler(cfg: TrainConfig, dataset: Any, env: par.DistEnv, weights: DomainWeights | None = None) -> Any:
-    d = cfg.data
-    if weights is not None:
-        return DomainBatchSampler(dataset, weights, d.batch_size, env.dp_rank, env.dp, cfg.seed)
-    if d.max_tokens is None and d.memory_limit_mb is None and d.max_batch_size is None:
-        return ShardedBatchSampler(len(dataset), d.batch_size, env.dp_rank, env.dp, cfg.seed, d.shuffle)
-    lengths = getattr(dataset, "lengths", None)
-    if lengths is None:
-        lengths = [as_inputs(dataset[i][0])[0].shape[0] for i in range(len(dataset))]
-    return TokenBudgetBatchSampler(lengths, d.max_tokens, d.max_batch_size, d.memory_limit_mb, d.bytes_per_token,
-                                   env.dp_rank, env.dp, cfg.seed, d.shuffle)
-
-
-def grad_norm(params: list[torch.nn.Parameter], env: par.DistEnv) -> torch.Tensor:
-    """Global L2 norm of all gradients (fp32 scalar): DTensor shards reduced over their mesh, pipeline stages summed."""
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad
-        key = (g.device_mesh, tuple(g.placements)) if hasattr(g, "device_mesh") else None
-        groups.setdefault(key, []).append(g)
-    sq = torch.zeros((), dtype=torch.float32, device=env.device)
-    for key, grads in groups.items():
-        n = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
-        if hasattr(n, "full_tensor"):
-            n = n.full_tensor()
-        sq = sq + n.float() ** 2
-    if env.pp > 1:
-        dist.all_reduce(sq, group=env.group("pp"))
-    return sq.sqrt()
-
-
-def clip_(params: list[torch.nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
-    coef = max_norm / (float(total) + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-
-
-def global_loss(loss: torch.Tensor | None, env: par.DistEnv) -> float:
-    """Mean of the data-parallel ranks' losses (each already a batch mean); only last-stage, tp-rank-0 ranks hold one."""
-    has = loss is not None and env.is_last_stage and env.tp_rank == 0
-    t = torch.tensor([float(loss.detach()) if has else 0.0, 1.0 if has else 0.0], dtype=torch.float64)
-    if env.distributed:
-        t = t.to(env.device)
-        dist.all_reduce(t)
-    return float(t[0] / t[1]) if float(t[1]) > 0 else float("nan")
-
-
-def model_state_for_export(model: torch.nn.Module, env: par.DistEnv) -> dict[str, torch.Tensor]:
-    """Full (unsharded) fp32 state dict on CPU, gathered from every pipeline stage; complete on rank 0 (collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    # cpu_offload keeps the full dict on global rank 0 only: pipeline stages need it on each stage's first rank
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=env.pp == 1))
-    sd = {k: v.detach().to("cpu").clone().contiguous() for k, v in sd.items()}
-    if env.pp > 1:
-        parts: list[Any] = [None] * env.world_size
-        dist.all_gather_object(parts, sd if env.dp_rank == 0 and env.tp_rank == 0 else {})
-        sd = {k: v for part in parts for k, v in part.items()}
-    return sd
-
-
-def write_final(run_dir: Path, cfg: TrainConfig, state: dict[str, torch.Tensor], example: tuple, step: int) -> Path:
-    """``final/model.safetensors`` + ``final/model.json`` (factory, kwargs, io names, example shapes/dtypes), atomic."""
-    from safetensors.torch import save_file
-
-    from ...runtime.bundle import atomic_directory
-
-    names = list(cfg.model.input_names) or [f"input_{i}" for i in range(len(example))]
-    meta = {
-        "format": "dsedge-trained-model", "version": 1, "step": step,
-        "factory": cfg.model.factory, "kwargs": cfg.model.kwargs,
-        "input_names": names, "output_names": list(cfg.model.output_names),
-        "example_inputs": {n: {"shape": [1, *t.shape], "dtype": str(t.dtype).removeprefix("torch.")}
-                           for n, t in zip(names, example)},
-        "precision": cfg.precision.mode,
-    }
-    with atomic_directory(run_dir / "final") as tmp:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "model.json").write_text(json.dumps(meta, indent=2))
-    return run_dir / "final"
-
-
-def write_resolved_config(run_dir: Path, cfg: TrainConfig) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / ".config.toml.tmp"
-    tmp.write_text(dump_toml(cfg.to_dict()))
-    os.replace(tmp, run_dir / "config.toml")
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset: Any, cfg: TrainConfig, env: par.DistEnv, policy: PrecisionPolicy,
-             loss_fn: Callable, schedule: Any = None) -> dict[str, float]:
-    """Mean loss (and accuracy for cross_entropy, without pipeline) over the validation set; every rank runs the same
-    batches (so FSDP/TP/pipeline collectives match). With a pipeline ``schedule`` the last stage computes the loss
-    (``schedule.eval``), the tail that does not fill the micro-batches is left out, and the mean is shared."""
-    from torch.utils.data import DataLoader
-
-    model.eval()
-    total, n, correct = 0.0, 0, 0
-    loader = DataLoader(dataset, batch_size=max(1, cfg.data.batch_size // env.dp), shuffle=False,
-                        drop_last=schedule is not None)
-    for x, y in loader:
-        x, y = to_device(as_inputs(x), env.device), to_device(y, env.device)
-        with policy.autocast():
-            if schedule is not None:
-                losses: list = []
-                if env.is_first_stage:
-                    schedule.eval(*x, target=y if env.is_last_stage else None, losses=losses)
-                else:
-                    schedule.eval(target=y if env.is_last_stage else None, losses=losses)
-                if losses:
-                    total += float(torch.stack([v.float() for v in losses]).mean()) * len(y)
-                n += len(y)
-                continue
-            out = model(*x)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        total += float(loss_fn(out, y)) * len(y)
-        n += len(y)
-        if cfg.loss.kind == "cross_entropy":
-            correct += int((out.argmax(-1) == y).sum())
-    model.train()
-    if schedule is not None:
-        return {"val_loss": global_loss(torch.tensor(total / max(n, 1)), env)}
-    res = {"val_loss": total / max(n, 1)}
-    if cfg.loss.kind == "cross_entropy":
-        res["val_accuracy"] = correct / max(n, 1)
-    return res
-
-
-def evaluate_domains(model: torch.nn.Module, dataset: MultiDomain, cfg: TrainConfig, env: par.DistEnv,
-                     policy: PrecisionPolicy, loss_fn: Callable, schedule: Any = None) -> dict[str, Any]:
-    """``evaluate`` per domain: ``domain_val_loss`` (and ``domain_val_accuracy``) {name: value}, and the
-    sample-weighted overall ``val_loss`` (``val_accuracy``)."""
-    per = {n: evaluate(model, dataset.domain(n), cfg, env, policy, loss_fn, schedule) for n in dataset.names}
-    sizes = dict(zip(dataset.names, dataset.sizes))
-    out: dict[str, Any] = {}
-    for key in per[dataset.names[0]]:
-        out[key] = sum(per[n][key] * sizes[n] for n in per) / sum(sizes.values())
-        out[f"domain_{key}"] = {n: per[n][key] for n in per}
-    return out
+def step_lr(schedulers: list) -> None:
+    """Advance the LR schedulers one step; quiet about a step whose optimizer step was skipped (non-finite
+    gradients, or the fp16 GradScaler's own skip), which still counts as a step of the schedule."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler", category=UserWarning)
+        for s in schedulers:
+            s.step()
 
 
 # ----------------------------------------------------------------------------------------------------------- recipe
@@ -318,7 +139,9 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
 
     optimizer = HybridOptimizer(model, cfg.optim.lr, cfg.optim.weight_decay, tuple(cfg.optim.betas), cfg.optim.eps,
                                 cfg.optim.lamb_threshold)
-    lr_factor = WarmupCosine(total_steps, cfg.schedule.warmup_fraction, cfg.schedule.min_lr_ratio)
+    lr_schedule = WarmupCosine(total_steps, cfg.schedule.warmup_fraction, cfg.schedule.min_lr_ratio)
+    lr_schedulers = lr_schedule.schedulers(optimizer)  # torch.optim.lr_scheduler, stepped once per loop step
+    lr_signature = [lr_schedule.total, lr_schedule.warmup, lr_schedule.min_ratio]
     scaler = policy.grad_scaler()
     params = [q for q in model.parameters() if q.requires_grad]
     ckpt = Checkpointer(run_dir, env.rank, cfg.checkpoint.keep, log.message)
@@ -334,6 +157,14 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
             domain_weights.load_state_dict(state["domains"])
         if state is not None and plateau is not None and state.get("plateau"):
             plateau.load_state_dict(state["plateau"])
+        if state is not None and state.get("lr_schedule") == lr_signature and state.get("lr_schedulers"):
+            for s, sd in zip(lr_schedulers, state["lr_schedulers"]):
+                s.load_state_dict(sd)
+        elif state is not None:  # no scheduler state, or steps/[schedule] changed since: replay up to its step
+            optimizer.set_lr_factor(1.0)
+            lr_schedulers[:] = lr_schedule.schedulers(optimizer)
+            for _ in range(state["step"]):
+                step_lr(lr_schedulers)
         return state
 
     state = restore()
@@ -368,7 +199,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         x, y = next(data)
         x, y = to_device(as_inputs(x), env.device), to_device(y, env.device)
         t_data = time.perf_counter() - t0
-        lr = optimizer.set_lr_factor(lr_factor(step))
+        lr = next((float(g["lr"]) for o in optimizer.optimizers for g in o.param_groups), 0.0)
 
         # forward and backward
         loss = None
@@ -411,6 +242,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         elif finite:
             optimizer.step()
         optimizer.zero_grad()
+        step_lr(lr_schedulers)  # a skipped step still moves the schedule on, as ``step`` does
         # under fp16 inf gradients are the scaler's business; only a non-finite loss counts toward a rollback
         bad = not math.isfinite(loss_value) if scaler is not None else not finite
         nonfinite = nonfinite + 1 if bad else 0
@@ -453,34 +285,13 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
 
         if step % cfg.checkpoint.every == 0 or step == total_steps:
             # evaluate first: the mixture and augmentation it moves are part of this checkpoint
-            ev: dict[str, Any] = {"step": step}
-            if val_ds is not None:
-                if isinstance(val_ds, MultiDomain):
-                    ev.update(evaluate_domains(model, val_ds, cfg, env, policy, hard_loss, schedule))
-                else:
-                    ev.update(evaluate(model, val_ds, cfg, env, policy, hard_loss, schedule))
-            if env.distributed and (domain_weights is not None or plateau is not None):
-                box = [ev]  # rank 0's figures move the mixture and the strength on every rank alike
-                dist.broadcast_object_list(box, src=0)
-                ev = box[0]
-            resample = False
-            if domain_weights is not None:
-                metric = "val_loss" if domain_weights.rule == "doremi" else domain_weights.metric
-                if f"domain_{metric}" in ev and step < total_steps:
-                    before = list(domain_weights.weights)
-                    domain_weights.update(ev[f"domain_{metric}"])
-                    resample = domain_weights.weights != before
-                ev["domain_weights"] = domain_weights.as_dict()
-            if plateau is not None:
-                if "val_loss" in ev and step < total_steps and plateau.update(ev["val_loss"]):
-                    train_ds.set_augment_strength(plateau.strength)
-                    log.event("augment", step=step, strength=plateau.strength, level=plateau.level)
-                    log.message(f"validation loss on a plateau: augmentation strength raised to {plateau.strength:g}")
-                    resample = True
-                ev["augment_strength"] = plateau.strength
+            ev = validation_figures(model, val_ds, cfg, env, policy, hard_loss, schedule, step,
+                                    share=domain_weights is not None or plateau is not None)
+            resample = adapt(ev, step >= total_steps, train_ds, domain_weights, plateau, log)
             epoch, batch = sampler.locate(step)
             trainer = {"epoch": epoch, "batch": batch, "rollbacks": rollbacks,
-                       "scaler": scaler.state_dict() if scaler is not None else None}
+                       "scaler": scaler.state_dict() if scaler is not None else None,
+                       "lr_schedule": lr_signature, "lr_schedulers": [s.state_dict() for s in lr_schedulers]}
             if domain_weights is not None:
                 trainer["domains"] = domain_weights.state_dict()
             if plateau is not None:
@@ -495,5 +306,5 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         write_final(run_dir, cfg, state_dict, example, step)
     log.event("finished", step=step, loss=last_loss)
     log.close()
-    del optimizer, model, schedule, params
+    optimizer = model = schedule = params = None  # free them before returning (the restore closure holds them too)
     return RunResult(run_dir, step, last_loss)

@@ -1,0 +1,70 @@
+"""The run's parts built from the config: factory calls, train/val data, the domain mixture, the batch sampler; and the
+two batch helpers the loop and the evaluation share (``to_device``, ``as_inputs``)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...runtime.errors import ConfigError
+from . import parallel as par
+from .config import DomainsConfig, TrainConfig, resolve_callable
+from .domains import DomainBatchSampler, DomainWeights, MultiDomain
+from .sampler import ShardedBatchSampler, TokenBudgetBatchSampler
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    if torch.is_tensor(x):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_device(v, device) for v in x)
+    return x
+
+
+def as_inputs(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def call_factory(cfg: TrainConfig, section: str, spec: str, kwargs: dict) -> Any:
+    """Call the config's ``[section] factory`` (``module:function``) with its kwargs; ConfigError on a bad call."""
+    factory = resolve_callable(spec, f"[{section}] factory")
+    try:
+        return factory(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{cfg.source}: [{section}] factory {spec!r} failed: {e}",
+                          f"check [{section}] kwargs against the function's parameters") from None
+
+def build_data(cfg: TrainConfig) -> tuple[Any, Any]:
+    """``(train_dataset, val_dataset | None)`` from the data factory; ConfigError when it returns something else.
+    ``{name: dataset}`` dicts become ``MultiDomain`` (multi-domain sampling)."""
+    out = call_factory(cfg, "data", cfg.data.factory, cfg.data.kwargs)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ConfigError(f"[data] factory {cfg.data.factory!r} must return (train_dataset, val_dataset or None)",
+                          "return a 2-tuple")
+    train_ds, val_ds = (MultiDomain(x) if isinstance(x, dict) else x for x in out)
+    if cfg.domains is not None and not isinstance(train_ds, MultiDomain):
+        raise ConfigError(f"{cfg.source}: [domains] needs multi-domain data", "make the [data] factory return "
+                          "({name: train_dataset, ...}, {name: val_dataset, ...} or None)")
+    if isinstance(train_ds, MultiDomain) and isinstance(val_ds, MultiDomain) and val_ds.names != train_ds.names:
+        raise ConfigError(f"validation domains {val_ds.names} differ from the training domains {train_ds.names}",
+                          "give both the same names in the same order")
+    return train_ds, val_ds
+
+
+def build_domain_weights(cfg: TrainConfig, dataset: MultiDomain) -> DomainWeights:
+    d = cfg.domains or DomainsConfig()
+    return DomainWeights(dataset.names, d.rule, d.weights, d.metric, d.threshold, d.step, d.max_weight, d.eta,
+                         d.smoothing)
+
+
+def build_sampler(cfg: TrainConfig, dataset: Any, env: par.DistEnv, weights: DomainWeights | None = None) -> Any:
+    d = cfg.data
+    if weights is not None:
+        return DomainBatchSampler(dataset, weights, d.batch_size, env.dp_rank, env.dp, cfg.seed)
+    if d.max_tokens is None and d.memory_limit_mb is None and d.max_batch_size is None:
+        return ShardedBatchSampler(len(dataset), d.batch_size, env.dp_rank, env.dp, cfg.seed, d.shuffle)
+    lengths = getattr(dataset, "lengths", None)
+    if lengths is None:
+        lengths = [as_inputs(dataset[i][0])[0].shape[0] for i in range(len(dataset))]
+    return TokenBudgetBatchSampler(lengths, d.max_tokens, d.max_batch_size, d.memory_limit_mb, d.bytes_per_token,
+                                   env.dp_rank, env.dp, cfg.seed, d.shuffle)
