@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -52,7 +53,18 @@ def test_submit_answers_match_run_row_for_row(text_session):
 def test_burst_forms_batches_within_budget(text_session):
     before = text_session.metrics()
     rng = np.random.default_rng(1)
-    futs = [text_session.submit(text_request(rng, 16), budget_ms=2000) for _ in range(96)]
+    reqs = [text_request(rng, 16) for _ in range(96)]
+    futs: list = [None] * 96
+
+    def client(k):  # four callers at once: requests arrive while the lane is busy, so they queue and batch
+        for i in range(k, 96, 4):
+            futs[i] = text_session.submit(reqs[i], budget_ms=2000)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     answers = [f.result(20) for f in futs]
     assert all(a.within_budget for a in answers)
     assert max(a.batch_size for a in answers) > 1  # a burst is served in batches, not one by one

@@ -118,6 +118,7 @@ def _lane(backend, gate: threading.Event | None = None, **kw) -> Lane:
             gate.wait(10)
         return backend.run(feed)
 
+    kw.setdefault("inline_ms", 0.0)  # gated runs must stay on the worker thread
     return Lane("fp32", run, prof, layout, StreamMetrics(), **kw)
 
 
