@@ -55,12 +55,14 @@ class LatencyProfile:
         min_samples: the fewest samples a key's estimate is taken over (older ones are kept until then).
         k_dev: a seed's tail is ``mean + k_dev · deviation`` (``set``/``from_variant`` give mean and deviation).
         scale_seeds: scale unmeasured seeds by measured/seed on this machine (see the module doc).
+        refresh_s: new samples of a known key count in predictions at most this late (predicting stays cheap), s.
         alpha: kept for callers of the former moving-mean estimator; unused.
     Thread-safe: the worker observes while submitters predict.
     """
 
     def __init__(self, variant: str = "", alpha: float = 0.2, k_dev: float = 3.0, *, quantile: float = 0.98,
-                 window: int = 64, horizon_s: float = 1.0, min_samples: int = 3, scale_seeds: bool = True) -> None:
+                 window: int = 64, horizon_s: float = 1.0, min_samples: int = 3, scale_seeds: bool = True,
+                 refresh_s: float = _REFRESH_S) -> None:
         self.variant = variant
         self.k_dev = float(k_dev)
         self.quantile = float(quantile)
@@ -68,6 +70,7 @@ class LatencyProfile:
         self.horizon_s = float(horizon_s)
         self.min_samples = max(1, int(min_samples))
         self.scale_seeds = scale_seeds
+        self.refresh_s = float(refresh_s)
         self._win: dict[tuple[int, int], collections.deque] = {}
         self._seed: dict[tuple[int, int], tuple[float, float]] = {}
         self._lock = threading.Lock()
@@ -86,7 +89,7 @@ class LatencyProfile:
             win = self._win.get(key)
             if win is None:
                 win = self._win[key] = collections.deque(maxlen=self.window)
-                self._invalidate()  # a new key counts at once; a new sample of a known one within _REFRESH_S
+                self._invalidate()  # a new key counts at once; a new sample of a known one within refresh_s
             else:
                 self._dirty = True
             win.append((t, float(ms)))
@@ -136,11 +139,11 @@ class LatencyProfile:
             return {k: v[0] for k, v in self._points(_clock()).items()}
 
     def _points(self, now: float) -> dict[tuple[int, int], tuple[float, float]]:
-        # (expected, tail) per key; recomputed at most every _REFRESH_S after new samples (observing stays cheap
+        # (expected, tail) per key; recomputed at most every refresh_s after new samples (observing stays cheap
         # on the serving path), and every _EXPIRE_S as samples age out of the horizon
         if self._pts is not None:
             age = now - self._t_pts
-            if age < _REFRESH_S or (not self._dirty and age < _EXPIRE_S):
+            if (age < self.refresh_s and age < _EXPIRE_S) or (not self._dirty and age < _EXPIRE_S):
                 return self._pts
             self._cache.clear()
         self._dirty = False
@@ -222,7 +225,7 @@ class LatencyProfile:
             return m0 * b / b0, t0 * b / b0
         a, c = self._token_fit(pts)
         mid = a + c * b * max(s, 1)
-        rel = max(max(t / max(m, 1e-9) for m, t in pts.values()), 1.1)
+        rel = max(max(t / max(m, 1e-9) for m, t in pts.values()), 1.0)
         return mid, rel * mid
 
     def _token_fit(self, pts: dict) -> tuple[float, float]:

@@ -27,9 +27,10 @@ cheaper variants — the cascade):
   * alone the request cannot meet its budget → next lane, else ``Rejected("budget")``;
   * the queue is full, or the predicted queueing delay of earlier-deadline work breaks the budget → next lane,
     else ``Rejected("overload")``.
-An idle primary lane runs a request expected to take at most ``inline_ms`` (1 ms) on the caller's thread (no
-thread hand-off, which costs more than such a model's run on a busy machine: the fraud-scorer case); the returned
-future is then already done. Requests that arrive while the lane is busy queue and batch as above.
+An idle primary lane runs a request expected to take at most ``inline_ms`` (1 ms) on the caller's thread when
+the caller blocked on its previous answer (``submit(x).result()`` in a loop): no thread hand-off, which costs more
+than such a model's run on a busy machine (the fraud-scorer case); the returned future is then already done.
+Requests from open-loop callers, or arriving while the lane is busy, queue and batch as above.
 Every request resolves its future exactly once: a ``Result`` (maybe carrying a backend error) or a ``Rejected``.
 """
 from __future__ import annotations
@@ -53,6 +54,16 @@ from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
 _clock = time.perf_counter
 
 
+class Answer(Future):
+    """The future ``submit`` returns; it notes whether its caller blocked on ``result()`` (a closed-loop caller)."""
+
+    waited = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.waited = True
+        return super().result(timeout)
+
+
 @dataclass(eq=False)
 class Request:
     """One queued request. Times are ``time.perf_counter()`` seconds."""
@@ -66,7 +77,7 @@ class Request:
     priority: int
     t_submit: float
     deadline: float
-    future: Future = field(default_factory=Future)
+    future: Future = field(default_factory=Answer)
 
     def sort_key(self, order: int, tie_s: float) -> tuple:
         # deadlines within ``tie_s`` of each other count as equal, so priority can break the tie
@@ -127,6 +138,7 @@ class Lane:
         self._gap_s: float | None = None  # moving mean gap between arrivals
         self._last_arrival: float | None = None
         self._refused: Request | None = None  # the latest request refused for its budget: the next probe
+        self._last_future: Future | None = None  # of the latest request offered to try_inline
         self._t_probe = 0.0
         self.batches = 0
         self.probes = 0
@@ -146,7 +158,11 @@ class Lane:
 
     def refused(self, req: Request) -> None:
         """``req`` was refused here for its budget: keep it as the next re-measuring probe."""
-        self._refused = req
+        with self._cond:
+            wake = self._refused is None
+            self._refused = req
+            if wake:
+                self._cond.notify()
 
     def estimate_done(self, req: Request, now: float) -> float:
         """Predicted completion time (s) of ``req`` if queued now, counting earlier-deadline work and the running
@@ -181,8 +197,11 @@ class Lane:
             return True
 
     def try_inline(self, req: Request) -> bool:
-        """Run ``req`` now on the calling thread when the lane is idle and the request is short; True if it ran."""
-        if self.inline_ms <= 0 or not self.warm.is_set():
+        """Run ``req`` now on the calling thread when the lane is idle, the request is short and the previous
+        request's caller waited for its answer (a closed loop: running on its thread costs it nothing, while an
+        open-loop caller would be held back); True if it ran."""
+        last, self._last_future = self._last_future, req.future
+        if self.inline_ms <= 0 or not self.warm.is_set() or not getattr(last, "waited", False):
             return False
         alone = self.profile.predict(req.rows, req.seq, k_dev=0.0)
         if alone > self.inline_ms:

@@ -50,6 +50,23 @@ def test_submit_answers_match_run_row_for_row(text_session):
         np.testing.assert_allclose(ans.outputs["sentence_embedding"], alone["sentence_embedding"], rtol=1e-5, atol=1e-6)
 
 
+def test_load_and_first_submit_do_not_block(bundles):
+    """No latency profiling in load() or on the first submit: the lane warms up on its own thread."""
+    rng = np.random.default_rng(9)
+    t0 = time.perf_counter()
+    s = dsedge.load(bundles["text"], threads=1)
+    t1 = time.perf_counter()
+    futs = [s.submit(text_request(rng, 16), budget_ms=5000) for _ in range(8)]  # no warmup() first
+    t2 = time.perf_counter()
+    assert t2 - t1 < 0.5, f"first submits took {t2 - t1:.3f} s"  # generous: ~1 ms on an idle machine
+    answers = [f.result(30) for f in futs]
+    assert all(isinstance(a, Result) and a.within_budget for a in answers), answers
+    lane = s.metrics()["lanes"]["fp32"]
+    assert lane["batches"] >= 1 and s.metrics()["rejected"] == {}
+    print(f"load {1e3 * (t1 - t0):.1f} ms, 8 first submits {1e3 * (t2 - t1):.2f} ms")
+    s.close()
+
+
 def test_burst_forms_batches_within_budget(text_session):
     before = text_session.metrics()
     rng = np.random.default_rng(1)
