@@ -4,8 +4,10 @@ The scheduler asks ``predict(batch, seq)`` before it forms a batch or admits a r
 
 Estimator (per key = (batch size, sequence bucket)): a sliding window of the most recent measured service times of
 that key — at most ``window`` samples, and of those only the ones from the last ``horizon_s`` seconds as long as at
-least ``min_samples`` are that recent. The tail prediction is the window's empirical ``quantile`` (nearest rank),
-the expected time its median. A sliding-window empirical quantile follows the measured latency from either side
+least ``min_samples`` are that recent. The tail prediction is the window's empirical ``quantile`` (nearest rank)
+once the window holds enough samples for it (n·(1 − quantile) ≥ 1), else the median plus three robust standard
+deviations (1.4826 × the median absolute deviation: one outlier among a few samples is not the tail); the expected
+time is the median. A sliding-window empirical quantile follows the measured latency from either side
 within one window (the sliding-window model of Datar, Gionis, Indyk & Motwani, SIAM J. Comput. 2002; exact here,
 the window is small): there is no multiplicative state that a burst of late answers could push to a cap and
 keep there, and a stale sample (a stall, an ORT first run on a new shape) ages out after ``horizon_s``.
@@ -155,7 +157,11 @@ class LatencyProfile:
             xs = sorted(recent)
             n = len(xs)
             mid = xs[(n - 1) // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
-            tail = xs[min(n - 1, max(0, math.ceil(self.quantile * n) - 1))]
+            if n * (1.0 - self.quantile) >= 1.0:  # enough samples for the empirical quantile
+                tail = xs[min(n - 1, max(0, math.ceil(self.quantile * n) - 1))]
+            else:  # too few: one outlier would be "the tail"; a robust spread (median absolute deviation) instead
+                mad = sorted(abs(x - mid) for x in xs)[(n - 1) // 2]
+                tail = mid + 3.0 * 1.4826 * mad
             pts[key] = (mid, max(tail, mid))
         scale = 1.0
         if self.scale_seeds and pts:

@@ -54,13 +54,18 @@ from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
 _clock = time.perf_counter
 
 
+_answering = threading.local()  # set while a lane resolves futures: result() inside a done-callback is no wait
+
+
 class Answer(Future):
-    """The future ``submit`` returns; it notes whether its caller blocked on ``result()`` (a closed-loop caller)."""
+    """The future ``submit`` returns; it notes whether its caller asked for ``result()`` (a closed-loop caller)
+    rather than a done-callback reading it."""
 
     waited = False
 
     def result(self, timeout: float | None = None) -> Any:
-        self.waited = True
+        if not getattr(_answering, "on", False):
+            self.waited = True
         return super().result(timeout)
 
 
@@ -229,7 +234,11 @@ class Lane:
     # -- worker -----------------------------------------------------------------------------------------------
     def _answer(self, req: Request, answer: Result | Rejected) -> None:
         if req.future.set_running_or_notify_cancel():
-            req.future.set_result(answer)
+            _answering.on = True
+            try:
+                req.future.set_result(answer)
+            finally:
+                _answering.on = False
         self.metrics.on_answer(answer)
 
     def _reject(self, req: Request, reason: str, detail: str) -> None:
