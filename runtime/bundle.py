@@ -64,6 +64,9 @@ class Variant:
 
     ``size_bytes`` is the ONNX file size; ``accuracy`` holds metrics vs fp32 (e.g. ``cosine_mean``);
     ``latency_ms`` holds build-time CPU latency by batch size (``{"1": {"p50": …, "p99": …}}``).
+    ``batch_invariant``: False when a row's output depends on its batch-mates (e.g. per-tensor dynamic INT8; the
+    scheduler then serves it at batch 1 unless the caller opts in), True when checked invariant, None (omitted in
+    the JSON) when not recorded.
     """
 
     name: str
@@ -73,6 +76,7 @@ class Variant:
     accuracy: dict[str, Any] = field(default_factory=dict)
     latency_ms: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    batch_invariant: bool | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Variant":
@@ -80,10 +84,16 @@ class Variant:
             return cls(
                 name=d["name"], precision=d["precision"], file=d["file"], size_bytes=int(d.get("size_bytes", 0)),
                 accuracy=dict(d.get("accuracy", {})), latency_ms=dict(d.get("latency_ms", {})),
-                notes=list(d.get("notes", [])),
+                notes=list(d.get("notes", [])), batch_invariant=_optional_bool(d.get("batch_invariant")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise BundleError(f"manifest variant {d!r} is malformed ({e})", "rebuild the bundle") from None
+
+
+def _optional_bool(x: Any) -> bool | None:
+    if x is None or isinstance(x, bool):
+        return x
+    raise TypeError(f"batch_invariant must be true, false or absent, got {x!r}")
 
 
 @dataclass
@@ -115,6 +125,9 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for v in d["variants"]:
+            if v.get("batch_invariant") is None:
+                v.pop("batch_invariant", None)
         d["inputs"] = [s.to_dict() for s in self.inputs]
         d["outputs"] = [s.to_dict() for s in self.outputs]
         return d

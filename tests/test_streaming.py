@@ -174,6 +174,29 @@ def test_cascade_serves_cheaper_variant_when_primary_cannot_meet_budget(bundles)
         assert isinstance(rej, Rejected) and rej.reason == "budget" and "fp32" in rej.detail
 
 
+def test_batch_variant_variant_is_served_alone_unless_opted_in(bundles, tmp_path):
+    import json
+    import shutil
+
+    b = tmp_path / "variant.dse"
+    shutil.copytree(bundles["text"], b)
+    m = json.loads((b / "manifest.json").read_text())
+    m["variants"][0]["batch_invariant"] = False  # e.g. per-tensor dynamic INT8
+    (b / "manifest.json").write_text(json.dumps(m))
+    rng = np.random.default_rng(10)
+    reqs = [text_request(rng, 8) for _ in range(40)]
+    with dsedge.load(b, threads=1) as s:
+        assert s.variant.batch_invariant is False and s._core().lanes[0].max_batch == 1
+        answers = list(s.stream(reqs, budget_ms=5000))
+        assert all(a.ok and a.batch_size == 1 for a in answers)
+    with dsedge.load(b, threads=1, batch_variant_ok=True) as s:
+        assert s._core().lanes[0].max_batch == 32
+    m["variants"][0]["batch_invariant"] = "no"
+    (b / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(dsedge.BundleError, match="malformed"):
+        dsedge.load(b)
+
+
 def test_metrics_counts_percentiles_and_prometheus(bundles):
     prometheus_client = pytest.importorskip("prometheus_client")
     with dsedge.load(bundles["text"], threads=1) as s:

@@ -575,7 +575,9 @@ def build(opts: BuildOptions, log: Callable[[str], None] = lambda s: None) -> Bu
             vnotes = [f"size vs fp32: {path.stat().st_size / fp32_size:.3f}"]
             if compensating:
                 vnotes.append("from the pruned/QAT-tuned student, not the original model; accuracy is vs the original")
-            variants.append(Variant(name=name, precision=name, file=rel, accuracy=acc, latency_ms=lat, notes=vnotes))
+            invariant = compressed.details.get("batch_invariant") if name == precision else None
+            variants.append(Variant(name=name, precision=name, file=rel, accuracy=acc, latency_ms=lat, notes=vnotes,
+                                    batch_invariant=invariant))
         timings["validate_s"] = time.perf_counter() - t
         from .quantize.mixed import gate_values
 
