@@ -89,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         module = source.module.eval()
-        names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in source.example_inputs]
+        tnames = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in source.example_inputs]
 
         def torch_run(f):
             with torch.inference_mode():
-                return module(*[torch.from_numpy(f[n]) for n in names])
+                return module(*[torch.from_numpy(f[n]) for n in tnames])
         runs["torch-eager"] = torch_run
     invariance = {}
     for name, s in sessions.items():
