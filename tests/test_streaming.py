@@ -90,6 +90,20 @@ def test_burst_forms_batches_within_budget(text_session):
     assert m["mean_batch_size"] > 1.0
 
 
+def test_closed_loop_caller_runs_inline_open_loop_caller_batches(bundles):
+    rng = np.random.default_rng(11)
+    reqs = [text_request(rng, 12) for _ in range(64)]
+    with dsedge.load(bundles["text"], threads=1) as s:
+        for r in reqs[:30]:  # submit(x).result() one at a time: no thread hand-off once the lane is warm
+            assert s.submit(r, budget_ms=5000).result(10).ok
+        inline = s.metrics()["lanes"]["fp32"]["inline"]
+        assert inline >= 20, s.metrics()["lanes"]
+        futs = [s.submit(r, budget_ms=5000) for r in reqs]  # open loop: queued, served in batches
+        answers = [f.result(10) for f in futs]
+        assert all(a.ok for a in answers) and max(a.batch_size for a in answers) > 1
+        assert s.metrics()["lanes"]["fp32"]["inline"] <= inline + 1
+
+
 def test_budget_that_cannot_be_met_is_rejected_at_once(text_session):
     t0 = time.perf_counter()
     fut = text_session.submit(text_request(np.random.default_rng(2), 8), budget_ms=0.001)
