@@ -127,11 +127,12 @@ def rowwise_activation_quant(model: onnx.ModelProto) -> tuple[onnx.ModelProto, i
 
 
 def quantize_int8_rowwise(model: onnx.ModelProto, *, fuse: str | None = "bert", per_channel: bool = True,
-                          nodes_to_exclude: list[str] | None = None) -> tuple[onnx.ModelProto, dict]:
+                          nodes_to_exclude: list[str] | None = None,
+                          weight_type: str = "uint8") -> tuple[onnx.ModelProto, dict]:
     """Batch-invariant dynamic INT8 for ORT CPU (see the module doc); optional transformer fusion first.
 
-    Weights INT8 per output channel (``quantize_dynamic``), embedding tables (Gather) UINT8, activations INT8 per
-    row at run time. Returns (model, report) with the same keys as ``quantize_int8_dynamic`` plus
+    Weights per output channel (``quantize_dynamic``; ``weight_type`` "uint8", "int7" or "int8": see the module doc),
+    embedding tables (Gather) likewise, activations 8-bit per row at run time. Returns (model, report) with the same keys as ``quantize_int8_dynamic`` plus
     ``"batch_invariant": True`` and ``"activation_scales": "per-row"``. Raises QuantizationError on NaN/Inf weights.
     """
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -145,7 +146,8 @@ def quantize_int8_rowwise(model: onnx.ModelProto, *, fuse: str | None = "bert", 
     with tempfile.TemporaryDirectory(prefix="dsedge-rowq-") as tmp, without_preprocess_hint():
         src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         _save(model, src)
-        quantize_dynamic(str(src), str(dst), per_channel=per_channel, weight_type=QuantType.QInt8,
+        quantize_dynamic(str(src), str(dst), per_channel=per_channel, reduce_range=(weight_type == "int7"),
+                         weight_type=QuantType.QUInt8 if weight_type == "uint8" else QuantType.QInt8,
                          op_types_to_quantize=["MatMul", "Gemm", "Gather"],
                          nodes_to_exclude=list(nodes_to_exclude or []),
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
@@ -160,5 +162,6 @@ def quantize_int8_rowwise(model: onnx.ModelProto, *, fuse: str | None = "bert", 
     counts = Counter(n.op_type for n in out.graph.node)
     report = {"precision": "int8", "mode": "dynamic", "per_channel": per_channel, "fused": fused,
               "activation_scales": "per-row", "batch_invariant": True, "rowwise_quantizers": replaced,
+              "weight_type": weight_type,
               "ops": {k: v for k, v in counts.items() if k in ("MatMulInteger", "Attention", "QAttention")}}
     return out, report
