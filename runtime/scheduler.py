@@ -20,7 +20,8 @@ time replaces the stale one within about a second.
 
 Cold start: a lane starts with whatever its profile was seeded with (the bundle's build-time figures, scaled once
 this machine measured something) and its worker's first act is a warm-up run off the caller's thread. Until
-anything is known at all, requests are admitted up to one full batch and queued with their own deadlines.
+anything is known at all, requests are admitted (up to ``max_queue``) and queued with their own deadlines; EDF
+then serves them in deadline order and drops, as counted misses, those that can no longer make it.
 
 Admission (``BudgetScheduler.submit``), against predicted latency, in the order of lanes (primary first, then
 cheaper variants — the cascade):
@@ -462,8 +463,12 @@ class BudgetScheduler:
         for lane in lanes:
             alone = lane.alone_ms(req)
             cold = None
-            if math.isinf(alone):  # nothing known yet (no seed, warm-up still running): one batch, queued
-                cold = lane.max_batch
+            if math.isinf(alone):  # nothing known yet (no seed, warm-up still running): queued, own deadline
+                if budget_ms <= lane.margin_s * 1e3:
+                    reasons.append((BUDGET, f"budget {budget_ms:g} ms is within the scheduling margin of "
+                                            f"{lane.margin_s * 1e3:g} ms on {lane.name}"))
+                    continue
+                cold = lane.max_queue
             elif alone + lane.margin_s * 1e3 > budget_ms:
                 lane.refused(req)
                 reasons.append((BUDGET, f"predicted {alone:.1f} ms alone on {lane.name} > budget {budget_ms:g} ms"))
