@@ -1,10 +1,12 @@
-"""Overhead of the SDK path (``dsedge.load(...).run``) vs a bare ``onnxruntime.InferenceSession.run``, side by side.
+"""Overhead of the SDK paths (``dsedge.load(...).run`` and ``submit(...).result()``) vs a bare
+``onnxruntime.InferenceSession.run``, side by side.
 
 Both sessions open the same ONNX graph of the bundle (with the SDK's load-time ORT-CPU rewrites, if it made any) with
 the same options (intra-op threads, inter-op 1, CPU EP
 unless --providers) and get the same synthetic inputs. Timing alternates short blocks of SDK and bare runs so
-machine noise (other processes, frequency changes) hits both alike; the ratio of medians is the figure
-(goal: ≤ 1.05 at batch 1).
+machine noise (other processes, frequency changes) hits all alike; the ratio of medians is the figure
+(goal: ≤ 1.05 at batch 1), and ``submit`` − ``run`` p50 (goal: ≤ 0.1 ms at batch 1; ``--no-submit`` skips it).
+``submit`` is called as a closed-loop caller does: ``session.submit(x, budget_ms=...).result()`` one at a time.
 
     python benchmarks/sdk_overhead.py --bundle out/all-minilm-l6-v2-cpu.dse --batch 1,32 --seq-len 32 --threads 2
 """
@@ -28,6 +30,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20, help="alternating blocks per path")
     ap.add_argument("--block", type=int, default=10, help="runs per block")
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--budget-ms", type=float, default=1000.0, help="budget passed to submit")
+    ap.add_argument("--no-submit", action="store_true", help="time run() vs bare ORT only")
     ap.add_argument("--json", action="store_true", help="print the results as JSON too")
     args = ap.parse_args()
 
@@ -54,17 +58,20 @@ def main() -> None:
     print(f"bundle {args.bundle} variant {sdk.variant.name}; providers sdk={sdk.providers} bare={bare.get_providers()}; "
           f"threads {args.threads or 'default'}; onnxruntime {ort.__version__}; load-time rewrites {rewrites} (both paths)")
     print(f"{'batch':>5} {'shape':>8} {'sdk p50 ms':>11} {'bare p50 ms':>12} {'p50 ratio':>10} "
-          f"{'sdk mean':>9} {'bare mean':>10} {'mean ratio':>11} {'sdk p99':>8} {'bare p99':>9} {'Δp50 µs':>8}  n")
+          f"{'sdk mean':>9} {'bare mean':>10} {'mean ratio':>11} {'sdk p99':>8} {'bare p99':>9} {'Δp50 µs':>8} "
+          f"{'submit p50':>11} {'submit-run µs':>14}  n")
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:
         feed = synthetic_inputs(sdk.inputs, sdk.manifest.shape_ranges, b, args.seq_len, manifest_vocab_size(sdk.manifest))
         paths = {"sdk": lambda: sdk.run(feed), "bare": lambda: bare.run(out_names, feed)}
+        if not args.no_submit:
+            paths["submit"] = lambda: sdk.submit(feed, budget_ms=args.budget_ms).result()
         for _ in range(args.warmup):
             for fn in paths.values():
                 fn()
-        samples: dict[str, list[float]] = {"sdk": [], "bare": []}
+        samples: dict[str, list[float]] = {name: [] for name in paths}
         for r in range(args.rounds):
-            order = ("sdk", "bare") if r % 2 == 0 else ("bare", "sdk")  # neither path always goes first
+            order = list(paths) if r % 2 == 0 else list(paths)[::-1]  # no path always goes first
             for name in order:
                 fn = paths[name]
                 for _ in range(args.block):
@@ -74,10 +81,16 @@ def main() -> None:
         s, o = latency_stats(np.array(samples["sdk"])), latency_stats(np.array(samples["bare"]))
         row = {"batch": b, "shape": list(next(iter(feed.values())).shape), "sdk_ms": s, "bare_ms": o,
                "p50_ratio": s["p50"] / o["p50"], "mean_ratio": s["mean"] / o["mean"], "n": len(samples["sdk"])}
+        sub = latency_stats(np.array(samples["submit"])) if "submit" in samples else None
+        if sub is not None:
+            row["submit_ms"] = sub
+            row["submit_minus_run_p50_ms"] = sub["p50"] - s["p50"]
         rows.append(row)
+        sub_p50 = f"{sub['p50']:.3f}" if sub else "-"
+        sub_delta = f"{row['submit_minus_run_p50_ms'] * 1000:.1f}" if sub else "-"
         print(f"{b:>5} {'x'.join(map(str, row['shape'])):>8} {s['p50']:>11.3f} {o['p50']:>12.3f} {row['p50_ratio']:>10.3f} "
               f"{s['mean']:>9.3f} {o['mean']:>10.3f} {row['mean_ratio']:>11.3f} {s['p99']:>8.3f} {o['p99']:>9.3f} "
-              f"{(s['p50'] - o['p50']) * 1000:>8.1f}  {row['n']}")
+              f"{(s['p50'] - o['p50']) * 1000:>8.1f} {sub_p50:>11} {sub_delta:>14}  {row['n']}")
     if args.json:
         print(json.dumps(rows, indent=2))
 

@@ -68,6 +68,9 @@ class Variant:
 
     ``size_bytes`` is the ONNX file size; ``accuracy`` holds metrics vs fp32 (e.g. ``cosine_mean``);
     ``latency_ms`` holds build-time CPU latency by batch size (``{"1": {"p50": …, "p99": …}}``).
+    ``batch_invariant``: False when a row's output depends on its batch-mates (e.g. per-tensor dynamic INT8; the
+    scheduler then serves it at batch 1 unless the caller opts in), True when checked invariant, None (omitted in
+    the JSON) when not recorded.
     """
 
     name: str
@@ -79,6 +82,7 @@ class Variant:
     notes: list[str] = field(default_factory=list)
     # golden I/O tolerances per output (runtime/golden.py): {"cosine_min", "max_abs_diff", "measured_max_abs_diff"}
     golden: dict[str, Any] = field(default_factory=dict)
+    batch_invariant: bool | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Variant":
@@ -87,9 +91,16 @@ class Variant:
                 name=d["name"], precision=d["precision"], file=d["file"], size_bytes=int(d.get("size_bytes", 0)),
                 accuracy=dict(d.get("accuracy", {})), latency_ms=dict(d.get("latency_ms", {})),
                 notes=list(d.get("notes", [])), golden=dict(d.get("golden", {})),
+                batch_invariant=_optional_bool(d.get("batch_invariant")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise BundleError(f"manifest variant {d!r} is malformed ({e})", "rebuild the bundle") from None
+
+
+def _optional_bool(x: Any) -> bool | None:
+    if x is None or isinstance(x, bool):
+        return x
+    raise TypeError(f"batch_invariant must be true, false or absent, got {x!r}")
 
 
 @dataclass
@@ -122,6 +133,9 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for v in d["variants"]:
+            if v.get("batch_invariant") is None:
+                v.pop("batch_invariant", None)
         d["inputs"] = [s.to_dict() for s in self.inputs]
         d["outputs"] = [s.to_dict() for s in self.outputs]
         return d

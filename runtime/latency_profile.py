@@ -1,24 +1,42 @@
-"""Latency profile of one variant: milliseconds per (batch size, sequence-length bucket), refreshed online.
+"""Latency profile of one variant: service time per (batch size, sequence-length bucket), learnt online.
 
-The scheduler asks ``predict(batch, seq)`` before it forms a batch or admits a request. Values come from a short
-warm-up at load (``measure``), from the bundle's build-time figures (``from_variant``), and from every batch the
-session runs (``observe``: exponentially weighted mean and mean absolute deviation, as in TCP's RTT estimator,
-RFC 6298). A prediction is ``mean + k·deviation`` so that the budget holds for the tail, not only the median.
+The scheduler asks ``predict(batch, seq)`` before it forms a batch or admits a request.
 
-Between measured points, latency is interpolated linearly in batch size within a sequence bucket; for a bucket
-never measured, a least-squares fit ``ms = a + c·tokens`` over every observation stands in (tokens = batch·seq).
+Estimator (per key = (batch size, sequence bucket)): a sliding window of the most recent measured service times of
+that key — at most ``window`` samples, and of those only the ones from the last ``horizon_s`` seconds as long as at
+least ``min_samples`` are that recent. The tail prediction is the window's empirical ``quantile`` (nearest rank)
+once the window holds enough samples for it (n·(1 − quantile) ≥ 1), else the median plus three robust standard
+deviations (1.4826 × the median absolute deviation: one outlier among a few samples is not the tail); the expected
+time is the median. A sliding-window empirical quantile follows the measured latency from either side
+within one window (the sliding-window model of Datar, Gionis, Indyk & Motwani, SIAM J. Comput. 2002; exact here,
+the window is small): there is no multiplicative state that a burst of late answers could push to a cap and
+keep there, and a stale sample (a stall, an ORT first run on a new shape) ages out after ``horizon_s``.
+
+Only service time (batch start → batch end) is ever observed — never a request's latency — so lateness that came
+from queueing the scheduler already accounted for cannot raise an estimate.
+
+Seeds: figures known before anything ran here (the bundle's build-time ``latency_ms`` via ``from_variant``, or
+``set``) stand in for a key until it is measured. While some keys are measured and others only seeded, seeds are
+scaled by this machine's speed: the geometric mean of measured/seed over keys that have both (``scale_seeds``;
+off for a profile that should trust the bundle's figures as they are).
+
+Between known points, latency is interpolated linearly in batch size within a sequence bucket; for a bucket never
+seen, a least-squares fit ``ms = a + c·tokens`` over every known point stands in (tokens = batch·seq).
 """
 from __future__ import annotations
 
+import collections
 import math
 import threading
+import time
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from .latency import time_calls
-
 _MIN_BUCKET = 8
+_REFRESH_S = 0.02
+_EXPIRE_S = 0.1
+_clock = time.perf_counter
 
 
 def seq_bucket(seq: int | None) -> int:
@@ -29,129 +47,203 @@ def seq_bucket(seq: int | None) -> int:
 
 
 class LatencyProfile:
-    """Milliseconds per batch for one variant, keyed by (batch size, sequence bucket).
+    """Service time (ms) per batch for one variant, keyed by (batch size, sequence bucket).
 
     Args:
         variant: the variant name (for reports).
-        alpha: weight of a new observation in the moving mean/deviation (0 < alpha ≤ 1).
-        k_dev: predictions add ``k_dev`` deviations to the mean (tail margin).
+        quantile: the tail the scheduler plans with (0.5 < quantile < 1).
+        window: most recent samples kept per key.
+        horizon_s: samples older than this stop counting once ``min_samples`` newer ones exist, s.
+        min_samples: the fewest samples a key's estimate is taken over (older ones are kept until then).
+        k_dev: a seed's tail is ``mean + k_dev · deviation`` (``set``/``from_variant`` give mean and deviation).
+        scale_seeds: scale unmeasured seeds by measured/seed on this machine (see the module doc).
+        refresh_s: new samples of a known key count in predictions at most this late (predicting stays cheap), s.
+        alpha: kept for callers of the former moving-mean estimator; unused.
     Thread-safe: the worker observes while submitters predict.
     """
 
-    def __init__(self, variant: str = "", alpha: float = 0.2, k_dev: float = 3.0) -> None:
+    def __init__(self, variant: str = "", alpha: float = 0.2, k_dev: float = 3.0, *, quantile: float = 0.98,
+                 window: int = 64, horizon_s: float = 1.0, min_samples: int = 3, scale_seeds: bool = True,
+                 refresh_s: float = _REFRESH_S) -> None:
         self.variant = variant
-        self.alpha = float(alpha)
         self.k_dev = float(k_dev)
-        self._mean: dict[tuple[int, int], float] = {}
-        self._dev: dict[tuple[int, int], float] = {}
-        self._count: dict[tuple[int, int], int] = {}
+        self.quantile = float(quantile)
+        self.window = int(window)
+        self.horizon_s = float(horizon_s)
+        self.min_samples = max(1, int(min_samples))
+        self.scale_seeds = scale_seeds
+        self.refresh_s = float(refresh_s)
+        self._win: dict[tuple[int, int], collections.deque] = {}
+        self._seed: dict[tuple[int, int], tuple[float, float]] = {}
         self._lock = threading.Lock()
+        self._pts: dict[tuple[int, int], tuple[float, float]] | None = None  # key -> (expected, tail) ms
+        self._t_pts = 0.0
+        self._dirty = False
         self._fit: tuple[float, float] | None = None
-        self._cache: dict[tuple[int, int, float], float] = {}  # predictions since the last change (submit asks often)
+        self._cache: dict[tuple[int, int, float], float] = {}
 
     # -- updating ---------------------------------------------------------------------------------------------
-    def observe(self, batch: int, seq: int | None, ms: float) -> None:
-        """Record one measured batch: ``batch`` rows padded to ``seq`` tokens took ``ms`` milliseconds."""
+    def observe(self, batch: int, seq: int | None, ms: float, now: float | None = None) -> None:
+        """Record one measured batch: ``batch`` rows padded to ``seq`` tokens ran in ``ms`` milliseconds."""
         key = (int(batch), seq_bucket(seq))
+        t = _clock() if now is None else now
         with self._lock:
-            if key not in self._mean:
-                self._mean[key] = float(ms)
-                self._dev[key] = 0.1 * float(ms)  # a first sample says little about spread
-                self._count[key] = 1
+            win = self._win.get(key)
+            if win is None:
+                win = self._win[key] = collections.deque(maxlen=self.window)
+                self._invalidate()  # a new key counts at once; a new sample of a known one within refresh_s
             else:
-                m = self._mean[key]
-                # a one-off stall (GC, a noisy neighbour) moves the estimate at most 3× per sample: if it swung
-                # a batch size above every budget, nothing of that size would run again to correct it
-                ms = min(max(float(ms), m / 3.0), m * 3.0)
-                self._dev[key] += self.alpha * (abs(ms - m) - self._dev[key])
-                self._mean[key] = m + self.alpha * (ms - m)
-                self._count[key] += 1
-            self._fit = None
-            self._cache.clear()
+                self._dirty = True
+            win.append((t, float(ms)))
 
     def set(self, batch: int, seq: int | None, mean_ms: float, dev_ms: float | None = None) -> None:
-        """Set a point directly (bundle figures, tests). ``dev_ms`` defaults to 10 % of the mean."""
+        """Seed a point (bundle figures, tests): it stands in until the key is measured. ``dev_ms`` defaults to
+        10 % of the mean; the seed's tail is ``mean + k_dev · dev``."""
         key = (int(batch), seq_bucket(seq))
         with self._lock:
-            self._mean[key] = float(mean_ms)
-            self._dev[key] = float(dev_ms if dev_ms is not None else 0.1 * mean_ms)
-            self._count[key] = max(1, self._count.get(key, 0))
-            self._fit = None
-            self._cache.clear()
+            self._seed[key] = (float(mean_ms), float(dev_ms if dev_ms is not None else 0.1 * mean_ms))
+            self._invalidate()
+
+    def forget(self) -> None:
+        """Drop every measured sample (seeds stay)."""
+        with self._lock:
+            self._win.clear()
+            self._invalidate()
+
+    def _invalidate(self) -> None:
+        self._pts = None
+        self._fit = None
+        self._cache.clear()
 
     # -- querying ---------------------------------------------------------------------------------------------
     @property
     def empty(self) -> bool:
-        return not self._mean
+        return not self._win and not self._seed
+
+    @property
+    def measured(self) -> bool:
+        """True once any batch was observed on this machine."""
+        return bool(self._win)
+
+    def samples(self, batch: int, seq: int | None = None) -> int:
+        """Samples held for the key of ``batch`` rows at ``seq`` tokens."""
+        win = self._win.get((int(batch), seq_bucket(seq)))
+        return len(win) if win else 0
+
+    def last_observed(self, batch: int, seq: int | None = None) -> float | None:
+        """``time.perf_counter()`` of the key's newest sample, or None."""
+        win = self._win.get((int(batch), seq_bucket(seq)))
+        return win[-1][0] if win else None
 
     def points(self) -> dict[tuple[int, int], float]:
-        """A copy of the mean ms per (batch, bucket)."""
+        """The expected ms per known (batch, bucket): measured keys, then scaled seeds."""
         with self._lock:
-            return dict(self._mean)
+            return {k: v[0] for k, v in self._points(_clock()).items()}
+
+    def _points(self, now: float) -> dict[tuple[int, int], tuple[float, float]]:
+        # (expected, tail) per key; recomputed at most every refresh_s after new samples (observing stays cheap
+        # on the serving path), and every _EXPIRE_S as samples age out of the horizon
+        if self._pts is not None:
+            age = now - self._t_pts
+            if (age < self.refresh_s and age < _EXPIRE_S) or (not self._dirty and age < _EXPIRE_S):
+                return self._pts
+            self._cache.clear()
+        self._dirty = False
+        pts: dict[tuple[int, int], tuple[float, float]] = {}
+        for key, win in self._win.items():
+            recent = [ms for t, ms in win if now - t <= self.horizon_s]
+            if len(recent) < self.min_samples:
+                recent = [ms for _, ms in list(win)[-self.min_samples:]]
+            xs = sorted(recent)
+            n = len(xs)
+            mid = xs[(n - 1) // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+            if n * (1.0 - self.quantile) >= 1.0:  # enough samples for the empirical quantile
+                tail = xs[min(n - 1, max(0, math.ceil(self.quantile * n) - 1))]
+            else:  # too few: one outlier would be "the tail"; a robust spread (median absolute deviation) instead
+                mad = sorted(abs(x - mid) for x in xs)[(n - 1) // 2]
+                tail = mid + 3.0 * 1.4826 * mad
+            pts[key] = (mid, max(tail, mid))
+        scale = 1.0
+        if self.scale_seeds and pts:
+            ratios = [pts[k][0] / s[0] for k, s in self._seed.items() if k in pts and s[0] > 0]
+            if ratios:
+                scale = min(max(math.exp(sum(map(math.log, ratios)) / len(ratios)), 0.05), 20.0)
+        for key, (mean, dev) in self._seed.items():
+            if key not in pts:
+                pts[key] = (mean * scale, (mean + self.k_dev * dev) * scale)
+        self._pts, self._t_pts, self._fit = pts, now, None
+        return pts
 
     def predict(self, batch: int, seq: int | None = None, k_dev: float | None = None) -> float:
-        """Predicted ms (mean + k·deviation) for ``batch`` rows at ``seq`` tokens; ``inf`` when nothing is known.
+        """Predicted service ms for ``batch`` rows at ``seq`` tokens; ``inf`` when nothing is known.
 
-        ``k_dev`` overrides the profile's margin (0 = the expected time, for summing a backlog).
+        The tail (``quantile``) by default; ``k_dev=0`` gives the expected time (for summing a backlog); another
+        ``k_dev`` scales the tail margin by ``k_dev / self.k_dev``.
         """
         b, s = int(batch), seq_bucket(seq)
-        k = self.k_dev if k_dev is None else float(k_dev)
+        k = -1.0 if k_dev is None else float(k_dev)
+        now = _clock()
         with self._lock:
+            pts = self._points(now)
             hit = self._cache.get((b, s, k))
             if hit is not None:
                 return hit
-            if not self._mean:
+            if not pts:
                 return math.inf
-            mean, dev = self._interp(b, s)
-            out = mean + k * dev
-            # fewer rows never cost more than more rows measured at the same length (the monotone envelope)
-            for (bb, ss), m in self._mean.items():
+            mid, tail = self._interp(pts, b, s)
+            if k < 0:
+                out = tail
+            elif self.k_dev > 0:
+                out = mid + (k / self.k_dev) * (tail - mid)
+            else:
+                out = tail
+            # fewer rows never cost more than more rows known at the same length (the monotone envelope)
+            for (bb, ss), (m, t) in pts.items():
                 if ss == s and bb > b:
-                    out = min(out, m + k * self._dev[(bb, ss)])
+                    big = t if k < 0 else (m + (k / self.k_dev) * (t - m) if self.k_dev > 0 else t)
+                    out = min(out, big)
             self._cache[(b, s, k)] = out
         return out
 
-    def _interp(self, b: int, s: int) -> tuple[float, float]:
-        if (b, s) in self._mean:
-            return self._mean[(b, s)], self._dev[(b, s)]
-        row = sorted((bb, self._mean[(bb, ss)], self._dev[(bb, ss)]) for (bb, ss) in self._mean if ss == s)
+    def _interp(self, pts: dict, b: int, s: int) -> tuple[float, float]:
+        if (b, s) in pts:
+            return pts[(b, s)]
+        row = sorted((bb, m, t) for (bb, ss), (m, t) in pts.items() if ss == s)
         if not row and s:  # figures without a sequence length (bucket 0) stand for any length
-            row = sorted((bb, self._mean[(bb, ss)], self._dev[(bb, ss)]) for (bb, ss) in self._mean if ss == 0)
+            row = sorted((bb, m, t) for (bb, ss), (m, t) in pts.items() if ss == 0)
         if len(row) >= 2 or (row and row[0][0] >= b):
             lo = [p for p in row if p[0] <= b]
             hi = [p for p in row if p[0] >= b]
             if lo and hi:
-                (b0, m0, d0), (b1, m1, d1) = lo[-1], hi[0]
+                (b0, m0, t0), (b1, m1, t1) = lo[-1], hi[0]
                 if b1 == b0:
-                    return m0, d0
-                t = (b - b0) / (b1 - b0)
-                return m0 + t * (m1 - m0), d0 + t * (d1 - d0)
-            if hi:  # below the smallest measured batch: no cheaper than it (fixed overhead dominates)
+                    return m0, t0
+                f = (b - b0) / (b1 - b0)
+                return m0 + f * (m1 - m0), t0 + f * (t1 - t0)
+            if hi:  # below the smallest known batch: no cheaper than it (fixed overhead dominates)
                 return hi[0][1], hi[0][2]
-            (b0, m0, d0), (b1, m1, d1) = row[-2], row[-1]  # beyond the largest: extend the last slope
+            (b0, m0, t0), (b1, m1, t1) = row[-2], row[-1]  # beyond the largest: extend the last slope
             slope = max(0.0, (m1 - m0) / (b1 - b0))
-            return m1 + slope * (b - b1), d1 * b / b1
+            mid = m1 + slope * (b - b1)
+            return mid, mid * max(t1 / max(m1, 1e-9), 1.0)
         if row:  # one point, smaller batch: scale per row (conservative, ignores the fixed overhead it shares)
-            b0, m0, d0 = row[0]
-            return m0 * b / b0, d0 * b / b0
-        a, c = self._token_fit()
-        tokens = b * max(s, 1)
-        mean = a + c * tokens
-        rel = float(np.mean([self._dev[k] / max(self._mean[k], 1e-9) for k in self._mean]))
-        return mean, max(rel, 0.1) * mean
+            b0, m0, t0 = row[0]
+            return m0 * b / b0, t0 * b / b0
+        a, c = self._token_fit(pts)
+        mid = a + c * b * max(s, 1)
+        rel = max(max(t / max(m, 1e-9) for m, t in pts.values()), 1.0)
+        return mid, rel * mid
 
-    def _token_fit(self) -> tuple[float, float]:
+    def _token_fit(self, pts: dict) -> tuple[float, float]:
         if self._fit is None:
-            keys = list(self._mean)
+            keys = list(pts)
             x = np.array([k[0] * max(k[1], 1) for k in keys], dtype=np.float64)
-            y = np.array([self._mean[k] for k in keys], dtype=np.float64)
+            y = np.array([pts[k][0] for k in keys], dtype=np.float64)
             if len(set(x.tolist())) < 2:
                 self._fit = (0.0, float(y.mean() / x.mean()))
             else:
                 c, a = np.polyfit(x, y, 1)
-                c = max(float(c), 0.0)
-                a = max(float(a), 0.0)
-                self._fit = (a, c)
+                self._fit = (max(float(a), 0.0), max(float(c), 0.0))
         return self._fit
 
     def max_batch_within(self, ms: float, seq: int | None = None, limit: int = 1) -> int:
@@ -167,11 +259,14 @@ class LatencyProfile:
 
     # -- (de)serialising --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able: ``{"variant": …, "points": [{"batch": 8, "seq_bucket": 32, "mean_ms": …, "dev_ms": …}]}``."""
+        """JSON-able: ``{"variant": …, "quantile": 0.98, "points": [{"batch": 8, "seq_bucket": 32, "mean_ms": …,
+        "tail_ms": …, "count": n, "seeded": bool}]}`` (``mean_ms`` is the expected time: the window's median)."""
         with self._lock:
-            return {"variant": self.variant, "points": [
-                {"batch": b, "seq_bucket": s, "mean_ms": round(m, 4), "dev_ms": round(self._dev[(b, s)], 4),
-                 "count": self._count.get((b, s), 0)} for (b, s), m in sorted(self._mean.items())]}
+            pts = self._points(_clock())
+            return {"variant": self.variant, "quantile": self.quantile, "points": [
+                {"batch": b, "seq_bucket": s, "mean_ms": round(m, 4), "tail_ms": round(t, 4),
+                 "count": len(self._win.get((b, s), ())), "seeded": (b, s) in self._seed}
+                for (b, s), (m, t) in sorted(pts.items())]}
 
     @classmethod
     def from_variant(cls, variant: Any, **kw: Any) -> "LatencyProfile":
@@ -193,7 +288,7 @@ class LatencyProfile:
                         seq = int(shapes[0][1])
                     p50 = float(val.get("p50", val.get("median", val.get("mean"))))
                     p99 = float(val.get("p99", p50 * 1.3))
-                    prof.set(batch, seq, p50, max(p99 - p50, 0.05 * p50) / prof.k_dev)
+                    prof.set(batch, seq, p50, max(p99 - p50, 0.05 * p50) / max(prof.k_dev, 1e-9))
                 else:
                     prof.set(batch, seq, float(val))
             except (TypeError, ValueError):
@@ -210,18 +305,23 @@ def measure(
     repeats: int = 3,
     stop_ms: float = math.inf,
 ) -> LatencyProfile:
-    """Warm up and time ``run`` at each batch size and sequence length; record the median into ``profile``.
+    """Warm up and time ``run`` at each batch size and sequence length; every timed call is observed.
 
     Batch sizes are tried in increasing order; for a sequence length, larger batches are skipped once one takes
-    longer than ``stop_ms`` (no budget could use them). The first call per shape is a discarded warm-up.
+    longer than ``stop_ms`` (no budget could use them). The first call per shape is a discarded warm-up (ORT
+    allocates buffers for a new shape on its first run).
     """
     for seq in seqs:
         for b in sorted(set(int(x) for x in batch_sizes)):
             feed = make_inputs(b, seq)
-            # one untimed run: ORT allocates buffers for a new shape on its first run
-            stats = time_calls(lambda: run(feed), iterations=max(1, repeats), warmup=1)
-            med = stats["p50"]
-            profile.set(b, seq, med, max(stats["max"] - med, 0.1 * med))
-            if med > stop_ms:
+            run(feed)
+            samples: list[float] = []
+            for _ in range(max(1, repeats)):
+                t0 = _clock()
+                run(feed)
+                samples.append((_clock() - t0) * 1e3)
+            for ms in samples:
+                profile.observe(b, seq, ms)
+            if float(np.median(samples)) > stop_ms:
                 break
     return profile

@@ -19,10 +19,16 @@ class StreamMetrics:
     """Thread-safe tallies of every request's fate.
 
     ``snapshot()`` keys (stable, for dashboards and ``bench --json``): submitted, admitted, answered, errors,
-    within_budget, budget_missed, rejected (dict reason → count), in_flight, p50_ms, p90_ms, p99_ms, mean_ms,
-    queue_p99_ms, mean_batch_size, goodput_per_s, throughput_per_s, rejection_rate, budget_miss_rate, elapsed_s,
-    cascaded (dict variant → count of requests served by a cheaper variant).
-    ``budget_miss_rate`` = (answers over budget or failed + "deadline" rejections) / admitted.
+    within_budget, budget_missed, answered_late, dropped_at_deadline, rejected (dict reason → count, "deadline"
+    included), rejected_at_admission (dict reason → count: "budget", "overload", "shutdown"), in_flight, p50_ms,
+    p90_ms, p99_ms, mean_ms, queue_p99_ms, mean_batch_size, goodput_per_s, throughput_per_s, rejection_rate,
+    budget_miss_rate, elapsed_s, cascaded (dict variant → count of requests served by a cheaper variant).
+
+    A request is *admitted* unless refused at admission (a "budget"/"overload" rejection, or "shutdown" before
+    it ran: not the session's promise to break). Every admitted request is either answered within its budget or
+    a *miss*: answered late (``answered_late``), answered with a backend error, or dropped at its deadline
+    (``dropped_at_deadline``, reason "deadline"). ``budget_missed`` counts them all and
+    ``budget_miss_rate`` = budget_missed / admitted.
     """
 
     def __init__(self, window: int = 10_000) -> None:
@@ -34,6 +40,7 @@ class StreamMetrics:
         self.answered = 0
         self.errors = 0
         self.within = 0
+        self.late = 0
         self.rejected: collections.Counter[str] = collections.Counter()
         self.cascaded: collections.Counter[str] = collections.Counter()
         self._t0: float | None = None
@@ -65,6 +72,8 @@ class StreamMetrics:
             self._batch.append(r.batch_size)
             if r.within_budget:
                 self.within += 1
+            else:
+                self.late += 1
 
     def snapshot(self) -> dict[str, Any]:
         """A dict of the current figures (see the class docstring); percentiles are None before any answer."""
@@ -78,11 +87,13 @@ class StreamMetrics:
             admitted = self.submitted - (n_rej - deadline - rejected.get("shutdown", 0))
             end = self._t_last if self._t_last is not None else time.perf_counter()
             elapsed = (end - self._t0) if self._t0 is not None else 0.0
-            missed = self.answered - self.within + deadline
+            missed = self.late + self.errors + deadline
+            at_admission = {k: v for k, v in rejected.items() if k != "deadline"}
             pct = (lambda a, p: round(float(np.percentile(a, p)), 3) if a.size else None)
             return {
                 "submitted": self.submitted, "admitted": admitted, "answered": self.answered, "errors": self.errors,
-                "within_budget": self.within, "budget_missed": missed, "rejected": rejected,
+                "within_budget": self.within, "budget_missed": missed, "answered_late": self.late,
+                "dropped_at_deadline": deadline, "rejected": rejected, "rejected_at_admission": at_admission,
                 "in_flight": self.submitted - self.answered - n_rej,
                 "p50_ms": pct(lat, 50), "p90_ms": pct(lat, 90), "p99_ms": pct(lat, 99),
                 "mean_ms": round(float(lat.mean()), 3) if lat.size else None,
@@ -114,7 +125,8 @@ class StreamMetrics:
         class _Collector:
             def collect(self) -> Iterator[Any]:
                 s = metrics.snapshot()
-                for key in ("submitted", "answered", "errors", "within_budget", "budget_missed"):
+                for key in ("submitted", "answered", "errors", "within_budget", "budget_missed", "answered_late",
+                            "dropped_at_deadline"):
                     yield CounterMetricFamily(f"{prefix}_requests_{key}", f"requests {key.replace('_', ' ')}",
                                               value=s[key])
                 rej = CounterMetricFamily(f"{prefix}_requests_rejected", "requests rejected, by reason",

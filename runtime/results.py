@@ -12,7 +12,7 @@ import numpy as np
 # Rejection reasons (``Rejected.reason``).
 BUDGET = "budget"        # at admission: the budget cannot be met even alone, by any variant
 OVERLOAD = "overload"    # at admission: queue full, or the predicted queueing delay would break the budget
-DEADLINE = "deadline"    # at dispatch: the deadline can no longer be met (e.g. pushed back by earlier deadlines)
+DEADLINE = "deadline"    # at dispatch: admitted, then dropped at its deadline (a budget miss, counted as one)
 SHUTDOWN = "shutdown"    # the session closed before the request ran
 
 
@@ -73,3 +73,9 @@ class Rejected:
 
     ok = False
     within_budget = False
+
+    @property
+    def admitted(self) -> bool:
+        """True for a request admitted and then dropped at its deadline ("deadline"): a budget miss, not a
+        refusal at admission."""
+        return self.reason == DEADLINE

@@ -5,17 +5,33 @@ When the worker is free it takes the earliest deadline in its queue (priority, t
 a batch of compatible requests, in deadline order, whose predicted completion still meets the earliest deadline
 in it (the EDF rule, Liu & Layland 1973, applied to batches as in Clipper, Crankshaw et al., NSDI 2017): the
 largest such batch, unless a smaller one serves clearly more rows per ms (>5 %; padding short rows to the longest
-one can make a big batch slower per row than a small one). It holds
-the batch open only while arrivals outpace what that batch size can serve *and* one more row still fits the
-deadline; it dispatches at once when waiting would break a deadline. A queued request whose deadline can no longer
-be met even alone is answered with ``Rejected("deadline")`` instead of running late (under overload EDF would
-otherwise make every request late).
+one can make a big batch slower per row than a small one). It holds the batch open only while arrivals outpace
+what that batch size can serve *and* one more row still fits the deadline; it dispatches at once when waiting
+would break a deadline. A queued request whose deadline cannot be met alone even at the *expected* service time
+is dropped with ``Rejected("deadline")`` (a budget miss: it was admitted) instead of running late; one that fits
+the expected time but not the tail runs alone.
+
+Predictions are the profile's tail estimate of service time (see runtime/latency_profile.py: a sliding-window
+quantile per batch size and length bucket, fed only by measured service times, never by request latencies).
+Nothing multiplies them, so no run of late answers can lock a lane. What keeps an over-estimate from sticking
+when a lane rejects everything (so nothing runs that would correct it): the request last refused for its budget
+is kept, and the idle worker runs it again as a probe (at most every ``probe_interval_ms``), so its true service
+time replaces the stale one within about a second.
+
+Cold start: a lane starts with whatever its profile was seeded with (the bundle's build-time figures, scaled once
+this machine measured something) and its worker's first act is a warm-up run off the caller's thread. Until
+anything is known at all, requests are admitted (up to ``max_queue``) and queued with their own deadlines; EDF
+then serves them in deadline order and drops, as counted misses, those that can no longer make it.
 
 Admission (``BudgetScheduler.submit``), against predicted latency, in the order of lanes (primary first, then
 cheaper variants — the cascade):
   * alone the request cannot meet its budget → next lane, else ``Rejected("budget")``;
   * the queue is full, or the predicted queueing delay of earlier-deadline work breaks the budget → next lane,
     else ``Rejected("overload")``.
+An idle primary lane runs a request expected to take at most ``inline_ms`` (1 ms) on the caller's thread when
+the caller blocked on its previous answer (``submit(x).result()`` in a loop): no thread hand-off, which costs more
+than such a model's run on a busy machine (the fraud-scorer case); the returned future is then already done.
+Requests from open-loop callers, or arriving while the lane is busy, queue and batch as above.
 Every request resolves its future exactly once: a ``Result`` (maybe carrying a backend error) or a ``Rejected``.
 """
 from __future__ import annotations
@@ -39,6 +55,21 @@ from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
 _clock = time.perf_counter
 
 
+_answering = threading.local()  # set while a lane resolves futures: result() inside a done-callback is no wait
+
+
+class Answer(Future):
+    """The future ``submit`` returns; it notes whether its caller asked for ``result()`` (a closed-loop caller)
+    rather than a done-callback reading it."""
+
+    waited = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not getattr(_answering, "on", False):
+            self.waited = True
+        return super().result(timeout)
+
+
 @dataclass(eq=False)
 class Request:
     """One queued request. Times are ``time.perf_counter()`` seconds."""
@@ -52,7 +83,7 @@ class Request:
     priority: int
     t_submit: float
     deadline: float
-    future: Future = field(default_factory=Future)
+    future: Future = field(default_factory=Answer)
 
     def sort_key(self, order: int, tie_s: float) -> tuple:
         # deadlines within ``tie_s`` of each other count as equal, so priority can break the tie
@@ -65,7 +96,7 @@ class Lane:
     Args:
         name: the variant name reported in each ``Result``.
         run: ``dict[str, ndarray] -> dict[str, ndarray]`` (a backend's ``run``).
-        profile: the variant's ``LatencyProfile`` (must not be empty before requests arrive).
+        profile: the variant's ``LatencyProfile`` (may be empty: see the module doc on cold start).
         layout: the model's ``BatchLayout``.
         max_batch: most rows per batch (1 when the model has no dynamic batch axis).
         max_queue: most queued requests; more are rejected with "overload".
@@ -73,17 +104,20 @@ class Lane:
             (still never past what the earliest deadline allows).
         margin_ms: safety margin kept between predicted completion and deadline (scheduling overhead), ms.
         tie_ms: deadlines closer than this count as equal; ``priority`` then orders them, ms.
-        miss_target: share of admitted requests allowed to miss their budget; every prediction is scaled by a
-            factor (1…4) that grows 10 % per late answer and shrinks slowly per on-time answer (and halves every
-            10 s without answers), so that misses settle at this rate on a machine noisier than the profile says.
+        warm_feed: ``(rows, seq) -> feed`` for the warm-up run the worker makes before serving (None: none).
+        warm_seq: sequence length of that warm-up run (None for models without a sequence axis).
+        observe_warmup: record the warm-up run's time in the profile (False keeps seeded figures as they are).
+        probe_interval_ms: shortest gap between re-measuring probes of a refused request, ms.
+        inline_ms: an idle lane runs requests expected (median) to take at most this long on the submitting
+            thread (0: never).
     """
-
-    _UP = 1.1
 
     def __init__(self, name: str, run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
                  profile: LatencyProfile, layout: BatchLayout, metrics: StreamMetrics, max_batch: int = 32,
                  max_queue: int = 1024, max_delay_ms: float | None = None, margin_ms: float = 0.5,
-                 tie_ms: float = 1.0, miss_target: float = 0.005) -> None:
+                 tie_ms: float = 1.0, *, warm_feed: Callable[[int, int | None], dict] | None = None,
+                 warm_seq: int | None = None, observe_warmup: bool = True, probe_interval_ms: float = 100.0,
+                 inline_ms: float = 1.0) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -93,46 +127,48 @@ class Lane:
         self.max_queue = int(max_queue)
         self.max_delay_ms = max_delay_ms
         self.margin_s = margin_ms / 1e3
-        self.miss_target = float(miss_target)
-        self.safety = 1.0
-        self._t_cal = _clock()
-        p = min(max(self.miss_target, 1e-4), 0.5)
-        self._down = math.exp(-p * math.log(self._UP) / (1.0 - p))
         self.tie_s = max(tie_ms, 1e-3) / 1e3
+        self.probe_interval_s = probe_interval_ms / 1e3
+        self.inline_ms = float(inline_ms)
+        self.warm = threading.Event()
+        self._warm_feed = warm_feed
+        self._warm_seq = warm_seq
+        self._observe_warmup = observe_warmup
         self._queue: list[tuple[tuple, Request]] = []
         self._order = itertools.count()
         self._cond = threading.Condition()
         self._closing = False
         self._drain = True
+        self._running = False  # a batch is on the backend (the worker's or an inline one)
         self._busy_until = 0.0
         self._gap_s: float | None = None  # moving mean gap between arrivals
         self._last_arrival: float | None = None
+        self._refused: Request | None = None  # the latest request refused for its budget: the next probe
+        self._last_future: Future | None = None  # of the latest request offered to try_inline
+        self._t_probe = 0.0
         self.batches = 0
+        self.probes = 0
+        self.inline = 0
         self.max_depth = 0
         self._thread = threading.Thread(target=self._loop, name=f"dsedge-lane-{name}", daemon=True)
         self._thread.start()
 
-    # -- prediction, calibrated by outcomes -------------------------------------------------------------------
+    # -- prediction -------------------------------------------------------------------------------------------
     def predict(self, rows: int, seq: int | None, k_dev: float | None = None) -> float:
-        """The profile's prediction (ms) times ``safety``, the factor that keeps misses at ``miss_target``."""
-        return self.profile.predict(rows, seq, k_dev) * self.safety
-
-    def _calibrate(self, missed: bool) -> None:
-        # quantile tracking by stochastic approximation: up by ``_UP`` per late answer, down by a step chosen so
-        # that the factor is stable exactly when the miss rate equals the target (p·ln up = (1 − p)·−ln down)
-        self.safety = min(self.safety * self._UP, 4.0) if missed else max(self.safety * self._down, 1.0)
-        self._t_cal = _clock()
-
-    def _relax(self, now: float) -> None:
-        # with no answers to learn from (all rejected) the factor halves every 10 s, so it cannot lock the lane
-        if self.safety > 1.0 and now - self._t_cal > 1.0:
-            self.safety = max(1.0, self.safety * 0.5 ** ((now - self._t_cal) / 10.0))
-            self._t_cal = now
+        """The profile's tail prediction of service time, ms (``k_dev=0``: the expected time)."""
+        return self.profile.predict(rows, seq, k_dev)
 
     # -- admission --------------------------------------------------------------------------------------------
     def alone_ms(self, req: Request) -> float:
-        self._relax(req.t_submit)
-        return self.predict(req.rows, req.seq)
+        return self.profile.predict(req.rows, req.seq)
+
+    def refused(self, req: Request) -> None:
+        """``req`` was refused here for its budget: keep it as the next re-measuring probe."""
+        with self._cond:
+            wake = self._refused is None
+            self._refused = req
+            if wake:
+                self._cond.notify()
 
     def estimate_done(self, req: Request, now: float) -> float:
         """Predicted completion time (s) of ``req`` if queued now, counting earlier-deadline work and the running
@@ -140,7 +176,7 @@ class Lane:
         with self._cond:
             ahead = sum(r.rows for _, r in self._queue if r.deadline <= req.deadline)
             busy = max(0.0, self._busy_until - now)
-        b = max(1, self.profile.max_batch_within(req.budget_ms / self.safety, req.seq, self.max_batch))
+        b = max(1, self.profile.max_batch_within(req.budget_ms, req.seq, self.max_batch))
         total = ahead + req.rows
         full, rest = divmod(total, b)
         if rest == 0:
@@ -149,10 +185,11 @@ class Lane:
         ms = full * self.predict(b, req.seq, k_dev=0.0) + self.predict(rest, req.seq)
         return now + busy + ms / 1e3 + self.margin_s
 
-    def enqueue(self, req: Request) -> bool:
-        """Queue ``req``; False when the queue is full or closing."""
+    def enqueue(self, req: Request, cold_limit: int | None = None) -> bool:
+        """Queue ``req``; False when the queue is full (or holds ``cold_limit`` already) or the lane is closing."""
         with self._cond:
-            if self._closing or len(self._queue) >= self.max_queue:
+            limit = self.max_queue if cold_limit is None else min(self.max_queue, cold_limit)
+            if self._closing or len(self._queue) >= limit:
                 return False
             now = _clock()
             if self._last_arrival is not None:
@@ -165,6 +202,32 @@ class Lane:
             self._cond.notify()
             return True
 
+    def try_inline(self, req: Request) -> bool:
+        """Run ``req`` now on the calling thread when the lane is idle, the request is short and the previous
+        request's caller waited for its answer (a closed loop: running on its thread costs it nothing, while an
+        open-loop caller would be held back); True if it ran."""
+        last, self._last_future = self._last_future, req.future
+        if self.inline_ms <= 0 or not self.warm.is_set() or not getattr(last, "waited", False):
+            return False
+        alone = self.profile.predict(req.rows, req.seq, k_dev=0.0)
+        if alone > self.inline_ms:
+            return False
+        with self._cond:
+            if self._running or self._queue or self._closing:
+                return False
+            self._running = True
+            self._busy_until = req.t_submit + alone / 1e3
+        try:
+            self._execute([req])
+        finally:
+            with self._cond:
+                self._running = False
+                self._busy_until = 0.0
+                self.inline += 1
+                if self._queue:
+                    self._cond.notify_all()
+        return True
+
     @property
     def depth(self) -> int:
         return len(self._queue)
@@ -172,7 +235,11 @@ class Lane:
     # -- worker -----------------------------------------------------------------------------------------------
     def _answer(self, req: Request, answer: Result | Rejected) -> None:
         if req.future.set_running_or_notify_cancel():
-            req.future.set_result(answer)
+            _answering.on = True
+            try:
+                req.future.set_result(answer)
+            finally:
+                _answering.on = False
         self.metrics.on_answer(answer)
 
     def _reject(self, req: Request, reason: str, detail: str) -> None:
@@ -180,7 +247,8 @@ class Lane:
         self._answer(req, Rejected(req.id, reason, detail, req.budget_ms, (now - req.t_submit) * 1e3))
 
     def _pick(self, now: float) -> tuple[list[Request], float]:
-        """Choose the batch to run now (``[]`` plus a wait in s when holding it open is worth it)."""
+        """Choose the batch to run now (``[]`` plus a wait in s when holding it open is worth it; a wait < 0 means
+        the head cannot make its deadline: drop it)."""
         head = self._queue[0][1]
         cands, rows = [], 0
         for _, r in self._queue:
@@ -199,7 +267,10 @@ class Lane:
                 break
             feasible.append((rows, seq, dl))
         if not feasible:
-            return [head], -1.0  # cannot make it even alone: caller rejects
+            expected = self.predict(head.rows, head.seq, k_dev=0.0)
+            if math.isinf(expected) or now + expected / 1e3 <= head.deadline:
+                return [head], 0.0  # nothing known yet, or it can still make it at the expected time: run alone
+            return [head], -1.0
         rate = [n / max(self.predict(n, s or None, k_dev=0.0), 1e-9) for n, s, _ in feasible]
         best = max(range(len(feasible)), key=lambda i: (round(rate[i], 6) >= 0.95 * max(rate), i)) + 1
         rows, seq, dl = feasible[best - 1]
@@ -227,43 +298,91 @@ class Lane:
             wait = min(slack, 2.0 * self._gap_s - since_last)
         return (batch, 0.0) if wait <= 0 else ([], wait)
 
+    def _warm_up(self) -> None:
+        try:
+            if self._warm_feed is not None:
+                feed = self._warm_feed(1, self._warm_seq)
+                self.run(feed)  # ORT's first run of a shape allocates: untimed
+                with self._cond:
+                    if self._queue or self._closing:
+                        return  # a real request is waiting: it is the probe now
+                t0 = _clock()
+                self.run(feed)
+                if self._observe_warmup:
+                    self.profile.observe(1, self._warm_seq, (_clock() - t0) * 1e3)
+        except Exception:  # a warm-up that cannot run says nothing about serving: real requests will tell
+            pass
+        finally:
+            self.warm.set()
+
+    def _probe(self, req: Request) -> None:
+        # re-measure a refused request's service time on the idle backend (its answer already went out)
+        try:
+            t0 = _clock()
+            self.run(req.feed)
+            self.profile.observe(req.rows, req.seq, (_clock() - t0) * 1e3)
+        except Exception:
+            pass
+
     def _loop(self) -> None:
+        self._warm_up()
         while True:
+            probe = None
             with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if not self._queue:
+                while self._running or (not self._queue and not self._closing):
+                    if not self._running and self._refused is not None and not self._closing:
+                        due = self._t_probe + self.probe_interval_s - _clock()
+                        if due <= 0:
+                            probe, self._refused = self._refused, None
+                            break
+                        self._cond.wait(timeout=due)
+                    else:
+                        self._cond.wait()
+                if probe is not None:
+                    self._running = True
+                    self._busy_until = _clock() + min(self.predict(probe.rows, probe.seq, k_dev=0.0), 1e4) / 1e3
+                elif not self._queue:
                     return  # closing and drained
-                if self._closing and not self._drain:
+                elif self._closing and not self._drain:
                     pending = [r for _, r in self._queue]
                     self._queue.clear()
                     for r in pending:
                         self._reject(r, SHUTDOWN, "session closed before this request ran")
                     continue
-                now = _clock()
-                try:
-                    batch, wait = self._pick(now)
-                except Exception:  # a planning failure must not strand queued futures: serve the head alone
-                    batch, wait = [self._queue[0][1]], 0.0
-                if wait < 0:
-                    r = batch[0]
-                    self._queue = [it for it in self._queue if it[1] is not r]
-                    alone = self.predict(r.rows, r.seq)
-                    self._reject(r, DEADLINE, f"deadline in {(r.deadline - now) * 1e3:.1f} ms < predicted "
-                                              f"{alone:.1f} ms on {self.name}")
-                    continue
-                if not batch:
-                    self._cond.wait(timeout=wait)
-                    continue
-                chosen = set(map(id, batch))
-                self._queue = [it for it in self._queue if id(it[1]) not in chosen]
-                rows = sum(r.rows for r in batch)
-                self._busy_until = now + self.predict(rows, max(r.seq or 0 for r in batch) or None) / 1e3
-            self._execute(batch)
-            with self._cond:
-                self._busy_until = 0.0
-                self.batches += 1
-                self._cond.notify_all()
+                else:
+                    now = _clock()
+                    try:
+                        batch, wait = self._pick(now)
+                    except Exception:  # a planning failure must not strand queued futures: serve the head alone
+                        batch, wait = [self._queue[0][1]], 0.0
+                    if wait < 0:
+                        r = batch[0]
+                        self._queue = [it for it in self._queue if it[1] is not r]
+                        expected = self.predict(r.rows, r.seq, k_dev=0.0)
+                        self._reject(r, DEADLINE, f"deadline in {(r.deadline - now) * 1e3:.1f} ms < expected "
+                                                  f"{expected:.1f} ms on {self.name}")
+                        continue
+                    if not batch:
+                        self._cond.wait(timeout=wait)
+                        continue
+                    chosen = set(map(id, batch))
+                    self._queue = [it for it in self._queue if id(it[1]) not in chosen]
+                    rows = sum(r.rows for r in batch)
+                    self._busy_until = now + min(self.predict(rows, max(r.seq or 0 for r in batch) or None), 1e4) / 1e3
+                    self._running = True
+            try:
+                if probe is not None:
+                    self._probe(probe)
+                    self.probes += 1
+                    self._t_probe = _clock()
+                else:
+                    self._execute(batch)
+                    self.batches += 1
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._busy_until = 0.0
+                    self._cond.notify_all()
 
     def _execute(self, batch: list[Request]) -> None:
         t0 = _clock()
@@ -278,13 +397,10 @@ class Lane:
             error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         t1 = _clock()
         if error is None:
-            self.profile.observe(rows, seq, (t1 - t0) * 1e3)
+            self.profile.observe(rows, seq, (t1 - t0) * 1e3, t1)
         for r, part in zip(batch, parts):
-            res = Result(r.id, part, (t1 - r.t_submit) * 1e3, (t0 - r.t_submit) * 1e3, rows, self.name,
-                         r.budget_ms, error)
-            if error is None:
-                self._calibrate(not res.within_budget)
-            self._answer(r, res)
+            self._answer(r, Result(r.id, part, (t1 - r.t_submit) * 1e3, (t0 - r.t_submit) * 1e3, rows, self.name,
+                                   r.budget_ms, error))
 
     # -- shutdown ---------------------------------------------------------------------------------------------
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
@@ -309,7 +425,7 @@ class BudgetScheduler:
 
     Args:
         lanes: ``Lane`` objects; ``lanes[0]`` serves the session's variant, the others are cascade candidates
-            tried in order.
+            tried in order (``add_lanes`` appends more once they are open).
         layout: the model's ``BatchLayout`` (shared by all variants).
         metrics: where every request's fate is counted.
     """
@@ -322,7 +438,10 @@ class BudgetScheduler:
         self.metrics = metrics
         self._ids = itertools.count()
         self._closed = False
-        self._lock = threading.Lock()
+
+    def set_lanes(self, lanes: Sequence[Lane]) -> None:
+        """Replace the lanes (the primary stays first); submitters see the new list at their next request."""
+        self.lanes = list(lanes)
 
     def submit(self, feed: dict[str, np.ndarray], budget_ms: float, priority: int = 0, id: Any = None) -> Future:
         """Admit or reject one validated request; returns a Future resolving to ``Result`` or ``Rejected``.
@@ -334,32 +453,45 @@ class BudgetScheduler:
         if self._closed:
             raise RuntimeError("scheduler is closed")
         rid = next(self._ids) if id is None else id
-        rows, seq = self.layout.rows(feed), self.layout.seq_len(feed)
-        req = Request(rid, feed, rows, seq, self.layout.group_key(feed), float(budget_ms), int(priority), now,
-                      now + budget_ms / 1e3)
+        layout = self.layout
+        rows, seq = layout.rows(feed), layout.seq_len(feed)
+        req = Request(rid, feed, rows, seq, layout.group_key(feed), budget_ms, priority, now, now + budget_ms / 1e3)
         self.metrics.on_submit()
+        lanes = self.lanes
+        first = lanes[0]
         reasons = []
-        for lane in self.lanes:
+        for lane in lanes:
             alone = lane.alone_ms(req)
-            if alone + lane.margin_s * 1e3 > budget_ms:
+            cold = None
+            if math.isinf(alone):  # nothing known yet (no seed, warm-up still running): queued, own deadline
+                if budget_ms <= lane.margin_s * 1e3:
+                    reasons.append((BUDGET, f"budget {budget_ms:g} ms is within the scheduling margin of "
+                                            f"{lane.margin_s * 1e3:g} ms on {lane.name}"))
+                    continue
+                cold = lane.max_queue
+            elif alone + lane.margin_s * 1e3 > budget_ms:
+                lane.refused(req)
                 reasons.append((BUDGET, f"predicted {alone:.1f} ms alone on {lane.name} > budget {budget_ms:g} ms"))
                 continue
-            if lane.depth >= lane.max_queue:
+            elif lane.depth >= lane.max_queue:
                 reasons.append((OVERLOAD, f"queue of {lane.name} full ({lane.max_queue} requests)"))
                 continue
-            done = lane.estimate_done(req, now)
-            if done > req.deadline:
-                reasons.append((OVERLOAD, f"predicted {(done - now) * 1e3:.1f} ms with {lane.depth} queued on "
-                                          f"{lane.name} > budget {budget_ms:g} ms"))
-                continue
-            if lane.enqueue(req):
-                if lane is not self.lanes[0]:
+            else:
+                if lane is first and lane.try_inline(req):
+                    return req.future
+                done = lane.estimate_done(req, now)
+                if done > req.deadline:
+                    reasons.append((OVERLOAD, f"predicted {(done - now) * 1e3:.1f} ms with {lane.depth} queued on "
+                                              f"{lane.name} > budget {budget_ms:g} ms"))
+                    continue
+            if lane.enqueue(req, cold):
+                if lane is not first:
                     self.metrics.on_cascade(lane.name)
                 return req.future
             if self._closed:  # close() began while this request was being admitted
                 reasons = [(SHUTDOWN, "session closed while admitting this request")]
                 break
-            reasons.append((OVERLOAD, f"queue of {lane.name} full"))
+            reasons.append((OVERLOAD, f"queue of {lane.name} full" + (" while it warms up" if cold else "")))
         # the reason the caller can act on: "budget" only when no lane could meet it even alone
         reason, _ = next(((r, d) for r, d in reasons if r in (OVERLOAD, SHUTDOWN)), reasons[0])
         rej = Rejected(rid, reason, "; ".join(d for _, d in reasons), req.budget_ms, (_clock() - now) * 1e3)

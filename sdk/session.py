@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue as _queue
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -13,20 +12,17 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Se
 import numpy as np
 
 from .runtime.backends import Preferences, VariantFiles, open_backend
-from .runtime.batching import BatchLayout, example_feed
 from .runtime.decode import GenerationStream
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import DsedgeError, SessionClosedError
 from .runtime.golden import check_backend
 from .runtime.signing import check_signature
 from .runtime.io import check_request_options, check_session_options, validate_inputs
-from .runtime.latency_profile import LatencyProfile, measure
 from .runtime.metrics import StreamMetrics
 from .runtime.results import Rejected, Result
-from .runtime.scheduler import BudgetScheduler, Lane
+from .runtime.streaming import StreamingCore
 
 _FALLBACK_BUDGET_MS = 50.0
-_WARMUP_SEQS = (16, 64)
 
 log = logging.getLogger("dsedge")
 
@@ -42,32 +38,33 @@ class Session:
         backend_name: ``"onnxruntime"`` (or ``"tensorrt"`` where a TensorRT engine serves it).
         budget_ms: the session's default latency budget for streaming (None: the manifest's, else the target's).
 
-    Streaming with latency budgets (built on first use; ``warmup()`` starts it early):
+    Streaming with latency budgets (started on first use without measuring on the caller's thread; ``warmup()``
+    measures a full latency profile first, for callers who want one):
         ``submit(inputs, budget_ms, priority) -> Future[Result | Rejected]``, ``stream(iterable)``,
         ``await infer_async(...)``, ``async for r in stream_async(...)``, ``generate_stream(prompt, …)`` for
-        decoders, ``metrics()``, ``close(drain=True)``. See runtime/scheduler.py and runtime/decode.py.
+        decoders, ``metrics()``, ``close(drain=True)``. See runtime/streaming.py, runtime/scheduler.py and
+        runtime/decode.py.
     """
 
     def __init__(self, path: str | os.PathLike, manifest: Manifest, variant: Variant, backend: Any, *,
                  budget_ms: float | None = None, cascade: bool = False, max_batch: int | None = None,
                  max_queue: int = 1024, max_delay_ms: float | None = None, profile: str = "auto",
-                 open_variant: Callable[[str], Any] | None = None) -> None:
+                 open_variant: Callable[[str], Any] | None = None, batch_variant_ok: bool = False) -> None:
         self.path = Path(path)
         self.manifest = manifest
         self.variant = variant
         self._backend = backend
         self.inputs: list[IOSpec] = list(manifest.inputs)
         self.outputs: list[IOSpec] = list(manifest.outputs)
-        # streaming (submit/stream/infer_async): built on first use, see _scheduler()
+        # streaming (submit/stream/infer_async): the core starts on first use, see _core()
         self.budget_ms = budget_ms
-        self._cascade = cascade
+        self._stream_opts = dict(cascade=cascade, open_variant=open_variant, max_batch=max_batch,
+                                 max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile,
+                                 batch_variant_ok=batch_variant_ok)
         self._max_batch = max_batch
         self._max_queue = max_queue
-        self._max_delay_ms = max_delay_ms
-        self._profile_mode = profile
-        self._open_variant = open_variant
         self._metrics = StreamMetrics()
-        self._sched: BudgetScheduler | None = None
+        self._stream: StreamingCore | None = None
         self._decoder: Any = None
         self._start_lock = threading.Lock()
         self._closed = False
@@ -128,62 +125,29 @@ class Session:
         if self._closed:
             raise SessionClosedError("this session is closed", "call dsedge.load() again to open a new session")
 
-    def _scheduler(self) -> BudgetScheduler:
+    def _core(self) -> StreamingCore:
         self._check_open()
-        with self._start_lock:
-            if self._sched is None:
-                self._sched = self._build_scheduler()
-            return self._sched
+        core = self._stream
+        if core is None:
+            with self._start_lock:
+                if self._stream is None:
+                    if self.is_decoder:
+                        from .runtime.errors import InputError
 
-    def _build_scheduler(self) -> BudgetScheduler:
-        if self.is_decoder:
-            from .runtime.errors import InputError
-
-            raise InputError("this bundle is a decoder with past key/values: submit/stream serve one-shot models",
-                             "use session.generate_stream(prompt, max_new_tokens) for generation")
-        layout = BatchLayout.of(self.inputs, self.outputs)
-        batch_range = self.manifest.shape_ranges.get(layout.batch_symbol or "", {})
-        max_batch = self._max_batch or int(batch_range.get("max", 32))
-        if not layout.dynamic:
-            max_batch = 1
-        primary = self._make_lane(self.variant, self._backend.run, layout, max_batch)
-        lanes = [primary]
-        if self._cascade and self._open_variant is not None:
-            alone = primary.profile.predict(1, 16 if layout.seq_symbol else None)
-            cheaper = []
-            for v in self.manifest.variants:
-                if v.name == self.variant.name:
-                    continue
-                lane = self._make_lane(v, self._open_variant(v.name).run, layout, max_batch)
-                cost = lane.profile.predict(1, 16 if layout.seq_symbol else None)
-                if cost < alone:
-                    cheaper.append((cost, lane))
-                else:
-                    lane.close(drain=False)
-            lanes += [lane for _, lane in sorted(cheaper, key=lambda x: -x[0])]  # most accurate cheaper first
-        return BudgetScheduler(lanes, layout, self._metrics)
-
-    def _make_lane(self, variant: Variant, run: Callable, layout: BatchLayout, max_batch: int) -> Lane:
-        # build-time figures come from the build machine: used only when asked for; else a short warm-up here
-        prof = LatencyProfile.from_variant(variant) if self._profile_mode == "bundle" else None
-        if prof is None or prof.empty:
-            seq_range = self.manifest.shape_ranges.get(layout.seq_symbol or "", {})
-            seqs: tuple = (None,)
-            if layout.seq_symbol:
-                seqs = tuple(sorted({min(max(s, seq_range.get("min", 1)), seq_range.get("max", s))
-                                     for s in _WARMUP_SEQS}))
-            sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max_batch] + [max_batch]
-            prof = measure(LatencyProfile(variant.name), run, lambda b, s: example_feed(layout, b, s), sizes, seqs,
-                           repeats=3, stop_ms=2 * self.default_budget_ms())
-        return Lane(variant.name, run, prof, layout, self._metrics, max_batch=max_batch, max_queue=self._max_queue,
-                    max_delay_ms=self._max_delay_ms)
+                        raise InputError("this bundle is a decoder with past key/values: submit/stream serve "
+                                         "one-shot models", "use session.generate_stream(prompt, max_new_tokens)")
+                    self._stream = StreamingCore(self.manifest, self.variant, self._backend.run, self._metrics,
+                                                 default_budget_ms=self.default_budget_ms, **self._stream_opts)
+                core = self._stream
+        return core
 
     def warmup(self) -> dict[str, Any]:
-        """Start the streaming scheduler now (measuring latency profiles) instead of on the first ``submit``.
+        """Measure every lane's latency profile now (batch 1 … max batch), blocking; optional.
 
-        Returns ``{variant: LatencyProfile.to_dict()}`` for every lane (primary, then cascade variants).
+        Serving does not depend on it: without it, lanes start from the bundle's figures and a warm-up run on
+        their own thread. Returns ``{variant: LatencyProfile.to_dict()}`` for every lane (primary, then cascade).
         """
-        return {lane.name: lane.profile.to_dict() for lane in self._scheduler().lanes}
+        return self._core().warmup()
 
     def submit(self, inputs: Mapping[str, Any], budget_ms: float | None = None, priority: int = 0,
                id: Any = None) -> "Future[Result | Rejected]":
@@ -198,11 +162,13 @@ class Session:
             InputError: inputs do not match the bundle (checked before queueing).
             SessionClosedError: the session is closed.
         """
-        sched = self._scheduler()
+        core = self._stream or self._core()
+        if self._closed:
+            self._check_open()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
         budget, priority = check_request_options(budget_ms, priority, self.default_budget_ms)
         try:
-            return sched.submit(checked, budget, priority, id)
+            return core.submit(checked, budget, priority, id)
         except RuntimeError:
             raise SessionClosedError("this session is closed", "call dsedge.load() again") from None
 
@@ -215,61 +181,10 @@ class Session:
         separate thread reads ``inputs``, so a slow source does not hold back finished answers.
         Raises InputError (from the item that failed validation) or SessionClosedError.
         """
-        sched = self._scheduler()
         check_session_options(self.path, window=window)
-        window = window or max(2, 2 * sched.lanes[0].max_batch)
-        slots = threading.Semaphore(window)
-        done: _queue.Queue = _queue.Queue()
-        stop = threading.Event()
-        order: list[Future] = []
-        state = {"submitted": 0, "finished": False, "error": None}
-
-        def feed() -> None:
-            try:
-                for i, item in enumerate(inputs):
-                    while not slots.acquire(timeout=0.1):
-                        if stop.is_set():
-                            return
-                    if stop.is_set():
-                        return
-                    fut = self.submit(item, budget_ms=budget_ms, priority=priority, id=i)
-                    state["submitted"] += 1
-                    if ordered:
-                        order.append(fut)
-                    fut.add_done_callback(lambda f: (slots.release(), done.put(f)))
-            except BaseException as e:  # handed to the consumer, raised there
-                state["error"] = e
-            finally:
-                state["finished"] = True
-                done.put(None)
-
-        feeder = threading.Thread(target=feed, name="dsedge-stream-feed", daemon=True)
-        feeder.start()
-        yielded, next_index, finished, fed_all = 0, 0, set(), False
-        try:
-            while True:
-                item = done.get()
-                if item is None:
-                    fed_all = True
-                elif not ordered:
-                    yielded += 1
-                    yield item.result()
-                else:
-                    finished.add(id(item))
-                # in input order: release every leading finished future (a future can finish before it is listed)
-                while ordered and next_index < len(order) and id(order[next_index]) in finished:
-                    fut = order[next_index]
-                    finished.discard(id(fut))
-                    next_index += 1
-                    yielded += 1
-                    yield fut.result()
-                if fed_all:
-                    if state["error"] is not None:
-                        raise state["error"]
-                    if yielded >= state["submitted"]:
-                        return
-        finally:
-            stop.set()
+        core = self._core()
+        return core.stream(lambda item, i: self.submit(item, budget_ms=budget_ms, priority=priority, id=i), inputs,
+                           ordered=ordered, window=window)
 
     async def infer_async(self, inputs: Mapping[str, Any], budget_ms: float | None = None,
                           priority: int = 0, id: Any = None) -> Result | Rejected:
@@ -280,55 +195,12 @@ class Session:
                            budget_ms: float | None = None, ordered: bool = False, priority: int = 0,
                            window: int | None = None) -> AsyncIterator[Result | Rejected]:
         """``async for`` form of ``stream`` over a sync or async iterable (same ids, order and window)."""
-        sched = self._scheduler()
         check_session_options(self.path, window=window)
-        window = window or max(2, 2 * sched.lanes[0].max_batch)
-        slots = asyncio.Semaphore(window)
-        pending: list[asyncio.Future] = []
-        out: asyncio.Queue = asyncio.Queue()
-
-        async def items() -> AsyncIterator[Mapping[str, Any]]:
-            if hasattr(inputs, "__aiter__"):
-                async for x in inputs:  # type: ignore[union-attr]
-                    yield x
-            else:
-                for x in inputs:  # type: ignore[union-attr]
-                    yield x
-
-        async def feed() -> None:
-            try:
-                i = 0
-                async for item in items():
-                    await slots.acquire()
-                    fut = asyncio.wrap_future(self.submit(item, budget_ms=budget_ms, priority=priority, id=i))
-                    fut.add_done_callback(lambda f: (slots.release(), out.put_nowait(f)))
-                    pending.append(fut)
-                    i += 1
-                out.put_nowait(None)
-            except BaseException as e:
-                out.put_nowait(e)
-
-        task = asyncio.ensure_future(feed())
-        try:
-            yielded, fed_all = 0, False
-            next_index = 0
-            while not (fed_all and yielded >= len(pending)):
-                got = await out.get()
-                if isinstance(got, BaseException):
-                    raise got
-                if got is None:
-                    fed_all = True
-                    continue
-                if not ordered:
-                    yielded += 1
-                    yield got.result()
-                    continue
-                while next_index < len(pending) and pending[next_index].done():
-                    next_index += 1
-                    yielded += 1
-                    yield pending[next_index - 1].result()
-        finally:
-            task.cancel()
+        core = self._core()
+        async for answer in core.stream_async(
+                lambda item, i: self.submit(item, budget_ms=budget_ms, priority=priority, id=i), inputs,
+                ordered=ordered, window=window):
+            yield answer
 
     @property
     def is_decoder(self) -> bool:
@@ -388,9 +260,8 @@ class Session:
         rates for everything submitted to this session (see ``StreamMetrics.snapshot`` for the keys), plus
         ``queue_depth`` and ``batches`` per lane, and ``decode`` (steps, prefills, rows per step) for generation."""
         snap = self._metrics.snapshot()
-        if self._sched is not None:
-            snap["lanes"] = {l.name: {"queue_depth": l.depth, "max_queue_depth": l.max_depth, "batches": l.batches}
-                             for l in self._sched.lanes}
+        if self._stream is not None:
+            snap["lanes"] = self._stream.lane_stats()
         if self._decoder is not None:
             st = self._decoder.stats
             snap["decode"] = {"steps": st.steps, "prefills": st.prefills, "max_rows": st.max_rows,
@@ -416,8 +287,8 @@ class Session:
             return
         self._closed = True
         with self._start_lock:
-            if self._sched is not None:
-                self._sched.close(drain=drain, timeout_s=timeout_s)
+            if self._stream is not None:
+                self._stream.close(drain=drain, timeout_s=timeout_s)
             if self._decoder is not None:
                 self._decoder.close(drain=drain, timeout_s=timeout_s)
         self._backend = None
@@ -436,7 +307,8 @@ class Session:
 def load(path: str | os.PathLike, variant: str | None = None, providers: Sequence[str] | None = None,
          threads: int | None = None, *, budget_ms: float | None = None, cascade: bool = False,
          max_batch: int | None = None, max_queue: int = 1024, max_delay_ms: float | None = None,
-         profile: str = "auto", check_outputs: bool = False, trusted_keys: Sequence[Any] | None = None) -> Session:
+         profile: str = "auto", batch_variant_ok: bool = False, check_outputs: bool = False,
+         trusted_keys: Sequence[Any] | None = None) -> Session:
     """Verify a bundle (manifest and every sha256) and open a variant on the best available backend.
 
     Args:
@@ -446,13 +318,16 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         threads: intra-op CPU threads (default: ORT's choice).
         budget_ms: default latency budget for ``submit``/``stream`` (else the manifest's, else the target's), ms.
         cascade: let requests that cannot meet their budget on ``variant`` be served by a cheaper variant of the
-            bundle (each variant is opened and profiled when streaming starts).
+            bundle (the others are opened and warmed on a background thread when streaming starts).
         max_batch: most rows per batch (default: the bundle's batch range max, else 32; 1 without a batch axis).
         max_queue: most queued requests per variant before rejecting with "overload".
         max_delay_ms: fixed longest hold of a batch open (None: adaptive, see runtime/scheduler.py).
-        profile: latency profile source: "measure" or "auto" (a short warm-up on this machine when streaming
-            starts), or "bundle" (the variant's build-time ``latency_ms``; a warm-up if it has none). Either way
-            it is refreshed from every batch run.
+        profile: latency profile source: "auto" (the variant's build-time ``latency_ms`` scaled by a warm-up
+            run on this machine), "measure" (this machine only), or "bundle" (the build-time figures as they
+            are). Nothing is measured in ``load`` or on a caller's thread (``warmup()`` does, if called); every
+            batch run refreshes the profile.
+        batch_variant_ok: batch requests on a variant whose manifest says ``batch_invariant: false`` (its answer
+            for a row depends on its batch-mates); by default such a variant is served at batch 1.
         check_outputs: run the bundle's golden inputs on the backend opened here and refuse it (OutputMismatchError,
             with the figures) when its answers are outside the build-time tolerance (runtime/golden.py).
         trusted_keys: Ed25519 public keys (``.pub`` paths, PEM) the bundle must be signed by (default:
@@ -462,6 +337,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         BackendUnavailable: a requested provider is not installed.
         SignatureError: trusted keys are configured and the bundle is unsigned, wrongly signed or was edited.
         OutputMismatchError: ``check_outputs`` and the backend's golden answers are outside tolerance.
+        InputError: a bad option (``profile`` not auto/measure/bundle, a non-positive ``max_batch`` …).
     """
     check_session_options(path, budget_ms=budget_ms, max_batch=max_batch, max_queue=max_queue,
                           max_delay_ms=max_delay_ms, profile=profile, threads=threads)
@@ -484,4 +360,5 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         log.warning("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
                  manifest.target.get("name"))
     return Session(path, manifest, v, backend, budget_ms=budget_ms, cascade=cascade, max_batch=max_batch,
-                   max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile, open_variant=open_variant)
+                   max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile, open_variant=open_variant,
+                   batch_variant_ok=batch_variant_ok)

@@ -30,7 +30,7 @@ def small_bundle(tmp_path_factory):
 
 def _capacity_per_s(session, pool) -> float:
     """Requests/s the session really serves, closed loop: a burst of 2 full batches with a generous budget."""
-    n = 2 * session._scheduler().lanes[0].max_batch
+    n = 2 * session._core().lanes[0].max_batch
     t0 = time.perf_counter()
     answers = [f.result(60) for f in [session.submit(pool[i % len(pool)], budget_ms=60_000) for i in range(n)]]
     assert all(a.ok for a in answers)
@@ -130,7 +130,7 @@ def test_close_without_drain_rejects_pending_explicitly(small_bundle):
     rng = np.random.default_rng(3)
     s = dsedge.load(small_bundle, threads=1, max_batch=1)
     s.warmup()
-    lane = s._scheduler().lanes[0]
+    lane = s._core().lanes[0]
     gate = threading.Event()
     real_run = lane.run
     lane.run = lambda feed: (gate.wait(10), real_run(feed))[1]  # hold the worker inside the first batch

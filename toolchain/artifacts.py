@@ -82,6 +82,7 @@ class VariantDraft:
     accuracy: dict[str, Any]
     latency_ms: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    batch_invariant: bool | None = None  # False: a row's output depends on its batch-mates (served at batch 1)
 
     @property
     def file(self) -> str:
@@ -94,7 +95,8 @@ class VariantDraft:
     def to_variant(self) -> Variant:
         """The manifest's record of this variant."""
         return Variant(name=self.name, precision=self.name, file=self.file, accuracy=self.accuracy,
-                       latency_ms=self.latency_ms or {}, notes=list(self.notes))
+                       latency_ms=self.latency_ms or {}, notes=list(self.notes),
+                       batch_invariant=self.batch_invariant)
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,13 @@ def _int8_dynamic(model: Any, preset: "Preset", calib: "Calibration") -> tuple[A
     return quantize_int8_dynamic(model, fuse=preset.fuse)
 
 
+def _int8_rowwise(model: Any, preset: "Preset", calib: "Calibration") -> tuple[Any, dict[str, Any]]:
+    """Dynamic INT8 with one activation scale per row: batch-invariant (:mod:`.int8_rowwise`)."""
+    from .int8_rowwise import quantize_int8_rowwise
+
+    return quantize_int8_rowwise(model, fuse=preset.fuse)
+
+
 def _int8_weight_only(model: Any, preset: "Preset", calib: "Calibration") -> tuple[Any, dict[str, Any]]:
     from .weight_only import quantize_weight_only
 
@@ -113,7 +120,9 @@ for _name, _needs, _desc in (("rtn", False, "round to nearest, MSE-searched scal
                              ("awq+gptq", True, "AWQ scaling then GPTQ")):
     register_algorithm("int4", _name, _int4_weight_only, needs_calibration=_needs, description=_desc)
 register_algorithm("int8", "static", _int8_static, needs_calibration=True, description="W8A8 Q/DQ, calibrated")
-register_algorithm("int8", "dynamic", _int8_dynamic, description="ORT dynamic INT8 (CPU)")
+register_algorithm("int8", "dynamic", _int8_dynamic, description="ORT dynamic INT8 (CPU), per-tensor: batch-variant")
+register_algorithm("int8", "rowwise", _int8_rowwise,
+                   description="ORT dynamic INT8 (CPU), one activation scale per row: batch-invariant")
 register_algorithm("int8", "weight-only", _int8_weight_only, description="W8A16 per-channel Q/DQ")
 register_algorithm("fp16", "float16", _float16, description="16-bit float with FP32 islands")
 register_algorithm("bf16", "float16", _float16, description="16-bit bfloat with FP32 islands")

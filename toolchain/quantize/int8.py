@@ -318,6 +318,7 @@ def quantize_int8_dynamic(model: onnx.ModelProto, *, per_channel: bool = True, f
         out = onnx.load(str(dst))
     counts = Counter(n.op_type for n in out.graph.node)
     report = {"precision": "int8", "mode": "dynamic", "per_channel": per_channel, "fused": fused,
+              "batch_invariant": False,  # one activation scale per tensor: a row's answer depends on its batch
               "ops": {k: v for k, v in counts.items() if k in ("MatMulInteger", "DynamicQuantizeMatMul",
                                                                  "QAttention", "DynamicQuantizeLinear",
                                                                  "Attention", "QGemm")}}

@@ -9,7 +9,7 @@ Each picks a preset (:mod:`..quantize.presets`) for the model and target and com
   TensorRT folds the table to FP16 at build anyway, ORT gathers UINT4 rows; measured on MiniLM: cosine cost of the
   table 0.0008 vs 0.0012 symmetric).
 - ``int8``: CNNs (Conv) on every target: W8A8 explicit Q/DQ calibrated with MinMax (needs calibration data);
-  other models on ORT targets (cpu) dynamic INT8 after ORT's transformer fusions (the fastest ORT CPU form);
+  other models on ORT targets (cpu) per-row dynamic INT8 after ORT's transformer fusions (batch-invariant);
   for TensorRT targets W8A8 explicit Q/DQ calibrated with MinMax after SmoothQuant (alpha 0.5); with held-out
   data, under an accuracy gate (``--accuracy-gate``, default ``cosine:0.99``): the layers whose INT8 costs the most
   stay float (:mod:`..quantize.int8_gate`). Needs calibration data; under ``--precision auto`` or ``--fallback`` without
@@ -174,7 +174,8 @@ def compress_int8(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
       outputs of each Conv/Gemm (ORT CPU then runs QLinearConv), the model's outputs kept float, and the Conv(s)
       reading the model input kept float (``INPUT_CONV_REASON``; listed in the report's layers). No SmoothQuant (it
       acts on MatMul/Gemm only). Calibration data is required (CalibrationError otherwise).
-    - Other models on ORT targets (cpu): dynamic INT8 after ORT's transformer fusions (the fastest ORT CPU form).
+    - Other models on ORT targets (cpu): dynamic INT8 with per-row activation scales after ORT's transformer
+      fusions (batch-invariant: a row's answer does not depend on its batch-mates; int8_rowwise.py).
     - Other models on TensorRT targets: W8A8 Q/DQ calibrated with MinMax after SmoothQuant (alpha 0.5), under the
       accuracy gate (``--accuracy-gate``, default ``cosine:0.99``) when there is held-out data; without
       calibration data under ``auto``/``--fallback``, INT8 weight-only per-channel Q/DQ (said in the report).
@@ -199,7 +200,7 @@ def compress_int8(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
         fusable = fusable_export(exported, source, work)
         if fusable is not None:
             model = onnx.load(os.fspath(fusable))
-        out = compress(model, get_preset("int8-dynamic").replace(fuse="bert" if fusable is not None else None))
+        out = compress(model, get_preset("int8-rowwise").replace(fuse="bert" if fusable is not None else None))
         q, details = out.model, out.details
         details["fusion_export"] = "torchscript (parity-checked)" if fusable is not None else "none"
     elif calib is not None and heldout is not None:

@@ -1,0 +1,306 @@
+"""The streaming core behind ``Session.submit``/``stream``/``stream_async``: lanes, cascade, warm-up, windows.
+
+``StreamingCore`` assembles one ``Lane`` per served variant over a ``BudgetScheduler`` (runtime/scheduler.py) and
+does so without measuring anything on the caller's thread: each lane starts from its profile's seeds (the
+bundle's build-time figures) and makes its own warm-up run on its worker thread, so the first ``submit`` returns
+at once. Cascade variants are opened and warmed on a background thread and join the scheduler when ready (only
+those predicted cheaper than the primary at batch 1). ``warmup()`` is an explicit, blocking measurement for callers
+who want a full profile before traffic; nothing depends on it.
+
+A variant whose manifest says ``batch_invariant: false`` (its answer for a row depends on its batch-mates, e.g.
+per-tensor dynamic INT8) is served at batch 1 unless the caller opts in with ``batch_variant_ok=True``.
+
+``stream``/``stream_async`` share one windowed, optionally ordered, delivery (``AnswerWindow``): at most ``window``
+answers are in flight or held back for order, so a long stream does not flood the queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue as _queue
+import threading
+from concurrent.futures import Future
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping
+
+from .batching import BatchLayout, example_feed
+from .bundle import Manifest, Variant
+from .latency_profile import LatencyProfile, measure
+from .metrics import StreamMetrics
+from .scheduler import BudgetScheduler, Lane
+
+_WARM_SEQ = 32
+_MEASURE_SEQS = (16, 64)
+
+PROFILE_MODES = ("auto", "measure", "bundle")
+
+
+class AnswerWindow:
+    """Hands answers to ``put`` as their futures finish: in completion order, or in input order (``ordered``).
+
+    ``add(index, future)`` registers the ``index``-th submitted request; indexes start at 0 and have no gaps.
+    """
+
+    def __init__(self, ordered: bool, put: Callable[[Any], None]) -> None:
+        self.ordered = ordered
+        self._put = put
+        self._lock = threading.Lock()
+        self._held: dict[int, Any] = {}
+        self._next = 0
+
+    def add(self, index: int, fut: Future) -> None:
+        fut.add_done_callback(lambda f: self._finish(index, f.result()))
+
+    def _finish(self, index: int, answer: Any) -> None:
+        with self._lock:
+            if not self.ordered:
+                ready = [answer]
+            else:
+                self._held[index] = answer
+                ready = []
+                while self._next in self._held:
+                    ready.append(self._held.pop(self._next))
+                    self._next += 1
+            for a in ready:  # under the lock: two finishing threads cannot swap the order
+                self._put(a)
+
+
+class _End:
+    def __init__(self, submitted: int, error: BaseException | None) -> None:
+        self.submitted, self.error = submitted, error
+
+
+class StreamingCore:
+    """Lanes, cascade and windowed streaming for one served variant of a bundle.
+
+    Args:
+        manifest: the verified manifest.
+        variant: the variant served first (the primary lane).
+        run: the primary backend's ``run`` (``dict[str, ndarray] -> dict[str, ndarray]``).
+        metrics: where every request's fate is counted.
+        default_budget_ms: ``() -> ms``, the budget of a request that names none (also bounds measurement).
+        cascade: let cheaper variants serve requests the primary cannot meet.
+        open_variant: ``name -> backend`` (with ``.run`` and ``.close()``-free lifetime), for the cascade.
+        max_batch: most rows per batch (default: the manifest's batch range max, else 32).
+        max_queue / max_delay_ms: see ``Lane``.
+        profile: ``"auto"`` (bundle figures scaled by this machine's warm-up run), ``"measure"`` (this machine
+            only) or ``"bundle"`` (the bundle's figures as they are; measured where it has none).
+        batch_variant_ok: batch variants the manifest marks ``batch_invariant: false`` (default: batch 1).
+    Raises:
+        ValueError: an unknown ``profile`` mode.
+    """
+
+    def __init__(self, manifest: Manifest, variant: Variant, run: Callable, metrics: StreamMetrics, *,
+                 default_budget_ms: Callable[[], float], cascade: bool = False,
+                 open_variant: Callable[[str], Any] | None = None, max_batch: int | None = None,
+                 max_queue: int = 1024, max_delay_ms: float | None = None, profile: str = "auto",
+                 batch_variant_ok: bool = False) -> None:
+        if profile not in PROFILE_MODES:
+            raise ValueError(f"profile must be one of {PROFILE_MODES}, got {profile!r}")
+        self.manifest = manifest
+        self.layout = BatchLayout.of(manifest.inputs, manifest.outputs)
+        self.metrics = metrics
+        self._budget = default_budget_ms
+        self._profile_mode = profile
+        self._max_queue = max_queue
+        self._max_delay_ms = max_delay_ms
+        self._batch_variant_ok = batch_variant_ok
+        layout = self.layout
+        batch_range = manifest.shape_ranges.get(layout.batch_symbol or "", {})
+        self.max_batch = 1 if not layout.dynamic else int(max_batch or batch_range.get("max", 32))
+        seq_range = manifest.shape_ranges.get(layout.seq_symbol or "", {})
+        self._seq_range = (int(seq_range.get("min", 1)), int(seq_range.get("max", 1 << 30)))
+        self.warm_seq = self._clip_seq(_WARM_SEQ) if layout.seq_symbol else None
+        primary = self._make_lane(variant, run)
+        self.scheduler = BudgetScheduler([primary], layout, metrics)
+        self.cascade_ready = threading.Event()
+        self._closed = False
+        if cascade and open_variant is not None and len(manifest.variants) > 1:
+            threading.Thread(target=self._open_cascade, args=(variant, open_variant), name="dsedge-cascade",
+                             daemon=True).start()
+        else:
+            self.cascade_ready.set()
+
+    def _clip_seq(self, seq: int) -> int:
+        lo, hi = self._seq_range
+        return min(max(seq, lo), hi)
+
+    # -- lanes ------------------------------------------------------------------------------------------------
+    def lane_max_batch(self, variant: Variant) -> int:
+        """Rows per batch for ``variant``: 1 for a batch-variant variant unless the caller opted in."""
+        if getattr(variant, "batch_invariant", None) is False and not self._batch_variant_ok:
+            return 1
+        return self.max_batch
+
+    def _make_lane(self, variant: Variant, run: Callable) -> Lane:
+        mode = self._profile_mode
+        if mode == "measure":
+            prof = LatencyProfile(variant.name)
+        else:
+            prof = LatencyProfile.from_variant(variant, scale_seeds=(mode == "auto"))
+        layout = self.layout
+        return Lane(variant.name, run, prof, layout, self.metrics, max_batch=self.lane_max_batch(variant),
+                    max_queue=self._max_queue, max_delay_ms=self._max_delay_ms,
+                    warm_feed=lambda b, s: example_feed(layout, b, s), warm_seq=self.warm_seq,
+                    observe_warmup=(mode != "bundle" or prof.empty))
+
+    def _open_cascade(self, primary_variant: Variant, open_variant: Callable[[str], Any]) -> None:
+        try:
+            primary = self.scheduler.lanes[0]
+            primary.warm.wait(60)
+            seq = self.warm_seq
+            alone = primary.predict(1, seq)
+            cheaper = []
+            for v in self.manifest.variants:
+                if v.name == primary_variant.name or self._closed:
+                    continue
+                try:
+                    lane = self._make_lane(v, open_variant(v.name).run)
+                except Exception:  # a variant this machine cannot open simply does not join the cascade
+                    continue
+                lane.warm.wait(60)
+                cost = lane.predict(1, seq)
+                if cost < alone:
+                    cheaper.append((cost, lane))
+                else:
+                    lane.close(drain=False)
+            if cheaper and not self._closed:  # most accurate (the dearest of the cheaper ones) first
+                self.scheduler.set_lanes([primary] + [lane for _, lane in sorted(cheaper, key=lambda x: -x[0])])
+            elif cheaper:
+                for _, lane in cheaper:
+                    lane.close(drain=False)
+        finally:
+            self.cascade_ready.set()
+
+    @property
+    def lanes(self) -> list[Lane]:
+        return self.scheduler.lanes
+
+    def warmup(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Wait for every lane's warm-up (and the cascade), then measure each lane at batch 1 … max_batch.
+
+        Blocks the caller (it is the explicit form; serving never waits for it). In ``"bundle"`` mode lanes with
+        build-time figures are not measured. Returns ``{variant: LatencyProfile.to_dict()}``.
+        """
+        self.cascade_ready.wait(timeout_s)
+        layout = self.layout
+        seqs: tuple = (None,)
+        if layout.seq_symbol:
+            seqs = tuple(sorted({self._clip_seq(s) for s in _MEASURE_SEQS}))
+        for lane in self.lanes:
+            lane.warm.wait(timeout_s)
+            if self._profile_mode == "bundle" and not lane.profile.empty:
+                continue
+            sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= lane.max_batch] + [lane.max_batch]
+            measure(lane.profile, lane.run, lambda b, s: example_feed(layout, b, s), sizes, seqs, repeats=3,
+                    stop_ms=2 * self._budget())
+        return {lane.name: lane.profile.to_dict() for lane in self.lanes}
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def submit(self, feed: dict, budget_ms: float, priority: int = 0, id: Any = None) -> Future:
+        """See ``BudgetScheduler.submit`` (``feed`` already validated). Raises RuntimeError after ``close``."""
+        return self.scheduler.submit(feed, budget_ms, priority, id)
+
+    def default_window(self) -> int:
+        return max(2, 2 * self.lanes[0].max_batch)
+
+    def stream(self, submit_one: Callable[[Mapping[str, Any], int], Future], inputs: Iterable[Mapping[str, Any]],
+               ordered: bool = False, window: int | None = None) -> Iterator[Any]:
+        """Submit each item through ``submit_one(item, index)`` on a feeder thread and yield the answers.
+
+        At most ``window`` answers are in flight or held back for order. An exception from ``submit_one`` (or the
+        iterable) is raised here after the answers before it.
+        """
+        out: _queue.Queue = _queue.Queue()
+        win = AnswerWindow(ordered, out.put)
+        slots = threading.Semaphore(window or self.default_window())
+        stop = threading.Event()
+
+        def feed() -> None:
+            n, error = 0, None
+            try:
+                for i, item in enumerate(inputs):
+                    while not slots.acquire(timeout=0.1):
+                        if stop.is_set():
+                            return
+                    if stop.is_set():
+                        return
+                    win.add(i, submit_one(item, i))
+                    n += 1
+            except BaseException as e:  # handed to the consumer, raised there
+                error = e
+            finally:
+                out.put(_End(n, error))
+
+        threading.Thread(target=feed, name="dsedge-stream-feed", daemon=True).start()
+        try:
+            yielded, end = 0, None
+            while True:
+                if end is not None and yielded >= end.submitted:
+                    if end.error is not None:
+                        raise end.error
+                    return
+                got = out.get()
+                if isinstance(got, _End):
+                    end = got
+                    continue
+                yielded += 1
+                slots.release()
+                yield got
+        finally:
+            stop.set()
+
+    async def stream_async(self, submit_one: Callable[[Mapping[str, Any], int], Future],
+                           inputs: Iterable[Mapping[str, Any]] | AsyncIterator[Mapping[str, Any]],
+                           ordered: bool = False, window: int | None = None) -> AsyncIterator[Any]:
+        """``async for`` form of ``stream`` over a sync or async iterable (same window and order)."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        win = AnswerWindow(ordered, lambda a: loop.call_soon_threadsafe(out.put_nowait, a))
+        slots = asyncio.Semaphore(window or self.default_window())
+
+        async def items() -> AsyncIterator[Mapping[str, Any]]:
+            if hasattr(inputs, "__aiter__"):
+                async for x in inputs:  # type: ignore[union-attr]
+                    yield x
+            else:
+                for x in inputs:  # type: ignore[union-attr]
+                    yield x
+
+        async def feed() -> None:
+            n, error = 0, None
+            try:
+                async for item in items():
+                    await slots.acquire()
+                    win.add(n, submit_one(item, n))
+                    n += 1
+            except BaseException as e:
+                error = e
+            finally:
+                loop.call_soon_threadsafe(out.put_nowait, _End(n, error))
+
+        task = asyncio.ensure_future(feed())
+        try:
+            yielded, end = 0, None
+            while True:
+                if end is not None and yielded >= end.submitted:
+                    if end.error is not None and not isinstance(end.error, asyncio.CancelledError):
+                        raise end.error
+                    return
+                got = await out.get()
+                if isinstance(got, _End):
+                    end = got
+                    continue
+                yielded += 1
+                slots.release()
+                yield got
+        finally:
+            task.cancel()
+
+    # -- reporting and shutdown -------------------------------------------------------------------------------
+    def lane_stats(self) -> dict[str, dict[str, int]]:
+        return {l.name: {"queue_depth": l.depth, "max_queue_depth": l.max_depth, "batches": l.batches,
+                         "inline": l.inline, "probes": l.probes, "max_batch": l.max_batch} for l in self.lanes}
+
+    def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Stop admitting; drain or reject what is queued (``BudgetScheduler.close``)."""
+        self._closed = True
+        self.scheduler.close(drain=drain, timeout_s=timeout_s)

@@ -1,0 +1,123 @@
+"""Batch invariance on the real reference model: a request's answer alone and batched (with batch-mates of other
+lengths, padded as the scheduler pads them) differs by at most 1e-5 · max|answer alone|, for every variant the
+reference bundles serve batched. The cpu default (per-row dynamic INT8) is built here from the reference model the
+way the cpu target builds it; the per-tensor dynamic INT8 it replaces is shown to fail the same check."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import dsedge
+from dsedge.runtime.backends.ort import OrtBackend
+from dsedge.runtime.batching import BatchLayout
+
+TOL = 1e-5
+LENGTHS = (20, 7, 33, 64)  # the request under test first; its batch-mates are shorter and longer
+
+
+def _requests(rng: np.random.Generator, inputs) -> list[dict[str, np.ndarray]]:
+    out = []
+    for n in LENGTHS:
+        feed = {}
+        for spec in inputs:
+            if "mask" in spec.name:
+                feed[spec.name] = np.ones((1, n), np.int64)
+            elif "type" in spec.name:
+                feed[spec.name] = np.zeros((1, n), np.int64)
+            else:
+                feed[spec.name] = rng.integers(1000, 30000, size=(1, n)).astype(np.int64)
+        out.append(feed)
+    return out
+
+
+def _worst_rel_diff(run, inputs, outputs, rng) -> float:
+    layout = BatchLayout.of(inputs, outputs)
+    worst = 0.0
+    for _ in range(2):
+        reqs = _requests(rng, inputs)
+        alone = [run(r) for r in reqs]
+        batch, _ = layout.stack(reqs)  # what a lane runs: right-padded to the longest, mask 0 on the padding
+        parts = layout.split(run(batch), reqs)
+        for a, p in zip(alone, parts):
+            for name, arr in a.items():
+                worst = max(worst, float(np.max(np.abs(arr - p[name])) / np.max(np.abs(arr))))
+    return worst
+
+
+def test_rowwise_int8_matmul_is_accurate_per_row_and_independent_of_other_rows():
+    """One MatMul: each row's error is set by its own range (an outlier row does not coarsen the others), and the
+    integer GEMM does not saturate (ORT's AVX2 U8S8 kernel sums pairs in int16: full-range rows would overflow)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dsedge.toolchain.quantize.int8_rowwise import quantize_int8_rowwise
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((64, 32)) * 0.1).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "mm",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 32])],
+                              [numpy_helper.from_array(w, "w")])
+    q, report = quantize_int8_rowwise(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                                                        ir_version=8), fuse=None)
+    assert report["rowwise_quantizers"] == 1 and report["batch_invariant"]
+    x = rng.standard_normal((2, 5, 64)).astype(np.float32)
+    x[0, 0] *= 30  # an outlier row
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"])
+    y = sess.run(None, {"x": x})[0]
+    err = np.abs(y - x @ w).max(axis=-1)
+    assert err[0, 1:].max() < 0.05 and err[1].max() < 0.05, err  # ~range/254 · |w| · sqrt(K) for ordinary rows
+    alone = sess.run(None, {"x": x[1:2, 2:3]})[0]
+    np.testing.assert_array_equal(alone[0, 0], y[1, 2])  # integer GEMM per row: bit-identical alone
+
+
+@pytest.fixture(scope="module")
+def cpu_int8_models(reference_build, tmp_path_factory):
+    """The cpu target's INT8 forms of the reference model: per-row (the default) and per-tensor dynamic."""
+    from dsedge.toolchain.export import Exported
+    from dsedge.toolchain.quantize.compress import fusable_export
+    from dsedge.toolchain.quantize.int8 import _save, fuse_transformer, quantize_int8_dynamic
+    from dsedge.toolchain.quantize.int8_rowwise import quantize_int8_rowwise
+    from dsedge.toolchain.sources import resolve_source
+
+    work = tmp_path_factory.mktemp("cpu-int8")
+    bundle = reference_build.bundle
+    manifest = dsedge.load(bundle, variant="fp32", providers=["CPUExecutionProvider"]).manifest
+    source = resolve_source(None)
+    exported = Exported(bundle / manifest.variant("fp32").file, list(manifest.inputs), list(manifest.outputs), None,
+                        "dynamo")
+    fusable = fusable_export(exported, source, work)
+    model = onnx.load(str(fusable or exported.path))
+    if fusable is not None:  # fused once for both forms, as compress_int8 fuses before quantizing
+        model, _ = fuse_transformer(model, model_type="bert")
+    rowwise, report = quantize_int8_rowwise(model, fuse=None)
+    per_tensor, _ = quantize_int8_dynamic(model, fuse=None)
+    paths = {"int8-rowwise": work / "rowwise.onnx", "int8-per-tensor": work / "per_tensor.onnx"}
+    _save(rowwise, paths["int8-rowwise"])
+    _save(per_tensor, paths["int8-per-tensor"])
+    assert report["batch_invariant"] is True and report["rowwise_quantizers"] > 0
+    return paths, manifest
+
+
+def test_reference_bundle_variants_are_batch_invariant(reference_build):
+    rng = np.random.default_rng(0)
+    m = dsedge.load(reference_build.bundle, providers=["CPUExecutionProvider"]).manifest
+    for v in m.variants:
+        with dsedge.load(reference_build.bundle, variant=v.name, providers=["CPUExecutionProvider"]) as s:
+            worst = _worst_rel_diff(s.run, s.inputs, s.outputs, rng)
+            assert worst <= TOL, f"{v.name}: alone vs batched differs by {worst:.2e} of max|alone|"
+            assert v.batch_invariant is not False  # served batched, so it must not be marked batch-variant
+
+
+def test_cpu_default_int8_is_batch_invariant_and_per_tensor_is_not(cpu_int8_models):
+    paths, manifest = cpu_int8_models
+    rng = np.random.default_rng(1)
+    row = _worst_rel_diff(OrtBackend(paths["int8-rowwise"]).run, manifest.inputs, manifest.outputs, rng)
+    assert row <= TOL, f"per-row INT8: alone vs batched differs by {row:.2e} of max|alone|"
+    per_tensor = _worst_rel_diff(OrtBackend(paths["int8-per-tensor"]).run, manifest.inputs, manifest.outputs, rng)
+    assert per_tensor > 1e-3  # the form it replaces: one scale for the whole batch
+    print(f"alone vs batched, relative to max|alone|: per-row {row:.1e}, per-tensor {per_tensor:.1e}")
