@@ -174,4 +174,4 @@ def test_an_engine_dropped_into_a_signed_bundle_later_is_ignored(fakes, golden_b
     monkeypatch.setattr(trt_backend, "detect_gpu", lambda: AGX)
     build_engine_file(golden_bundle, m, m.variant(), golden_bundle / "engines")  # written after the build: not listed
     open_engine_backend(golden_bundle, m, m.variant(), gpu=AGX, cache=EngineCache(tmp_path / "c"))
-    assert trt.calls["builds"] == 2 and "is not listed in the manifest; ignoring it" in caplog.text
+    assert trt.calls["builds"] == 2 and "is not in the manifest's hashes; ignoring it" in caplog.text

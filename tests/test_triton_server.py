@@ -20,7 +20,7 @@ STUB_ENV_BUDGET_S = 90
 
 @pytest.fixture(scope="session")
 def stub_bin(tmp_path_factory) -> Path:
-    """The Python-backend stub's virtualenv (numpy<2, onnxruntime, onnx, dsedge), built once; fails, never skips."""
+    """The Python-backend stub's virtualenv (numpy<2, dsedge[cpu]), built once; fails, never skips."""
     wheel_dir()  # nvidia-pytriton==0.7.0 --no-deps is part of the test install: its absence is a failure
     t0 = time.monotonic()
     try:

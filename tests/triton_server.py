@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
-STUB_ENV_PACKAGES = ("numpy<2", "onnxruntime", "onnx")
+STUB_ENV_PACKAGES = ("numpy<2",)  # with dsedge[cpu]: its core dependencies and the CPU onnxruntime
 
 
 class TritonUnavailable(RuntimeError):
@@ -51,7 +51,8 @@ def free_port() -> int:
 
 
 def build_stub_env(dest: Path, timeout_s: float = 300) -> Path:
-    """A virtualenv for the Python-backend stub: numpy < 2, onnxruntime, onnx and dsedge (editable, no deps).
+    """A virtualenv for the Python-backend stub: dsedge[cpu] (editable: its core dependencies and onnxruntime) under
+    numpy < 2.
 
     The env gets no pip of its own (ensurepip alone takes ~15 s): this interpreter's pip installs into it
     (``pip --python``, pip ≥ 22.3). Returns the env's ``bin`` folder. Raises ``subprocess.CalledProcessError`` or
@@ -64,8 +65,8 @@ def build_stub_env(dest: Path, timeout_s: float = 300) -> Path:
     py = dest / "bin" / "python"
     pip_cmd = [sys.executable, "-m", "pip", "--python", str(py)] if own_pip else [str(py), "-m", "pip"]
     pip_cmd += ["install", "-q", "--disable-pip-version-check", "--no-compile"]
-    subprocess.run([*pip_cmd, *STUB_ENV_PACKAGES], check=True, timeout=timeout_s, capture_output=True)
-    subprocess.run([*pip_cmd, "--no-deps", "-e", str(REPO)], check=True, timeout=timeout_s, capture_output=True)
+    subprocess.run([*pip_cmd, *STUB_ENV_PACKAGES, "-e", f"{REPO}[cpu]"], check=True, timeout=timeout_s,
+                   capture_output=True)
     return dest / "bin"
 
 
