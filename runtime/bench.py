@@ -21,6 +21,7 @@ import numpy as np
 from .bench_compare import (PERCENTILES, REPORT_SCHEMA, REPORT_SCHEMA_VERSION, Comparison,  # noqa: F401
                             compare_reports, load_report, normalize_percentile)
 from .bench_load import input_windows, measure_concurrent
+from .budget import resolve_budget  # noqa: F401  (bench.resolve_budget: the one rule, runtime/budget.py)
 from .bundle import IOSpec
 from .device_facts import device_info, tensorrt_version, uses_gpu  # noqa: F401
 from .errors import BenchError, InputError
@@ -314,25 +315,6 @@ def manifest_vocab_size(manifest: Any) -> int | None:
     src = getattr(manifest, "source", {}) or {}
     v = src.get("vocab_size") or (src.get("config") or {}).get("vocab_size")
     return int(v) if v else None
-
-
-def resolve_budget(cli_budget_ms: float | None, manifest: Any, target_default_ms: float | None = None) -> tuple[float | None, str]:
-    """The budget to judge against and where it came from: the option, else the manifest, else the target's default.
-
-    Returns:
-        (budget in ms or None, ``"option"`` | ``"manifest"`` | ``"target"`` | ``"none"``).
-    Raises:
-        InputError: a budget ≤ 0.
-    """
-    if cli_budget_ms is not None:
-        if cli_budget_ms <= 0:
-            raise InputError(f"latency budget {cli_budget_ms} ms is not positive", "pass --budget-ms 20")
-        return float(cli_budget_ms), "option"
-    if getattr(manifest, "latency_budget_ms", None):
-        return float(manifest.latency_budget_ms), "manifest"
-    if target_default_ms:
-        return float(target_default_ms), "target"
-    return None, "none"
 
 
 # ------------------------------------------------------------------------------------------------ the report

@@ -21,12 +21,12 @@ import logging
 import os
 import re
 import struct
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from .errors import EngineError
+from .files import write_bytes_atomic
 
 log = logging.getLogger("dsedge.engine")
 
@@ -89,17 +89,7 @@ def write_engine(path: str | os.PathLike, plan: bytes, key: EngineKey, extra: di
     header = {"format": FORMAT_VERSION, "key": asdict(key), "plan_sha256": hashlib.sha256(plan).hexdigest(),
               "plan_bytes": len(plan), **(extra or {})}
     blob = json.dumps(header, sort_keys=True).encode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + struct.pack("<I", len(blob)) + blob + plan)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_bytes_atomic(path, MAGIC + struct.pack("<I", len(blob)) + blob + plan, fsync=True)
 
 
 def read_engine(path: str | os.PathLike) -> tuple[dict[str, Any], bytes]:

@@ -46,10 +46,14 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             os.unlink(tmp)
 
 
-def write_bytes_atomic(dest: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``dest`` atomically; returns ``dest``."""
+def write_bytes_atomic(dest: str | os.PathLike, data: bytes, *, fsync: bool = False) -> Path:
+    """Write ``data`` to ``dest`` atomically; ``fsync`` flushes it to disk before the rename. Returns ``dest``."""
     with atomic_path(dest) as tmp:
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
     return Path(dest)
 
 

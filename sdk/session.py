@@ -13,6 +13,7 @@ import numpy as np
 
 from .runtime.backends import Preferences, VariantFiles, open_backend
 from .runtime.decode import GenerationStream
+from .runtime.budget import FALLBACK_BUDGET_MS, resolve_budget
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import DsedgeError, SessionClosedError
 from .runtime.golden import check_backend
@@ -22,7 +23,6 @@ from .runtime.metrics import StreamMetrics
 from .runtime.results import Rejected, Result
 from .runtime.streaming import StreamingCore
 
-_FALLBACK_BUDGET_MS = 50.0
 
 log = logging.getLogger("dsedge")
 
@@ -107,19 +107,17 @@ class Session:
     # -- streaming with latency budgets -----------------------------------------------------------------------
     def default_budget_ms(self) -> float:
         """The budget a request gets when it names none: the session's (``load(budget_ms=)``), else the
-        manifest's ``latency_budget_ms``, else the target profile's ``default_budget_ms`` (ms)."""
-        if self.budget_ms is not None:
-            return float(self.budget_ms)
-        if self.manifest.latency_budget_ms is not None:
-            return float(self.manifest.latency_budget_ms)
-        if "default_budget_ms" in self.manifest.target:
-            return float(self.manifest.target["default_budget_ms"])
+        manifest's ``latency_budget_ms``, else the target profile's ``default_budget_ms`` (ms); see runtime/budget.py."""
+        budget, _ = resolve_budget(self.budget_ms, self.manifest, self._profile_budget_ms)
+        return FALLBACK_BUDGET_MS if budget is None else budget
+
+    def _profile_budget_ms(self) -> float | None:
         try:
             from .targets import get_target
 
             return float(get_target(self.target).default_budget_ms)
         except Exception:  # an unknown or custom target name: no profile here to ask
-            return _FALLBACK_BUDGET_MS
+            return None
 
     def _check_open(self) -> None:
         if self._closed:

@@ -207,7 +207,7 @@ def test_batch_variant_variant_is_served_alone_unless_opted_in(bundles, tmp_path
         assert s._core().lanes[0].max_batch == 32
     m["variants"][0]["batch_invariant"] = "no"
     (b / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(dsedge.BundleError, match="malformed"):
+    with pytest.raises(dsedge.BundleError, match="batch_invariant"):
         dsedge.load(b)
 
 

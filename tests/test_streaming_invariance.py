@@ -79,7 +79,7 @@ def test_rowwise_int8_matmul_is_accurate_per_row_and_independent_of_other_rows()
 def cpu_int8_models(reference_build, tmp_path_factory):
     """The cpu target's INT8 forms of the reference model: per-row (the default) and per-tensor dynamic."""
     from dsedge.toolchain.export import Exported
-    from dsedge.toolchain.quantize.compress import fusable_export
+    from dsedge.toolchain.stages.compressors import fusable_export
     from dsedge.toolchain.quantize.int8 import _save, fuse_transformer, quantize_int8_dynamic
     from dsedge.toolchain.quantize.int8_rowwise import quantize_int8_rowwise
     from dsedge.toolchain.sources import resolve_source

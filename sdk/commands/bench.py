@@ -8,8 +8,6 @@ Exit codes: 0 every batch size within budget (and no regression), 1 over budget 
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -20,7 +18,7 @@ from ..runtime.params import FiniteFloat
 from ..runtime.schema import dumps
 
 from ..runtime import bench as core
-from ..runtime.bundle import usual_mode
+from ..runtime.files import write_bytes_atomic
 from ..runtime.errors import DsedgeError
 from .bench_output import plot_cdf, render_report
 
@@ -65,19 +63,6 @@ def _notes(profile: Any, session: Any, device: dict[str, Any] | None = None) -> 
         notes.insert(0, f"bundle is for {profile.name} ({profile.backend}) but ran here on "
                         f"{', '.join(session.providers)}: these are not {profile.name} figures")
     return notes
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, usual_mode())               # mkstemp makes 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @click.command(name="bench")
@@ -151,7 +136,7 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
                                 "regressed": any(c.regressed for c in comparisons)}
     text = dumps("bench-report", report, BenchError, "bench report")
     if output:
-        _write_atomic(output, (text + "\n").encode())
+        write_bytes_atomic(output, (text + "\n").encode())
     if plot:
         plot_cdf(results, plot, title=f"{report['bundle']['name']} / {report['bundle']['variant']} on "
                                        f"{report['device']['gpu'] or report['device']['cpu']}")

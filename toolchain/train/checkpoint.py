@@ -10,7 +10,6 @@ is tried. Note: DCP's ``.metadata`` is a pickle written by torch; only load chec
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -21,16 +20,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ...runtime.files import sha256_file
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 COMPLETE = "COMPLETE"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _all_true(ok: bool) -> bool:
@@ -103,7 +96,7 @@ class Checkpointer:
         self._barrier()
         if self.rank == 0:
             (tmp / "trainer.json").write_text(json.dumps({"step": step, **trainer}, sort_keys=True))
-            files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
+            files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir())}
             world = dist.get_world_size() if dist.is_initialized() else 1
             (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": world, "files": files}))
             if final.exists():
@@ -137,7 +130,7 @@ class Checkpointer:
                 return f"missing file {name}"
             if f.stat().st_size != info["bytes"]:
                 return f"{name} has {f.stat().st_size} bytes, expected {info['bytes']}"
-            if _sha256(f) != info["sha256"]:
+            if sha256_file(f) != info["sha256"]:
                 return f"{name} sha256 mismatch"
         return None
 

@@ -17,6 +17,8 @@ priority 0 → level 2 (the default).
 """
 from __future__ import annotations
 
+from ...runtime.budget import resolve_budget
+
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +29,7 @@ from ...runtime.latency_profile import LatencyProfile
 
 PRIORITY_LEVELS = 2
 DEFAULT_PRIORITY_LEVEL = 2
-_FALLBACK_BUDGET_MS = 50.0
+from ...runtime.budget import FALLBACK_BUDGET_MS as _FALLBACK_BUDGET_MS  # noqa: E402
 _FALLBACK_MAX_BATCH = 32
 _MAX_PREFERRED = 4  # Triton users list a few sizes, the engine's tuned ones; more only slows the batcher's search
 
@@ -60,9 +62,8 @@ class BatchingPolicy:
 
 def budget_of(manifest: Manifest) -> float:
     """The bundle's latency budget (ms): the manifest's, else the target profile's default, else 50."""
-    if manifest.latency_budget_ms is not None:
-        return float(manifest.latency_budget_ms)
-    return float(manifest.target.get("default_budget_ms", _FALLBACK_BUDGET_MS))
+    budget, _ = resolve_budget(None, manifest)
+    return _FALLBACK_BUDGET_MS if budget is None else budget
 
 
 def batch_range(manifest: Manifest, layout: BatchLayout) -> dict[str, int]:
