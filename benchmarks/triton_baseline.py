@@ -41,7 +41,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 
 import dsedge  # noqa: E402
 from dsedge.runtime.batching import BatchLayout  # noqa: E402
-from streaming import arrivals, make_requests  # noqa: E402
+from streaming import arrivals, batch_latency_ms, make_requests  # noqa: E402
 from triton_server import TritonServer, build_stub_env, free_port  # noqa: E402
 
 _clock = time.perf_counter
@@ -52,21 +52,10 @@ _V2 = {"int64": "INT64", "float32": "FP32", "int32": "INT32", "float16": "FP16",
 def capacity_rows_per_s(run, layout: BatchLayout, pool, max_batch: int, repeats: int = 7) -> tuple[float, int]:
     """Best rows/s of ``run`` over batch sizes 1, 2, 4, … max_batch on ``pool`` requests (median of ``repeats``
     timed runs per size, so a burst of noise from other processes does not set the load levels)."""
-    best, best_b = 0.0, 1
     sizes = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
-    for b in sizes:
-        feed, _ = layout.stack(pool[:b])
-        run(feed)
-        times = []
-        for _ in range(repeats):
-            t0 = _clock()
-            run(feed)
-            times.append(_clock() - t0)
-        rate = b / float(np.median(times))
-        if rate > best:
-            best, best_b = rate, b
-    return best, best_b
-
+    ms = batch_latency_ms(run, layout, pool, sizes, repeats)
+    best_b = max(ms, key=lambda b: b / ms[b])
+    return 1e3 * best_b / ms[best_b], best_b
 
 
 class DsedgeServer:
