@@ -119,6 +119,10 @@ def trusted_from(keys: Iterable[Any] | None) -> list[Any]:
             raise SignatureError(f"${ENV} names no public key file ({env!r})", "point it at .pub files or a folder")
     elif isinstance(keys, (str, bytes, os.PathLike)):
         keys = [keys]
+    else:
+        keys = list(keys)
+        if not keys:  # an empty list must not switch off a requirement set in the environment
+            raise SignatureError("trusted_keys is empty", f"pass the .pub keys to trust, or None to use ${ENV}")
     return [load_public_key(k) for k in keys]
 
 

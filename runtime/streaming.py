@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import queue as _queue
+import atexit
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping
 
@@ -68,6 +70,20 @@ class _End:
         self.submitted, self.error = submitted, error
 
 
+_LIVE: "weakref.WeakSet[StreamingCore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_cores() -> None:
+    """At interpreter exit, stop every core a caller left open: a lane thread still inside ONNX Runtime while the
+    interpreter tears down aborts the process ("terminate called without an active exception")."""
+    for core in list(_LIVE):
+        try:
+            core.close(drain=False, timeout_s=1.0)
+        except Exception:  # exiting anyway: never mask the program's own exit status
+            pass
+
+
 class StreamingCore:
     """Lanes, cascade and windowed streaming for one served variant of a bundle.
 
@@ -113,9 +129,12 @@ class StreamingCore:
         self.scheduler = BudgetScheduler([primary], layout, metrics)
         self.cascade_ready = threading.Event()
         self._closed = False
+        self._cascade_thread: threading.Thread | None = None
+        _LIVE.add(self)
         if cascade and open_variant is not None and len(manifest.variants) > 1:
-            threading.Thread(target=self._open_cascade, args=(variant, open_variant), name="dsedge-cascade",
-                             daemon=True).start()
+            self._cascade_thread = threading.Thread(target=self._open_cascade, args=(variant, open_variant),
+                                                    name="dsedge-cascade", daemon=True)
+            self._cascade_thread.start()
         else:
             self.cascade_ready.set()
 
@@ -301,6 +320,9 @@ class StreamingCore:
                          "inline": l.inline, "probes": l.probes, "max_batch": l.max_batch} for l in self.lanes}
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
-        """Stop admitting; drain or reject what is queued (``BudgetScheduler.close``)."""
+        """Stop admitting; drain or reject what is queued (``BudgetScheduler.close``). A cascade still being opened
+        is waited for (its lanes run ONNX Runtime on their own threads), at most ``timeout_s`` or 30 s."""
         self._closed = True
+        if self._cascade_thread is not None:
+            self._cascade_thread.join(min(timeout_s or 30.0, 30.0))
         self.scheduler.close(drain=drain, timeout_s=timeout_s)

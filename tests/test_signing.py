@@ -93,6 +93,8 @@ def test_unsigned_is_refused_only_when_keys_are_required(bundle, keys, monkeypat
     monkeypatch.setenv(ENV, os.fspath(pub))
     with pytest.raises(SignatureError, match="unsigned"):
         dsedge.load(bundle)
+    with pytest.raises(SignatureError, match="trusted_keys is empty"):  # [] never switches the requirement off
+        dsedge.load(bundle, trusted_keys=[])
     monkeypatch.setenv(ENV, os.fspath(pub) + ".missing")
     with pytest.raises(SignatureError, match="not found"):  # a misconfigured key fails closed
         dsedge.load(bundle)

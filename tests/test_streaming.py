@@ -245,3 +245,21 @@ def test_streaming_face_imports_no_torch(bundles):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_a_session_left_open_exits_cleanly(bundles):
+    """A script that streams and exits without close(): lane and cascade threads still inside ONNX Runtime at
+    interpreter exit used to abort the process (SIGABRT, "terminate called without an active exception")."""
+    import subprocess
+    import sys
+
+    script = ("import sys, numpy as np, dsedge\n"
+              "s = dsedge.load(sys.argv[1], threads=1, cascade=True)\n"
+              "ids = np.ones((1, 8), dtype=np.int64)\n"
+              "feed = {i.name: ids for i in s.inputs}\n"
+              "print([type(s.submit(feed, budget_ms=200).result(30)).__name__ for _ in range(3)])\n")
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", script, str(bundles["cascade"])], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0, run.stderr[-500:]
+        assert "terminate called" not in run.stderr

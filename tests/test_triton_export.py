@@ -280,3 +280,22 @@ def test_pbtxt_strings_and_enums_round_trip():
     assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU and not cfg.input
     with pytest.raises(text_format.ParseError):  # what "no unknown field" rests on
         text_format.Parse(to_pbtxt({"max_batch_sise": 4}), model_config_pb2.ModelConfig())
+
+
+def test_export_adds_models_to_a_repository_and_never_replaces_a_users_folder(target_bundles, tmp_path):
+    from dsedge.runtime.errors import DsedgeError
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(DsedgeError, match="not a Triton model repository"):
+        export_triton(target_bundles["cpu"], mine, platform="python")
+    assert (mine / "notes.txt").read_text() == "keep me" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+    repo = tmp_path / "repo"
+    (repo / "other_model").mkdir(parents=True)
+    (repo / "other_model" / "config.pbtxt").write_text('name: "other_model"\n')
+    export_triton(target_bundles["cpu"], repo, platform="python")
+    export_triton(target_bundles["cpu"], repo, platform="python")  # a re-export replaces its own models
+    assert sorted(p.name for p in repo.iterdir()) == ["all-minilm-l6-v2_fp32", "all-minilm-l6-v2_int4", "other_model"]
+    assert (repo / "other_model" / "config.pbtxt").read_text() == 'name: "other_model"\n'

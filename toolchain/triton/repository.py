@@ -16,6 +16,7 @@ import importlib.resources
 
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ...runtime.batching import BatchLayout
-from ...runtime.bundle import Manifest, Variant, atomic_directory, verify_bundle
+from ...runtime.bundle import Manifest, Variant, verify_bundle
 from ...runtime.errors import DsedgeError, TargetError
 from .pbtxt import Enum, to_pbtxt
 from .policy import BatchingPolicy, derive_policy, dynamic_batching
@@ -220,13 +221,55 @@ def _write_python(bundle: Path, variant: Variant, version_dir: Path, threads: in
     return {"backend": "python", "parameters": params}
 
 
+def _check_repository(out: Path) -> None:
+    """Refuse an ``--out`` that is a file, or a folder holding anything but Triton models (never replace a user's
+    folder, ``/`` or ``$HOME``, by a repository)."""
+    if out.exists() and not out.is_dir():
+        raise DsedgeError(f"--out {str(out)!r} is a file, not a model repository folder",
+                          "pass a new or empty folder, or an existing Triton model repository")
+    if not out.is_dir():
+        return
+    foreign = [p.name for p in sorted(out.iterdir())
+               if not p.name.startswith(".") and not (p.is_dir() and (p / "config.pbtxt").is_file())]
+    if foreign:
+        raise DsedgeError(f"--out {str(out)!r} is not a Triton model repository: it holds {foreign[0]!r} (not a "
+                          "model folder with config.pbtxt)", "pass a new or empty folder, or a model repository")
+
+
+class _staged_models:
+    """A temporary folder inside the repository; on success each model folder in it replaces the one of the same
+    name (renamed aside, then removed), on failure it is removed and the repository is left as it was."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def __enter__(self) -> Path:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".dsedge-export-{os.getpid()}-", dir=self.out))
+        return self.tmp
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        try:
+            if exc_type is None:
+                for model in sorted(p for p in self.tmp.iterdir() if p.is_dir()):
+                    dest = self.out / model.name
+                    old = self.tmp / f".replaced-{model.name}"
+                    if dest.exists():
+                        os.replace(dest, old)
+                    os.replace(model, dest)
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: str | None = None,
                   instances: int | None = None, threads: int | None = None) -> TritonExport:
     """Write ``out`` as a Triton model repository for every variant of ``bundle``.
 
     Args:
         bundle: a ``NAME-TARGET.dse`` directory (verified: manifest and every sha256).
-        out: the repository directory; written to a temporary directory beside it, then renamed into place.
+        out: the repository directory: new, empty, or a Triton model repository (every entry a folder with a
+            ``config.pbtxt``). The models are written to a temporary folder inside it, then each is renamed into
+            place; a model of the same name is replaced, every other entry is left as it is.
         platform: ``onnxruntime``, ``tensorrt`` or ``python`` (default: :func:`default_platform`).
         instances: model instances per device (default 1: on CPU one ORT session uses every core).
         threads: ORT intra-op threads per instance (``python`` and ``onnxruntime``; default: ORT's choice).
@@ -235,7 +278,7 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: s
     Raises:
         BundleError / BundleIntegrityError: the bundle does not verify.
         TargetError: ``tensorrt`` for a bundle whose target has no TensorRT.
-        DsedgeError: unknown platform, ``instances`` < 1.
+        DsedgeError: unknown platform, ``instances`` < 1, ``out`` holds something that is not a Triton model.
     """
     bundle = Path(bundle)
     manifest = verify_bundle(bundle)
@@ -252,7 +295,8 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: s
     ordered = [manifest.variant()] + [v for v in manifest.variants if v.name != manifest.default_variant]
     models: list[TritonModel] = []
     out = Path(out)
-    with atomic_directory(out) as tmp:
+    _check_repository(out)
+    with _staged_models(out) as tmp:
         for variant in ordered:
             policy = derive_policy(manifest, variant, gpu)
             model = TritonModel(model_name(manifest, variant), variant.name, platform, policy)
