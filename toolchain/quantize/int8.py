@@ -297,11 +297,13 @@ def fuse_transformer(model: onnx.ModelProto, *, model_type: str = "bert", num_he
 
 def quantize_int8_dynamic(model: onnx.ModelProto, *, per_channel: bool = True, fuse: str | None = "bert",
                           op_types: tuple[str, ...] = ("MatMul", "Gemm", "Attention", "Gather"),
-                          nodes_to_exclude: list[str] | None = None) -> tuple[onnx.ModelProto, dict]:
+                          nodes_to_exclude: list[str] | None = None,
+                          weight_type: str = "int8") -> tuple[onnx.ModelProto, dict]:
     """Dynamic INT8 (W8, activations quantized at run time) for ORT CPU; optional transformer fusion first.
 
-    Gather covers embedding tables (UINT8 rows dequantized at lookup). Returns (model, report). Raises
-    QuantizationError on NaN/Inf weights (naming the initializer).
+    Gather covers embedding tables (UINT8 rows dequantized at lookup). ``weight_type``: "int8", "uint8" or "int7"
+    (INT8 with ORT's reduced range). Returns (model, report). Raises QuantizationError on NaN/Inf weights (naming
+    the initializer).
     """
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -312,7 +314,8 @@ def quantize_int8_dynamic(model: onnx.ModelProto, *, per_channel: bool = True, f
     with tempfile.TemporaryDirectory(prefix="dsedge-dyn-") as tmp, without_preprocess_hint():
         src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         _save(model, src)
-        quantize_dynamic(str(src), str(dst), per_channel=per_channel, weight_type=QuantType.QInt8,
+        quantize_dynamic(str(src), str(dst), per_channel=per_channel, reduce_range=(weight_type == "int7"),
+                         weight_type=QuantType.QUInt8 if weight_type == "uint8" else QuantType.QInt8,
                          op_types_to_quantize=list(op_types), nodes_to_exclude=list(nodes_to_exclude or []),
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         out = onnx.load(str(dst))

@@ -16,9 +16,7 @@ ZeroQuant (Yao et al., NeurIPS 2022).
 """
 from __future__ import annotations
 
-import tempfile
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -135,23 +133,11 @@ def quantize_int8_rowwise(model: onnx.ModelProto, *, fuse: str | None = "bert", 
     embedding tables (Gather) likewise, activations 8-bit per row at run time. Returns (model, report) with the same keys as ``quantize_int8_dynamic`` plus
     ``"batch_invariant": True`` and ``"activation_scales": "per-row"``. Raises QuantizationError on NaN/Inf weights.
     """
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from .int8 import quantize_int8_dynamic
 
-    from .int8 import _save, check_initializers_finite, fuse_transformer, without_preprocess_hint
-
-    check_initializers_finite(model)
-    fused: dict = {}
-    if fuse:
-        model, fused = fuse_transformer(model, model_type=fuse)
-    with tempfile.TemporaryDirectory(prefix="dsedge-rowq-") as tmp, without_preprocess_hint():
-        src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
-        _save(model, src)
-        quantize_dynamic(str(src), str(dst), per_channel=per_channel, reduce_range=(weight_type == "int7"),
-                         weight_type=QuantType.QUInt8 if weight_type == "uint8" else QuantType.QInt8,
-                         op_types_to_quantize=["MatMul", "Gemm", "Gather"],
-                         nodes_to_exclude=list(nodes_to_exclude or []),
-                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-        out = onnx.load(str(dst))
+    out, dynamic = quantize_int8_dynamic(model, per_channel=per_channel, fuse=fuse,
+                                         op_types=("MatMul", "Gemm", "Gather"), nodes_to_exclude=nodes_to_exclude,
+                                         weight_type=weight_type)
     out, replaced = rowwise_activation_quant(out)
     left = sum(n.op_type == "DynamicQuantizeLinear" for n in out.graph.node)
     if left:
@@ -160,7 +146,7 @@ def quantize_int8_rowwise(model: onnx.ModelProto, *, fuse: str | None = "bert", 
         raise QuantizationError(f"{left} per-tensor dynamic quantizer(s) could not be made per-row",
                                 "use quantize_int8_dynamic (batch-variant) for this graph")
     counts = Counter(n.op_type for n in out.graph.node)
-    report = {"precision": "int8", "mode": "dynamic", "per_channel": per_channel, "fused": fused,
+    report = {"precision": "int8", "mode": "dynamic", "per_channel": per_channel, "fused": dynamic["fused"],
               "activation_scales": "per-row", "batch_invariant": True, "rowwise_quantizers": replaced,
               "weight_type": weight_type,
               "ops": {k: v for k, v in counts.items() if k in ("MatMulInteger", "Attention", "QAttention")}}
