@@ -58,6 +58,7 @@ class Session:
         self.outputs: list[IOSpec] = list(manifest.outputs)
         # streaming (submit/stream/infer_async): the core starts on first use, see _core()
         self.budget_ms = budget_ms
+        self._default_budget: tuple[float | None, float] | None = None  # (budget_ms it was resolved for, ms)
         self._stream_opts = dict(cascade=cascade, open_variant=open_variant, max_batch=max_batch,
                                  max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile,
                                  batch_variant_ok=batch_variant_ok)
@@ -108,8 +109,10 @@ class Session:
     def default_budget_ms(self) -> float:
         """The budget a request gets when it names none: the session's (``load(budget_ms=)``), else the
         manifest's ``latency_budget_ms``, else the target profile's ``default_budget_ms`` (ms); see runtime/budget.py."""
-        budget, _ = resolve_budget(self.budget_ms, self.manifest, self._profile_budget_ms)
-        return FALLBACK_BUDGET_MS if budget is None else budget
+        if self._default_budget is None or self._default_budget[0] != self.budget_ms:  # submit's hot path
+            budget, _ = resolve_budget(self.budget_ms, self.manifest, self._profile_budget_ms)
+            self._default_budget = (self.budget_ms, FALLBACK_BUDGET_MS if budget is None else budget)
+        return self._default_budget[1]
 
     def _profile_budget_ms(self) -> float | None:
         try:
