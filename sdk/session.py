@@ -15,7 +15,7 @@ from .runtime.backends import Preferences, VariantFiles, open_backend
 from .runtime.decode import GenerationStream
 from .runtime.budget import FALLBACK_BUDGET_MS, resolve_budget
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
-from .runtime.errors import DsedgeError, SessionClosedError
+from .runtime.errors import SessionClosedError
 from .runtime.golden import check_backend
 from .runtime.signing import check_signature
 from .runtime.io import check_request_options, check_session_options, validate_inputs
@@ -344,8 +344,6 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
                           max_delay_ms=max_delay_ms, profile=profile, threads=threads)
     if isinstance(providers, str):
         providers = [providers]
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise DsedgeError(f"threads must be a positive integer, got {threads!r}", "pass threads=2, or None for ORT's default")
     check_signature(path, trusted_keys)
     manifest = verify_bundle(path)
     v = manifest.variant(variant)
