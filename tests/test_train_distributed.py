@@ -207,14 +207,18 @@ def test_killed_rank_restarts_and_resumes_identically(tmp_path):
 
 @pytest.mark.slow
 def test_impossible_mesh_is_a_one_line_error_under_torchrun(tmp_path):
-    """`dsedge train --nproc-per-node 2` (launches torchrun) with tensor 2 x pipeline 2: each rank says why."""
+    """`dsedge train --nproc-per-node 2` (launches torchrun) with tensor 2 x pipeline 2: the run says why.
+
+    torchrun stops the other rank as soon as the first one exits, so the second rank's line may or may not be
+    printed: at least one, at most one per rank.
+    """
     path = tmp_path / "bad.toml"
     path.write_text(dump_toml(config(tmp_path / "run", parallel={"data": "fsdp", "tensor": 2, "pipeline": 2})))
     proc = subprocess.run([sys.executable, "-m", "dsedge.cli", "train", str(path), "--nproc-per-node", "2"],
                           env=torchrun_env(), cwd=tmp_path, capture_output=True, text=True, timeout=200)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert out.count("tensor = 2 x pipeline = 2 does not divide the world size 2") == 2
+    assert 1 <= out.count("tensor = 2 x pipeline = 2 does not divide the world size 2") <= 2
     assert "hint: launch a multiple of 4 processes" in out
     assert "Traceback" not in out.split("error:")[1]  # the rank's own message carries no traceback
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
