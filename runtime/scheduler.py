@@ -3,7 +3,7 @@
 One ``Lane`` per served variant: a backend, its ``LatencyProfile``, a bounded EDF queue and one worker thread.
 When the worker is free it takes the earliest deadline in its queue (priority, then arrival, break ties) and forms
 a batch of compatible requests, in deadline order, whose predicted completion still meets the earliest deadline
-in it (the EDF rule, Liu & Layland 1973, applied to batches as in Clipper, Crankshaw et al., NSDI 2017): the
+in it — or the earliest planned completion, for requests admitted with a plan (see Admission) — (the EDF rule, Liu & Layland 1973, applied to batches as in Clipper, Crankshaw et al., NSDI 2017): the
 largest such batch, unless a smaller one serves clearly more rows per ms (>5 %; padding short rows to the longest
 one can make a big batch slower per row than a small one). It holds the batch open only while arrivals outpace
 what that batch size can serve *and* one more row still fits the deadline; it dispatches at once when waiting
@@ -26,8 +26,14 @@ then serves them in deadline order and drops, as counted misses, those that can 
 Admission (``BudgetScheduler.submit``), against predicted latency, in the order of lanes (primary first, then
 cheaper variants — the cascade):
   * alone the request cannot meet its budget → next lane, else ``Rejected("budget")``;
-  * the queue is full, or the predicted queueing delay of earlier-deadline work breaks the budget → next lane,
-    else ``Rejected("overload")``.
+  * the queue is full, or its plan misses the deadline → next lane, else ``Rejected("overload")``. The plan
+    (``Lane.estimate_done``) plays the queue forward with the request inserted in deadline order, batch by batch
+    as the worker will form them (a schedulability test by simulation, as admission control for EDF does); expected
+    times add and tail margins add in quadrature; the request is admitted only if its planned completion plus the
+    lane's calibration offset (runtime/plan_calibration.py: the recent 99th percentile of actual − planned latency
+    of admitted requests, a rolling conformal bound) meets its deadline, and no request queued before it loses
+    its place. The planned completion is kept with the request: a batch that includes it must end by then, so
+    later arrivals joining its batch cannot make the plan a miss.
 An idle primary lane runs a request expected to take at most ``inline_ms`` (1 ms) on the caller's thread when
 the caller blocked on its previous answer (``submit(x).result()`` in a loop): no thread hand-off, which costs more
 than such a model's run on a busy machine (the fraud-scorer case); the returned future is then already done.
@@ -50,6 +56,7 @@ import numpy as np
 from .batching import BatchLayout
 from .latency_profile import LatencyProfile
 from .metrics import StreamMetrics
+from .plan_calibration import PlanCalibration
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
 
 _clock = time.perf_counter
@@ -84,6 +91,13 @@ class Request:
     t_submit: float
     deadline: float
     future: Future = field(default_factory=Answer)
+    plan_ms: float = 0.0  # admission's planned latency (uncalibrated), ms; 0 = admitted without a plan
+    due: float = 0.0  # planned completion (s, perf_counter): batches that include it must end by then; 0 = deadline
+
+    @property
+    def end_by(self) -> float:
+        """When the batch serving it must end: its planned completion if planned, else its deadline (s)."""
+        return min(self.deadline, self.due) if self.due else self.deadline
 
     def sort_key(self, order: int, tie_s: float) -> tuple:
         # deadlines within ``tie_s`` of each other count as equal, so priority can break the tie
@@ -110,6 +124,8 @@ class Lane:
         probe_interval_ms: shortest gap between re-measuring probes of a refused request, ms.
         inline_ms: an idle lane runs requests expected (median) to take at most this long on the submitting
             thread (0: never).
+        plan_limit: admission plays the queue forward batch by batch up to this many queued requests (beyond:
+            a closed-form estimate); see ``estimate_done``.
     """
 
     def __init__(self, name: str, run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
@@ -117,7 +133,7 @@ class Lane:
                  max_queue: int = 1024, max_delay_ms: float | None = None, margin_ms: float = 0.5,
                  tie_ms: float = 1.0, *, warm_feed: Callable[[int, int | None], dict] | None = None,
                  warm_seq: int | None = None, observe_warmup: bool = True, probe_interval_ms: float = 100.0,
-                 inline_ms: float = 1.0) -> None:
+                 inline_ms: float = 1.0, plan_limit: int = 64) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -130,6 +146,8 @@ class Lane:
         self.tie_s = max(tie_ms, 1e-3) / 1e3
         self.probe_interval_s = probe_interval_ms / 1e3
         self.inline_ms = float(inline_ms)
+        self.plan_limit = int(plan_limit)
+        self.calibration = PlanCalibration()
         self.warm = threading.Event()
         self._warm_feed = warm_feed
         self._warm_seq = warm_seq
@@ -141,6 +159,8 @@ class Lane:
         self._drain = True
         self._running = False  # a batch is on the backend (the worker's or an inline one)
         self._busy_until = 0.0
+        self._run_mid = 0.0  # expected end (s) of the running batch, and its tail margin (s)
+        self._run_dev = 0.0
         self._gap_s: float | None = None  # moving mean gap between arrivals
         self._last_arrival: float | None = None
         self._refused: Request | None = None  # the latest request refused for its budget: the next probe
@@ -154,6 +174,13 @@ class Lane:
         self._thread.start()
 
     # -- prediction -------------------------------------------------------------------------------------------
+    def _mark_running(self, t0: float, rows: int, seq: int | None) -> None:
+        # under self._cond: the running batch's predicted end (tail) and expected end, for admission
+        mid = min(self.predict(rows, seq, k_dev=0.0), 1e4) / 1e3
+        tail = min(self.predict(rows, seq), 1e4) / 1e3
+        self._busy_until = t0 + tail
+        self._run_mid, self._run_dev = t0 + mid, max(tail - mid, 0.0)
+
     def predict(self, rows: int, seq: int | None, k_dev: float | None = None) -> float:
         """The profile's tail prediction of service time, ms (``k_dev=0``: the expected time)."""
         return self.profile.predict(rows, seq, k_dev)
@@ -171,19 +198,108 @@ class Lane:
                 self._cond.notify()
 
     def estimate_done(self, req: Request, now: float) -> float:
-        """Predicted completion time (s) of ``req`` if queued now, counting earlier-deadline work and the running
-        batch; each backlog batch takes the largest size that fits the request's own budget."""
+        """Predicted completion time (s) of ``req`` if queued now; ``inf`` when admitting it would break its own
+        deadline or that of a request already queued.
+
+        The queue, with ``req`` inserted in deadline order, is played forward the way the worker will serve it:
+        after the running batch, each batch is the longest same-shape prefix of what is left whose predicted
+        completion meets the earliest deadline in it (a head that fits no batch would be dropped: it takes no
+        time). Times add as independent service times do: expected times (medians) add, and the tail margins
+        (tail − median of each batch) add in quadrature, so a backlog of n batches is not planned at n tails.
+        Queues longer than ``plan_limit`` are estimated in closed form (batches of the largest size that fits
+        the budget).
+        """
         with self._cond:
-            ahead = sum(r.rows for _, r in self._queue if r.deadline <= req.deadline)
-            busy = max(0.0, self._busy_until - now)
+            queued = [r for _, r in self._queue]
+            run_end_mid, run_dev = self._run_mid, self._run_dev
+        rem_mid = max(run_end_mid - now, 0.0)
+        rem_var = run_dev * run_dev  # counted while it runs, even past its expected end
+        if len(queued) > self.plan_limit:
+            return self._closed_form_done(req, queued, now, rem_mid, rem_var)
+        key = (int(req.deadline / self.tie_s), -req.priority)
+        pos = next((i for i, r in enumerate(queued) if (int(r.deadline / self.tie_s), -r.priority) > key),
+                   len(queued))
+        with_req = self._play(queued[:pos] + [req] + queued[pos:], now, rem_mid, rem_var)
+        done = with_req.get(id(req), math.inf)
+        if math.isinf(done) or pos == len(queued):
+            return done
+        # req goes ahead of others: it must not make an admitted request miss that would have made it without it
+        without = self._play(queued, now, rem_mid, rem_var)
+        if any(id(r) in without and id(r) not in with_req for r in queued[pos:]):
+            return math.inf
+        return done
+
+    def _play(self, order: list[Request], now: float, mid_s: float, var_s: float) -> dict[int, float]:
+        """``{id(request): predicted completion s}`` for the requests of ``order`` (EDF order) that would be
+        served in time, playing the worker's batching forward from ``now`` plus the running batch."""
+        out: dict[int, float] = {}
+        left = list(order)
+        while left:
+            head = left[0]
+            cands, rows = [], 0
+            for r in left:
+                if r.group != head.group:
+                    continue
+                if cands and rows + r.rows > self.max_batch:
+                    break
+                cands.append(r)
+                rows += r.rows
+            feasible = self._feasible(cands, now + mid_s, var_s, True) or self._feasible(cands, now + mid_s,
+                                                                                        var_s, False)
+            if feasible:
+                n, t, m, d = feasible[self._choose(feasible)]
+            else:  # as the worker does: the head runs alone if it can still make its deadline at the expected
+                # time (counted as served then), else it is dropped and takes no time
+                m = self.predict(head.rows, head.seq, k_dev=0.0) / 1e3
+                if math.isinf(m) or now + mid_s + m > head.deadline:
+                    left.pop(0)
+                    continue
+                d = max(self.predict(head.rows, head.seq) / 1e3 - m, 0.0)
+                n, t = 1, now + mid_s + m + math.sqrt(var_s + d * d) + self.margin_s
+            chosen = cands[:n]
+            for r in chosen:
+                out[id(r)] = t
+            mid_s, var_s = mid_s + m, var_s + d * d
+            ids = set(map(id, chosen))
+            left = [r for r in left if id(r) not in ids]
+        return out
+
+    def _feasible(self, cands: list[Request], start: float, var_s: float,
+                  by_plan: bool) -> list[tuple[int, float, float, float]]:
+        """``(rows taken, predicted completion s, expected s, tail margin s)`` for each prefix of ``cands`` that,
+        started at ``start`` after work whose tail margins' squares sum to ``var_s``, meets every member's planned
+        completion (``by_plan``; their deadlines otherwise)."""
+        out, rows, seq, dl = [], 0, 0, math.inf
+        for i, r in enumerate(cands):
+            rows, seq = rows + r.rows, max(seq, r.seq or 0)
+            dl = min(dl, r.end_by if by_plan else r.deadline)
+            m = self.predict(rows, seq or None, k_dev=0.0) / 1e3
+            d = max(self.predict(rows, seq or None) / 1e3 - m, 0.0)
+            t = start + m + math.sqrt(var_s + d * d) + self.margin_s
+            if t > dl:
+                break
+            out.append((i + 1, t, m, d))
+        return out
+
+    @staticmethod
+    def _choose(feasible: list[tuple[int, float, float, float]]) -> int:
+        """Index of the prefix serving the most rows per ms (padding to the longest row can make a bigger batch
+        slower per row), the largest one within 5 % of the best."""
+        rate = [n / max(m, 1e-12) for n, _, m, _ in feasible]
+        top = max(rate)
+        return max(i for i in range(len(feasible)) if round(rate[i], 6) >= 0.95 * top)
+
+    def _closed_form_done(self, req: Request, queued: list[Request], now: float, mid_s: float,
+                          var_s: float) -> float:
+        ahead = sum(r.rows for r in queued if r.deadline <= req.deadline)
         b = max(1, self.profile.max_batch_within(req.budget_ms, req.seq, self.max_batch))
-        total = ahead + req.rows
-        full, rest = divmod(total, b)
+        full, rest = divmod(ahead + req.rows, b)
         if rest == 0:
             full, rest = full - 1, b
-        # the backlog at its expected time, the request's own batch with the tail margin (margins do not add up)
-        ms = full * self.predict(b, req.seq, k_dev=0.0) + self.predict(rest, req.seq)
-        return now + busy + ms / 1e3 + self.margin_s
+        m_b, m_r = self.predict(b, req.seq, k_dev=0.0) / 1e3, self.predict(rest, req.seq, k_dev=0.0) / 1e3
+        d_b = max(self.predict(b, req.seq) / 1e3 - m_b, 0.0)
+        d_r = max(self.predict(rest, req.seq) / 1e3 - m_r, 0.0)
+        return now + mid_s + full * m_b + m_r + math.sqrt(var_s + full * d_b * d_b + d_r * d_r) + self.margin_s
 
     def enqueue(self, req: Request, cold_limit: int | None = None) -> bool:
         """Queue ``req``; False when the queue is full (or holds ``cold_limit`` already) or the lane is closing."""
@@ -216,13 +332,13 @@ class Lane:
             if self._running or self._queue or self._closing:
                 return False
             self._running = True
-            self._busy_until = req.t_submit + alone / 1e3
+            self._mark_running(req.t_submit, req.rows, req.seq)
         try:
             self._execute([req])
         finally:
             with self._cond:
                 self._running = False
-                self._busy_until = 0.0
+                self._busy_until = self._run_mid = self._run_dev = 0.0
                 self.inline += 1
                 if self._queue:
                     self._cond.notify_all()
@@ -234,6 +350,8 @@ class Lane:
 
     # -- worker -----------------------------------------------------------------------------------------------
     def _answer(self, req: Request, answer: Result | Rejected) -> None:
+        if req.plan_ms > 0.0 and isinstance(answer, Result) and answer.error is None:
+            self.calibration.score(req.plan_ms, answer.latency_ms)
         if req.future.set_running_or_notify_cancel():
             _answering.on = True
             try:
@@ -258,29 +376,28 @@ class Lane:
                 break
             cands.append(r)
             rows += r.rows
-        # prefixes whose predicted completion meets every deadline in them; of those, the one serving the most
-        # rows per ms (padding to the longest row can make a bigger batch slower per row), the largest on ties
-        feasible, rows, seq, dl = [], 0, 0, math.inf
-        for r in cands:
-            rows, seq, dl = rows + r.rows, max(seq, r.seq or 0), min(dl, r.deadline)
-            if now + self.predict(rows, seq or None) / 1e3 + self.margin_s > dl:
-                break
-            feasible.append((rows, seq, dl))
+        # prefixes whose predicted completion meets every member's planned completion (its deadline if it has no
+        # plan): admission promised each request that much, and later arrivals joining its batch must not break
+        # it; when no plan can be kept any more (a stall overran them), deadlines alone
+        by_plan = True
+        feasible = self._feasible(cands, now, 0.0, True)
+        if not feasible:
+            by_plan, feasible = False, self._feasible(cands, now, 0.0, False)
         if not feasible:
             expected = self.predict(head.rows, head.seq, k_dev=0.0)
             if math.isinf(expected) or now + expected / 1e3 <= head.deadline:
                 return [head], 0.0  # nothing known yet, or it can still make it at the expected time: run alone
             return [head], -1.0
-        rate = [n / max(self.predict(n, s or None, k_dev=0.0), 1e-9) for n, s, _ in feasible]
-        best = max(range(len(feasible)), key=lambda i: (round(rate[i], 6) >= 0.95 * max(rate), i)) + 1
-        rows, seq, dl = feasible[best - 1]
+        best = feasible[self._choose(feasible)][0]
         batch = cands[:best]
+        rows, seq = sum(r.rows for r in batch), max(r.seq or 0 for r in batch)
+        dl = min(r.end_by if by_plan else r.deadline for r in batch)
         more_waiting = best < len(self._queue)  # others queued (any group): holding would only delay them
         if rows >= self.max_batch or more_waiting or self._closing:
             return batch, 0.0
         slack = dl - now - self.predict(rows + 1, seq or None) / 1e3 - self.margin_s
         if slack <= 0:
-            return batch, 0.0  # waiting for one more would break the earliest deadline
+            return batch, 0.0  # waiting for one more would break the earliest deadline (or plan)
         if self.max_delay_ms is not None:
             held = now - max(r.t_submit for r in batch)
             wait = min(slack, self.max_delay_ms / 1e3 - held)
@@ -340,7 +457,7 @@ class Lane:
                         self._cond.wait()
                 if probe is not None:
                     self._running = True
-                    self._busy_until = _clock() + min(self.predict(probe.rows, probe.seq, k_dev=0.0), 1e4) / 1e3
+                    self._mark_running(_clock(), probe.rows, probe.seq)
                 elif not self._queue:
                     return  # closing and drained
                 elif self._closing and not self._drain:
@@ -359,6 +476,8 @@ class Lane:
                         r = batch[0]
                         self._queue = [it for it in self._queue if it[1] is not r]
                         expected = self.predict(r.rows, r.seq, k_dev=0.0)
+                        if r.plan_ms > 0.0:  # it would have taken at least this long: a miss of the plan
+                            self.calibration.score(r.plan_ms, (now - r.t_submit) * 1e3 + expected)
                         self._reject(r, DEADLINE, f"deadline in {(r.deadline - now) * 1e3:.1f} ms < expected "
                                                   f"{expected:.1f} ms on {self.name}")
                         continue
@@ -367,8 +486,7 @@ class Lane:
                         continue
                     chosen = set(map(id, batch))
                     self._queue = [it for it in self._queue if id(it[1]) not in chosen]
-                    rows = sum(r.rows for r in batch)
-                    self._busy_until = now + min(self.predict(rows, max(r.seq or 0 for r in batch) or None), 1e4) / 1e3
+                    self._mark_running(now, sum(r.rows for r in batch), max(r.seq or 0 for r in batch) or None)
                     self._running = True
             try:
                 if probe is not None:
@@ -381,7 +499,7 @@ class Lane:
             finally:
                 with self._cond:
                     self._running = False
-                    self._busy_until = 0.0
+                    self._busy_until = self._run_mid = self._run_dev = 0.0
                     self._cond.notify_all()
 
     def _execute(self, batch: list[Request]) -> None:
@@ -479,10 +597,14 @@ class BudgetScheduler:
             else:
                 if lane is first and lane.try_inline(req):
                     return req.future
-                done = lane.estimate_done(req, now)
+                plan = lane.estimate_done(req, now)
+                done = plan + lane.calibration.offset_ms(now) / 1e3
+                req.plan_ms, req.due = ((plan - now) * 1e3, plan) if done <= req.deadline else (0.0, 0.0)
                 if done > req.deadline:
-                    reasons.append((OVERLOAD, f"predicted {(done - now) * 1e3:.1f} ms with {lane.depth} queued on "
-                                              f"{lane.name} > budget {budget_ms:g} ms"))
+                    said = (f"predicted {(done - now) * 1e3:.1f} ms" if not math.isinf(done)
+                            else "no batch meets its deadline and those queued before it")
+                    reasons.append((OVERLOAD, f"{said} with {lane.depth} queued on {lane.name} > budget "
+                                              f"{budget_ms:g} ms"))
                     continue
             if lane.enqueue(req, cold):
                 if lane is not first:

@@ -1,0 +1,111 @@
+"""Admission by playing the queue forward, and the plan's online calibration (runtime/plan_calibration.py)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dsedge.runtime.backends.ort import OrtBackend
+from dsedge.runtime.batching import BatchLayout
+from dsedge.runtime.bundle import IOSpec
+from dsedge.runtime.latency_profile import LatencyProfile
+from dsedge.runtime.metrics import StreamMetrics
+from dsedge.runtime.plan_calibration import PlanCalibration
+from dsedge.runtime.results import Rejected, Result
+from dsedge.runtime.scheduler import BudgetScheduler, Lane
+
+from streaming_models import text_embedder, text_request
+
+TEXT_IO = ([IOSpec("input_ids", "int64", ("batch", "sequence")), IOSpec("attention_mask", "int64", ("batch", "sequence"))],
+           [IOSpec("last_hidden_state", "float32", ("batch", "sequence", 32)),
+            IOSpec("sentence_embedding", "float32", ("batch", 32))])
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    return OrtBackend(text_embedder(tmp_path_factory.mktemp("plan") / "m.onnx", dim=32), threads=1)
+
+
+def test_calibration_is_a_rolling_quantile_of_residuals_that_ages_out():
+    cal = PlanCalibration(quantile=0.9, min_scores=10, horizon_s=2.0, refresh_s=0.0)
+    assert cal.offset_ms(now=0.0) == 0.0  # nothing scored: the plan as it is
+    for i in range(9):
+        cal.score(10.0, 30.0, now=0.0)  # residual 20 ms
+    assert cal.offset_ms(now=0.0) == 0.0  # fewer than min_scores
+    for i in range(10):
+        cal.score(10.0, 10.0 + i, now=1.0)  # residuals 0..9 ms
+    assert cal.offset_ms(now=1.0) == 20.0  # 19 scores (0..9 and nine of 20 ms): the 90th percentile, nearest rank
+    assert cal.offset_ms(now=2.5) == pytest.approx(8.0)  # the first nine aged out: 90th percentile of 0..9
+    assert cal.offset_ms(now=10.0) == 0.0  # all aged out: no stale bound keeps rejecting
+    for _ in range(20):
+        cal.score(20.0, 5.0, now=11.0)  # a pessimistic plan adds nothing (never below 0)
+    assert cal.offset_ms(now=11.0) == 0.0
+    cal.score(0.0, 5.0)
+    cal.score(float("inf"), 5.0)  # unplanned or unknown: not scored
+    assert cal.to_dict()["scores"] <= 20
+    with pytest.raises(ValueError):
+        PlanCalibration(quantile=1.0)
+
+
+def _held_lane(backend, gate: threading.Event, ms: float) -> Lane:
+    """A batch-1 lane predicting exactly ``ms`` per request whose backend waits for ``gate``."""
+    layout = BatchLayout.of(*TEXT_IO)
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(1, 8, ms, 0.0)
+
+    def run(feed):
+        gate.wait(20)
+        return backend.run(feed)
+
+    return Lane("fp32", run, prof, layout, StreamMetrics(), max_batch=1, inline_ms=0.0)
+
+
+def test_admission_plays_the_queue_forward_and_never_displaces_an_admitted_request(backend):
+    gate = threading.Event()
+    lane = _held_lane(backend, gate, 100.0)
+    sched = BudgetScheduler([lane], lane.layout, lane.metrics)
+    rng = np.random.default_rng(0)
+    blocker = sched.submit(text_request(rng, 8), 60_000, id="blocker")
+    while lane._busy_until == 0.0:  # the blocker is on the backend, predicted to end 100 ms after it started
+        time.sleep(0.001)
+    # batch 1, 100 ms each behind a batch predicted to end within 100 ms: planned ≈ 200, 300, 400, 500 ms
+    futs = [sched.submit(text_request(rng, 8), 450, id=f"r{i}") for i in range(4)]
+    # an earlier deadline would go first: it fits its own 250 ms, but would push r2 past its 450 ms
+    urgent = sched.submit(text_request(rng, 8), 250, id="urgent")
+    assert [f.done() for f in futs] == [False, False, False, True]
+    r3, u = futs[3].result(), urgent.result()
+    assert isinstance(r3, Rejected) and r3.reason == "overload" and not r3.admitted
+    assert isinstance(u, Rejected) and u.reason == "overload" and "queued before it" in u.detail
+    plans = sorted(r.plan_ms for _, r in lane._queue)
+    assert len(plans) == 3 and plans[0] < plans[1] < plans[2] <= 450 and plans[2] - plans[0] == pytest.approx(
+        200, abs=30)
+    gate.set()
+    answers = [f.result(20) for f in (blocker, *futs[:3])]
+    assert all(isinstance(a, Result) and a.ok for a in answers)
+    sched.close()
+
+
+def test_a_plan_that_was_optimistic_makes_admission_stricter(backend):
+    """Service takes 60 ms where the profile says 20 (and is not allowed to learn it): the calibration's residuals
+    grow and admission stops taking requests the plan alone would have admitted."""
+    layout = BatchLayout.of(*TEXT_IO)
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(1, 8, 20.0, 0.0)
+    prof.observe = lambda *a, **k: None  # a profile that never learns: only the calibration can notice
+
+    def run(feed):
+        time.sleep(0.06)
+        return backend.run(feed)
+
+    lane = Lane("fp32", run, prof, layout, StreamMetrics(), max_batch=1, inline_ms=0.0)
+    lane.calibration = PlanCalibration(min_scores=5, refresh_s=0.0)
+    sched = BudgetScheduler([lane], layout, lane.metrics)
+    rng = np.random.default_rng(0)
+    first = [sched.submit(text_request(rng, 8), 100).result(10) for _ in range(6)]  # planned 20.5 ms, took 60
+    assert all(isinstance(a, Result) for a in first)
+    assert lane.calibration.offset_ms() > 30
+    after = sched.submit(text_request(rng, 8), 55).result(10)  # planned 20.5 ms: fits 55 alone, not calibrated
+    assert isinstance(after, Rejected) and after.reason == "overload" and not after.admitted
+    sched.close()
