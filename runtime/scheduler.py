@@ -350,8 +350,10 @@ class Lane:
 
     # -- worker -----------------------------------------------------------------------------------------------
     def _answer(self, req: Request, answer: Result | Rejected) -> None:
-        if req.plan_ms > 0.0 and isinstance(answer, Result) and answer.error is None:
-            self.calibration.score(req.plan_ms, answer.latency_ms)
+        if req.plan_ms > 0.0 and isinstance(answer, Result):
+            if answer.error is None:
+                self.calibration.score(req.plan_ms, answer.latency_ms)
+            self.calibration.outcome(answer.latency_ms > req.budget_ms or answer.error is not None)
         if req.future.set_running_or_notify_cancel():
             _answering.on = True
             try:
@@ -478,6 +480,7 @@ class Lane:
                         expected = self.predict(r.rows, r.seq, k_dev=0.0)
                         if r.plan_ms > 0.0:  # it would have taken at least this long: a miss of the plan
                             self.calibration.score(r.plan_ms, (now - r.t_submit) * 1e3 + expected)
+                            self.calibration.outcome(True)
                         self._reject(r, DEADLINE, f"deadline in {(r.deadline - now) * 1e3:.1f} ms < expected "
                                                   f"{expected:.1f} ms on {self.name}")
                         continue

@@ -109,3 +109,22 @@ def test_a_plan_that_was_optimistic_makes_admission_stricter(backend):
     after = sched.submit(text_request(rng, 8), 55).result(10)  # planned 20.5 ms: fits 55 alone, not calibrated
     assert isinstance(after, Rejected) and after.reason == "overload" and not after.admitted
     sched.close()
+
+
+def test_calibration_level_follows_the_miss_rate_seen_within_bounds():
+    """ACI: misses rarer than the target lower the quantile (a smaller offset), a miss raises it at once."""
+    cal = PlanCalibration(quantile=0.99, target_miss=0.01, gamma=0.1, min_scores=1, refresh_s=0.0)
+    for i in range(100):
+        cal.score(10.0, 10.0 + i, now=0.0)  # residuals 0..99 ms
+    assert cal.offset_ms(now=0.0) == 98.0  # the 99th percentile to start with
+    for _ in range(200):
+        cal.outcome(False)  # 200 hits: alpha grows by 0.1 * 0.01 each
+    assert cal.alpha == pytest.approx(0.21, abs=1e-9) and cal.offset_ms(now=0.0) == 78.0
+    cal.outcome(True)  # one miss: alpha drops by 0.1 * 0.99
+    assert cal.alpha == pytest.approx(0.111, abs=1e-9) and cal.offset_ms(now=0.0) == 88.0
+    for _ in range(100):
+        cal.outcome(True)
+    assert cal.alpha == cal.alpha_min  # bounded: the offset tops out at the 99.9th percentile, never "reject all"
+    for _ in range(100_000):
+        cal.outcome(False)
+    assert cal.alpha == cal.alpha_max and cal.offset_ms(now=0.0) == 49.0  # and bottoms out at the median
