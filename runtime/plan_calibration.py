@@ -41,7 +41,7 @@ class PlanCalibration:
         quantile: the starting quantile level of residuals, ``1 − α`` (0.5 < quantile < 1).
         target_miss: the share of planned requests allowed to miss that α is steered to.
         gamma: the ACI step size (per resolved request).
-        alpha_min / alpha_max: bounds of α (the offset stays between the 50th and 99.9th percentile).
+        alpha_min / alpha_max: bounds of α (the offset stays between the 50th and 99.5th percentile).
         window: most recent scores kept.
         horizon_s: scores older than this no longer count, s.
         min_scores: fewer recent scores than this give the offset 0 (the plan as it is).
@@ -53,8 +53,8 @@ class PlanCalibration:
     """
 
     def __init__(self, quantile: float = 0.99, window: int = 512, horizon_s: float = 5.0, min_scores: int = 20,
-                 high_ms: float = 1e4, refresh_s: float = 0.02, *, target_miss: float = 0.005, gamma: float = 0.02,
-                 alpha_min: float = 0.001, alpha_max: float = 0.5) -> None:
+                 high_ms: float = 1e4, refresh_s: float = 0.02, *, target_miss: float = 0.005, gamma: float = 0.05,
+                 alpha_min: float = 0.005, alpha_max: float = 0.5) -> None:
         if not 0.5 < quantile < 1.0:
             raise ValueError(f"quantile must be in (0.5, 1), got {quantile}")
         self.quantile = float(quantile)

@@ -43,7 +43,9 @@ def rowwise_activation_quant(model: onnx.ModelProto) -> tuple[onnx.ModelProto, i
     consts = {"rowq_zero_point": np.array(128, dtype=np.uint8), "rowq_inv127": np.array(1.0 / 127.0, np.float32),
               "rowq_lo": np.array(-127.0, np.float32), "rowq_hi": np.array(127.0, np.float32),
               "rowq_eps": np.array(1e-12, np.float32), "rowq_offset": np.array(128.0, np.float32),
-              "rowq_half": np.array(0.5, np.float32), "rowq_axes": np.array([-1], np.int64)}
+              "rowq_half": np.array(0.5, np.float32)}
+    if opset >= 18:  # Reduce* take their axes as an input from opset 18 on (an attribute before)
+        consts["rowq_axes"] = np.array([-1], np.int64)
     graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
 
     def reduce(op: str, x: str, y: str, name: str) -> onnx.NodeProto:
