@@ -236,14 +236,7 @@ class Lane:
         left = list(order)
         while left:
             head = left[0]
-            cands, rows = [], 0
-            for r in left:
-                if r.group != head.group:
-                    continue
-                if cands and rows + r.rows > self.max_batch:
-                    break
-                cands.append(r)
-                rows += r.rows
+            cands = self._candidates(left)
             feasible = self._feasible(cands, now + mid_s, var_s, True) or self._feasible(cands, now + mid_s,
                                                                                         var_s, False)
             if feasible:
@@ -263,6 +256,19 @@ class Lane:
             ids = set(map(id, chosen))
             left = [r for r in left if id(r) not in ids]
         return out
+
+    def _candidates(self, order: list[Request]) -> list[Request]:
+        """The requests that could share a batch with the head of ``order``: the same shape group, in order, up to
+        ``max_batch`` rows."""
+        head, cands, rows = order[0], [], 0
+        for r in order:
+            if r.group != head.group:
+                continue
+            if cands and rows + r.rows > self.max_batch:
+                break
+            cands.append(r)
+            rows += r.rows
+        return cands
 
     def _feasible(self, cands: list[Request], start: float, var_s: float,
                   by_plan: bool) -> list[tuple[int, float, float, float]]:
@@ -370,14 +376,7 @@ class Lane:
         """Choose the batch to run now (``[]`` plus a wait in s when holding it open is worth it; a wait < 0 means
         the head cannot make its deadline: drop it)."""
         head = self._queue[0][1]
-        cands, rows = [], 0
-        for _, r in self._queue:
-            if r.group != head.group:
-                continue
-            if cands and rows + r.rows > self.max_batch:
-                break
-            cands.append(r)
-            rows += r.rows
+        cands = self._candidates([r for _, r in self._queue])
         # prefixes whose predicted completion meets every member's planned completion (its deadline if it has no
         # plan): admission promised each request that much, and later arrivals joining its batch must not break
         # it; when no plan can be kept any more (a stall overran them), deadlines alone

@@ -7,25 +7,15 @@ import time
 import numpy as np
 import pytest
 
-from dsedge.runtime.backends.ort import OrtBackend
 from dsedge.runtime.batching import BatchLayout
-from dsedge.runtime.bundle import IOSpec
 from dsedge.runtime.latency_profile import LatencyProfile
 from dsedge.runtime.metrics import StreamMetrics
 from dsedge.runtime.plan_calibration import PlanCalibration
 from dsedge.runtime.results import Rejected, Result
 from dsedge.runtime.scheduler import BudgetScheduler, Lane
 
-from streaming_models import text_embedder, text_request
-
-TEXT_IO = ([IOSpec("input_ids", "int64", ("batch", "sequence")), IOSpec("attention_mask", "int64", ("batch", "sequence"))],
-           [IOSpec("last_hidden_state", "float32", ("batch", "sequence", 32)),
-            IOSpec("sentence_embedding", "float32", ("batch", 32))])
-
-
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory):
-    return OrtBackend(text_embedder(tmp_path_factory.mktemp("plan") / "m.onnx", dim=32), threads=1)
+from streaming_models import text_request
+from test_streaming_parts import TEXT_IO, backend  # noqa: F401  (the module's tiny real ORT text model)
 
 
 def test_calibration_is_a_rolling_quantile_of_residuals_that_ages_out():
