@@ -52,7 +52,7 @@ class PlanCalibration:
     Thread-safe.
     """
 
-    def __init__(self, quantile: float = 0.99, window: int = 512, horizon_s: float = 5.0, min_scores: int = 20,
+    def __init__(self, quantile: float = 0.99, window: int = 512, horizon_s: float = 1.0, min_scores: int = 20,
                  high_ms: float = 1e4, refresh_s: float = 0.02, *, target_miss: float = 0.005, gamma: float = 0.05,
                  alpha_min: float = 0.005, alpha_max: float = 0.5) -> None:
         if not 0.5 < quantile < 1.0:
