@@ -27,13 +27,14 @@ Admission (``BudgetScheduler.submit``), against predicted latency, in the order 
 cheaper variants — the cascade):
   * alone the request cannot meet its budget → next lane, else ``Rejected("budget")``;
   * the queue is full, or its plan misses the deadline → next lane, else ``Rejected("overload")``. The plan
-    (``Lane.estimate_done``) plays the queue forward with the request inserted in deadline order, batch by batch
-    as the worker will form them (a schedulability test by simulation, as admission control for EDF does); expected
-    times add and tail margins add in quadrature; the request is admitted only if its planned completion plus the
-    lane's calibration offset (runtime/plan_calibration.py: the recent 99th percentile of actual − planned latency
-    of admitted requests, a rolling conformal bound) meets its deadline, and no request queued before it loses
-    its place. The planned completion is kept with the request: a batch that includes it must end by then, so
-    later arrivals joining its batch cannot make the plan a miss.
+    (``Lane.plan``) plays the queue forward with the request inserted in deadline order, batch by batch as the
+    worker will form them (a schedulability test by simulation, as admission control for EDF does): expected
+    times add, tail margins add in quadrature into the plan's spread, and the request is planned to complete at
+    expected + z · spread, where z is the lane's calibration (runtime/plan_calibration.py: a rolling quantile of
+    the standardized residuals of admitted requests, its level steered to the miss rate seen — normalized,
+    adaptive conformal prediction). It is admitted only if that meets its deadline and no request queued before
+    it loses its place. The planned completion is kept with the request: a batch that includes it must end by
+    then, so later arrivals joining its batch cannot make the plan a miss.
 An idle primary lane runs a request expected to take at most ``inline_ms`` (1 ms) on the caller's thread when
 the caller blocked on its previous answer (``submit(x).result()`` in a loop): no thread hand-off, which costs more
 than such a model's run on a busy machine (the fraud-scorer case); the returned future is then already done.
@@ -49,7 +50,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -77,6 +78,15 @@ class Answer(Future):
         return super().result(timeout)
 
 
+class Plan(NamedTuple):
+    """An admission plan: predicted completion (expected + z · spread + margin), expected completion (both
+    ``time.perf_counter()`` s) and spread (s)."""
+
+    done: float
+    expected: float
+    spread: float
+
+
 @dataclass(eq=False)
 class Request:
     """One queued request. Times are ``time.perf_counter()`` seconds."""
@@ -91,7 +101,8 @@ class Request:
     t_submit: float
     deadline: float
     future: Future = field(default_factory=Answer)
-    plan_ms: float = 0.0  # admission's planned latency (uncalibrated), ms; 0 = admitted without a plan
+    plan_ms: float = 0.0  # admission's expected latency, ms; 0 = admitted without a plan
+    spread_ms: float = 0.0  # the plan's spread (tail margins in quadrature), ms
     due: float = 0.0  # planned completion (s, perf_counter): batches that include it must end by then; 0 = deadline
 
     @property
@@ -125,7 +136,7 @@ class Lane:
         inline_ms: an idle lane runs requests expected (median) to take at most this long on the submitting
             thread (0: never).
         plan_limit: admission plays the queue forward batch by batch up to this many queued requests (beyond:
-            a closed-form estimate); see ``estimate_done``.
+            a closed-form estimate); see ``plan``.
     """
 
     def __init__(self, name: str, run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
@@ -197,17 +208,19 @@ class Lane:
             if wake:
                 self._cond.notify()
 
-    def estimate_done(self, req: Request, now: float) -> float:
-        """Predicted completion time (s) of ``req`` if queued now; ``inf`` when admitting it would break its own
-        deadline or that of a request already queued.
+    def plan(self, req: Request, now: float, z: float = 1.0) -> "Plan":
+        """The plan for ``req`` if queued now: its predicted completion (s), expected completion (s) and spread
+        (s); ``done`` is ``inf`` when admitting it would break its own deadline or that of a request already
+        queued.
 
         The queue, with ``req`` inserted in deadline order, is played forward the way the worker will serve it:
-        after the running batch, each batch is the longest same-shape prefix of what is left whose predicted
-        completion meets the earliest deadline in it (a head that fits no batch would be dropped: it takes no
-        time). Times add as independent service times do: expected times (medians) add, and the tail margins
-        (tail − median of each batch) add in quadrature, so a backlog of n batches is not planned at n tails.
-        Queues longer than ``plan_limit`` are estimated in closed form (batches of the largest size that fits
-        the budget).
+        after the running batch, each batch is the prefix of what is left that the worker would pick (meeting
+        every member's planned completion; a head that fits no batch runs alone if it can still make its deadline,
+        else it would be dropped and takes no time). Expected times (medians) add; the tail margins
+        (tail − median) of the batches add in quadrature, as independent service times' deviations do; a
+        completion is planned at ``expected + z · spread`` (``z`` from runtime/plan_calibration.py). Queues
+        longer than ``plan_limit`` are estimated in closed form (batches of the largest size that fits the
+        budget).
         """
         with self._cond:
             queued = [r for _, r in self._queue]
@@ -215,47 +228,60 @@ class Lane:
         rem_mid = max(run_end_mid - now, 0.0)
         rem_var = run_dev * run_dev  # counted while it runs, even past its expected end
         if len(queued) > self.plan_limit:
-            return self._closed_form_done(req, queued, now, rem_mid, rem_var)
+            return self._closed_form(req, queued, now, rem_mid, rem_var, z)
         key = (int(req.deadline / self.tie_s), -req.priority)
         pos = next((i for i, r in enumerate(queued) if (int(r.deadline / self.tie_s), -r.priority) > key),
                    len(queued))
-        with_req = self._play(queued[:pos] + [req] + queued[pos:], now, rem_mid, rem_var)
-        done = with_req.get(id(req), math.inf)
-        if math.isinf(done) or pos == len(queued):
-            return done
-        # req goes ahead of others: it must not make an admitted request miss that would have made it without it
-        without = self._play(queued, now, rem_mid, rem_var)
-        if any(id(r) in without and id(r) not in with_req for r in queued[pos:]):
-            return math.inf
-        return done
+        with_req = self._play(queued[:pos] + [req] + queued[pos:], now, rem_mid, rem_var, z)
+        got = with_req.get(id(req))
+        if got is None:
+            return Plan(math.inf, math.inf, 0.0)
+        if pos < len(queued):
+            # req goes ahead of others: it must not make an admitted request miss that would have made it
+            without = self._play(queued, now, rem_mid, rem_var, z)
+            if any(id(r) in without and id(r) not in with_req for r in queued[pos:]):
+                return Plan(math.inf, math.inf, 0.0)
+        return got
 
-    def _play(self, order: list[Request], now: float, mid_s: float, var_s: float) -> dict[int, float]:
-        """``{id(request): predicted completion s}`` for the requests of ``order`` (EDF order) that would be
-        served in time, playing the worker's batching forward from ``now`` plus the running batch."""
-        out: dict[int, float] = {}
+    def estimate_done(self, req: Request, now: float) -> float:
+        """``plan(req, now).done``: the predicted completion time (s) at the profile's own tail (z = 1)."""
+        return self.plan(req, now).done
+
+    def _play(self, order: list[Request], now: float, mid_s: float, var_s: float,
+              z: float = 1.0) -> dict[int, "Plan"]:
+        """``{id(request): Plan}`` for the requests of ``order`` (EDF order) that would be served in time,
+        playing the worker's batching forward from ``now`` plus the running batch."""
+        out: dict[int, Plan] = {}
         left = list(order)
         while left:
             head = left[0]
             cands = self._candidates(left)
-            feasible = self._feasible(cands, now + mid_s, var_s, True) or self._feasible(cands, now + mid_s,
-                                                                                        var_s, False)
+            start = now + mid_s
+            feasible = (self._feasible(cands, now, start, var_s, True, z)
+                        or self._feasible(cands, now, start, var_s, False, z))
             if feasible:
                 n, t, m, d = feasible[self._choose(feasible)]
             else:  # as the worker does: the head runs alone if it can still make its deadline at the expected
                 # time (counted as served then), else it is dropped and takes no time
                 m = self.predict(head.rows, head.seq, k_dev=0.0) / 1e3
-                if math.isinf(m) or now + mid_s + m > head.deadline:
+                if math.isinf(m) or start + m > head.deadline:
                     left.pop(0)
                     continue
                 d = max(self.predict(head.rows, head.seq) / 1e3 - m, 0.0)
-                n, t = 1, now + mid_s + m + math.sqrt(var_s + d * d) + self.margin_s
+                n, t = 1, start + m + z * self._spread(var_s, d, start - now + m) + self.margin_s
             chosen = cands[:n]
+            plan = Plan(t, start + m, self._spread(var_s, d, start - now + m))
             for r in chosen:
-                out[id(r)] = t
+                out[id(r)] = plan
             mid_s, var_s = mid_s + m, var_s + d * d
             ids = set(map(id, chosen))
             left = [r for r in left if id(r) not in ids]
         return out
+
+    @staticmethod
+    def _spread(var_s: float, d: float, expected_s: float) -> float:
+        # tail margins in quadrature, never below 5 % of the expected latency (a profile without spread: seeds)
+        return max(math.sqrt(var_s + d * d), 0.05 * expected_s, 1e-4)
 
     def _candidates(self, order: list[Request]) -> list[Request]:
         """The requests that could share a batch with the head of ``order``: the same shape group, in order, up to
@@ -270,18 +296,18 @@ class Lane:
             rows += r.rows
         return cands
 
-    def _feasible(self, cands: list[Request], start: float, var_s: float,
-                  by_plan: bool) -> list[tuple[int, float, float, float]]:
+    def _feasible(self, cands: list[Request], now: float, start: float, var_s: float, by_plan: bool,
+                  z: float = 1.0) -> list[tuple[int, float, float, float]]:
         """``(rows taken, predicted completion s, expected s, tail margin s)`` for each prefix of ``cands`` that,
         started at ``start`` after work whose tail margins' squares sum to ``var_s``, meets every member's planned
-        completion (``by_plan``; their deadlines otherwise)."""
+        completion (``by_plan``; their deadlines otherwise), completions planned at expected + z · spread."""
         out, rows, seq, dl = [], 0, 0, math.inf
         for i, r in enumerate(cands):
             rows, seq = rows + r.rows, max(seq, r.seq or 0)
             dl = min(dl, r.end_by if by_plan else r.deadline)
             m = self.predict(rows, seq or None, k_dev=0.0) / 1e3
             d = max(self.predict(rows, seq or None) / 1e3 - m, 0.0)
-            t = start + m + math.sqrt(var_s + d * d) + self.margin_s
+            t = start + m + z * self._spread(var_s, d, start - now + m) + self.margin_s
             if t > dl:
                 break
             out.append((i + 1, t, m, d))
@@ -295,8 +321,8 @@ class Lane:
         top = max(rate)
         return max(i for i in range(len(feasible)) if round(rate[i], 6) >= 0.95 * top)
 
-    def _closed_form_done(self, req: Request, queued: list[Request], now: float, mid_s: float,
-                          var_s: float) -> float:
+    def _closed_form(self, req: Request, queued: list[Request], now: float, mid_s: float, var_s: float,
+                     z: float) -> "Plan":
         ahead = sum(r.rows for r in queued if r.deadline <= req.deadline)
         b = max(1, self.profile.max_batch_within(req.budget_ms, req.seq, self.max_batch))
         full, rest = divmod(ahead + req.rows, b)
@@ -305,7 +331,9 @@ class Lane:
         m_b, m_r = self.predict(b, req.seq, k_dev=0.0) / 1e3, self.predict(rest, req.seq, k_dev=0.0) / 1e3
         d_b = max(self.predict(b, req.seq) / 1e3 - m_b, 0.0)
         d_r = max(self.predict(rest, req.seq) / 1e3 - m_r, 0.0)
-        return now + mid_s + full * m_b + m_r + math.sqrt(var_s + full * d_b * d_b + d_r * d_r) + self.margin_s
+        expected = mid_s + full * m_b + m_r
+        spread = self._spread(var_s + full * d_b * d_b, d_r, expected)
+        return Plan(now + expected + z * spread + self.margin_s, now + expected, spread)
 
     def enqueue(self, req: Request, cold_limit: int | None = None) -> bool:
         """Queue ``req``; False when the queue is full (or holds ``cold_limit`` already) or the lane is closing."""
@@ -358,7 +386,7 @@ class Lane:
     def _answer(self, req: Request, answer: Result | Rejected) -> None:
         if req.plan_ms > 0.0 and isinstance(answer, Result):
             if answer.error is None:
-                self.calibration.score(req.plan_ms, answer.latency_ms)
+                self.calibration.score(req.plan_ms, answer.latency_ms, req.spread_ms)
             self.calibration.outcome(answer.latency_ms > req.budget_ms or answer.error is not None)
         if req.future.set_running_or_notify_cancel():
             _answering.on = True
@@ -380,10 +408,10 @@ class Lane:
         # prefixes whose predicted completion meets every member's planned completion (its deadline if it has no
         # plan): admission promised each request that much, and later arrivals joining its batch must not break
         # it; when no plan can be kept any more (a stall overran them), deadlines alone
-        by_plan = True
-        feasible = self._feasible(cands, now, 0.0, True)
+        by_plan, z = True, self.calibration.z(now)
+        feasible = self._feasible(cands, now, now, 0.0, True, z)
         if not feasible:
-            by_plan, feasible = False, self._feasible(cands, now, 0.0, False)
+            by_plan, feasible = False, self._feasible(cands, now, now, 0.0, False, z)
         if not feasible:
             expected = self.predict(head.rows, head.seq, k_dev=0.0)
             if math.isinf(expected) or now + expected / 1e3 <= head.deadline:
@@ -478,7 +506,7 @@ class Lane:
                         self._queue = [it for it in self._queue if it[1] is not r]
                         expected = self.predict(r.rows, r.seq, k_dev=0.0)
                         if r.plan_ms > 0.0:  # it would have taken at least this long: a miss of the plan
-                            self.calibration.score(r.plan_ms, (now - r.t_submit) * 1e3 + expected)
+                            self.calibration.score(r.plan_ms, (now - r.t_submit) * 1e3 + expected, r.spread_ms)
                             self.calibration.outcome(True)
                         self._reject(r, DEADLINE, f"deadline in {(r.deadline - now) * 1e3:.1f} ms < expected "
                                                   f"{expected:.1f} ms on {self.name}")
@@ -599,9 +627,12 @@ class BudgetScheduler:
             else:
                 if lane is first and lane.try_inline(req):
                     return req.future
-                plan = lane.estimate_done(req, now)
-                done = plan + lane.calibration.offset_ms(now) / 1e3
-                req.plan_ms, req.due = ((plan - now) * 1e3, plan) if done <= req.deadline else (0.0, 0.0)
+                plan = lane.plan(req, now, lane.calibration.z(now))
+                done = plan.done
+                if done <= req.deadline:
+                    req.plan_ms, req.spread_ms, req.due = (plan.expected - now) * 1e3, plan.spread * 1e3, done
+                else:
+                    req.plan_ms = req.spread_ms = req.due = 0.0
                 if done > req.deadline:
                     said = (f"predicted {(done - now) * 1e3:.1f} ms" if not math.isinf(done)
                             else "no batch meets its deadline and those queued before it")

@@ -18,22 +18,22 @@ from streaming_models import text_request
 from test_streaming_parts import TEXT_IO, backend  # noqa: F401  (the module's tiny real ORT text model)
 
 
-def test_calibration_is_a_rolling_quantile_of_residuals_that_ages_out():
+def test_calibration_is_a_rolling_quantile_of_standardized_residuals_that_ages_out():
     cal = PlanCalibration(quantile=0.9, min_scores=10, horizon_s=2.0, refresh_s=0.0)
-    assert cal.offset_ms(now=0.0) == 0.0  # nothing scored: the plan as it is
+    assert cal.z(now=0.0) == 1.0  # nothing scored: the profile's own tail
     for i in range(9):
-        cal.score(10.0, 30.0, now=0.0)  # residual 20 ms
-    assert cal.offset_ms(now=0.0) == 0.0  # fewer than min_scores
+        cal.score(10.0, 30.0, 2.0, now=0.0)  # 20 ms late on a 2 ms spread: z-score 10
+    assert cal.z(now=0.0) == 1.0  # fewer than min_scores
     for i in range(10):
-        cal.score(10.0, 10.0 + i, now=1.0)  # residuals 0..9 ms
-    assert cal.offset_ms(now=1.0) == 20.0  # 19 scores (0..9 and nine of 20 ms): the 90th percentile, nearest rank
-    assert cal.offset_ms(now=2.5) == pytest.approx(8.0)  # the first nine aged out: 90th percentile of 0..9
-    assert cal.offset_ms(now=10.0) == 0.0  # all aged out: no stale bound keeps rejecting
+        cal.score(10.0, 10.0 + i, 1.0, now=1.0)  # z-scores 0..9
+    assert cal.z(now=1.0) == 10.0  # 19 scores (0..9 and nine of 10): the 90th percentile, nearest rank
+    assert cal.z(now=2.5) == pytest.approx(8.0)  # the first nine aged out: 90th percentile of 0..9
+    assert cal.z(now=10.0) == 1.0  # all aged out: no stale bound keeps rejecting
     for _ in range(20):
-        cal.score(20.0, 5.0, now=11.0)  # a pessimistic plan adds nothing (never below 0)
-    assert cal.offset_ms(now=11.0) == 0.0
-    cal.score(0.0, 5.0)
-    cal.score(float("inf"), 5.0)  # unplanned or unknown: not scored
+        cal.score(20.0, 5.0, 1.0, now=11.0)  # a pessimistic plan: z never below 0 (never before the expected time)
+    assert cal.z(now=11.0) == 0.0
+    cal.score(10.0, 5.0, 0.0)
+    cal.score(float("inf"), 5.0, 1.0)  # no spread or unknown: not scored
     assert cal.to_dict()["scores"] <= 20
     with pytest.raises(ValueError):
         PlanCalibration(quantile=1.0)
@@ -68,7 +68,7 @@ def test_admission_plays_the_queue_forward_and_never_displaces_an_admitted_reque
     r3, u = futs[3].result(), urgent.result()
     assert isinstance(r3, Rejected) and r3.reason == "overload" and not r3.admitted
     assert isinstance(u, Rejected) and u.reason == "overload" and "queued before it" in u.detail
-    plans = sorted(r.plan_ms for _, r in lane._queue)
+    plans = sorted(r.plan_ms for _, r in lane._queue)  # expected latencies: ≈ 200, 300, 400 ms
     assert len(plans) == 3 and plans[0] < plans[1] < plans[2] <= 450 and plans[2] - plans[0] == pytest.approx(
         200, abs=30)
     gate.set()
@@ -95,26 +95,27 @@ def test_a_plan_that_was_optimistic_makes_admission_stricter(backend):
     rng = np.random.default_rng(0)
     first = [sched.submit(text_request(rng, 8), 100).result(10) for _ in range(6)]  # planned 20.5 ms, took 60
     assert all(isinstance(a, Result) for a in first)
-    assert lane.calibration.offset_ms() > 30
-    after = sched.submit(text_request(rng, 8), 55).result(10)  # planned 20.5 ms: fits 55 alone, not calibrated
+    assert lane.calibration.z() > 20  # 40 ms late on a 1 ms spread (5 % of the 20 ms expected)
+    after = sched.submit(text_request(rng, 8), 55).result(10)  # planned 21.5 ms: fits 55 alone, not calibrated
     assert isinstance(after, Rejected) and after.reason == "overload" and not after.admitted
     sched.close()
 
 
 def test_calibration_level_follows_the_miss_rate_seen_within_bounds():
-    """ACI: misses rarer than the target lower the quantile (a smaller offset), a miss raises it at once."""
-    cal = PlanCalibration(quantile=0.99, target_miss=0.01, gamma=0.1, min_scores=1, refresh_s=0.0)
+    """ACI: misses rarer than the target lower the quantile (a smaller z), a miss raises it at once."""
+    cal = PlanCalibration(quantile=0.99, target_miss=0.01, gamma=0.1, min_scores=1, refresh_s=0.0,
+                          alpha_min=0.001)
     for i in range(100):
-        cal.score(10.0, 10.0 + i, now=0.0)  # residuals 0..99 ms
-    assert cal.offset_ms(now=0.0) == 98.0  # the 99th percentile to start with
+        cal.score(10.0, 10.0 + i, 1.0, now=0.0)  # z-scores 0..99
+    assert cal.z(now=0.0) == 98.0  # the 99th percentile to start with
     for _ in range(200):
         cal.outcome(False)  # 200 hits: alpha grows by 0.1 * 0.01 each
-    assert cal.alpha == pytest.approx(0.21, abs=1e-9) and cal.offset_ms(now=0.0) == 78.0
+    assert cal.alpha == pytest.approx(0.21, abs=1e-9) and cal.z(now=0.0) == 78.0
     cal.outcome(True)  # one miss: alpha drops by 0.1 * 0.99
-    assert cal.alpha == pytest.approx(0.111, abs=1e-9) and cal.offset_ms(now=0.0) == 88.0
+    assert cal.alpha == pytest.approx(0.111, abs=1e-9) and cal.z(now=0.0) == 88.0
     for _ in range(100):
         cal.outcome(True)
-    assert cal.alpha == cal.alpha_min  # bounded: the offset tops out at a high percentile, never "reject all"
+    assert cal.alpha == cal.alpha_min  # bounded: z tops out at a high percentile, never "reject all"
     for _ in range(100_000):
         cal.outcome(False)
-    assert cal.alpha == cal.alpha_max and cal.offset_ms(now=0.0) == 49.0  # and bottoms out at the median
+    assert cal.alpha == cal.alpha_max and cal.z(now=0.0) == 49.0  # and bottoms out at the median
