@@ -263,6 +263,26 @@ def test_result_repr_shows_output_shapes_not_values(session):
     assert "\n" not in text and len(text) < 160 and r.outputs["logits"].shape == (3, 4)
 
 
+def test_cpu_fallback_warning_reaches_stderr_once_with_or_without_app_logging(tmp_path):
+    from dsedge.runtime.bundle import IOSpec, Variant
+    from dsedge.toolchain.bundle_writer import write_bundle
+
+    bundle = write_bundle(
+        tmp_path / "mlp-t4.dse", name="mlp", target={"name": "t4", "backend": "tensorrt"},
+        inputs=[IOSpec("x", "float32", ("batch", 64))], outputs=[IOSpec("logits", "float32", ("batch", 4))],
+        models={"models/fp32.onnx": mlp_onnx(tmp_path / "m.onnx")}, variants=[Variant("fp32", "fp32", "models/fp32.onnx")],
+        default_variant="fp32", shape_ranges={"batch": {"min": 1, "opt": 1, "max": 4}})
+    script = ("import logging, sys, dsedge\n"
+              "dsedge.load(sys.argv[1]).close()\n"                       # no logging configured by the app
+              "logging.basicConfig(format='app %(levelname)s %(name)s: %(message)s')\n"
+              "dsedge.load(sys.argv[1]).close()\n")                      # the app's handler, and only it
+    p = subprocess.run([sys.executable, "-c", script, str(bundle)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    warning = "bundle for t4 runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)"
+    assert [line for line in p.stderr.splitlines() if warning in line] == [
+        warning, f"app WARNING dsedge: {warning}"], p.stderr
+
+
 def test_a_checkpoint_marker_naming_files_outside_is_not_loadable(tmp_path):
     """Found beyond the issue: a COMPLETE marker listing ``../../x`` made resume hash files outside the run."""
     import json
