@@ -270,7 +270,8 @@ def test_cpu_fallback_warning_reaches_stderr_once_with_or_without_app_logging(tm
     bundle = write_bundle(
         tmp_path / "mlp-t4.dse", name="mlp", target={"name": "t4", "backend": "tensorrt"},
         inputs=[IOSpec("x", "float32", ("batch", 64))], outputs=[IOSpec("logits", "float32", ("batch", 4))],
-        models={"models/fp32.onnx": mlp_onnx(tmp_path / "m.onnx")}, variants=[Variant("fp32", "fp32", "models/fp32.onnx")],
+        models={"models/fp32.onnx": mlp_onnx(tmp_path / "m.onnx")},
+        variants=[Variant("fp32", "fp32", "models/fp32.onnx")],
         default_variant="fp32", shape_ranges={"batch": {"min": 1, "opt": 1, "max": 4}})
     script = ("import logging, sys, dsedge\n"
               "dsedge.load(sys.argv[1]).close()\n"                       # no logging configured by the app

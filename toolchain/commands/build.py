@@ -51,7 +51,8 @@ from ...runtime.params import OptionalValueCommand
                    "fine-tune to the unpruned teacher.")
 @click.option("--finetune-steps", "finetune_steps", type=click.IntRange(min=0), default=None,
               help="Distillation fine-tune steps after --prune on the calibration inputs [default: 500; 0 = none].")
-@click.option("--qat-steps", "qat_steps", type=click.IntRange(min=0), default=0, is_flag=False, flag_value=500, show_default=True,
+@click.option("--qat-steps", "qat_steps", type=click.IntRange(min=0), default=0, is_flag=False, flag_value=500,
+              show_default=True,
               help="INT4 fake-quant fine-tune (QAT) steps before export, with --precision int4 (0 = off; "
                    "--qat-steps alone = 500).")
 @click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON on stdout (last thing printed).")
