@@ -11,6 +11,8 @@ Nothing here imports torch or the SDK; a ``session`` is anything with ``.inputs`
 """
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -152,12 +154,22 @@ class BenchSettings:
     percentile: str = "p99"
 
     def __post_init__(self) -> None:
-        if self.warmup < 0:
-            raise InputError(f"warmup {self.warmup} is negative", "pass --warmup 0 or more")
-        if self.iterations is not None and self.iterations < 1:
-            raise InputError(f"iterations {self.iterations} is not positive", "pass --iterations 100")
-        if self.duration_s is not None and self.duration_s <= 0:
-            raise InputError(f"duration {self.duration_s} s is not positive", "pass --duration 3")
+        """Raises InputError for a count that is not an integer in range or a duration that is not finite > 0."""
+        flags = {"warmup": "--warmup", "iterations": "--iterations", "min_iterations": None}
+        for name, low in (("warmup", 0), ("iterations", 1), ("min_iterations", 1)):
+            value = getattr(self, name)
+            if value is None and name == "iterations":
+                continue
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)) \
+                    or value < low:
+                flag = f" (dsedge bench {flags[name]} 10)" if flags[name] else ""
+                raise InputError(f"BenchSettings {name} must be an integer >= {low}, got {value!r}",
+                                 f"e.g. BenchSettings({name}=10){flag}")
+        d = self.duration_s
+        if d is not None and (isinstance(d, (bool, np.bool_)) or not isinstance(d, (numbers.Real, np.floating))
+                              or not math.isfinite(d) or d <= 0):
+            raise InputError(f"BenchSettings duration_s must be a finite number of seconds > 0, got {d!r}",
+                             "e.g. BenchSettings(duration_s=3.0) (dsedge bench --duration 3)")
         self.percentile = normalize_percentile(self.percentile)
 
 

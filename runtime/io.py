@@ -158,6 +158,23 @@ def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = 
                          "pass profile='auto'")
 
 
+def check_stream_inputs(inputs: Any, method: str = "stream", allow_async: bool = False) -> None:
+    """Check that ``stream``'s ``inputs`` is an iterable of requests (async iterables too with ``allow_async``),
+    before any thread starts: not a single request (a mapping), an array, a string or a number.
+
+    Raises:
+        InputError: naming the type given.
+    """
+    example = f"session.{method}([{{'x': row}} for row in rows])"
+    if isinstance(inputs, Mapping):
+        raise InputError(f"{method}() takes an iterable of requests, got a single request (a mapping)",
+                         f"wrap it in a list: session.{method}([inputs]), or use session.submit(inputs)")
+    iterable = hasattr(inputs, "__iter__") or (allow_async and hasattr(inputs, "__aiter__"))
+    if not iterable or isinstance(inputs, (str, bytes, np.ndarray)):
+        raise InputError(f"{method}() takes an iterable of requests (each a mapping of input name to array), "
+                         f"got {type(inputs).__name__}", f"e.g. {example}")
+
+
 def check_finite(arrays: Mapping[str, Any], error: type[DsedgeError] = InputError, where: str = "") -> None:
     """Refuse NaN or infinite values in float arrays (calibration and held-out data: one NaN poisons every
     activation range, a GPTQ Hessian, or a SmoothQuant scale). Raises ``error`` naming the array and the count."""

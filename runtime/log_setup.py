@@ -1,7 +1,8 @@
 """Logging for the ``dsedge`` command: one stderr handler at the level ``-v`` / ``-q`` ask for, and Python warnings
 (third-party ``TracerWarning``, ``UserWarning``, …) routed to the log, where they show with ``-v`` only.
 
-As a library dsedge installs only a ``NullHandler`` on the ``dsedge`` logger (the application configures logging).
+As a library dsedge installs no handler: the application configures logging; without any, WARNING and above reach
+stderr through Python's last-resort handler.
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """Click parameter types for numeric flags: finite numbers in a range (``click.FloatRange`` lets NaN through, since
-every comparison with NaN is false, and accepts infinity)."""
+every comparison with NaN is false, and accepts infinity), and a command class that gives options with an optional
+value a clear error for a negative number."""
 from __future__ import annotations
 
 import math
+import re
 
 import click
 
@@ -37,3 +39,29 @@ class FiniteFloat(click.ParamType):
 
     def __repr__(self) -> str:
         return f"FiniteFloat({self.min}, {self.max})"
+
+
+_NEGATIVE = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+class OptionalValueCommand(click.Command):
+    """A command whose options with an optional value (``is_flag=False, flag_value=…``, e.g. ``--qat-steps`` alone
+    = 500) refuse a negative number given to them with a usage error naming the option (exit 2). Without this,
+    click reads the ``-1`` of ``--qat-steps -1`` (and of ``--qat-steps=-1``) as an option: "No such option '-1'"."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        optional = [p for p in self.params if isinstance(p, click.Option) and getattr(p, "_flag_needs_value", False)]
+        for i, arg in enumerate(args):
+            if arg == "--":
+                break
+            for p in optional:
+                for name in p.opts:
+                    if arg.startswith(name + "="):
+                        value = arg[len(name) + 1:]
+                    elif arg == name and i + 1 < len(args):
+                        value = args[i + 1]
+                    else:
+                        continue
+                    if _NEGATIVE.fullmatch(value):
+                        raise click.BadParameter(f"{value} is not a non-negative integer", ctx=ctx, param=p)
+        return super().parse_args(ctx, args)

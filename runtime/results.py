@@ -16,7 +16,15 @@ DEADLINE = "deadline"    # at dispatch: admitted, then dropped at its deadline (
 SHUTDOWN = "shutdown"    # the session closed before the request ran
 
 
-@dataclass(frozen=True)
+def describe_array(value: Any) -> str:
+    """``float32[2, 4]`` for an array (dtype and shape, not its values); the type name for anything else."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return type(value).__name__
+    return f"{dtype}[{', '.join(map(str, shape))}]"
+
+
+@dataclass(frozen=True, repr=False)
 class Result:
     """An answered request.
 
@@ -30,6 +38,8 @@ class Result:
         variant: the bundle variant that served it (``"int8"``, …; differs from the session's under cascade).
         budget_ms: the latency budget the request was admitted with.
         error: ``"ExceptionType: message"`` when the backend failed this request's batch, else None.
+
+    ``repr`` is one short line: the outputs as name → dtype[shape], not their values.
     """
 
     id: Any
@@ -50,6 +60,11 @@ class Result:
     def within_budget(self) -> bool:
         """True when answered without error and ``latency_ms <= budget_ms`` (counts toward goodput)."""
         return self.error is None and self.latency_ms <= self.budget_ms
+
+    def __repr__(self) -> str:
+        outputs = ", ".join(f"{name!r}: {describe_array(v)}" for name, v in self.outputs.items())
+        return (f"Result(id={self.id!r}, variant={self.variant!r}, latency_ms={self.latency_ms:.3f}, "
+                f"batch_size={self.batch_size}, outputs={{{outputs}}}, error={self.error!r})")
 
 
 @dataclass(frozen=True)

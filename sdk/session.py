@@ -18,7 +18,7 @@ from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import SessionClosedError
 from .runtime.golden import check_backend
 from .runtime.signing import check_signature
-from .runtime.io import check_request_options, check_session_options, validate_inputs
+from .runtime.io import check_request_options, check_session_options, check_stream_inputs, validate_inputs
 from .runtime.metrics import StreamMetrics
 from .runtime.results import Rejected, Result
 from .runtime.streaming import StreamingCore
@@ -180,8 +180,10 @@ class Session:
         Each answer's ``id`` is the item's index. At most ``window`` requests are in flight (default two full
         batches): the iterable is read as answers come back, so a long stream does not flood the queue. A
         separate thread reads ``inputs``, so a slow source does not hold back finished answers.
-        Raises InputError (from the item that failed validation) or SessionClosedError.
+        Raises InputError (at the call for ``inputs`` that is not an iterable of requests, else from the item that
+        failed validation) or SessionClosedError.
         """
+        check_stream_inputs(inputs)
         check_session_options(self.path, window=window)
         core = self._core()
         return core.stream(lambda item, i: self.submit(item, budget_ms=budget_ms, priority=priority, id=i), inputs,
@@ -192,11 +194,18 @@ class Session:
         """``await`` form of ``submit(...).result()`` for asyncio code (same arguments and errors)."""
         return await asyncio.wrap_future(self.submit(inputs, budget_ms=budget_ms, priority=priority, id=id))
 
-    async def stream_async(self, inputs: Iterable[Mapping[str, Any]] | AsyncIterator[Mapping[str, Any]],
-                           budget_ms: float | None = None, ordered: bool = False, priority: int = 0,
-                           window: int | None = None) -> AsyncIterator[Result | Rejected]:
-        """``async for`` form of ``stream`` over a sync or async iterable (same ids, order and window)."""
+    def stream_async(self, inputs: Iterable[Mapping[str, Any]] | AsyncIterator[Mapping[str, Any]],
+                     budget_ms: float | None = None, ordered: bool = False, priority: int = 0,
+                     window: int | None = None) -> AsyncIterator[Result | Rejected]:
+        """``async for`` form of ``stream`` over a sync or async iterable (same ids, order, window and errors;
+        ``inputs`` and ``window`` are checked at the call)."""
+        check_stream_inputs(inputs, "stream_async", allow_async=True)
         check_session_options(self.path, window=window)
+        return self._stream_async(inputs, budget_ms, ordered, priority, window)
+
+    async def _stream_async(self, inputs: Iterable[Mapping[str, Any]] | AsyncIterator[Mapping[str, Any]],
+                            budget_ms: float | None, ordered: bool, priority: int,
+                            window: int | None) -> AsyncIterator[Result | Rejected]:
         core = self._core()
         async for answer in core.stream_async(
                 lambda item, i: self.submit(item, budget_ms=budget_ms, priority=priority, id=i), inputs,

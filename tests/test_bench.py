@@ -407,3 +407,21 @@ def test_uses_gpu_reads_backend_and_providers() -> None:
     assert core.uses_gpu(NS(backend_name="tensorrt", providers=["TensorRT 10.3.0 (DLA 0)"]))
     assert core.uses_gpu(NS(backend_name="onnxruntime", providers=["CUDAExecutionProvider", "CPUExecutionProvider"]))
     assert not core.uses_gpu(NS(backend_name="onnxruntime", providers=["CPUExecutionProvider"]))
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"duration_s": float("inf")}, "BenchSettings duration_s must be a finite number of seconds > 0, got inf"),
+    ({"duration_s": float("nan")}, "BenchSettings duration_s must be a finite number of seconds > 0, got nan"),
+    ({"duration_s": -2.0}, "BenchSettings duration_s must be a finite number of seconds > 0, got -2.0"),
+    ({"warmup": -1}, "BenchSettings warmup must be an integer >= 0, got -1"),
+    ({"iterations": float("nan")}, "BenchSettings iterations must be an integer >= 1, got nan"),
+    ({"iterations": 2.5}, "BenchSettings iterations must be an integer >= 1, got 2.5"),
+    ({"min_iterations": 0}, "BenchSettings min_iterations must be an integer >= 1, got 0"),
+], ids=["inf", "nan", "negative", "warmup", "iterations-nan", "iterations-float", "min_iterations"])
+def test_bench_settings_refuse_non_finite_durations_and_bad_counts(kw, words) -> None:
+    import re
+
+    with pytest.raises(InputError, match=re.escape(words)) as e:
+        core.BenchSettings(**kw)
+    assert e.value.hint.startswith("e.g. BenchSettings(")
+    assert core.BenchSettings(warmup=np.int64(0), duration_s=np.float32(0.5)).duration_s == 0.5

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -102,3 +103,42 @@ def test_prune_json_prints_the_report_last(tmp_path):
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["output"] == str(tmp_path / "p.onnx") and len(report["layers"]) == 2
+
+
+def _main(args, capsys):
+    from dsedge.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_accuracy_gate_thresholds_outside_the_metric_range_are_refused_at_plan_time(tmp_path, capsys):
+    model = mlp_onnx(tmp_path / "m.onnx")
+    code, _, err = _main(["build", "--target", "cpu", "--model", model, "--out", tmp_path / "o",
+                          "--accuracy-gate", "cosine:-1"], capsys)
+    assert code not in (0, None) and "Traceback" not in err and not (tmp_path / "o").exists()
+    assert err.splitlines() == ["error: accuracy gate 'cosine:-1': a cosine threshold must be in (0, 1]",
+                                "  hint: a cosine gate at or below 0 passes almost any model; e.g. cosine:0.99"]
+    for spec, text in (("cosine:0", "a cosine threshold must be in (0, 1]"),
+                       ("top1:0", "a top1 threshold must be in (0, 1]"),
+                       ("cosine-min:nan", "the threshold is not a finite number"),
+                       ("cosine:0.99,top1:1.5", "can never be judged: top1 lies in [0, 1]")):
+        with pytest.raises(ConfigError, match=re.escape(text)):
+            plan_build(BuildConfig(model=str(model), target="cpu", accuracy_gate=spec))
+    from dsedge.toolchain.quantize.mixed import parse_gate
+
+    for spec in ("auc-drop:-0.01", "accuracy-drop:1", "auc-drop:inf"):
+        with pytest.raises(ConfigError, match=r"threshold (must be in \[0, 1\)|is not a finite number)"):
+            parse_gate(spec)
+    assert parse_gate("cosine:1").threshold == 1.0 and parse_gate("auc-drop:0").threshold == 0.0
+
+
+def test_a_negative_qat_steps_is_a_usage_error_naming_the_option(capsys):
+    for args in (["--qat-steps", "-1"], ["--qat-steps=-1"]):
+        code, _, err = _main(["build", "--target", "cpu", "--model", "nowhere.onnx", *args], capsys)
+        assert code == 2 and "Error: Invalid value for '--qat-steps': -1 is not a non-negative integer" in err
+        assert "No such option" not in err
+    code, _, err = _main(["build", "--model", "nowhere.onnx", "--finetune-steps", "-3"], capsys)
+    assert code == 2 and "Invalid value for '--finetune-steps': -3 is not in the range x>=0" in err

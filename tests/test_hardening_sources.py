@@ -2,6 +2,7 @@
 writes an invalid graph, every model is fully checked before it enters a bundle; request options checked."""
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -226,6 +227,61 @@ def test_quantize_api_refuses_nan_calibration_batches(tmp_path):
 def test_stream_window_is_checked(session, window):
     with pytest.raises(InputError, match="window must be an integer >= 1"):
         list(session.stream([{"x": np.ones((1, 64), np.float32)}], window=window))
+
+
+@pytest.mark.parametrize("inputs, words", [
+    (5, "stream() takes an iterable of requests (each a mapping of input name to array), got int"),
+    ({"x": np.ones((1, 64), np.float32)}, "stream() takes an iterable of requests, got a single request"),
+    (np.ones((4, 64), np.float32), "stream() takes an iterable of requests (each a mapping of input name to array), "
+                                   "got ndarray"),
+], ids=["int", "mapping", "ndarray"])
+def test_stream_of_something_not_iterable_is_an_input_error_at_the_call(session, inputs, words):
+    import asyncio
+    import threading
+
+    threads = threading.active_count()
+    with pytest.raises(InputError, match=re.escape(words)) as e:
+        session.stream(inputs)        # at the call: no iteration, no feeder thread
+    assert e.value.hint and threading.active_count() == threads
+    with pytest.raises(InputError, match=re.escape(words.replace("stream()", "stream_async()"))):
+        session.stream_async(inputs)
+
+    async def agen():
+        yield {"x": np.ones((1, 64), np.float32)}
+
+    async def drain():
+        return [r async for r in session.stream_async(agen())]
+
+    assert [r.ok for r in asyncio.run(drain())] == [True]
+
+
+def test_result_repr_shows_output_shapes_not_values(session):
+    r = session.submit({"x": np.ones((3, 64), np.float32)}, id="req-1").result(timeout=30)
+    text = repr(r)
+    assert text.startswith("Result(id='req-1', variant='fp32', latency_ms=")
+    assert text.endswith(f"batch_size={r.batch_size}, outputs={{'logits': float32[3, 4]}}, error=None)")
+    assert "\n" not in text and len(text) < 160 and r.outputs["logits"].shape == (3, 4)
+
+
+def test_cpu_fallback_warning_reaches_stderr_once_with_or_without_app_logging(tmp_path):
+    from dsedge.runtime.bundle import IOSpec, Variant
+    from dsedge.toolchain.bundle_writer import write_bundle
+
+    bundle = write_bundle(
+        tmp_path / "mlp-t4.dse", name="mlp", target={"name": "t4", "backend": "tensorrt"},
+        inputs=[IOSpec("x", "float32", ("batch", 64))], outputs=[IOSpec("logits", "float32", ("batch", 4))],
+        models={"models/fp32.onnx": mlp_onnx(tmp_path / "m.onnx")},
+        variants=[Variant("fp32", "fp32", "models/fp32.onnx")],
+        default_variant="fp32", shape_ranges={"batch": {"min": 1, "opt": 1, "max": 4}})
+    script = ("import logging, sys, dsedge\n"
+              "dsedge.load(sys.argv[1]).close()\n"                       # no logging configured by the app
+              "logging.basicConfig(format='app %(levelname)s %(name)s: %(message)s')\n"
+              "dsedge.load(sys.argv[1]).close()\n")                      # the app's handler, and only it
+    p = subprocess.run([sys.executable, "-c", script, str(bundle)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    warning = "bundle for t4 runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)"
+    assert [line for line in p.stderr.splitlines() if warning in line] == [
+        warning, f"app WARNING dsedge: {warning}"], p.stderr
 
 
 def test_a_checkpoint_marker_naming_files_outside_is_not_loadable(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 
 import grpc
 import numpy as np
@@ -313,6 +314,14 @@ def test_logs_are_json_lines(server):
     assert all({"ts", "level", "logger"} <= set(r) for r in records)
 
 
+def test_each_log_line_is_printed_once(server):
+    records = [json.loads(line) for line in server.log().splitlines() if line.strip()]
+    started = [r for r in records if r["msg"].startswith("Started server process")]
+    assert len(started) == 1 and started[0]["logger"] == "uvicorn.error"   # two uvicorn servers, one process
+    lines = [tuple(sorted((k, str(v)) for k, v in r.items() if k != "ts")) for r in records]
+    assert len(lines) == len(set(lines))
+
+
 def test_gzip_request_and_typed_grpc_contents(server, client, reference):
     from tritonclient.grpc import service_pb2 as pb
     from tritonclient.grpc import service_pb2_grpc as pb_grpc
@@ -350,6 +359,30 @@ def test_bundle_names_and_cli_errors(tmp_path):
         p = subprocess.run([sys.executable, "-m", "dsedge", *args, "--http-port", "0", "--grpc-port", "0",
                             "--metrics-port", "0"], capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_bad_numbers_are_refused_before_the_server_starts(tmp_path, capsys):
+    from dsedge.cli import main
+    from dsedge.runtime.errors import ConfigError
+    from dsedge.serve import ServeConfig
+
+    for args, message in ((["--budget-ms", "nan"], "Invalid value for '--budget-ms': 'nan' is not a finite number"),
+                          (["--budget-ms", "inf"], "Invalid value for '--budget-ms': 'inf' is not a finite number"),
+                          (["--drain-timeout", "nan"], "Invalid value for '--drain-timeout': 'nan' is not a finite")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", str(tmp_path / "never-opened.dse"), "--http-port", "0", "--grpc-port", "0",
+                  "--metrics-port", "0", *args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and "not a dsedge bundle" not in err, err
+    for kwargs, message in ((dict(budget_ms=float("nan")), "--budget-ms nan is not a finite number of milliseconds > 0"),
+                            (dict(budget_ms=-5.0), "--budget-ms -5.0 is not a finite number of milliseconds > 0"),
+                            (dict(drain_timeout_s=float("inf")), "--drain-timeout inf is not a finite number"),
+                            (dict(max_batch=0), "--max-batch 0 is not an integer >= 1"),
+                            (dict(max_queue=1.5), "--max-queue 1.5 is not an integer >= 0"),
+                            (dict(http_port=70000), "--http-port 70000 is not a port in 0..65535")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            ServeConfig(bundles=["never-opened.dse"], **kwargs)
+    assert ServeConfig(bundles=["b.dse"], budget_ms=15, http_port=None).budget_ms == 15
 
 
 def test_priority_gate_orders_bounds_and_times_out():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import click
 
 from ..runtime.errors import DsedgeError
+from ..runtime.params import FiniteFloat
 
 
 def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
@@ -32,7 +33,7 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
               help="Prometheus /metrics port, 0 = any, off.")
 @click.option("--variant", default=None, help="Variant each model serves (default: the bundle's default).")
 @click.option("--cascade", is_flag=True, help="Let a cheaper variant serve requests the primary cannot meet in budget.")
-@click.option("--budget-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--budget-ms", type=FiniteFloat(min=0, min_open=True), default=None,
               help="Default latency budget, ms, for requests naming none (default: the manifest's, else the target's).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Most rows per batch.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads per variant.")
@@ -49,7 +50,7 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
               help="Triton priority levels: 1 is the highest.")
 @click.option("--default-priority", type=click.IntRange(min=1), default=2, show_default=True,
               help="Level of requests with priority 0 or none.")
-@click.option("--drain-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
+@click.option("--drain-timeout", type=FiniteFloat(min=0), default=10.0, show_default=True,
               help="Seconds SIGTERM lets queued requests run before rejecting the rest.")
 @click.option("--auth-token-file", type=click.Path(dir_okay=False), default=None,
               help="Require 'Authorization: Bearer <token in this file>' (HTTP and gRPC; health stays open).")

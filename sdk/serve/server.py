@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
+import math
+import numbers
 import signal
 import socket
 import sys
@@ -56,6 +59,36 @@ class ServeConfig:
     log_format: str = "text"
     log_level: str = "info"
     http_impl: str = "auto"  # uvicorn's HTTP/1.1 parser: "auto" (httptools when installed), "h11", "httptools"
+
+    def __post_init__(self) -> None:
+        """Refuse a bad number before anything starts. Raises ConfigError (option, value and the range)."""
+        def bad(option: str, value: Any, wanted: str, example: str) -> ConfigError:
+            return ConfigError(f"{option} {value!r} is not {wanted}", f"e.g. {option} {example}")
+
+        if self.budget_ms is not None and not (_finite(self.budget_ms) and self.budget_ms > 0):
+            raise bad("--budget-ms", self.budget_ms, "a finite number of milliseconds > 0", "15")
+        if not (_finite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
+            raise bad("--drain-timeout", self.drain_timeout_s, "a finite number of seconds >= 0", "10")
+        for option, value, least in (("--max-batch", self.max_batch, 1), ("--threads", self.threads, 1),
+                                     ("--max-inflight", self.max_inflight, 1), ("--max-queue", self.max_queue, 0),
+                                     ("--max-body-bytes", self.max_body_bytes, 1024),
+                                     ("--max-connections", self.max_connections, 1),
+                                     ("--priority-levels", self.priority_levels, 1),
+                                     ("--default-priority", self.default_priority, 1)):
+            if value is not None and not (_integer(value) and value >= least):
+                raise bad(option, value, f"an integer >= {least}", str(max(least, 2)))
+        for option, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
+                             ("--metrics-port", self.metrics_port)):
+            if port is not None and not (_integer(port) and 0 <= port <= 65535):
+                raise bad(option, port, "a port in 0..65535 (0 = any free port) or None (off)", "0")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _integer(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass
@@ -102,8 +135,36 @@ class _TextFormatter(logging.Formatter):
         return base + ("".join(f" {k}={v}" for k, v in fields.items()) if fields else "")
 
 
+# which uvicorn server (HTTP, or /metrics on its own port) a task serves: uvicorn logs both to "uvicorn.error"
+_listener: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsedge_serve_listener", default=None)
+_PROCESS_LINES = ("Started server process", "Finished server process")   # about the process, not one listener
+
+
+class _OneLinePerProcess(logging.Filter):
+    """Each uvicorn server logs "Started/Finished server process [pid]": keep those of the first listener only,
+    and name the listener (``listener=metrics``) on its other lines ("Shutting down", errors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = _listener.get()
+        if kind is None or not record.name.startswith("uvicorn"):
+            return True
+        if str(record.msg).startswith(_PROCESS_LINES):
+            self.first = self.first or kind
+            return kind == self.first
+        fields = getattr(record, "fields", None) or {}
+        record.fields = {**fields, "listener": kind}
+        return True
+
+
 def setup_logging(fmt: str, level: str) -> None:
+    """One stderr handler (text or JSON lines) for the ``dsedge`` and uvicorn loggers; nothing propagates to the
+    root logger, so each line is printed once."""
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_OneLinePerProcess())
     handler.setFormatter(_JsonFormatter() if fmt == "json" else
                          _TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for name in ("dsedge", "uvicorn", "uvicorn.error"):
@@ -190,7 +251,11 @@ async def serve(cfg: ServeConfig) -> int:
                               ssl_certfile=cfg.tls_cert if kind == "http" else None,
                               ssl_keyfile=cfg.tls_key if kind == "http" else None)
         srv = _Server(conf)
-        servers.append((srv, asyncio.ensure_future(srv.serve(sockets=[sock]))))
+        token = _listener.set(kind)   # the task copies the context: its uvicorn log lines know their listener
+        try:
+            servers.append((srv, asyncio.ensure_future(srv.serve(sockets=[sock]))))
+        finally:
+            _listener.reset(token)
         ready_parts.append(f"{kind}={_fmt(cfg.host, sock.getsockname()[1])}")
 
     if cfg.http_port is not None:

@@ -9,8 +9,10 @@ from typing import Any, Callable, ContextManager, Iterator
 import click
 from click.core import ParameterSource
 
+from ...runtime.params import OptionalValueCommand
 
-@click.command("build")
+
+@click.command("build", cls=OptionalValueCommand)
 @click.option("--target", "-t", default="jetson", show_default=True,
               help="Target name or alias (jetson, cpu, …) or a profile file ./my-device.toml.")
 @click.option("--model", "-m", default=None,
@@ -47,9 +49,10 @@ from click.core import ParameterSource
               help="Prune the torch source before export: channels:FRACTION (FFN hidden channels, global target, "
                    "e.g. channels:0.3) or 2:4 (targets with sparse tensor cores: a100, h100, jetson-orin); then "
                    "fine-tune to the unpruned teacher.")
-@click.option("--finetune-steps", "finetune_steps", type=int, default=None,
+@click.option("--finetune-steps", "finetune_steps", type=click.IntRange(min=0), default=None,
               help="Distillation fine-tune steps after --prune on the calibration inputs [default: 500; 0 = none].")
-@click.option("--qat-steps", "qat_steps", type=int, default=0, is_flag=False, flag_value=500, show_default=True,
+@click.option("--qat-steps", "qat_steps", type=click.IntRange(min=0), default=0, is_flag=False, flag_value=500,
+              show_default=True,
               help="INT4 fake-quant fine-tune (QAT) steps before export, with --precision int4 (0 = off; "
                    "--qat-steps alone = 500).")
 @click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON on stdout (last thing printed).")

@@ -28,7 +28,11 @@ from .weight_only import QuantizedLayer, assemble, layer_activations, quantize_l
 # drops (auc-drop, accuracy-drop) need a caller-supplied metric function.
 METRICS = {"cosine": True, "cosine-min": True, "top1": True, "auc-drop": False, "accuracy-drop": False}
 BUILTIN = ("cosine", "cosine-min", "top1")
-RANGES = {"cosine": (-1.0, 1.0), "cosine-min": (-1.0, 1.0), "top1": (0.0, 1.0)}
+RANGES = {"cosine": (-1.0, 1.0), "cosine-min": (-1.0, 1.0), "top1": (0.0, 1.0)}   # values a metric can take
+# thresholds a gate accepts: higher-is-better in (0, 1] (at or below 0 every model passes); drops, as fractions of
+# the original's score, in [0, 1) (a negative drop asks the compressed model to beat the original, 1 passes all)
+THRESHOLDS = {"cosine": "(0, 1]", "cosine-min": "(0, 1]", "top1": "(0, 1]", "auc-drop": "[0, 1)",
+              "accuracy-drop": "[0, 1)"}
 LADDER = (4, 8, 32)
 RUNG_NAMES = {4: "int4", 8: "int8", 32: "float"}
 
@@ -57,7 +61,8 @@ class AccuracyGate:
 
 
 def parse_gate(spec: str) -> AccuracyGate:
-    """``"cosine:0.99"`` → AccuracyGate. Raises ConfigError on an unknown metric or a bad number."""
+    """``"cosine:0.99"`` → AccuracyGate. Raises ConfigError on an unknown metric, a bad number, or a threshold
+    outside ``THRESHOLDS`` (cosine, cosine-min, top1 in (0, 1]; auc-drop, accuracy-drop in [0, 1))."""
     metric, sep, value = spec.partition(":")
     metric = metric.strip().lower()
     if not sep or metric not in METRICS:
@@ -67,11 +72,26 @@ def parse_gate(spec: str) -> AccuracyGate:
         threshold = float(value)
     except ValueError:
         raise ConfigError(f"accuracy gate {spec!r}: {value!r} is not a number", "e.g. cosine:0.99") from None
+    check_threshold(spec, metric, threshold)
+    return AccuracyGate(metric, threshold)
+
+
+def check_threshold(spec: str, metric: str, threshold: float) -> None:
+    """Refuse a threshold outside ``THRESHOLDS[metric]`` (NaN and infinities too) with a ConfigError."""
+    if not np.isfinite(threshold):
+        raise ConfigError(f"accuracy gate {spec!r}: the threshold is not a finite number", "e.g. cosine:0.99")
     lo, hi = RANGES.get(metric, (-np.inf, np.inf))
-    if not lo <= threshold <= hi:
+    if threshold > hi:
         raise ConfigError(f"accuracy gate {spec!r} can never be judged: {metric} lies in [{lo:g}, {hi:g}]",
                           "e.g. cosine:0.99, top1:0.95")
-    return AccuracyGate(metric, threshold)
+    if METRICS[metric]:
+        if threshold <= 0:
+            raise ConfigError(f"accuracy gate {spec!r}: a {metric} threshold must be in {THRESHOLDS[metric]}",
+                              f"a {metric} gate at or below 0 passes almost any model; e.g. {metric}:0.99")
+    elif not 0 <= threshold < 1:
+        raise ConfigError(f"accuracy gate {spec!r}: a {metric} threshold must be in {THRESHOLDS[metric]}",
+                          f"the largest drop allowed, as a fraction: e.g. {metric}:0.01 (one point); "
+                          "0 = no drop at all")
 
 
 def parse_gates(spec: str) -> list[AccuracyGate]:
