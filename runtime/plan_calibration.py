@@ -49,15 +49,15 @@ class PlanCalibration:
         refresh_s: ``z`` is recomputed at most this often, s (``z()`` runs on every admission).
         target_miss: the share of planned requests allowed to miss that α is steered to.
         gamma: the ACI step size (per resolved request).
-        alpha_min / alpha_max: bounds of α (``z`` stays between the recent scores' median and 99.5th percentile).
+        alpha_min / alpha_max: bounds of α (``z`` stays between the recent scores' median and 99th percentile: one outlier among 50 scores does not set it).
     Raises:
         ValueError: ``quantile`` outside (0.5, 1).
     Thread-safe.
     """
 
-    def __init__(self, quantile: float = 0.99, window: int = 512, horizon_s: float = 1.0, min_scores: int = 20,
-                 default_z: float = 1.0, z_max: float = 100.0, refresh_s: float = 0.02, *,
-                 target_miss: float = 0.005, gamma: float = 0.05, alpha_min: float = 0.005,
+    def __init__(self, quantile: float = 0.99, window: int = 512, horizon_s: float = 1.0, min_scores: int = 50,
+                 default_z: float = 1.0, z_max: float = 20.0, refresh_s: float = 0.02, *,
+                 target_miss: float = 0.005, gamma: float = 0.05, alpha_min: float = 0.01,
                  alpha_max: float = 0.5) -> None:
         if not 0.5 < quantile < 1.0:
             raise ValueError(f"quantile must be in (0.5, 1), got {quantile}")

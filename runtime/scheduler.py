@@ -239,7 +239,11 @@ class Lane:
         if pos < len(queued):
             # req goes ahead of others: it must not make an admitted request miss that would have made it
             without = self._play(queued, now, rem_mid, rem_var, z)
-            if any(id(r) in without and id(r) not in with_req for r in queued[pos:]):
+
+            def kept(plans: dict, r: Request) -> bool:
+                return id(r) in plans and plans[id(r)].done <= r.deadline
+
+            if any(kept(without, r) and not kept(with_req, r) for r in queued[pos:]):
                 return Plan(math.inf, math.inf, 0.0)
         return got
 
@@ -280,8 +284,9 @@ class Lane:
 
     @staticmethod
     def _spread(var_s: float, d: float, expected_s: float) -> float:
-        # tail margins in quadrature, never below 5 % of the expected latency (a profile without spread: seeds)
-        return max(math.sqrt(var_s + d * d), 0.05 * expected_s, 1e-4)
+        # tail margins in quadrature, never below 20 % of the expected latency: a window of a few samples (a cold
+        # lane, seeds without spread) says nothing about the tail, and a residual over a tiny spread would set z
+        return max(math.sqrt(var_s + d * d), 0.2 * expected_s, 5e-4)
 
     def _candidates(self, order: list[Request]) -> list[Request]:
         """The requests that could share a batch with the head of ``order``: the same shape group, in order, up to

@@ -60,9 +60,10 @@ def test_admission_plays_the_queue_forward_and_never_displaces_an_admitted_reque
     blocker = sched.submit(text_request(rng, 8), 60_000, id="blocker")
     while lane._busy_until == 0.0:  # the blocker is on the backend, predicted to end 100 ms after it started
         time.sleep(0.001)
-    # batch 1, 100 ms each behind a batch predicted to end within 100 ms: planned ≈ 200, 300, 400, 500 ms
-    futs = [sched.submit(text_request(rng, 8), 450, id=f"r{i}") for i in range(4)]
-    # an earlier deadline would go first: it fits its own 250 ms, but would push r2 past its 450 ms
+    # batch 1, 100 ms each behind a batch predicted to end within 100 ms: expected ≈ 200, 300, 400, 500 ms, planned
+    # with a spread of 20 % (a profile without spread) at ≈ 240, 360, 480, 600 ms
+    futs = [sched.submit(text_request(rng, 8), 500, id=f"r{i}") for i in range(4)]
+    # an earlier deadline would go first: it fits its own 250 ms, but would push r2 past its 500 ms
     urgent = sched.submit(text_request(rng, 8), 250, id="urgent")
     assert [f.done() for f in futs] == [False, False, False, True]
     r3, u = futs[3].result(), urgent.result()
@@ -95,8 +96,8 @@ def test_a_plan_that_was_optimistic_makes_admission_stricter(backend):
     rng = np.random.default_rng(0)
     first = [sched.submit(text_request(rng, 8), 100).result(10) for _ in range(6)]  # planned 20.5 ms, took 60
     assert all(isinstance(a, Result) for a in first)
-    assert lane.calibration.z() > 20  # 40 ms late on a 1 ms spread (5 % of the 20 ms expected)
-    after = sched.submit(text_request(rng, 8), 55).result(10)  # planned 21.5 ms: fits 55 alone, not calibrated
+    assert lane.calibration.z() > 8  # 40 ms late on a 4 ms spread (20 % of the 20 ms expected)
+    after = sched.submit(text_request(rng, 8), 55).result(10)  # planned 24.5 ms: fits 55 alone, not calibrated
     assert isinstance(after, Rejected) and after.reason == "overload" and not after.admitted
     sched.close()
 
@@ -104,7 +105,7 @@ def test_a_plan_that_was_optimistic_makes_admission_stricter(backend):
 def test_calibration_level_follows_the_miss_rate_seen_within_bounds():
     """ACI: misses rarer than the target lower the quantile (a smaller z), a miss raises it at once."""
     cal = PlanCalibration(quantile=0.99, target_miss=0.01, gamma=0.1, min_scores=1, refresh_s=0.0,
-                          alpha_min=0.001)
+                          alpha_min=0.001, z_max=1000.0)
     for i in range(100):
         cal.score(10.0, 10.0 + i, 1.0, now=0.0)  # z-scores 0..99
     assert cal.z(now=0.0) == 98.0  # the 99th percentile to start with
