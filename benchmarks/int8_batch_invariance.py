@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
     from dsedge.toolchain.export import export_onnx
-    from dsedge.toolchain.quantize.compress import fusable_export
+    from dsedge.toolchain.stages.compressors import fusable_export
     from dsedge.toolchain.quantize.int8 import _save, fuse_transformer, quantize_int8_dynamic
     from dsedge.toolchain.quantize.int8_rowwise import quantize_int8_rowwise
     from dsedge.toolchain.sources import resolve_source
