@@ -56,7 +56,7 @@ class PlanCalibration:
     """
 
     def __init__(self, quantile: float = 0.99, window: int = 512, horizon_s: float = 1.0, min_scores: int = 50,
-                 default_z: float = 1.0, z_max: float = 20.0, refresh_s: float = 0.02, *,
+                 default_z: float = 1.0, z_max: float = 5.0, refresh_s: float = 0.02, *,
                  target_miss: float = 0.005, gamma: float = 0.05, alpha_min: float = 0.01,
                  alpha_max: float = 0.5) -> None:
         if not 0.5 < quantile < 1.0:

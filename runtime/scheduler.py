@@ -3,7 +3,7 @@
 One ``Lane`` per served variant: a backend, its ``LatencyProfile``, a bounded EDF queue and one worker thread.
 When the worker is free it takes the earliest deadline in its queue (priority, then arrival, break ties) and forms
 a batch of compatible requests, in deadline order, whose predicted completion still meets the earliest deadline
-in it — or the earliest planned completion, for requests admitted with a plan (see Admission) — (the EDF rule, Liu & Layland 1973, applied to batches as in Clipper, Crankshaw et al., NSDI 2017): the
+in it (the EDF rule, Liu & Layland 1973, applied to batches as in Clipper, Crankshaw et al., NSDI 2017): the
 largest such batch, unless a smaller one serves clearly more rows per ms (>5 %; padding short rows to the longest
 one can make a big batch slower per row than a small one). It holds the batch open only while arrivals outpace
 what that batch size can serve *and* one more row still fits the deadline; it dispatches at once when waiting
@@ -14,8 +14,8 @@ the expected time but not the tail runs alone.
 Predictions are the profile's tail estimate of service time (see runtime/latency_profile.py: a sliding-window
 quantile per batch size and length bucket, fed only by measured service times, never by request latencies).
 Nothing multiplies them, so no run of late answers can lock a lane. What keeps an over-estimate from sticking
-when a lane rejects everything (so nothing runs that would correct it): the request last refused for its budget
-is kept, and the idle worker runs it again as a probe (at most every ``probe_interval_ms``), so its true service
+when a lane rejects everything (so nothing runs that would correct it): the request last refused (for its budget
+or its plan) is kept, and the idle worker runs it again as a probe (at most every ``probe_interval_ms``), so its true service
 time replaces the stale one within about a second.
 
 Cold start: a lane starts with whatever its profile was seeded with (the bundle's build-time figures, scaled once
@@ -33,8 +33,7 @@ cheaper variants — the cascade):
     expected + z · spread, where z is the lane's calibration (runtime/plan_calibration.py: a rolling quantile of
     the standardized residuals of admitted requests, its level steered to the miss rate seen — normalized,
     adaptive conformal prediction). It is admitted only if that meets its deadline and no request queued before
-    it loses its place. The planned completion is kept with the request: a batch that includes it must end by
-    then, so later arrivals joining its batch cannot make the plan a miss.
+    it loses its place.
 An idle primary lane runs a request expected to take at most ``inline_ms`` (1 ms) on the caller's thread when
 the caller blocked on its previous answer (``submit(x).result()`` in a loop): no thread hand-off, which costs more
 than such a model's run on a busy machine (the fraud-scorer case); the returned future is then already done.
@@ -103,12 +102,6 @@ class Request:
     future: Future = field(default_factory=Answer)
     plan_ms: float = 0.0  # admission's expected latency, ms; 0 = admitted without a plan
     spread_ms: float = 0.0  # the plan's spread (tail margins in quadrature), ms
-    due: float = 0.0  # planned completion (s, perf_counter): batches that include it must end by then; 0 = deadline
-
-    @property
-    def end_by(self) -> float:
-        """When the batch serving it must end: its planned completion if planned, else its deadline (s)."""
-        return min(self.deadline, self.due) if self.due else self.deadline
 
     def sort_key(self, order: int, tie_s: float) -> tuple:
         # deadlines within ``tie_s`` of each other count as equal, so priority can break the tie
@@ -144,7 +137,7 @@ class Lane:
                  max_queue: int = 1024, max_delay_ms: float | None = None, margin_ms: float = 0.5,
                  tie_ms: float = 1.0, *, warm_feed: Callable[[int, int | None], dict] | None = None,
                  warm_seq: int | None = None, observe_warmup: bool = True, probe_interval_ms: float = 100.0,
-                 inline_ms: float = 1.0, plan_limit: int = 64) -> None:
+                 inline_ms: float = 1.0, plan_limit: int = 16) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -201,7 +194,7 @@ class Lane:
         return self.profile.predict(req.rows, req.seq)
 
     def refused(self, req: Request) -> None:
-        """``req`` was refused here for its budget: keep it as the next re-measuring probe."""
+        """``req`` was refused here (its budget, or its plan): keep it as the next re-measuring probe."""
         with self._cond:
             wake = self._refused is None
             self._refused = req
@@ -215,8 +208,8 @@ class Lane:
 
         The queue, with ``req`` inserted in deadline order, is played forward the way the worker will serve it:
         after the running batch, each batch is the prefix of what is left that the worker would pick (meeting
-        every member's planned completion; a head that fits no batch runs alone if it can still make its deadline,
-        else it would be dropped and takes no time). Expected times (medians) add; the tail margins
+        every member's deadline; a head that fits no batch runs alone if it can still make its deadline, else it
+        would be dropped and takes no time). Expected times (medians) add; the tail margins
         (tail − median) of the batches add in quadrature, as independent service times' deviations do; a
         completion is planned at ``expected + z · spread`` (``z`` from runtime/plan_calibration.py). Queues
         longer than ``plan_limit`` are estimated in closed form (batches of the largest size that fits the
@@ -261,8 +254,7 @@ class Lane:
             head = left[0]
             cands = self._candidates(left)
             start = now + mid_s
-            feasible = (self._feasible(cands, now, start, var_s, True, z)
-                        or self._feasible(cands, now, start, var_s, False, z))
+            feasible = self._feasible(cands, now, start, var_s, z)
             if feasible:
                 n, t, m, d = feasible[self._choose(feasible)]
             else:  # as the worker does: the head runs alone if it can still make its deadline at the expected
@@ -301,15 +293,15 @@ class Lane:
             rows += r.rows
         return cands
 
-    def _feasible(self, cands: list[Request], now: float, start: float, var_s: float, by_plan: bool,
+    def _feasible(self, cands: list[Request], now: float, start: float, var_s: float,
                   z: float = 1.0) -> list[tuple[int, float, float, float]]:
         """``(rows taken, predicted completion s, expected s, tail margin s)`` for each prefix of ``cands`` that,
-        started at ``start`` after work whose tail margins' squares sum to ``var_s``, meets every member's planned
-        completion (``by_plan``; their deadlines otherwise), completions planned at expected + z · spread."""
+        started at ``start`` after work whose tail margins' squares sum to ``var_s``, meets every member's deadline,
+        completions planned at expected + z · spread."""
         out, rows, seq, dl = [], 0, 0, math.inf
         for i, r in enumerate(cands):
             rows, seq = rows + r.rows, max(seq, r.seq or 0)
-            dl = min(dl, r.end_by if by_plan else r.deadline)
+            dl = min(dl, r.deadline)
             m = self.predict(rows, seq or None, k_dev=0.0) / 1e3
             d = max(self.predict(rows, seq or None) / 1e3 - m, 0.0)
             t = start + m + z * self._spread(var_s, d, start - now + m) + self.margin_s
@@ -410,13 +402,11 @@ class Lane:
         the head cannot make its deadline: drop it)."""
         head = self._queue[0][1]
         cands = self._candidates([r for _, r in self._queue])
-        # prefixes whose predicted completion meets every member's planned completion (its deadline if it has no
-        # plan): admission promised each request that much, and later arrivals joining its batch must not break
-        # it; when no plan can be kept any more (a stall overran them), deadlines alone
-        by_plan, z = True, self.calibration.z(now)
-        feasible = self._feasible(cands, now, now, 0.0, True, z)
-        if not feasible:
-            by_plan, feasible = False, self._feasible(cands, now, now, 0.0, False, z)
+        # prefixes whose predicted completion meets every member's deadline, at the profile's own tail (z = 1):
+        # how conservative to be is admission's call (a calibrated z here would only shrink batches under
+        # overload, when throughput matters most); later arrivals may join an earlier request's batch while its
+        # deadline holds (admission's z measures what that costs its plan)
+        feasible = self._feasible(cands, now, now, 0.0)
         if not feasible:
             expected = self.predict(head.rows, head.seq, k_dev=0.0)
             if math.isinf(expected) or now + expected / 1e3 <= head.deadline:
@@ -425,7 +415,7 @@ class Lane:
         best = feasible[self._choose(feasible)][0]
         batch = cands[:best]
         rows, seq = sum(r.rows for r in batch), max(r.seq or 0 for r in batch)
-        dl = min(r.end_by if by_plan else r.deadline for r in batch)
+        dl = min(r.deadline for r in batch)
         more_waiting = best < len(self._queue)  # others queued (any group): holding would only delay them
         if rows >= self.max_batch or more_waiting or self._closing:
             return batch, 0.0
@@ -635,10 +625,11 @@ class BudgetScheduler:
                 plan = lane.plan(req, now, lane.calibration.z(now))
                 done = plan.done
                 if done <= req.deadline:
-                    req.plan_ms, req.spread_ms, req.due = (plan.expected - now) * 1e3, plan.spread * 1e3, done
+                    req.plan_ms, req.spread_ms = (plan.expected - now) * 1e3, plan.spread * 1e3
                 else:
-                    req.plan_ms = req.spread_ms = req.due = 0.0
+                    req.plan_ms = req.spread_ms = 0.0
                 if done > req.deadline:
+                    lane.refused(req)  # an idle lane re-measures it: a stale estimate cannot keep refusing
                     said = (f"predicted {(done - now) * 1e3:.1f} ms" if not math.isinf(done)
                             else "no batch meets its deadline and those queued before it")
                     reasons.append((OVERLOAD, f"{said} with {lane.depth} queued on {lane.name} > budget "

@@ -19,7 +19,7 @@ from test_streaming_parts import TEXT_IO, backend  # noqa: F401  (the module's t
 
 
 def test_calibration_is_a_rolling_quantile_of_standardized_residuals_that_ages_out():
-    cal = PlanCalibration(quantile=0.9, min_scores=10, horizon_s=2.0, refresh_s=0.0)
+    cal = PlanCalibration(quantile=0.9, min_scores=10, horizon_s=2.0, refresh_s=0.0, z_max=50.0)
     assert cal.z(now=0.0) == 1.0  # nothing scored: the profile's own tail
     for i in range(9):
         cal.score(10.0, 30.0, 2.0, now=0.0)  # 20 ms late on a 2 ms spread: z-score 10
@@ -96,8 +96,8 @@ def test_a_plan_that_was_optimistic_makes_admission_stricter(backend):
     rng = np.random.default_rng(0)
     first = [sched.submit(text_request(rng, 8), 100).result(10) for _ in range(6)]  # planned 20.5 ms, took 60
     assert all(isinstance(a, Result) for a in first)
-    assert lane.calibration.z() > 8  # 40 ms late on a 4 ms spread (20 % of the 20 ms expected)
-    after = sched.submit(text_request(rng, 8), 55).result(10)  # planned 24.5 ms: fits 55 alone, not calibrated
+    assert lane.calibration.z() == 5.0  # 40 ms late on a 4 ms spread (20 % of the 20 ms expected): z at its cap
+    after = sched.submit(text_request(rng, 8), 35).result(10)  # 24.5 ms at z = 1 fits 35; 40.5 ms at z = 5 does not
     assert isinstance(after, Rejected) and after.reason == "overload" and not after.admitted
     sched.close()
 
