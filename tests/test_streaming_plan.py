@@ -120,3 +120,24 @@ def test_calibration_level_follows_the_miss_rate_seen_within_bounds():
     for _ in range(100_000):
         cal.outcome(False)
     assert cal.alpha == cal.alpha_max and cal.z(now=0.0) == 49.0  # and bottoms out at the median
+
+
+def test_a_lane_refusing_by_plan_re_measures_and_admits_again(backend):
+    """An estimate of 25 ms on a backend that takes ~1 ms: alone it fits a 28 ms budget, its plan (with the spread)
+    does not, so every request is refused for overload and none runs to correct the estimate — unless the idle lane
+    re-runs a refused one as a probe."""
+    layout = BatchLayout.of(*TEXT_IO)
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(1, 8, 25.0, 0.0)
+    lane = Lane("fp32", backend.run, prof, layout, StreamMetrics(), max_batch=1, inline_ms=0.0)
+    sched = BudgetScheduler([lane], layout, lane.metrics)
+    rng = np.random.default_rng(0)
+    first = sched.submit(text_request(rng, 8), 28).result(10)
+    assert isinstance(first, Rejected) and first.reason == "overload"
+    t0, answered = time.perf_counter(), None
+    while time.perf_counter() - t0 < 5.0 and answered is None:
+        ans = sched.submit(text_request(rng, 8), 28).result(10)
+        answered = ans if isinstance(ans, Result) else None
+        time.sleep(0.02)
+    assert answered is not None and answered.ok and lane.probes >= 1, prof.to_dict()
+    sched.close()
