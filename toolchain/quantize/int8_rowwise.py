@@ -20,7 +20,7 @@ from collections import Counter
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 
 def rowwise_activation_quant(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
@@ -41,9 +41,8 @@ def rowwise_activation_quant(model: onnx.ModelProto) -> tuple[onnx.ModelProto, i
     outs = {o.name for o in graph.output}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
     consts = {"rowq_zero_point": np.array(128, dtype=np.uint8), "rowq_inv127": np.array(1.0 / 127.0, np.float32),
-              "rowq_lo": np.array(-127.0, np.float32), "rowq_hi": np.array(127.0, np.float32),
-              "rowq_eps": np.array(1e-12, np.float32), "rowq_offset": np.array(128.0, np.float32),
-              "rowq_half": np.array(0.5, np.float32)}
+              "rowq_eps": np.array(1e-12, np.float32), "rowq_half": np.array(0.5, np.float32),
+              "rowq_zero_points": np.array([128], dtype=np.uint8), "rowq_flat": np.array([-1], np.int64)}
     if opset >= 18:  # Reduce* take their axes as an input from opset 18 on (an attribute before)
         consts["rowq_axes"] = np.array([-1], np.int64)
     graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
@@ -96,11 +95,16 @@ def rowwise_activation_quant(model: onnx.ModelProto) -> tuple[onnx.ModelProto, i
             helper.make_node("Max", [f"{p}_halfrange", "rowq_eps"], [f"{p}_hr"], name=f"{p}_Eps"),
             helper.make_node("Mul", [f"{p}_hr", "rowq_inv127"], [s], name=f"{p}_Scale"),
             helper.make_node("Sub", [x, f"{p}_center"], [f"{p}_centred"], name=f"{p}_Centre"),
-            helper.make_node("Div", [f"{p}_centred", s], [f"{p}_div"], name=f"{p}_Div"),
-            helper.make_node("Round", [f"{p}_div"], [f"{p}_round"], name=f"{p}_Round"),
-            helper.make_node("Clip", [f"{p}_round", "rowq_lo", "rowq_hi"], [f"{p}_clip"], name=f"{p}_Clip"),
-            helper.make_node("Add", [f"{p}_clip", "rowq_offset"], [f"{p}_u"], name=f"{p}_Shift"),
-            helper.make_node("Cast", [f"{p}_u"], [q], name=f"{p}_Cast", to=TensorProto.UINT8),
+            # q = saturate(round(centred / s) + 128) in one per-axis QuantizeLinear over the [rows, K] view (the
+            # same codes as Div → Round → Clip → Add → Cast, in one pass over the tensor instead of five)
+            helper.make_node("Shape", [f"{p}_centred"], [f"{p}_shape"], name=f"{p}_Shape"),
+            helper.make_node("Flatten", [f"{p}_centred"], [f"{p}_rows"], name=f"{p}_Rows", axis=-1),
+            helper.make_node("Reshape", [s, "rowq_flat"], [f"{p}_scale_rows"], name=f"{p}_ScaleRows"),
+            helper.make_node("Shape", [f"{p}_scale_rows"], [f"{p}_nrows"], name=f"{p}_NRows"),
+            helper.make_node("Expand", ["rowq_zero_points", f"{p}_nrows"], [f"{p}_zp_rows"], name=f"{p}_ZpRows"),
+            helper.make_node("QuantizeLinear", [f"{p}_rows", f"{p}_scale_rows", f"{p}_zp_rows"], [f"{p}_q_rows"],
+                             name=f"{p}_Quantize", axis=0),
+            helper.make_node("Reshape", [f"{p}_q_rows", f"{p}_shape"], [q], name=f"{p}_Unflatten"),
             helper.make_node("Identity", ["rowq_zero_point"], [z], name=f"{p}_ZeroPoint"),
         ]
         for k, (mul, colsum) in enumerate(found):
