@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from dsedge.runtime.errors import ConfigError, PrecisionNotSupported
 from dsedge.toolchain.config import BuildConfig, dump_config, plan_build, read_config_file
 from tiny_models import mlp_onnx
+from cli_helpers import run_main
 
 TIMING_KEYS = {"latency_ms", "wall_time_s", "timings_s"}
 
@@ -105,18 +106,9 @@ def test_prune_json_prints_the_report_last(tmp_path):
     assert report["output"] == str(tmp_path / "p.onnx") and len(report["layers"]) == 2
 
 
-def _main(args, capsys):
-    from dsedge.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
-
-
 def test_accuracy_gate_thresholds_outside_the_metric_range_are_refused_at_plan_time(tmp_path, capsys):
     model = mlp_onnx(tmp_path / "m.onnx")
-    code, _, err = _main(["build", "--target", "cpu", "--model", model, "--out", tmp_path / "o",
+    code, _, err = run_main(["build", "--target", "cpu", "--model", model, "--out", tmp_path / "o",
                           "--accuracy-gate", "cosine:-1"], capsys)
     assert code not in (0, None) and "Traceback" not in err and not (tmp_path / "o").exists()
     assert err.splitlines() == ["error: accuracy gate 'cosine:-1': a cosine threshold must be in (0, 1]",
@@ -137,8 +129,8 @@ def test_accuracy_gate_thresholds_outside_the_metric_range_are_refused_at_plan_t
 
 def test_a_negative_qat_steps_is_a_usage_error_naming_the_option(capsys):
     for args in (["--qat-steps", "-1"], ["--qat-steps=-1"]):
-        code, _, err = _main(["build", "--target", "cpu", "--model", "nowhere.onnx", *args], capsys)
+        code, _, err = run_main(["build", "--target", "cpu", "--model", "nowhere.onnx", *args], capsys)
         assert code == 2 and "Error: Invalid value for '--qat-steps': -1 is not a non-negative integer" in err
         assert "No such option" not in err
-    code, _, err = _main(["build", "--model", "nowhere.onnx", "--finetune-steps", "-3"], capsys)
+    code, _, err = run_main(["build", "--model", "nowhere.onnx", "--finetune-steps", "-3"], capsys)
     assert code == 2 and "Invalid value for '--finetune-steps': -3 is not in the range x>=0" in err

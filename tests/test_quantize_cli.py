@@ -7,9 +7,9 @@ import numpy as np
 import onnx
 import pytest
 
-from dsedge.cli import main
 
 from quantize_models import cosine, inputs, mlp, run
+from cli_helpers import run_main
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +25,9 @@ def files(tmp_path_factory):
     return d
 
 
-def _cli(args, capsys):
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
-
-
 def test_quantize_int4_gptq_with_gate_writes_model_and_report(files, capsys):
     out, rep = files / "q4.onnx", files / "q4.json"
-    code, stdout, _ = _cli(["quantize", files / "mlp.onnx", "-o", out, "--algorithm", "gptq", "--block-size", 16,
+    code, stdout, _ = run_main(["quantize", files / "mlp.onnx", "-o", out, "--algorithm", "gptq", "--block-size", 16,
                             "--calib", files / "calib", "--heldout", files / "held", "--accuracy-gate", "cosine:0.99",
                             "--report", rep], capsys)
     assert code == 0 and "wrote" in stdout
@@ -50,26 +43,26 @@ def test_quantize_int4_gptq_with_gate_writes_model_and_report(files, capsys):
 @pytest.mark.parametrize("args", [["--precision", "fp16"], ["--precision", "int8", "--int8-mode", "dynamic"]])
 def test_quantize_other_precisions(files, capsys, args):
     out = files / f"q_{args[1]}.onnx"
-    code, stdout, _ = _cli(["quantize", files / "mlp.onnx", "-o", out, *args], capsys)
+    code, stdout, _ = run_main(["quantize", files / "mlp.onnx", "-o", out, *args], capsys)
     assert code == 0 and args[1] in stdout
     x = inputs(n_batches=1, seed=3)[0]
     assert cosine(run(mlp(), x), run(onnx.load(str(out)), x)) > 0.99
 
 
 def test_quantize_user_errors_are_one_line(files, capsys):
-    code, _, err = _cli(["quantize", files / "mlp.onnx", "-o", files / "x.onnx", "--algorithm", "awq"], capsys)
+    code, _, err = run_main(["quantize", files / "mlp.onnx", "-o", files / "x.onnx", "--algorithm", "awq"], capsys)
     assert code == 2 and "AWQ needs calibration data" in err and "Traceback" not in err
     assert not (files / "x.onnx").exists()
-    code, _, err = _cli(["quantize", files / "nope.onnx", "-o", files / "x.onnx"], capsys)
+    code, _, err = run_main(["quantize", files / "nope.onnx", "-o", files / "x.onnx"], capsys)
     assert code == 2 and "not found" in err
-    code, _, err = _cli(["quantize", files / "mlp.onnx", "-o", files / "x.onnx", "--calib", files / "calib",
+    code, _, err = run_main(["quantize", files / "mlp.onnx", "-o", files / "x.onnx", "--calib", files / "calib",
                          "--accuracy-gate", "cosine:0.99"], capsys)
     assert code == 2 and "--heldout" in err
 
 
 def test_prune_2_4(files, capsys):
     out = files / "p.onnx"
-    code, stdout, _ = _cli(["prune", files / "mlp.onnx", "-o", out, "--calib", files / "calib"], capsys)
+    code, stdout, _ = run_main(["prune", files / "mlp.onnx", "-o", out, "--calib", files / "calib"], capsys)
     assert code == 0 and "2:4 sparsity on 3 layers" in stdout
     w = onnx.numpy_helper.to_array(next(t for t in onnx.load(str(out)).graph.initializer if t.name == "w2"))
     assert (w == 0).mean() == 0.5
