@@ -54,24 +54,25 @@ def _held_lane(backend, gate: threading.Event, ms: float) -> Lane:
 
 def test_admission_plays_the_queue_forward_and_never_displaces_an_admitted_request(backend):
     gate = threading.Event()
-    lane = _held_lane(backend, gate, 100.0)
+    lane = _held_lane(backend, gate, 200.0)
     sched = BudgetScheduler([lane], lane.layout, lane.metrics)
     rng = np.random.default_rng(0)
     blocker = sched.submit(text_request(rng, 8), 60_000, id="blocker")
-    while lane._busy_until == 0.0:  # the blocker is on the backend, predicted to end 100 ms after it started
+    while lane._busy_until == 0.0:  # the blocker is on the backend, predicted to end 200 ms after it started
         time.sleep(0.001)
-    # batch 1, 100 ms each behind a batch predicted to end within 100 ms: expected ≈ 200, 300, 400, 500 ms, planned
-    # with a spread of 20 % (a profile without spread) at ≈ 240, 360, 480, 600 ms
-    futs = [sched.submit(text_request(rng, 8), 500, id=f"r{i}") for i in range(4)]
-    # an earlier deadline would go first: it fits its own 250 ms, but would push r2 past its 500 ms
-    urgent = sched.submit(text_request(rng, 8), 250, id="urgent")
+    # batch 1, 200 ms each behind a batch predicted to end within 200 ms: expected ≈ 400, 600, 800, 1000 ms, planned
+    # with a spread of 20 % (a profile without spread) at ≈ 480, 720, 960, 1200 ms (200 ms of slack for a slow
+    # machine between the blocker's start and these submits)
+    futs = [sched.submit(text_request(rng, 8), 1000, id=f"r{i}") for i in range(4)]
+    # an earlier deadline would go first: it fits its own 500 ms, but would push r2 past its 1000 ms
+    urgent = sched.submit(text_request(rng, 8), 500, id="urgent")
     assert [f.done() for f in futs] == [False, False, False, True]
     r3, u = futs[3].result(), urgent.result()
     assert isinstance(r3, Rejected) and r3.reason == "overload" and not r3.admitted
     assert isinstance(u, Rejected) and u.reason == "overload" and "queued before it" in u.detail
-    plans = sorted(r.plan_ms for _, r in lane._queue)  # expected latencies: ≈ 200, 300, 400 ms
-    assert len(plans) == 3 and plans[0] < plans[1] < plans[2] <= 450 and plans[2] - plans[0] == pytest.approx(
-        200, abs=30)
+    plans = sorted(r.plan_ms for _, r in lane._queue)  # expected latencies: ≈ 400, 600, 800 ms
+    assert len(plans) == 3 and plans[0] < plans[1] < plans[2] <= 900 and plans[2] - plans[0] == pytest.approx(
+        400, abs=30)
     gate.set()
     answers = [f.result(20) for f in (blocker, *futs[:3])]
     assert all(isinstance(a, Result) and a.ok for a in answers)
