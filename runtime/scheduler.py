@@ -240,10 +240,6 @@ class Lane:
                 return Plan(math.inf, math.inf, 0.0)
         return got
 
-    def estimate_done(self, req: Request, now: float) -> float:
-        """``plan(req, now).done``: the predicted completion time (s) at the profile's own tail (z = 1)."""
-        return self.plan(req, now).done
-
     def _play(self, order: list[Request], now: float, mid_s: float, var_s: float,
               z: float = 1.0) -> dict[int, "Plan"]:
         """``{id(request): Plan}`` for the requests of ``order`` (EDF order) that would be served in time,
