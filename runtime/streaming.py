@@ -70,6 +70,30 @@ class _End:
         self.submitted, self.error = submitted, error
 
 
+class _Delivered:
+    """What a stream has handed out, against the feeder's final tally (its ``_End``)."""
+
+    def __init__(self) -> None:
+        self.yielded, self.end = 0, None
+
+    def accept(self, got: Any) -> bool:
+        """True for an answer to hand out; False for the feeder's end marker (kept)."""
+        if isinstance(got, _End):
+            self.end = got
+            return False
+        self.yielded += 1
+        return True
+
+    def finished(self) -> bool:
+        """True once every submitted request's answer was handed out; then raises the feeder's error, if any
+        (a cancelled async feeder is not an error)."""
+        if self.end is None or self.yielded < self.end.submitted:
+            return False
+        if self.end.error is not None and not isinstance(self.end.error, asyncio.CancelledError):
+            raise self.end.error
+        return True
+
+
 _LIVE: "weakref.WeakSet[StreamingCore]" = weakref.WeakSet()
 
 
@@ -251,19 +275,12 @@ class StreamingCore:
 
         threading.Thread(target=feed, name="dsedge-stream-feed", daemon=True).start()
         try:
-            yielded, end = 0, None
-            while True:
-                if end is not None and yielded >= end.submitted:
-                    if end.error is not None:
-                        raise end.error
-                    return
+            tally = _Delivered()
+            while not tally.finished():
                 got = out.get()
-                if isinstance(got, _End):
-                    end = got
-                    continue
-                yielded += 1
-                slots.release()
-                yield got
+                if tally.accept(got):
+                    slots.release()
+                    yield got
         finally:
             stop.set()
 
@@ -298,19 +315,12 @@ class StreamingCore:
 
         task = asyncio.ensure_future(feed())
         try:
-            yielded, end = 0, None
-            while True:
-                if end is not None and yielded >= end.submitted:
-                    if end.error is not None and not isinstance(end.error, asyncio.CancelledError):
-                        raise end.error
-                    return
+            tally = _Delivered()
+            while not tally.finished():
                 got = await out.get()
-                if isinstance(got, _End):
-                    end = got
-                    continue
-                yielded += 1
-                slots.release()
-                yield got
+                if tally.accept(got):
+                    slots.release()
+                    yield got
         finally:
             task.cancel()
 
