@@ -130,14 +130,19 @@ def test_a_bad_request_gets_its_own_error(server, feeds):
         client.close()
 
 
-def test_a_failed_start_is_stopped_and_its_shared_memory_removed(stub_bin, tmp_path):
-    model = tmp_path / "repo" / "broken"
+def _python_model(repo, name: str, model_py: str) -> None:
+    """A Python-backend model ``x`` (FP32 [1]) -> ``y`` in ``repo/name`` whose model.py is ``model_py``."""
+    model = repo / name
     (model / "1").mkdir(parents=True)
     (model / "config.pbtxt").write_text('backend: "python"\nmax_batch_size: 0\n'
                                         'input { name: "x" data_type: TYPE_FP32 dims: [ 1 ] }\n'
                                         'output { name: "y" data_type: TYPE_FP32 dims: [ 1 ] }\n')
-    (model / "1" / "model.py").write_text("class TritonPythonModel:\n    def initialize(self, args):\n"
-                                          "        raise RuntimeError('broken on purpose')\n")
+    (model / "1" / "model.py").write_text(model_py)
+
+
+def test_a_failed_start_is_stopped_and_its_shared_memory_removed(stub_bin, tmp_path):
+    _python_model(tmp_path / "repo", "broken", "class TritonPythonModel:\n    def initialize(self, args):\n"
+                  "        raise RuntimeError('broken on purpose')\n")
     server = TritonServer(tmp_path / "repo", stub_bin, tmp_path / "work")
     with pytest.raises(RuntimeError, match="tritonserver") as e:
         server.start(timeout_s=60)
@@ -149,13 +154,8 @@ def test_a_failed_start_is_stopped_and_its_shared_memory_removed(stub_bin, tmp_p
 
 
 def test_a_killed_server_leaves_no_shared_memory_behind(stub_bin, tmp_path):
-    model = tmp_path / "repo" / "identity"
-    (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text('backend: "python"\nmax_batch_size: 0\n'
-                                        'input { name: "x" data_type: TYPE_FP32 dims: [ 1 ] }\n'
-                                        'output { name: "y" data_type: TYPE_FP32 dims: [ 1 ] }\n')
-    (model / "1" / "model.py").write_text(
-        "import triton_python_backend_utils as pb_utils\n\nclass TritonPythonModel:\n"
+    _python_model(
+        tmp_path / "repo", "identity", "import triton_python_backend_utils as pb_utils\n\nclass TritonPythonModel:\n"
         "    def execute(self, requests):\n        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("
         "'y', pb_utils.get_input_tensor_by_name(r, 'x').as_numpy())]) for r in requests]\n")
     server = TritonServer(tmp_path / "repo", stub_bin, tmp_path / "work")
