@@ -9,7 +9,8 @@ Servers:
     nvidia-pytriton wheel's server, Python backend), dynamic batcher with max_batch_size M and preferred sizes the
     powers of two up to M, ragged batching (model.py pads like dsedge), max_queue_delay D (a few M and D tried: the
     best is the baseline), queue timeout REJECT at the budget (each request carries ``timeout`` = budget µs),
-    max_queue_size = --max-queue.
+    max_queue_size = --max-queue. Every request also carries the budget as its gRPC deadline (``client_timeout``),
+    as a client with a latency budget sets it: past it the client gives up, and that counts as a miss.
   * ``dsedge``: ``dsedge serve`` over the same tritonclient gRPC client and the same ``timeout`` parameter when the
     CLI has ``serve`` (--dsedge serve); else ``Session.submit`` in this process (--dsedge inprocess: no network or
     protocol cost, which favours dsedge — the table header says which ran).
@@ -136,7 +137,10 @@ class GrpcDriver:
                 msg = str(error).lower()
                 fut.set_result(("timeout" if ("timeout" in msg or "deadline" in msg) else "rejected", ms))
 
-        self.client.async_infer(self.model, inputs, callback=done, timeout=int(budget_ms * 1000))
+        # the budget twice: Triton's ``timeout`` parameter (µs, counted from the server's receipt) and the gRPC
+        # deadline (from the send; past it the client stops waiting, so a late answer is a timeout either way)
+        self.client.async_infer(self.model, inputs, callback=done, timeout=int(budget_ms * 1000),
+                                client_timeout=budget_ms / 1e3)
         return fut
 
     def serial_p50_ms(self, feed, n: int = 100) -> float:
@@ -247,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    # this process is the load generator: its send loop and tritonclient's callback threads share one GIL, and at
+    # the default 5 ms switch interval a finished answer's callback can wait that long for it, per hop. A shorter
+    # interval keeps the client's own delay out of the latencies of both servers alike.
+    sys.setswitchinterval(1e-4)
 
     work = Path(tempfile.mkdtemp(prefix="dsedge-triton-bench-"))
     if args.small:

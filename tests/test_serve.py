@@ -199,6 +199,31 @@ def test_budget_timeout_and_priority_parameters(client, gclient):
     assert e.value.status() == "400"
 
 
+def test_grpc_deadline_caps_the_budget(gclient):
+    # the client's gRPC deadline counts from its send, so it is the bound that includes time queued inside gRPC
+    g = gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers=gauth(), timeout=350_000, client_timeout=0.2)
+    gp = g.get_response(as_json=True)["parameters"]
+    assert gp["budget_source"]["string_param"] == "grpc_deadline"
+    assert 100.0 < gp["budget_ms"]["double_param"] <= 200.0
+    g = gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers=gauth(), timeout=350_000, client_timeout=30.0)
+    gp = g.get_response(as_json=True)["parameters"]
+    assert (gp["budget_source"]["string_param"], gp["budget_ms"]["double_param"]) == ("timeout", 350.0)
+
+
+def test_way_back_reserve_is_the_recent_p90():
+    from dsedge.serve.models import WayBack
+
+    w = WayBack(window=100, every=10, initial_ms=1.0)
+    for _ in range(9):
+        w.add(50.0)
+    assert w.ms == 1.0  # not refreshed before ``every`` answers
+    w.add(50.0)
+    assert w.ms == 50.0
+    for i in range(100):  # the window forgets the old answers
+        w.add(float(i % 10))
+    assert w.ms == pytest.approx(8.1)
+
+
 def test_unmeetable_budget_is_503_and_unavailable(client, gclient):
     with pytest.raises(InferenceServerException) as e:
         client.infer("mlp-cpu", [_http_input(_x(1))], headers=auth(), parameters={"budget_ms": 0.001})

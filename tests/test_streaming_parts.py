@@ -29,6 +29,12 @@ def backend(tmp_path_factory):
     return OrtBackend(text_embedder(tmp_path_factory.mktemp("parts") / "m.onnx", dim=32), threads=1)
 
 
+def test_ort_threads_do_not_spin_between_runs(backend):
+    # a spinning intra-op pool holds the cores the scheduler thread and a server's event loop need (ort.py)
+    opts = backend.session.get_session_options()
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
 def test_seq_bucket_powers_of_two():
     assert [seq_bucket(s) for s in (None, 0, 1, 8, 9, 16, 17, 100)] == [0, 0, 8, 8, 16, 16, 32, 128]
 

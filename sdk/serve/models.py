@@ -8,6 +8,7 @@ variant that served a request is reported in the response ``parameters`` (``vari
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -23,8 +24,8 @@ from ..runtime.io import validate_inputs
 from ..runtime.results import Rejected
 from .metrics import ServeMetrics
 from .priority import PriorityGate, PriorityLevels
-from .protocol import PRIORITY_PARAM, ServeError, check_unsupported, deadline, invalid, not_found, rejection, \
-    v2_datatype, v2_shape
+from .protocol import PRIORITY_PARAM, Deadline, ServeError, check_unsupported, deadline, invalid, not_found, \
+    rejection, v2_datatype, v2_shape
 
 log = logging.getLogger("dsedge.serve")
 VERSION = "1"
@@ -38,6 +39,24 @@ class InferAnswer:
     parameters: dict[str, Any]
 
 
+class WayBack:
+    """The time from an answer's completion on the backend thread to its coroutine running again, ms: the
+    recent p90 (of the last ``window`` answers, refreshed every ``every``), reserved out of each budget.
+    ``initial_ms`` until ``every`` answers are in."""
+
+    def __init__(self, window: int = 256, every: int = 32, initial_ms: float = 1.0) -> None:
+        self._times: collections.deque[float] = collections.deque(maxlen=window)
+        self._every = every
+        self._n = 0
+        self.ms = initial_ms
+
+    def add(self, ms: float) -> None:
+        self._times.append(ms)
+        self._n += 1
+        if self._n % self._every == 0:
+            self.ms = float(np.percentile(self._times, 90))
+
+
 @dataclass
 class ServedModel:
     name: str
@@ -48,6 +67,7 @@ class ServedModel:
     metrics: ServeMetrics
     ready: bool = False
     draining: bool = False
+    way_back: "WayBack" = field(default_factory=lambda: WayBack())
     _ids: Any = field(default_factory=itertools.count)
 
     # -- metadata ---------------------------------------------------------------------------------------------
@@ -81,11 +101,23 @@ class ServedModel:
 
     # -- inference --------------------------------------------------------------------------------------------
     async def infer(self, inputs: Mapping[str, np.ndarray], params: Mapping[str, Any],
-                    outputs: Sequence[str] | None, protocol: str) -> InferAnswer:
-        """Admit, queue and run one request; raises ServeError for every way it can end without an answer."""
-        t_arrive = time.perf_counter()
+                    outputs: Sequence[str] | None, protocol: str, *, received: float | None = None,
+                    transport_deadline: float | None = None) -> InferAnswer:
+        """Admit, queue and run one request; raises ServeError for every way it can end without an answer.
+
+        Args:
+            received: ``time.perf_counter()`` when the front end got the call (default: now); the budget counts
+                from here.
+            transport_deadline: the call's own deadline on that clock (gRPC: receipt + ``time_remaining()``).
+                When it comes before ``received + budget`` it is the deadline, and the budget's source is
+                ``"grpc_deadline"``: the client's clock started when it sent the call, so this is the one bound
+                that includes the time the call queued inside gRPC before its handler ran.
+        The scheduler gets the budget less what is already spent and less ``way_back_ms`` (the recent p90 of
+        answer → handler return, so the answer still leaves in time).
+        """
+        t_arrive = time.perf_counter() if received is None else received
         try:
-            answer = await self._infer(inputs, params, outputs, t_arrive)
+            answer = await self._infer(inputs, params, outputs, t_arrive, transport_deadline)
         except ServeError as e:
             outcome = "rejected" if e.reason in ("overload", "budget", "deadline", "shutdown") else (
                 "error" if e.status >= 500 else "invalid")
@@ -97,7 +129,7 @@ class ServedModel:
         return answer
 
     async def _infer(self, inputs: Mapping[str, np.ndarray], params: Mapping[str, Any],
-                     outputs: Sequence[str] | None, t_arrive: float) -> InferAnswer:
+                     outputs: Sequence[str] | None, t_arrive: float, transport_deadline: float | None) -> InferAnswer:
         s = self.session
         if self.draining:
             raise rejection("shutdown", "the server is shutting down")
@@ -105,6 +137,8 @@ class ServedModel:
             raise ServeError(503, "UNAVAILABLE", f"model {self.name!r} is not ready", "not_ready")
         check_unsupported(params)
         dl = deadline(params, self.default_budget_ms())
+        if transport_deadline is not None and transport_deadline < t_arrive + dl.budget_ms / 1e3:
+            dl = Deadline((transport_deadline - t_arrive) * 1e3, "grpc_deadline")
         level = self.levels.level(params.get(PRIORITY_PARAM))
         names = [o.name for o in s.outputs]
         wanted = list(outputs) if outputs else names
@@ -119,9 +153,9 @@ class ServedModel:
         self.metrics.inflight.labels(self.name).inc()
         try:
             waited_ms = (time.perf_counter() - t_arrive) * 1e3
-            left = dl.budget_ms - waited_ms
-            if left <= 0:  # spent in the priority queue, or (a budget under the parsing time) before it
-                raise rejection("deadline" if waited else "budget",
+            left = dl.budget_ms - waited_ms - self.way_back.ms
+            if left <= 0:  # spent in gRPC's queue or the priority queue, or a budget under the parsing time
+                raise rejection("deadline" if waited or dl.source == "grpc_deadline" else "budget",
                                 f"budget of {dl.budget_ms:g} ms spent before the request reached the scheduler")
             try:
                 fut = s.submit(checked, budget_ms=left, priority=self.levels.dsedge_priority(level),
@@ -130,7 +164,13 @@ class ServedModel:
                 raise rejection("shutdown", "the server is shutting down") from None
             except DsedgeError as e:
                 raise invalid(str(e)) from None
-            res = await asyncio.wrap_future(fut)
+            if fut.done():  # refused at admission: no round trip through the event loop's wake-up pipe
+                res = fut.result()
+            else:
+                done_at: list[float] = []
+                fut.add_done_callback(lambda _: done_at.append(time.perf_counter()))
+                res = await asyncio.wrap_future(fut)
+                self.way_back.add((time.perf_counter() - done_at[0]) * 1e3)
         finally:
             self.metrics.inflight.labels(self.name).dec()
             self.gate.leave()
