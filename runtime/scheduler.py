@@ -79,11 +79,13 @@ class Answer(Future):
 
 class Plan(NamedTuple):
     """An admission plan: predicted completion (expected + z · spread + margin), expected completion (both
-    ``time.perf_counter()`` s) and spread (s)."""
+    ``time.perf_counter()`` s) and spread (s); ``others``: the same plan's ``(request, Plan)`` for the requests
+    already queued (their completions move when this one joins their batch or goes ahead of them)."""
 
     done: float
     expected: float
     spread: float
+    others: tuple = ()
 
 
 @dataclass(eq=False)
@@ -238,7 +240,7 @@ class Lane:
 
             if any(kept(without, r) and not kept(with_req, r) for r in queued[pos:]):
                 return Plan(math.inf, math.inf, 0.0)
-        return got
+        return got._replace(others=tuple((r, with_req[id(r)]) for r in queued if id(r) in with_req))
 
     def _play(self, order: list[Request], now: float, mid_s: float, var_s: float,
               z: float = 1.0) -> dict[int, "Plan"]:
@@ -559,6 +561,15 @@ class Lane:
             self._thread.join()
 
 
+def restate(others: Sequence[tuple["Request", Plan]]) -> None:
+    """After an admission, each queued request is scored against the plan that now holds for it (the one its
+    admission made no longer does once a later request joins its batch), so that the calibration measures
+    prediction error, not the planned effect of admitting more."""
+    for r, p in others:
+        if r.plan_ms > 0.0:
+            r.plan_ms, r.spread_ms = (p.expected - r.t_submit) * 1e3, p.spread * 1e3
+
+
 class BudgetScheduler:
     """Admission control and cascade over one or more lanes (primary variant first, cheaper ones after).
 
@@ -632,6 +643,8 @@ class BudgetScheduler:
                                               f"{budget_ms:g} ms"))
                     continue
             if lane.enqueue(req, cold):
+                if cold is None:
+                    restate(plan.others)
                 if lane is not first:
                     self.metrics.on_cascade(lane.name)
                 return req.future

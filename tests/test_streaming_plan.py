@@ -142,3 +142,34 @@ def test_a_lane_refusing_by_plan_re_measures_and_admits_again(backend):
         time.sleep(0.02)
     assert answered is not None and answered.ok and lane.probes >= 1, prof.to_dict()
     sched.close()
+
+
+def test_a_later_admission_restates_the_plans_it_changes(backend):
+    """r1 joins r0's batch (2 rows in 150 ms beat 1 in 100): r0's expected completion moves ~50 ms later, and r0
+    is scored against that plan, not against the one its own admission made (runtime/scheduler.py restate)."""
+    gate = threading.Event()
+    layout = BatchLayout.of(*TEXT_IO)
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(1, 8, 100.0, 0.0)
+    prof.set(2, 8, 150.0, 0.0)
+
+    def run(feed):
+        gate.wait(20)
+        return backend.run(feed)
+
+    lane = Lane("fp32", run, prof, layout, StreamMetrics(), max_batch=4, inline_ms=0.0)
+    sched = BudgetScheduler([lane], layout, lane.metrics)
+    rng = np.random.default_rng(0)
+    blocker = sched.submit(text_request(rng, 8), 60_000, id="blocker")
+    while lane._busy_until == 0.0:
+        time.sleep(0.001)
+    f0 = sched.submit(text_request(rng, 8), 5000, id="r0")
+    r0 = next(r for _, r in lane._queue if r.id == "r0")
+    alone = r0.plan_ms  # ≈ 100 (the blocker's rest) + 100
+    f1 = sched.submit(text_request(rng, 8), 5000, id="r1")
+    r1 = next(r for _, r in lane._queue if r.id == "r1")
+    assert r0.plan_ms - alone == pytest.approx(50.0, abs=15.0)
+    assert r1.plan_ms == pytest.approx(r0.plan_ms, abs=15.0)  # one batch: the same expected end
+    gate.set()
+    assert all(isinstance(f.result(20), Result) for f in (blocker, f0, f1))
+    sched.close()
