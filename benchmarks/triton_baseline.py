@@ -15,7 +15,8 @@ Servers:
     CLI has ``serve`` (--dsedge serve); else ``Session.submit`` in this process (--dsedge inprocess: no network or
     protocol cost, which favours dsedge — the table header says which ran).
 Both run the same ORT settings (--threads). Reported per load: goodput (answers within budget per second of the
-arrival window), in-budget share of admitted, rejections, p99 of answered (client-side), and Triton's own
+arrival window), in-budget share of admitted, rejections, the misses split into answered late and timed out
+(refused at the deadline or past the gRPC deadline), p99 of answered (client-side), and Triton's own
 per-request overhead (an identity Python-backend model, serial round trips) beside the model's own b1 run time.
 Arrivals, request pool and capacity come from benchmarks/streaming.py. Timings on a shared machine are noisy:
 compare ratios inside one run.
@@ -99,6 +100,7 @@ def drive(server, schedule: np.ndarray, pool, budget_ms: float) -> dict:
     within = int((lat <= budget_ms).sum()) if lat.size else 0
     return {
         "submitted": n, "admitted": admitted, "answered": int(lat.size), "within_budget": within,
+        "answered_late": int(lat.size) - within, "timed_out": sum(kind == "timeout" for kind, _ in outcomes),
         "goodput_per_s": round(within / window, 2),
         "p50_ms": round(float(np.percentile(lat, 50)), 2) if lat.size else None,
         "p99_ms": round(float(np.percentile(lat, 99)), 2) if lat.size else None,
@@ -380,14 +382,15 @@ def main(argv: list[str] | None = None) -> int:
           + (f", via dsedge serve {overhead['dsedge_serve_b1_p50_ms']} ms" if "dsedge_serve_b1_p50_ms" in overhead
              else ""))
     print(f"{'load':>5} {'server':<14} {'sent':>6} {'goodput/s':>10} {'p99 ms':>8} {'reject %':>9} {'miss %':>7} "
-          f"{'in-budget % of admitted':>24}")
+          f"{'late':>5} {'t/o':>5} {'in-budget % of admitted':>24}")
     pct = (lambda x: f"{100 * x:.2f}" if x is not None else "-")
     for load in schedules:
         rows = [r for r in results if r["load"] == load]
         for r in rows:
             print(f"{load:>5g} {r['server']:<14} {r['submitted']:>6} {r['goodput_per_s']:>10.1f} "
                   f"{r['p99_ms'] if r['p99_ms'] is not None else '-':>8} {pct(r['rejection_rate']):>9} "
-                  f"{pct(r['miss_rate']):>7} {pct(r['admitted_within_budget']):>24}")
+                  f"{pct(r['miss_rate']):>7} {r['answered_late']:>5} {r['timed_out']:>5} "
+                  f"{pct(r['admitted_within_budget']):>24}")
         tri = max((r for r in rows if r["server"].startswith("triton")), key=lambda r: r["goodput_per_s"])
         ours_row = next(r for r in rows if r["server"] == "dsedge")
         ratio = ours_row["goodput_per_s"] / tri["goodput_per_s"] if tri["goodput_per_s"] else float("inf")
