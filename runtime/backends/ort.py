@@ -157,7 +157,9 @@ class OrtBackend:
             ``session.intra_op.allow_spinning``). Off here: a spinning pool keeps every core busy between
             batches, and the callers this session serves (its scheduler thread, a server's event loop, the
             client on the same box) then wait for a core. Measured with ``dsedge serve`` on a 2-core host at 0.5×
-            and 1.5× load: in-budget answers 87–91 % / 71–82 % spinning vs 98–99 % / 86–89 % not.
+            and 1.5× load: in-budget answers 87–91 % / 71–82 % spinning vs 98–99 % / 86–89 % not. The price, one
+            caller alone on an idle machine: MiniLM b1×32 and b32×64 run 0–15 % slower (two rounds, same host).
+            With ``threads=1`` there is no pool and nothing spins.
         bundle: ``(manifest, variant)`` the model comes from: sets the TensorRT/CUDA EP options (``provider_options``).
         iobinding: run through ``IOBinding`` with outputs left on the provider's device and copied back once (default:
             when the first provider is the CUDA or TensorRT EP).
