@@ -407,7 +407,7 @@ def done_when(results: list[dict], stall_rows: list[dict]) -> list[str]:
         if r["load"] < 1.0:
             ok = (r["in_budget_of_offered"] or 0) >= 0.95 and adm >= 0.99
             out.append(f"{'PASS' if ok else 'FAIL'} {tag}: {100 * (r['in_budget_of_offered'] or 0):.1f} % of offered "
-                       f"(>= 95), {100 * adm:.1f} % of admitted (>= 99) in budget; first-second rejection "
+                       f"(>= 95), {100 * adm:.2f} % of admitted (>= 99) in budget; first-second rejection "
                        f"{100 * (r['first_second_rejection_rate'] or 0):.1f} %")
         else:
             tri = max((x["goodput_per_s"] for x in results if x["server"].startswith("triton")
@@ -416,7 +416,7 @@ def done_when(results: list[dict], stall_rows: list[dict]) -> list[str]:
             ok = r["goodput_per_s"] >= tri and r["goodput_per_s"] >= bar and adm >= 0.99
             out.append(f"{'PASS' if ok else 'FAIL'} {tag}: goodput {r['goodput_per_s']:.1f}/s vs best triton "
                        f"{tri:.1f}/s and 0.9 x min(offered {r['offered_per_s']:.0f}, best batched "
-                       f"{r['best_batched_rows_per_s']:.0f}) = {bar:.1f}/s; {100 * adm:.1f} % of admitted in budget")
+                       f"{r['best_batched_rows_per_s']:.0f}) = {bar:.1f}/s; {100 * adm:.2f} % of admitted in budget")
     for r in (x for x in stall_rows if x["server"] == "dsedge"):
         rec = r.get("stall_recovery_s")
         out.append(f"{'PASS' if rec is not None and rec <= 1.0 else 'FAIL'} stall: answers back in budget "
