@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import time
 
 import grpc
 import numpy as np
@@ -404,7 +405,8 @@ def test_bad_numbers_are_refused_before_the_server_starts(tmp_path, capsys):
                             (dict(drain_timeout_s=float("inf")), "--drain-timeout inf is not a finite number"),
                             (dict(max_batch=0), "--max-batch 0 is not an integer >= 1"),
                             (dict(max_queue=1.5), "--max-queue 1.5 is not an integer >= 0"),
-                            (dict(http_port=70000), "--http-port 70000 is not a port in 0..65535")):
+                            (dict(http_port=70000), "--http-port 70000 is not a port in 0..65535"),
+                            (dict(http_port=None, grpc_port=None), "both off: the server would take no requests")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             ServeConfig(bundles=["never-opened.dse"], **kwargs)
     assert ServeConfig(bundles=["b.dse"], budget_ms=15, http_port=None).budget_ms == 15
@@ -451,3 +453,21 @@ def test_priority_gate_orders_bounds_and_times_out():
         assert e.value.reason == "shutdown" and gate.waiting == 0
 
     asyncio.run(go())
+
+
+def test_unimplemented_methods_and_out_of_range_budgets_get_clean_errors(server, gclient):
+    with pytest.raises(InferenceServerException) as e:
+        gclient.get_inference_statistics(headers=gauth())
+    assert e.value.status() == "StatusCode.UNIMPLEMENTED" and "ModelInfer only" in e.value.message()
+    # Triton's timeout may be anything: past an hour it is capped, not refused
+    g = gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers=gauth(), timeout=2**62)
+    gp = g.get_response(as_json=True)["parameters"]
+    assert (gp["budget_source"]["string_param"], gp["budget_ms"]["double_param"]) == ("timeout", 3_600_000.0)
+    with pytest.raises(InferenceServerException) as e:  # dsedge's own budget_ms: over an hour is a unit mistake
+        gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers=gauth(), parameters={"budget_ms": 1e9})
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "at most 3600000 ms" in e.value.message()
+    with pytest.raises(InferenceServerException) as e:  # a budget under the way-back reserve says so
+        gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers=gauth(), parameters={"budget_ms": 0.5})
+    assert e.value.message().startswith("budget:") and "to get back" in e.value.message()
+    time.sleep(0.2)
+    assert "Traceback" not in server.log() and "NotImplementedError" not in server.log()

@@ -149,6 +149,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return resp
 
 
+async def _unimplemented(self: Any, request: Any, context: Any) -> None:
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "dsedge serve implements ServerLive, ServerReady, "
+                        "ServerMetadata, ModelReady, ModelMetadata and ModelInfer only",
+                        (("dsedge-reason", "unimplemented"),))
+
+
+# every other method of the service: a plain UNIMPLEMENTED, not the generated base's NotImplementedError (which
+# grpc logs with a traceback per call)
+for _name, _fn in vars(pb_grpc.GRPCInferenceServiceServicer).items():
+    if callable(_fn) and not _name.startswith("_") and _name not in vars(InferenceServicer):
+        setattr(InferenceServicer, _name, _unimplemented)
+
+
 def build_server(repo: Repository, state: Any, *, max_message: int, max_rpcs: int, interceptors: list,
                  server_metadata: Callable[[], dict[str, Any]]) -> Any:
     server = grpc.aio.server(

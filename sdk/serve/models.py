@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..runtime.errors import DsedgeError, InputError, SessionClosedError
-from ..runtime.io import validate_inputs
+from ..runtime.io import MAX_BUDGET_MS, validate_inputs
 from ..runtime.results import Rejected
 from .metrics import ServeMetrics
 from .priority import PriorityGate, PriorityLevels
@@ -118,6 +118,10 @@ class ServedModel:
         t_arrive = time.perf_counter() if received is None else received
         try:
             answer = await self._infer(inputs, params, outputs, t_arrive, transport_deadline)
+        except asyncio.CancelledError:  # the client went away or its gRPC deadline passed while it waited
+            self.metrics.failed(self.name, protocol, "rejected", "deadline" if transport_deadline is not None
+                                and time.perf_counter() >= transport_deadline else "cancelled")
+            raise
         except ServeError as e:
             outcome = "rejected" if e.reason in ("overload", "budget", "deadline", "shutdown") else (
                 "error" if e.status >= 500 else "invalid")
@@ -139,6 +143,11 @@ class ServedModel:
         dl = deadline(params, self.default_budget_ms())
         if transport_deadline is not None and transport_deadline < t_arrive + dl.budget_ms / 1e3:
             dl = Deadline((transport_deadline - t_arrive) * 1e3, "grpc_deadline")
+        if dl.budget_ms > MAX_BUDGET_MS:
+            if dl.source == "budget_ms":  # as Session.submit: a longer "latency budget" is a unit mistake
+                raise invalid(f"parameter 'budget_ms' must be at most {MAX_BUDGET_MS:.0f} ms (one hour), got "
+                              f"{dl.budget_ms:g}")
+            dl = Deadline(MAX_BUDGET_MS, dl.source)  # Triton takes any timeout; past an hour it bounds nothing
         level = self.levels.level(params.get(PRIORITY_PARAM))
         names = [o.name for o in s.outputs]
         wanted = list(outputs) if outputs else names
@@ -154,9 +163,12 @@ class ServedModel:
         try:
             waited_ms = (time.perf_counter() - t_arrive) * 1e3
             left = dl.budget_ms - waited_ms - self.way_back.ms
+            if left <= 0 and dl.budget_ms - waited_ms > 0:
+                raise rejection("budget", f"{dl.budget_ms - waited_ms:.3g} ms of the {dl.budget_ms:.3g} ms budget "
+                                          f"left, under the {self.way_back.ms:.3g} ms the answer needs to get back")
             if left <= 0:  # spent in gRPC's queue or the priority queue, or a budget under the parsing time
                 raise rejection("deadline" if waited or dl.source == "grpc_deadline" else "budget",
-                                f"budget of {dl.budget_ms:g} ms spent before the request reached the scheduler")
+                                f"budget of {dl.budget_ms:.3g} ms spent before the request reached the scheduler")
             try:
                 fut = s.submit(checked, budget_ms=left, priority=self.levels.dsedge_priority(level),
                                id=next(self._ids))

@@ -81,6 +81,9 @@ class ServeConfig:
                              ("--metrics-port", self.metrics_port)):
             if port is not None and not (_integer(port) and 0 <= port <= 65535):
                 raise bad(option, port, "a port in 0..65535 (0 = any free port) or None (off)", "0")
+        if self.http_port is None and self.grpc_port is None:
+            raise ConfigError("--http-port and --grpc-port are both off: the server would take no requests",
+                              "leave one on, e.g. --grpc-port 8001")
 
 
 def _finite(x: Any) -> bool:
