@@ -472,3 +472,34 @@ def test_unimplemented_methods_and_out_of_range_budgets_get_clean_errors(server,
     assert e.value.message().startswith("budget:") and "to get back" in e.value.message()
     time.sleep(0.2)
     assert "Traceback" not in server.log() and "NotImplementedError" not in server.log()
+
+
+def test_a_call_cancelled_while_it_waits_is_counted(tmp_path):
+    """A gRPC deadline (or a client leaving) cancels the handler while it waits for a slot: the call still counts."""
+    import asyncio
+
+    from dsedge.serve.metrics import ServeMetrics
+    from dsedge.serve.models import Repository
+
+    metrics = ServeMetrics()
+    repo = Repository([mlp_bundle(tmp_path / "mlp-cpu.dse", tmp_path, "cpu")], metrics, threads=1,
+                      max_inflight=1)
+    repo.load()
+    model = repo.get("mlp")
+
+    async def main() -> None:
+        model.gate.inflight = model.gate.max_inflight  # every slot taken: the call waits in the gate
+        task = asyncio.ensure_future(model.infer({"x": _x(1)}, {}, None, "grpc",
+                                                 transport_deadline=time.perf_counter() + 60.0))
+        await asyncio.sleep(0.05)
+        task.cancel()  # the client went away (a gRPC deadline cancels the same way, reason "deadline")
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        repo.close(5.0)
+    count = lambda reason: metrics.registry.get_sample_value(  # noqa: E731
+        "dsedge_requests_total", {"model": "mlp", "protocol": "grpc", "outcome": "rejected", "reason": reason})
+    assert count("cancelled") == 1.0
