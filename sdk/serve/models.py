@@ -67,7 +67,7 @@ class ServedModel:
     metrics: ServeMetrics
     ready: bool = False
     draining: bool = False
-    way_back: "WayBack" = field(default_factory=lambda: WayBack())
+    way_back: WayBack = field(default_factory=WayBack)
     _ids: Any = field(default_factory=itertools.count)
 
     # -- metadata ---------------------------------------------------------------------------------------------
@@ -112,8 +112,8 @@ class ServedModel:
                 When it comes before ``received + budget`` it is the deadline, and the budget's source is
                 ``"grpc_deadline"``: the client's clock started when it sent the call, so this is the one bound
                 that includes the time the call queued inside gRPC before its handler ran.
-        The scheduler gets the budget less what is already spent and less ``way_back_ms`` (the recent p90 of
-        answer → handler return, so the answer still leaves in time).
+        The scheduler gets the budget less what is already spent and less ``way_back.ms`` (the recent p90 of
+        answer → handler running again, so the answer still leaves in time).
         """
         t_arrive = time.perf_counter() if received is None else received
         try:
@@ -163,7 +163,7 @@ class ServedModel:
         try:
             waited_ms = (time.perf_counter() - t_arrive) * 1e3
             left = dl.budget_ms - waited_ms - self.way_back.ms
-            if left <= 0 and dl.budget_ms - waited_ms > 0:
+            if left <= 0 < dl.budget_ms - waited_ms and not waited and dl.source != "grpc_deadline":
                 raise rejection("budget", f"{dl.budget_ms - waited_ms:.3g} ms of the {dl.budget_ms:.3g} ms budget "
                                           f"left, under the {self.way_back.ms:.3g} ms the answer needs to get back")
             if left <= 0:  # spent in gRPC's queue or the priority queue, or a budget under the parsing time
