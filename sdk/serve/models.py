@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..runtime.errors import DsedgeError, InputError, SessionClosedError
-from ..runtime.io import MAX_BUDGET_MS, validate_inputs
+from ..runtime.io import validate_inputs
 from ..runtime.results import Rejected
 from .metrics import ServeMetrics
 from .priority import PriorityGate, PriorityLevels
@@ -143,11 +143,6 @@ class ServedModel:
         dl = deadline(params, self.default_budget_ms())
         if transport_deadline is not None and transport_deadline < t_arrive + dl.budget_ms / 1e3:
             dl = Deadline((transport_deadline - t_arrive) * 1e3, "grpc_deadline")
-        if dl.budget_ms > MAX_BUDGET_MS:
-            if dl.source == "budget_ms":  # as Session.submit: a longer "latency budget" is a unit mistake
-                raise invalid(f"parameter 'budget_ms' must be at most {MAX_BUDGET_MS:.0f} ms (one hour), got "
-                              f"{dl.budget_ms:g}")
-            dl = Deadline(MAX_BUDGET_MS, dl.source)  # Triton takes any timeout; past an hour it bounds nothing
         level = self.levels.level(params.get(PRIORITY_PARAM))
         names = [o.name for o in s.outputs]
         wanted = list(outputs) if outputs else names

@@ -28,6 +28,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..runtime.io import MAX_BUDGET_MS
+
 # numpy dtype name ↔ v2 datatype. BYTES (strings) is not served: no dsedge bundle takes string tensors.
 V2_OF_NUMPY: dict[str, str] = {
     "bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64",
@@ -150,11 +152,16 @@ def _number(params: Mapping[str, Any], key: str) -> float | None:
 def deadline(params: Mapping[str, Any], default_ms: float) -> Deadline:
     """Effective budget = min(``budget_ms``, ``timeout`` / 1000); the model's default when neither is given.
 
-    ``timeout`` is Triton's, in microseconds. Raises ServeError(400) for a non-positive or non-number value.
+    ``timeout`` is Triton's, in microseconds: any positive value (past ``MAX_BUDGET_MS`` it bounds nothing and is
+    capped there). Raises ServeError(400) for a non-positive or non-number value, and for a ``budget_ms`` over
+    ``MAX_BUDGET_MS`` (as ``Session.submit``: a longer "latency budget" is a unit mistake).
     """
     budget = _number(params, BUDGET_PARAM)
+    if budget is not None and budget > MAX_BUDGET_MS:
+        raise invalid(f"parameter {BUDGET_PARAM!r} must be at most {MAX_BUDGET_MS:.0f} ms (one hour), "
+                      f"got {budget:g}")
     timeout = _number(params, TIMEOUT_PARAM)
-    timeout_ms = None if timeout is None else timeout / 1000.0
+    timeout_ms = None if timeout is None else min(timeout / 1000.0, MAX_BUDGET_MS)
     if budget is None and timeout_ms is None:
         return Deadline(float(default_ms), "default")
     if timeout_ms is not None and (budget is None or timeout_ms < budget):
