@@ -12,7 +12,6 @@ Nothing here imports torch or the SDK; a ``session`` is anything with ``.inputs`
 from __future__ import annotations
 
 import math
-import numbers
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -27,6 +26,7 @@ from .budget import resolve_budget  # noqa: F401  (bench.resolve_budget: the one
 from .bundle import IOSpec
 from .device_facts import device_info, tensorrt_version, uses_gpu  # noqa: F401
 from .errors import BenchError, InputError
+from .io import is_integer, is_real
 DEFAULT_ID_RANGE = 100  # token ids below 100 exist in every vocabulary; id values do not change a dense model's latency
 _SEQUENCE_WORDS = ("seq", "sequence", "token", "length", "len")
 
@@ -155,19 +155,16 @@ class BenchSettings:
 
     def __post_init__(self) -> None:
         """Raises InputError for a count that is not an integer in range or a duration that is not finite > 0."""
-        flags = {"warmup": "--warmup", "iterations": "--iterations", "min_iterations": None}
-        for name, low in (("warmup", 0), ("iterations", 1), ("min_iterations", 1)):
+        for name, low, flag in (("warmup", 0, " (dsedge bench --warmup 10)"),
+                                ("iterations", 1, " (dsedge bench --iterations 10)"), ("min_iterations", 1, "")):
             value = getattr(self, name)
-            if value is None and name == "iterations":
+            if value is None and name == "iterations":  # None: run for duration_s instead
                 continue
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)) \
-                    or value < low:
-                flag = f" (dsedge bench {flags[name]} 10)" if flags[name] else ""
+            if not is_integer(value) or value < low:
                 raise InputError(f"BenchSettings {name} must be an integer >= {low}, got {value!r}",
                                  f"e.g. BenchSettings({name}=10){flag}")
         d = self.duration_s
-        if d is not None and (isinstance(d, (bool, np.bool_)) or not isinstance(d, (numbers.Real, np.floating))
-                              or not math.isfinite(d) or d <= 0):
+        if d is not None and not (is_real(d) and math.isfinite(d) and d > 0):
             raise InputError(f"BenchSettings duration_s must be a finite number of seconds > 0, got {d!r}",
                              "e.g. BenchSettings(duration_s=3.0) (dsedge bench --duration 3)")
         self.percentile = normalize_percentile(self.percentile)

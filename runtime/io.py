@@ -71,6 +71,16 @@ def validate_inputs(
     return out
 
 
+def is_integer(value: Any) -> bool:
+    """An ``int`` or numpy integer, not a bool (``True`` is an ``int`` to Python, never a count to a user)."""
+    return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_real(value: Any) -> bool:
+    """A real number (numpy scalars too), not a bool; it may still be NaN or infinite."""
+    return isinstance(value, (numbers.Real, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
 MAX_BUDGET_MS = 3_600_000.0   # one hour: a longer "latency budget" is a unit mistake (s vs ms)
 MAX_PRIORITY = 2**31 - 1
 
@@ -97,14 +107,14 @@ def check_request_options(budget_ms: Any, priority: Any,
         what = "default latency budget"
     else:
         what = "budget_ms"
-    if isinstance(budget_ms, (bool, np.bool_)) or not isinstance(budget_ms, (numbers.Real, np.number)):
+    if not is_real(budget_ms):
         raise InputError(f"{what} must be a number of milliseconds, got {type(budget_ms).__name__} {budget_ms!r}",
                          "pass budget_ms=50.0 (ms), or None for the session's default")
     budget = float(budget_ms)
     if not math.isfinite(budget) or not 0 < budget <= MAX_BUDGET_MS:
         raise InputError(f"{what} must be a finite number in (0, {MAX_BUDGET_MS:.0f}] ms, got {budget_ms!r}",
                          "pass budget_ms=50.0 (ms), or None for the session's default")
-    if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, (numbers.Integral, np.integer)):
+    if not is_integer(priority):
         raise InputError(f"priority must be an integer, got {type(priority).__name__} {priority!r}",
                          "pass priority=0 (higher wins among equal deadlines)")
     if not -MAX_PRIORITY <= int(priority) <= MAX_PRIORITY:
@@ -137,8 +147,7 @@ def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = 
     def integer(name: str, value: Any, low: int, optional: bool = True) -> None:
         if value is None and optional:
             return
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)) \
-                or not low <= int(value) <= 2**31 - 1:
+        if not is_integer(value) or not low <= int(value) <= 2**31 - 1:
             raise InputError(f"{name} must be an integer >= {low}, got {value!r}", f"pass {name}={max(low, 1)} or more")
 
     integer("max_batch", max_batch, 1)
@@ -148,8 +157,7 @@ def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = 
     for name, value, low_open in (("budget_ms", budget_ms, True), ("max_delay_ms", max_delay_ms, False)):
         if value is None:
             continue
-        ok = isinstance(value, (numbers.Real, np.number)) and not isinstance(value, (bool, np.bool_))
-        v = float(value) if ok else math.nan
+        v = float(value) if is_real(value) else math.nan
         if not (math.isfinite(v) and (v > 0 if low_open else v >= 0) and v <= MAX_BUDGET_MS):
             raise InputError(f"{name} must be a finite number of ms {'>' if low_open else '>='} 0, got {value!r}",
                              f"pass {name}=50.0, or None for the default")

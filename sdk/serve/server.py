@@ -19,7 +19,6 @@ import contextvars
 import json
 import logging
 import math
-import numbers
 import signal
 import socket
 import sys
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ..runtime.errors import ConfigError, DsedgeError
+from ..runtime.io import is_integer, is_real
 
 log = logging.getLogger("dsedge.serve")
 
@@ -75,11 +75,11 @@ class ServeConfig:
                                      ("--max-connections", self.max_connections, 1),
                                      ("--priority-levels", self.priority_levels, 1),
                                      ("--default-priority", self.default_priority, 1)):
-            if value is not None and not (_integer(value) and value >= least):
+            if value is not None and not (is_integer(value) and value >= least):
                 raise bad(option, value, f"an integer >= {least}", str(max(least, 2)))
         for option, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
                              ("--metrics-port", self.metrics_port)):
-            if port is not None and not (_integer(port) and 0 <= port <= 65535):
+            if port is not None and not (is_integer(port) and 0 <= port <= 65535):
                 raise bad(option, port, "a port in 0..65535 (0 = any free port) or None (off)", "0")
         if self.http_port is None and self.grpc_port is None:
             raise ConfigError("--http-port and --grpc-port are both off: the server would take no requests",
@@ -87,11 +87,7 @@ class ServeConfig:
 
 
 def _finite(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _integer(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    return is_real(x) and math.isfinite(x)
 
 
 @dataclass
