@@ -111,6 +111,30 @@ def drive(server, schedule: np.ndarray, pool, budget_ms: float) -> dict:
 
 
 
+def outcome_of(error) -> str:
+    """How a failed call counts: ``"timeout"`` (admitted, then missed) or ``"rejected"`` (refused at admission).
+
+    Timeouts: the gRPC deadline passed (``DEADLINE_EXCEEDED``: the client stopped waiting), Triton's queue timeout
+    (503 "Request timeout expired"), and dsedge's ``deadline`` refusals (its deadline passed in a queue, or was spent
+    before the scheduler saw the call). Rejections: dsedge's ``overload`` / ``budget`` / ``queue_full`` and Triton's
+    full queue. Read from the status code and dsedge's ``reason:`` prefix, never from words in the text: dsedge's
+    overload message says "no batch meets its deadline", which is a refusal at admission.
+
+    Args:
+        error: a ``tritonclient.utils.InferenceServerException`` (``status()`` like "StatusCode.UNAVAILABLE").
+    """
+    status = str(error.status() or "") if hasattr(error, "status") else ""
+    message = error.message() if hasattr(error, "message") else str(error)
+    if status.endswith("DEADLINE_EXCEEDED"):
+        return "timeout"
+    reason = message.split(":", 1)[0].strip()
+    if reason == "deadline":
+        return "timeout"
+    if reason in ("overload", "budget", "queue_full", "shutdown"):
+        return "rejected"
+    return "timeout" if "timeout" in message.lower() else "rejected"
+
+
 class GrpcDriver:
     """Open-loop client over tritonclient.grpc: ``submit(feed, budget_ms) -> Future[(kind, ms)]`` with kind
     answered / rejected (refused at admission: queue full, overload, budget) / timeout (dropped after queueing)."""
@@ -133,11 +157,7 @@ class GrpcDriver:
 
         def done(result, error) -> None:
             ms = (_clock() - t0) * 1e3
-            if error is None:
-                fut.set_result(("answered", ms))
-            else:
-                msg = str(error).lower()
-                fut.set_result(("timeout" if ("timeout" in msg or "deadline" in msg) else "rejected", ms))
+            fut.set_result(("answered", ms) if error is None else (outcome_of(error), ms))
 
         # the budget twice: Triton's ``timeout`` parameter (µs, counted from the server's receipt) and the gRPC
         # deadline (from the send; past it the client stops waiting, so a late answer is a timeout either way)

@@ -4,6 +4,7 @@ The server is always stopped and its shared memory removed, even after a failed 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -177,3 +178,35 @@ def _pid_from_log(log: Path) -> int:
         if len(parts) > 3 and parts[0][:1] in "IWE" and parts[0][1:].isdigit() and parts[2].isdigit():
             return int(parts[2])
     raise AssertionError("no pid in the server log")
+
+
+def test_the_baseline_counts_refusals_by_status_and_reason_not_by_words():
+    """benchmarks/triton_baseline.py splits failed calls into refused at admission and admitted-then-missed. dsedge's
+    overload refusal says "no batch meets its deadline": a refusal, not a timeout."""
+    import importlib.util
+
+    from tritonclient.utils import InferenceServerException
+
+    from dsedge.serve.protocol import rejection
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_baseline.py"
+    spec = importlib.util.spec_from_file_location("triton_baseline_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
+    try:
+        spec.loader.exec_module(bench)  # it puts benchmarks/ and tests/ first on sys.path: undone here
+    finally:
+        sys.path[:] = saved
+
+    def grpc_error(e):  # as tritonclient.grpc raises a server's status: details() as message, code as status
+        return InferenceServerException(msg=e.message, status=f"StatusCode.{e.code}")
+
+    overload = rejection("overload", "no batch meets its deadline and those queued before it")
+    assert bench.outcome_of(grpc_error(overload)) == "rejected"
+    budget = rejection("budget", "predicted 12 ms alone on int8 > budget 5 ms")
+    assert bench.outcome_of(grpc_error(budget)) == "rejected"
+    assert bench.outcome_of(grpc_error(rejection("deadline", "deadline in 3 ms < expected 12 ms"))) == "timeout"
+    assert bench.outcome_of(InferenceServerException("Deadline Exceeded", "StatusCode.DEADLINE_EXCEEDED")) == "timeout"
+    assert bench.outcome_of(InferenceServerException("Request timeout expired", "StatusCode.UNAVAILABLE")) == "timeout"
+    assert bench.outcome_of(InferenceServerException("Exceeds maximum queue size", "StatusCode.UNAVAILABLE")) == \
+        "rejected"
