@@ -384,12 +384,31 @@ def test_bundle_names_and_cli_errors(tmp_path):
     assert _name_bundles([f"fast={a}", str(b)]) == [("fast", str(a)), ("mlp", str(b))]
     with pytest.raises(DsedgeError, match="both be served as 'mlp-cpu'"):
         _name_bundles([str(a), str(a)])
-    for args, message in ((["serve", str(tmp_path / "missing.dse")], "is not a dsedge bundle"),
+    for args, message in ((["serve", str(tmp_path / "missing.dse")], "missing.dse' does not exist"),
                           (["serve", str(a), "--tls-cert", str(a / "manifest.json")], "--tls-cert and --tls-key go together"),
                           (["serve", str(a), "--auth-token-file", str(tmp_path / "none")], "cannot read --auth-token-file")):
         p = subprocess.run([sys.executable, "-m", "dsedge", *args, "--http-port", "0", "--grpc-port", "0",
                             "--metrics-port", "0"], capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_a_taken_port_is_a_one_line_error(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    a = mlp_bundle(tmp_path / "a.dse", tmp_path, "cpu")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag in ("--grpc-port", "--http-port"):
+            ports = {"--http-port": "off", "--grpc-port": "off", "--metrics-port": "off", flag: str(port)}
+            p = subprocess.run([sys.executable, "-m", "dsedge", "serve", str(a), "--host", "127.0.0.1",
+                                *[x for kv in ports.items() for x in kv]], capture_output=True, text=True, timeout=120)
+            assert p.returncode == 2, (flag, p.stderr)
+            assert p.stderr.splitlines()[0] == f"error: cannot bind 127.0.0.1:{port}: Address already in use", p.stderr
+            assert "add_port" not in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 def test_bad_numbers_are_refused_before_the_server_starts(tmp_path, capsys):

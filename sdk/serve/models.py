@@ -298,7 +298,7 @@ def _max_batch(s: Any, asked: int | None) -> int:
 
 def _name_bundles(bundles: Sequence[str]) -> list[tuple[str, str]]:
     """``[PATH | NAME=PATH]`` → ``[(name, path)]``: the manifest name, ``NAME-TARGET`` where names collide."""
-    import json
+    from ..runtime.bundle import read_manifest
 
     raw: list[tuple[str | None, str]] = []
     for b in bundles:
@@ -309,12 +309,8 @@ def _name_bundles(bundles: Sequence[str]) -> list[tuple[str, str]]:
             raw.append((None, str(b)))
     found: list[tuple[str | None, str, str, str]] = []
     for name, path in raw:
-        try:
-            m = json.loads((Path(path) / "manifest.json").read_text())
-            base, target = str(m["name"]), str(m.get("target", {}).get("name", "target"))
-        except (OSError, ValueError, KeyError, TypeError):
-            raise DsedgeError(f"{path} is not a dsedge bundle (no readable manifest.json)",
-                              "pass NAME-TARGET.dse directories made by `dsedge build`") from None
+        m = read_manifest(path)  # the same BundleError as `dsedge inspect` for a missing or broken bundle
+        base, target = m.name, str(m.target.get("name", "target"))
         found.append((name, path, base, target))
     counts: dict[str, int] = {}
     for name, _, base, _ in found:

@@ -266,6 +266,8 @@ async def serve(cfg: ServeConfig) -> int:
                                    interceptors=[auth.grpc_interceptor()] if auth else [],
                                    server_metadata=server_metadata)
         addr = _fmt(cfg.host, cfg.grpc_port)
+        if cfg.grpc_port:  # a taken port is refused here, before gRPC core logs a raw error line of its own
+            _socket(cfg.host, cfg.grpc_port).close()
         try:
             port = (grpc_server.add_secure_port(addr, __import__("grpc").ssl_server_credentials([tls])) if tls
                     else grpc_server.add_insecure_port(addr))
