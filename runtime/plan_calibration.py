@@ -23,8 +23,11 @@ al., JASA 2018) over a rolling window, its level adapted online as in adaptive c
 distribution shift (Gibbs & Candès, NeurIPS 2021). It cannot lock: α moves by bounded additive steps within
 ``[alpha_min, alpha_max]``; scores come only from requests the plan admitted; queueing the plan already knew about
 is in the plan, so late answers it caused leave the residual at ≈ 0; ``z`` is clamped to ``[0, z_max]``; and
-scores older than ``horizon_s`` stop counting, so a lane that rejected everything, or came out of a stall, is back
-to the profile's own tail (``z = default_z``) within ``horizon_s``.
+scores older than ``horizon_s`` stop counting once ``min_scores`` newer ones exist, and none older than
+``max_horizon_s`` ever counts, so a lane that rejected everything, or came out of a stall, is back to the profile's
+own tail (``z = default_z``) within ``max_horizon_s``. The longer reach is for low rates: at 35 requests/s a
+one-second horizon never holds 50 scores, and the plan would run on the profile's tail, uncalibrated, however
+often it missed.
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ class PlanCalibration:
     Args:
         quantile: the starting quantile level of residuals, ``1 − α`` (0.5 < quantile < 1).
         window: most recent scores kept.
-        horizon_s: scores older than this no longer count, s.
+        horizon_s: scores older than this no longer count once ``min_scores`` newer ones exist, s.
+        max_horizon_s: scores older than this never count, s (the reach at low rates).
         min_scores: with fewer recent scores, ``z()`` is ``default_z``.
         default_z: the plan's multiplier of its spread before anything was scored (1: the profile's tail).
         z_max: the largest ``z``.
@@ -56,12 +60,13 @@ class PlanCalibration:
     """
 
     def __init__(self, quantile: float = 0.99, window: int = 512, horizon_s: float = 1.0, min_scores: int = 50,
-                 default_z: float = 1.0, z_max: float = 5.0, refresh_s: float = 0.02, *,
+                 default_z: float = 1.0, z_max: float = 5.0, refresh_s: float = 0.02, *, max_horizon_s: float = 5.0,
                  target_miss: float = 0.005, gamma: float = 0.05, alpha_min: float = 0.01,
                  alpha_max: float = 0.5) -> None:
         if not 0.5 < quantile < 1.0:
             raise ValueError(f"quantile must be in (0.5, 1), got {quantile}")
         self.horizon_s = float(horizon_s)
+        self.max_horizon_s = max(float(max_horizon_s), self.horizon_s)
         self.min_scores = int(min_scores)
         self.default_z, self.z_max = float(default_z), float(z_max)
         self.refresh_s = float(refresh_s)
@@ -93,7 +98,7 @@ class PlanCalibration:
         if t - self._t_z < self.refresh_s:
             return self._z
         with self._lock:
-            recent = sorted(s for ts, s in self._scores if t - ts <= self.horizon_s)
+            recent = self._recent(t)
             n = len(recent)
             if n >= self.min_scores:
                 q = recent[min(n - 1, max(0, math.ceil((1.0 - self.alpha) * n) - 1))]
@@ -103,10 +108,19 @@ class PlanCalibration:
             self._t_z = t
         return self._z
 
+    def _recent(self, t: float) -> list[float]:
+        # under self._lock: the scores within horizon_s, or, with fewer than min_scores there, the latest
+        # min_scores within max_horizon_s; sorted
+        within = [(ts, s) for ts, s in self._scores if t - ts <= self.max_horizon_s]
+        near = [s for ts, s in within if t - ts <= self.horizon_s]
+        if len(near) < self.min_scores:
+            near = [s for _, s in within[-self.min_scores:]]
+        return sorted(near)
+
     def to_dict(self) -> dict:
         """``{"quantile": 1 − α now, "z": z, "scores": n recent}`` (JSON-able, for reports)."""
         now = _clock()
         z = self.z(now)
         with self._lock:
-            n = sum(1 for ts, _ in self._scores if now - ts <= self.horizon_s)
+            n = len(self._recent(now))
         return {"quantile": round(1.0 - self.alpha, 4), "z": round(z, 3), "scores": n}

@@ -39,6 +39,21 @@ def test_calibration_is_a_rolling_quantile_of_standardized_residuals_that_ages_o
         PlanCalibration(quantile=1.0)
 
 
+def test_at_a_low_rate_the_calibration_reaches_back_to_min_scores_within_max_horizon():
+    cal = PlanCalibration(quantile=0.9, min_scores=10, horizon_s=1.0, max_horizon_s=4.0, refresh_s=0.0, z_max=50.0)
+    for i in range(10):  # one score every 0.3 s: never ten within the one-second horizon
+        cal.score(10.0, 10.0 + i, 1.0, now=0.3 * i)  # z-scores 0..9
+    assert cal.z(now=2.8) == 8.0  # the latest ten, all within 4 s: calibrated (p90, nearest rank), not the tail
+    for _ in range(10):
+        cal.score(10.0, 12.0, 1.0, now=3.6)  # ten new ones within the horizon: only they count
+    assert cal.z(now=3.6) == 2.0
+    assert cal.z(now=20.0) == 1.0  # everything past max_horizon_s: back to the profile's tail
+    sparse = PlanCalibration(quantile=0.9, min_scores=10, horizon_s=1.0, max_horizon_s=4.0, refresh_s=0.0)
+    for i in range(10):
+        sparse.score(10.0, 10.0 + i, 1.0, now=0.5 * i)  # the first two are past 4 s at 4.6: eight left, too few
+    assert sparse.z(now=4.6) == 1.0
+
+
 def _held_lane(backend, gate: threading.Event, ms: float) -> Lane:
     """A batch-1 lane predicting exactly ``ms`` per request whose backend waits for ``gate``."""
     layout = BatchLayout.of(*TEXT_IO)
