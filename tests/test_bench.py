@@ -300,6 +300,16 @@ def test_cli_plot_writes_png(bundles: dict[str, Path], capsys: pytest.CaptureFix
     assert not [p for p in png.parent.iterdir() if p.name != "cdf.png"]  # no temp file left behind
 
 
+def test_cli_plot_without_matplotlib_fails_before_measuring(bundles: dict[str, Path], capsys: pytest.CaptureFixture,
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError, as when absent
+    report, png = tmp_path / "p.json", tmp_path / "x.png"
+    code, out, err = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--seq-len", 16, "-o", report,
+                             "--plot", png)
+    assert code == 2 and "--plot needs matplotlib" in err and "Traceback" not in err
+    assert out == "" and not report.exists() and not png.exists()  # checked up front: nothing measured or written
+
+
 def test_installed_command_exit_code_and_no_torch(bundles: dict[str, Path]) -> None:
     """The real console script: exit 1 over budget; bench, the core and the plugin import without torch."""
     exe = Path(sys.executable).with_name("dsedge")

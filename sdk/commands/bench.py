@@ -20,7 +20,7 @@ from ..runtime.schema import dumps
 from ..runtime import bench as core
 from ..runtime.files import write_bytes_atomic
 from ..runtime.errors import DsedgeError
-from .bench_output import plot_cdf, render_report
+from .bench_output import plot_cdf, pyplot, render_report
 
 log = logging.getLogger("dsedge")
 
@@ -106,6 +106,8 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
 
     if duration_s is not None and iterations is not None:
         raise click.UsageError("pass --duration or --iterations, not both")
+    if plot:
+        pyplot()  # a missing matplotlib fails before seconds of measuring, with nothing written
     settings = core.BenchSettings(warmup=warmup, iterations=iterations, duration_s=duration_s, percentile=percentile)
     base = core.load_report(baseline) if baseline else None  # a bad baseline fails before minutes of measuring
     session = load(bundle, variant=variant, threads=threads,

@@ -9,11 +9,9 @@ from ..runtime import bench as core
 from ..runtime.errors import DsedgeError
 
 
-def plot_cdf(results: Sequence[core.BatchResult], path: Path, title: str = "") -> None:
-    """Write latency CDFs (one line per batch size) with the budget as a vertical line to a PNG.
-
-    matplotlib is imported here only (a device image may lack it). Raises DsedgeError if it is missing.
-    """
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, imported only here (a device image may lack it): ``bench`` calls it
+    before measuring, so a missing matplotlib fails at once. Raises DsedgeError if it is missing."""
     try:
         import matplotlib
 
@@ -21,6 +19,15 @@ def plot_cdf(results: Sequence[core.BatchResult], path: Path, title: str = "") -
         import matplotlib.pyplot as plt
     except ImportError:
         raise DsedgeError("--plot needs matplotlib, which is not installed", 'pip install "dsedge[samples]" or drop --plot') from None
+    return plt
+
+
+def plot_cdf(results: Sequence[core.BatchResult], path: Path, title: str = "") -> None:
+    """Write latency CDFs (one line per batch size) with the budget as a vertical line to a PNG.
+
+    Raises DsedgeError if matplotlib is missing (see ``pyplot``).
+    """
+    plt = pyplot()
     import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
