@@ -338,7 +338,7 @@ def build_report(
     dsedge_version: str = "",
     with_samples: bool = False,
 ) -> dict[str, Any]:
-    """The JSON-able bench report (schema ``dsedge.bench`` version 1).
+    """The JSON-able bench report (schema ``dsedge.bench-report/1``).
 
     Top-level fields: ``schema``, ``schema_version``, ``dsedge_version``, ``created_utc``, ``device`` (see
     ``device_info``), ``bundle`` (path, name, target, variant, precision), ``settings``, ``results`` (one

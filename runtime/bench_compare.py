@@ -58,6 +58,7 @@ class Comparison:
     baseline_ms: float | None
     current_ms: float
     tolerance: float
+    unmatched: str = ""  # without a baseline: why ("no baseline with concurrency 1 (the baseline has concurrency 3)")
 
     @property
     def ratio(self) -> float | None:
@@ -71,14 +72,57 @@ class Comparison:
         return {"variant": self.variant, "batch": self.batch, "percentile": self.percentile,
                 "baseline_ms": self.baseline_ms, "current_ms": round(self.current_ms, 6),
                 "ratio": None if self.ratio is None else round(self.ratio, 4), "tolerance": self.tolerance,
-                "regressed": self.regressed}
+                "regressed": self.regressed, **({"unmatched": self.unmatched} if self.unmatched else {})}
+
+
+# what pairs a result with its baseline: (field, what the messages call it); a missing concurrency is 1
+KEY_FIELDS = (("variant", "variant"), ("batch", "batch size"), ("shapes", "input shapes"),
+              ("concurrency", "concurrency"))
+
+
+def _key_value(r: Mapping[str, Any], field: str) -> Any:
+    v = r.get(field, 1 if field == "concurrency" else None)
+    return json.dumps(v, sort_keys=True) if field == "shapes" else v
+
+
+def _show(field: str, r: Mapping[str, Any]) -> str:
+    if field == "shapes":
+        return ", ".join(f"{k} {'x'.join(str(d) for d in v)}" for k, v in (r.get("shapes") or {}).items()) or "none"
+    return str(r.get(field, 1 if field == "concurrency" else None))
+
+
+def unmatched_reason(r: Mapping[str, Any], baseline_results: list[Mapping[str, Any]]) -> str:
+    """Why ``r`` has no baseline: the key fields in which even the nearest baseline result differs, with the values
+    the baseline has, e.g. ``"no baseline with concurrency 1 (the baseline has concurrency 3)"``."""
+    if not baseline_results:
+        return "the baseline has no results"
+
+    def differs(b: Mapping[str, Any]) -> list[str]:
+        return [f for f, _ in KEY_FIELDS if _key_value(b, f) != _key_value(r, f)]
+
+    def per_sample(x: Mapping[str, Any]) -> str:  # the shapes without the batch axis
+        return json.dumps({k: list(v)[1:] for k, v in (x.get("shapes") or {}).items()}, sort_keys=True)
+
+    fields = min((differs(b) for b in baseline_results), key=len)
+    if "batch" in fields and "shapes" in fields and \
+            any(differs(b) == fields and per_sample(b) == per_sample(r) for b in baseline_results):
+        fields.remove("shapes")  # the shapes differ by the batch size alone
+    label = dict(KEY_FIELDS)
+    theirs = []
+    for f in fields:
+        values = list(dict.fromkeys(_show(f, b) for b in baseline_results if _key_value(b, f) != _key_value(r, f)))
+        theirs.append(f"{label[f]} {' or '.join(values)}")
+    return (f"no baseline with {' and '.join(f'{label[f]} {_show(f, r)}' for f in fields)} "
+            f"(the baseline has {' and '.join(theirs)})")
 
 
 def compare_reports(current: Mapping[str, Any], baseline: Mapping[str, Any], tolerance: float = 0.10,
                     percentile: str = "p99") -> list[Comparison]:
-    """Pair results by (variant, batch, input shapes) and flag those slower than ``baseline × (1 + tolerance)``.
+    """Pair results by (variant, batch, input shapes, concurrency) and flag those slower than
+    ``baseline × (1 + tolerance)``.
 
-    A result without a baseline counterpart gets ``baseline_ms=None`` and is never a regression.
+    A result without a baseline counterpart gets ``baseline_ms=None`` and ``unmatched`` saying why (the key fields
+    that differ), and is never a regression.
     Raises:
         InputError: a negative tolerance or unknown percentile.
     """
@@ -88,13 +132,15 @@ def compare_reports(current: Mapping[str, Any], baseline: Mapping[str, Any], tol
     percentile = normalize_percentile(percentile)
 
     def key(r: Mapping[str, Any]) -> tuple:
-        return (r.get("variant"), r.get("batch"), json.dumps(r.get("shapes"), sort_keys=True), r.get("concurrency", 1))
+        return tuple(_key_value(r, f) for f, _ in KEY_FIELDS)
 
-    base = {key(r): r for r in baseline.get("results", [])}
+    results = list(baseline.get("results", []))
+    base = {key(r): r for r in results}
     out = []
     for r in current.get("results", []):
         b = base.get(key(r))
         base_ms = float(b["latency_ms"][percentile]) if b and percentile in b.get("latency_ms", {}) else None
+        why = "" if base_ms is not None else f"the baseline has no {percentile}" if b else unmatched_reason(r, results)
         out.append(Comparison(str(r["variant"]), int(r["batch"]), percentile, base_ms,
-                              float(r["latency_ms"][percentile]), tolerance))
+                              float(r["latency_ms"][percentile]), tolerance, why))
     return out

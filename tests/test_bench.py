@@ -181,9 +181,9 @@ def test_bench_session_on_real_ort(bundles: dict[str, Path]) -> None:
 
 
 def test_compare_reports_flags_regressions_beyond_tolerance() -> None:
-    def rep(p99: float, batch: int = 1) -> dict:
-        return {"results": [{"variant": "fp32", "batch": batch, "shapes": {"x": [batch, 8]},
-                             "latency_ms": {"p99": p99, "p50": p99 / 2}}]}
+    def rep(p99: float, batch: int = 1, seq: int = 8, **extra: object) -> dict:
+        return {"results": [{"variant": "fp32", "batch": batch, "shapes": {"x": [batch, seq]},
+                             "latency_ms": {"p99": p99, "p50": p99 / 2}, **extra}]}
 
     (c,) = core.compare_reports(rep(12.0), rep(10.0), tolerance=0.10)
     assert c.ratio == pytest.approx(1.2) and c.regressed
@@ -192,7 +192,14 @@ def test_compare_reports_flags_regressions_beyond_tolerance() -> None:
     (c,) = core.compare_reports(rep(5.5), rep(10.0), tolerance=0.10, percentile="p50")
     assert c.ratio == pytest.approx(0.55) and not c.regressed
     (c,) = core.compare_reports(rep(99.0, batch=8), rep(1.0), tolerance=0.10)
-    assert c.baseline_ms is None and not c.regressed  # nothing to compare with
+    assert c.baseline_ms is None and not c.regressed  # nothing to compare with, and it says why
+    assert c.unmatched == "no baseline with batch size 8 (the baseline has batch size 1)"
+    (c,) = core.compare_reports(rep(1.0), rep(1.0, concurrency=3))  # the same shapes, another concurrency
+    assert c.baseline_ms is None and c.to_dict()["unmatched"] == \
+        "no baseline with concurrency 1 (the baseline has concurrency 3)"
+    (c,) = core.compare_reports(rep(1.0, seq=16), rep(1.0, concurrency=3))
+    assert c.unmatched == "no baseline with input shapes x 1x16 and concurrency 1 " \
+                          "(the baseline has input shapes x 1x8 and concurrency 3)"
 
 
 def test_load_report_rejects_foreign_files(tmp_path: Path) -> None:
@@ -289,6 +296,26 @@ def test_cli_compare_flags_regression(bundles: dict[str, Path], capsys: pytest.C
     assert cmp["results"][0]["ratio"] < 1e-3 and cmp["baseline_device"]["cpu"] == "Some Other CPU"
     code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--compare", slow)
     assert code == 0 and "note: the baseline was measured on other hardware (Some Other CPU" in out
+
+
+def test_cli_compare_that_compared_nothing_fails(bundles: dict[str, Path], capsys: pytest.CaptureFixture,
+                                                tmp_path: Path) -> None:
+    base = tmp_path / "base.json"
+    code, _, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--seq-len", 16, "--concurrency", 3,
+                         "-o", base)
+    assert code == 0 and json.loads(base.read_text())["schema"] == "dsedge.bench-report/1"
+    # same shapes, concurrency 1: not one result has a baseline, so the gate fails instead of saying PASS
+    code, out, err = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--seq-len", 16, "--compare", base,
+                             "-o", tmp_path / "new.json")
+    assert code == 2 and "PASS" not in out and "Traceback" not in err
+    assert f"error: nothing compared with '{base}': no baseline with concurrency 1 (the baseline has concurrency 3)" \
+        in err and "hint:" in err
+    assert not (tmp_path / "new.json").exists()
+    # some compared: the gate runs, and the result without a counterpart says what differs
+    code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--seq-len", 16, "--concurrency", 3,
+                           "--batch", "1,2", "--compare", base, "--tolerance", 1e6)
+    assert code == 0 and "    2  no baseline with batch size 2 (the baseline has batch size 1)" in out
+    assert "PASS" in out
 
 
 def test_cli_plot_writes_png(bundles: dict[str, Path], capsys: pytest.CaptureFixture, tmp_path: Path) -> None:

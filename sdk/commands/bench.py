@@ -3,7 +3,8 @@
 Prints the device and backend really used first (like trtexec / perf_analyzer), then one row per batch size:
 latency min/mean/p50/p90/p95/p99/max in ms, throughput, and pass/fail at the chosen percentile.
 Exit codes: 0 every batch size within budget (and no regression), 1 over budget or regressed vs ``--compare``,
-2 usage error (bad option, missing/corrupt bundle, unknown variant, a batch size the bundle cannot take).
+2 usage error (bad option, missing/corrupt bundle, unknown variant, a batch size the bundle cannot take, a
+``--compare`` baseline with no result to compare with).
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def _notes(profile: Any, session: Any, device: dict[str, Any] | None = None) -> 
               help="Closed-loop clients calling the session at once (each sends its next request on its answer).")
 @click.option("--inputs", "inputs_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="A folder of .npz files named like the inputs: real inputs instead of synthetic ones.")
-@click.option("--json", "as_json", is_flag=True, help="Print the JSON report (schema dsedge.bench v1) instead of the table.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report (schema dsedge.bench-report/1) instead of the table.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report here.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write latency CDFs per batch size to this PNG.")
 @click.option("--compare", "baseline", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -129,6 +130,10 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
         if "Jetson clocks" in n:
             log.warning("%s", n)
     comparisons = core.compare_reports(report, base, tolerance, settings.percentile) if base else []
+    if comparisons and all(c.baseline_ms is None for c in comparisons):  # a gate that compared nothing never passes
+        raise BenchError(f"nothing compared with {str(baseline)!r}: {comparisons[0].unmatched}",
+                         "measure with the baseline's variant, batch sizes, --seq-len and --concurrency, or write a "
+                         "new baseline with -o")
     if comparisons:
         dev, bdev = report["device"], base.get("device", {})
         same = all(dev.get(k) == bdev.get(k) for k in ("cpu", "gpu", "providers"))

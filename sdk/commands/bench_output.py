@@ -112,7 +112,7 @@ def render_report(report: dict[str, Any], comparisons: Sequence[core.Comparison]
                 f"{', '.join(bd.get('providers') or [])})")
         for cp in comparisons:
             if cp.baseline_ms is None:
-                say(f"{cp.batch:>5}  no baseline with these input shapes")
+                say(f"{cp.batch:>5}  {cp.unmatched or 'no baseline'}")
             else:
                 tag = "REGRESSED" if cp.regressed else "ok"
                 say(f"{cp.batch:>5}  {cp.baseline_ms:8.3f} → {cp.current_ms:8.3f} ms  ×{cp.ratio:.3f}  {tag}")
