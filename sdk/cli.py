@@ -41,8 +41,12 @@ def _set_verbosity(ctx: click.Context, param: click.Parameter, value: int) -> No
 
 
 def with_verbosity(command: click.Command) -> click.Command:
-    """Add ``-v/--verbose`` (repeatable) and ``-q/--quiet`` to a command; the level is in
-    ``ctx.meta["dsedge.verbosity"]`` (-1 quiet, 0 default, 1+ verbose)."""
+    """Add ``-v/--verbose`` (repeatable) and ``-q/--quiet`` to a command, and to each subcommand of a group
+    (``dsedge export triton -q`` as ``dsedge export -q triton``); the level is in ``ctx.meta["dsedge.verbosity"]``
+    (-1 quiet, 0 default, 1+ verbose)."""
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            with_verbosity(sub)
     if not any(p.name == "verbose" for p in command.params):
         command.params += [
             click.Option(["-v", "--verbose"], count=True, expose_value=False, is_eager=True, callback=_set_verbosity,

@@ -66,3 +66,18 @@ def test_usage_error_and_doctor():
     assert doc.returncode == 0
     info = json.loads(doc.stdout)
     assert "CPUExecutionProvider" in info["providers"] and info["onnxruntime"]
+
+
+def test_every_command_and_subcommand_takes_quiet_and_verbose():
+    import click
+
+    from dsedge.cli import COMMANDS, cli
+
+    def lacking(cmd, path):
+        names = {p.name for p in cmd.params}
+        yield from [] if {"quiet", "verbose"} <= names else [path]
+        for name, sub in getattr(cmd, "commands", {}).items():  # groups: `export triton`, `data check`
+            yield from lacking(sub, f"{path} {name}")
+
+    ctx = click.Context(cli)
+    assert [p for name in COMMANDS for p in lacking(cli.get_command(ctx, name), name)] == []

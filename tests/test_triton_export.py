@@ -195,6 +195,27 @@ def test_cli_export_json_and_errors(target_bundles, tmp_path, capsys):
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_cli_export_help_and_quiet(tmp_path, capsys):
+    from tiny_models import tiny_bundle
+
+    bundle = tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["export", "triton", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and "-q, --quiet" in help_text and "atomically" not in help_text
+    assert "an existing model repository updated in place (each model renamed into place, replacing one of the " \
+           "same name; other models are kept)" in help_text
+    outs = {}
+    for args in ([], ["-q"]):  # -q after the subcommand, as every other command takes it
+        with pytest.raises(SystemExit) as e:
+            main(["export", "triton", str(bundle), "--out", str(tmp_path / "repo"), *args])
+        outs[tuple(args)], err = capsys.readouterr()
+        assert e.value.code == 0 and err == ""
+    assert outs[()].splitlines()[-1] == f"serve: tritonserver --model-repository={tmp_path / 'repo'}"
+    assert outs[("-q",)].splitlines() == outs[()].splitlines()[:-1]  # the repository and its models, no next step
+    assert outs[("-q",)].startswith(f"wrote Triton model repository {tmp_path / 'repo'}\n  mlp_fp32 (onnxruntime)")
+
+
 def _manifest(latency_ms: dict, target: dict | None = None, shapes=("batch", "sequence")):
     from dsedge.runtime.bundle import IOSpec, Manifest, Variant
 

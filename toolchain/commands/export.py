@@ -16,7 +16,8 @@ def export() -> None:
 @export.command("triton")
 @click.argument("bundle", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False),
-              help="Model repository directory to write (replaced atomically if it exists).")
+              help="Model repository directory: a new or empty folder, or an existing model repository updated in "
+                   "place (each model renamed into place, replacing one of the same name; other models are kept).")
 @click.option("--platform", type=click.Choice(PLATFORMS), default=None,
               help="Triton backend: onnxruntime (default on CPU, and on GPU without an engine in the bundle), "
                    "tensorrt (engine or trtexec command), python (model.py running dsedge's Session).")
@@ -25,10 +26,13 @@ def export() -> None:
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="ONNX Runtime intra-op threads per instance (python and onnxruntime platforms).")
 @click.option("--json", "as_json", is_flag=True, help="Print the models and their batching settings as JSON.")
-def triton(bundle: str, out: str, platform: str | None, instances: int | None, threads: int | None,
-           as_json: bool) -> None:
+@click.pass_context
+def triton(ctx: click.Context, bundle: str, out: str, platform: str | None, instances: int | None,
+           threads: int | None, as_json: bool) -> None:
     """Write a Triton model repository for BUNDLE: one model per variant, config.pbtxt derived from the bundle."""
     from ..triton import export_triton
+
+    quiet = ctx.meta.get("dsedge.verbosity", 0) < 0  # -q: the repository and its models, no notes or next step
 
     result = export_triton(bundle, out, platform=platform, instances=instances, threads=threads)
     models = [{"name": m.name, "variant": m.variant, "platform": m.platform,
@@ -44,7 +48,8 @@ def triton(bundle: str, out: str, platform: str | None, instances: int | None, t
         click.echo(f"  {m['name']} ({m['platform']}): max_batch_size {m['max_batch_size']}, preferred "
                    f"{m['preferred_batch_size']}, max_queue_delay {m['max_queue_delay_us']} µs, "
                    f"REJECT after {m['timeout_us']} µs queued")
-        for n in m["notes"]:
+        for n in [] if quiet else m["notes"]:
             if "build_engine.sh" in n or "rewritten" in n or "TensorRT accelerator" in n:
                 click.echo(f"    {n}")
-    click.echo(f"serve: tritonserver --model-repository={result.repository}")
+    if not quiet:
+        click.echo(f"serve: tritonserver --model-repository={result.repository}")
