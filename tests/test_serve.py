@@ -212,22 +212,28 @@ def test_grpc_deadline_caps_the_budget(gclient):
     assert (gp["budget_source"]["string_param"], gp["budget_ms"]["double_param"]) == ("timeout", 350.0)
 
 
-def test_way_back_reserve_is_the_recent_p99():
+def test_way_back_reserve_is_the_recent_p99_and_a_burst_ages_out():
     from dsedge.serve.models import WayBack
 
-    w = WayBack(window=100, every=10, initial_ms=1.0)
+    w = WayBack(window=100, every=10, initial_ms=1.0, min_samples=10, horizon_s=2.0)
     for _ in range(9):
-        w.add(50.0)
-    assert w.ms == 1.0  # not refreshed before ``every`` answers
-    w.add(50.0)
-    assert w.ms == 50.0
+        w.add(50.0, now=0.0)
+    assert w.at(0.0) == 1.0  # fewer than min_samples: the initial reserve
+    w.add(50.0, now=0.0)
+    assert w.at(0.1) == 50.0
     for i in range(100):  # the window forgets the old answers
-        w.add(float(i % 10))
-    assert w.ms == pytest.approx(9.0)  # numpy's linear p99 of ten each of 0…9
+        w.add(float(i % 10), now=1.0)
+    assert w.at(1.0) == pytest.approx(9.0)  # numpy's linear p99 of ten each of 0…9
+    # a burst's slow way back, then nothing answered (every tight budget refused): the reserve it left must not
+    # keep refusing them; two seconds on it is the initial one again
+    for _ in range(32):
+        w.add(26.0, now=5.0)
+    assert w.at(5.0) == pytest.approx(26.0)
+    assert w.at(7.5) == 1.0
     p90 = WayBack(window=100, every=10, quantile=90.0)
     for i in range(100):
-        p90.add(float(i % 10))
-    assert p90.ms == pytest.approx(8.1)
+        p90.add(float(i % 10), now=0.0)
+    assert p90.at(0.0) == pytest.approx(8.1)
 
 
 def test_unmeetable_budget_is_503_and_unavailable(client, gclient):
@@ -266,9 +272,17 @@ def _header(obj: dict) -> bytes:
                                                                         "shape": [1, 64], "parameters":
                                                                             {"binary_data_size": 256}}]})))},
      400, "runs past the end"),
+    (_header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64],
+                          "parameters": {"binary_data_size": -8}}]}), {}, 400,
+     "binary_data_size must be a byte count (an integer >= 0), got -8"),
+    (_header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [10 ** 11, 10 ** 11],
+                          "parameters": {"binary_data_size": 0}}]}), {}, 400,
+     "(expected 40000000000000000000000)"),
+    (b"[" * 20000 + b"]" * 20000, {}, 400, "nests JSON deeper than the parser allows"),
     (b"{" + b" " * (CAP + 10) + b"}", {}, 413, "65536-byte limit"),
 ], ids=["garbage-json", "no-inputs", "wrong-datatype", "wrong-shape", "too-few-values", "unknown-input", "bytes",
-        "strings-for-floats", "unknown-output", "short-binary", "oversized"])
+        "strings-for-floats", "unknown-output", "short-binary", "negative-binary-size", "huge-shape", "deep-json",
+        "oversized"])
 def test_malformed_requests_get_4xx_with_a_message(server, body, headers, status, message):
     code, err = _raw_post(server, "/v2/models/mlp-cpu/infer", body, headers)
     assert code == status and message in err["error"], err
@@ -336,6 +350,12 @@ def test_rejections_and_invalid_requests_are_counted(server, client):
               _header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]}))
     assert count("rejected", "budget") == before_budget + 1
     assert count("invalid", "invalid") == before_invalid + 1
+    # refused before the model's infer() (the body does not parse): counted all the same
+    before_too_large = count("invalid", "too_large")
+    _raw_post(server, "/v2/models/mlp-t4/infer", b"{not json")
+    _raw_post(server, "/v2/models/mlp-t4/infer", b"{" + b" " * (CAP + 10) + b"}")
+    assert count("invalid", "invalid") == before_invalid + 2
+    assert count("invalid", "too_large") == before_too_large + 1
 
 
 def test_logs_are_json_lines(server):
@@ -386,10 +406,13 @@ def test_bundle_names_and_cli_errors(tmp_path):
         _name_bundles([str(a), str(a)])
     for args, message in ((["serve", str(tmp_path / "missing.dse")], "missing.dse' does not exist"),
                           (["serve", str(a), "--tls-cert", str(a / "manifest.json")], "--tls-cert and --tls-key go together"),
-                          (["serve", str(a), "--auth-token-file", str(tmp_path / "none")], "cannot read --auth-token-file")):
+                          (["serve", str(a), "--auth-token-file", str(tmp_path / "none")], "cannot read --auth-token-file"),
+                          (["serve", str(a), "--tls-cert", str(a / "manifest.json"), "--tls-key", str(a / "manifest.json")],
+                           "are not a PEM certificate and its private key")):
         p = subprocess.run([sys.executable, "-m", "dsedge", *args, "--http-port", "0", "--grpc-port", "0",
                             "--metrics-port", "0"], capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert "Task exception" not in p.stderr and len(p.stderr.strip().splitlines()) == 2, p.stderr  # error, hint
 
 
 def test_a_taken_port_is_a_one_line_error(tmp_path):
@@ -402,13 +425,13 @@ def test_a_taken_port_is_a_one_line_error(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for flag in ("--grpc-port", "--http-port"):
-            ports = {"--http-port": "off", "--grpc-port": "off", "--metrics-port": "off", flag: str(port)}
+        for flag in ("--grpc-port", "--http-port", "--metrics-port"):
+            ports = {"--http-port": "0", "--grpc-port": "0", "--metrics-port": "off", flag: str(port)}
             p = subprocess.run([sys.executable, "-m", "dsedge", "serve", str(a), "--host", "127.0.0.1",
                                 *[x for kv in ports.items() for x in kv]], capture_output=True, text=True, timeout=120)
             assert p.returncode == 2, (flag, p.stderr)
-            assert p.stderr.splitlines()[0] == f"error: cannot bind 127.0.0.1:{port}: Address already in use", p.stderr
-            assert "add_port" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+            assert f"error: cannot bind 127.0.0.1:{port}: Address already in use" in p.stderr.splitlines(), p.stderr
+            assert "add_port" not in p.stderr and "Traceback" not in p.stderr and "Exception" not in p.stderr, p.stderr
 
 
 def test_bad_numbers_are_refused_before_the_server_starts(tmp_path, capsys):
@@ -430,10 +453,34 @@ def test_bad_numbers_are_refused_before_the_server_starts(tmp_path, capsys):
                             (dict(max_batch=0), "--max-batch 0 is not an integer >= 1"),
                             (dict(max_queue=1.5), "--max-queue 1.5 is not an integer >= 0"),
                             (dict(http_port=70000), "--http-port 70000 is not a port in 0..65535"),
-                            (dict(http_port=None, grpc_port=None), "both off: the server would take no requests")):
+                            (dict(http_port=None, grpc_port=None), "both off: the server would take no requests"),
+                            (dict(http_port=18300, grpc_port=18300), "--http-port and --grpc-port are both 18300"),
+                            (dict(body_timeout_s=0.0), "--body-timeout 0.0 is not a finite number of seconds > 0")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             ServeConfig(bundles=["never-opened.dse"], **kwargs)
     assert ServeConfig(bundles=["b.dse"], budget_ms=15, http_port=None).budget_ms == 15
+    assert ServeConfig(bundles=["b.dse"], http_port=0, grpc_port=0, metrics_port=0).http_port == 0  # 0: any port
+
+
+def test_served_names_timeout_zero_and_the_bearer_scheme(tmp_path):
+    from dsedge.runtime.errors import DsedgeError
+    from dsedge.serve.auth import TokenCheck
+    from dsedge.serve.models import _name_bundles
+    from dsedge.serve.protocol import Deadline, deadline
+
+    a = mlp_bundle(tmp_path / "a.dse", tmp_path, "cpu")
+    for bad in ("x/y", "with space", "q?x"):  # a model name is a URL path segment: /v2/models/NAME/infer
+        with pytest.raises(DsedgeError, match="cannot be a served model name"):
+            _name_bundles([f"{bad}={a}"])
+    assert _name_bundles([f"mini.lm_2-b={a}"]) == [("mini.lm_2-b", str(a))]
+    # Triton's timeout 0 is "no timeout of its own": the budget or the model's default holds
+    assert deadline({"timeout": 0}, 50.0) == Deadline(50.0, "default")
+    assert deadline({"timeout": 0, "budget_ms": 20}, 50.0) == Deadline(20.0, "budget_ms")
+    with pytest.raises(Exception, match="must be a positive number"):
+        deadline({"timeout": -1}, 50.0)
+    t = TokenCheck("tok3n")
+    assert t.ok("Bearer tok3n") and t.ok("bearer tok3n") and t.ok("BEARER  tok3n")  # the scheme in any case
+    assert not t.ok("Bearer tok3m") and not t.ok("Basic tok3n") and not t.ok("tok3n") and not t.ok(None)
 
 
 def test_priority_gate_orders_bounds_and_times_out():

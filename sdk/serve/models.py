@@ -12,6 +12,7 @@ import collections
 import itertools
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,28 +40,54 @@ class InferAnswer:
     parameters: dict[str, Any]
 
 
+_SERVED_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
 class WayBack:
     """The time from an answer's completion on the backend thread to its coroutine running again, ms: the
-    recent ``quantile`` (of the last ``window`` answers, refreshed every ``every``), reserved out of each budget.
-    ``initial_ms`` until ``every`` answers are in.
+    ``quantile`` of the answers of the last ``horizon_s`` (at most ``window`` of them), reserved out of each
+    budget. ``initial_ms`` while fewer than ``min_samples`` are that recent, so the reserve a burst left behind
+    cannot keep refusing tight budgets once nothing is being answered: it ages out. Refreshed every ``every``
+    answers and at least every ``horizon_s / 8`` when read.
 
     p99 by default, the in-budget share a budgeted server aims at: with the p90, one answer in ten whose way back
     was slower than that went out late. Measured with benchmarks/triton_baseline.py's load (MiniLM int8, 50 ms,
     2 cores, two interleaved rounds): in budget of admitted 99.2 / 95–98 % at 0.5× / 1.5× with the p99 against
     96.6–97.0 / 93–96 % with the p90, the same goodput within noise."""
 
-    def __init__(self, window: int = 256, every: int = 32, initial_ms: float = 1.0, quantile: float = 99.0) -> None:
-        self._times: collections.deque[float] = collections.deque(maxlen=window)
+    def __init__(self, window: int = 256, every: int = 32, initial_ms: float = 1.0, quantile: float = 99.0,
+                 horizon_s: float = 2.0, min_samples: int = 8) -> None:
+        self._times: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
         self._every = every
         self._quantile = quantile
+        self._initial = initial_ms
+        self._horizon = horizon_s
+        self._min = min_samples
         self._n = 0
-        self.ms = initial_ms
+        self._ms = initial_ms
+        self._t = -float("inf")
 
-    def add(self, ms: float) -> None:
-        self._times.append(ms)
+    def add(self, ms: float, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        self._times.append((now, ms))
         self._n += 1
         if self._n % self._every == 0:
-            self.ms = float(np.percentile(self._times, self._quantile))
+            self._refresh(now)
+
+    @property
+    def ms(self) -> float:
+        return self.at(time.perf_counter())
+
+    def at(self, now: float) -> float:
+        """The reserve at ``now`` (perf_counter s), ms."""
+        if now - self._t >= self._horizon / 8:
+            self._refresh(now)
+        return self._ms
+
+    def _refresh(self, now: float) -> None:
+        recent = [ms for t, ms in self._times if now - t <= self._horizon]
+        self._ms = float(np.percentile(recent, self._quantile)) if len(recent) >= self._min else self._initial
+        self._t = now
 
 
 @dataclass
@@ -105,6 +132,13 @@ class ServedModel:
         if version not in (None, "", VERSION):
             raise not_found(f"model {self.name!r} has no version {version!r} (versions: {VERSION})")
 
+    def count_failure(self, protocol: str, e: ServeError) -> None:
+        """Count a request of this model that ended with ``e`` (``dsedge_requests_total``: outcome ``rejected`` for
+        a refusal, ``error`` for a server fault, else ``invalid``; reason ``e.reason``)."""
+        outcome = "rejected" if e.reason in ("overload", "budget", "deadline", "shutdown") else (
+            "error" if e.status >= 500 and e.status != 499 else "invalid")
+        self.metrics.failed(self.name, protocol, outcome, e.reason)
+
     # -- inference --------------------------------------------------------------------------------------------
     async def infer(self, inputs: Mapping[str, np.ndarray], params: Mapping[str, Any],
                     outputs: Sequence[str] | None, protocol: str, *, received: float | None = None,
@@ -118,7 +152,7 @@ class ServedModel:
                 When it comes before ``received + budget`` it is the deadline, and the budget's source is
                 ``"grpc_deadline"``: the client's clock started when it sent the call, so this is the one bound
                 that includes the time the call queued inside gRPC before its handler ran.
-        The scheduler gets the budget less what is already spent and less ``way_back.ms`` (the recent p90 of
+        The scheduler gets the budget less what is already spent and less ``way_back.ms`` (the recent p99 of
         answer → handler running again, so the answer still leaves in time).
         """
         t_arrive = time.perf_counter() if received is None else received
@@ -129,9 +163,7 @@ class ServedModel:
                                 and time.perf_counter() >= transport_deadline else "cancelled")
             raise
         except ServeError as e:
-            outcome = "rejected" if e.reason in ("overload", "budget", "deadline", "shutdown") else (
-                "error" if e.status >= 500 else "invalid")
-            self.metrics.failed(self.name, protocol, outcome, e.reason)
+            self.count_failure(protocol, e)
             raise
         p = answer.parameters
         self.metrics.answered(self.name, protocol, p["variant"], p["latency_ms"] / 1e3, p["queue_ms"] / 1e3,
@@ -162,11 +194,12 @@ class ServedModel:
         waited = await self.gate.enter(level, dl.budget_ms / 1e3)
         self.metrics.inflight.labels(self.name).inc()
         try:
-            waited_ms = (time.perf_counter() - t_arrive) * 1e3
-            left = dl.budget_ms - waited_ms - self.way_back.ms
+            now = time.perf_counter()
+            waited_ms, reserve = (now - t_arrive) * 1e3, self.way_back.at(now)
+            left = dl.budget_ms - waited_ms - reserve
             if left <= 0 < dl.budget_ms - waited_ms and not waited and dl.source != "grpc_deadline":
                 raise rejection("budget", f"{dl.budget_ms - waited_ms:.3g} ms of the {dl.budget_ms:.3g} ms budget "
-                                          f"left, under the {self.way_back.ms:.3g} ms the answer needs to get back")
+                                          f"left, under the {reserve:.3g} ms the answer needs to get back")
             if left <= 0:  # spent in gRPC's queue or the priority queue, or a budget under the parsing time
                 raise rejection("deadline" if waited or dl.source == "grpc_deadline" else "budget",
                                 f"budget of {dl.budget_ms:.3g} ms spent before the request reached the scheduler")
@@ -188,7 +221,11 @@ class ServedModel:
             self.metrics.inflight.labels(self.name).dec()
             self.gate.leave()
         if isinstance(res, Rejected):
-            raise rejection(res.reason, res.detail)
+            detail = res.detail
+            if res.reason == "budget":  # the scheduler saw what was left of the caller's budget: say so
+                detail += (f" (left of the {dl.budget_ms:.3g} ms budget after {waited_ms:.3g} ms before the scheduler "
+                           f"and {reserve:.3g} ms reserved for the answer's way back)")
+            raise rejection(res.reason, detail)
         if res.error is not None:
             raise ServeError(500, "INTERNAL", f"the backend failed: {res.error}", "backend_error")
         latency_ms = (time.perf_counter() - t_arrive) * 1e3
@@ -307,6 +344,10 @@ def _name_bundles(bundles: Sequence[str]) -> list[tuple[str, str]]:
             raw.append((name, path))
         else:
             raw.append((None, str(b)))
+    for name, _ in raw:
+        if name is not None and not _SERVED_NAME.fullmatch(name):
+            raise DsedgeError(f"{name!r} cannot be a served model name: it is a URL path segment "
+                              "(/v2/models/NAME/infer)", "use letters, digits, '_', '-' and '.', e.g. minilm=PATH")
     found: list[tuple[str | None, str, str, str]] = []
     for name, path in raw:
         m = read_manifest(path)  # the same BundleError as `dsedge inspect` for a missing or broken bundle
