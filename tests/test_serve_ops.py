@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import socket
 import ssl
 import time
 
@@ -207,3 +208,42 @@ def test_sigterm_drains_every_request_exactly_once(server):
     assert set(outcomes) <= allowed, outcomes
     assert "503 shutdown" in outcomes[1:5] or "StatusCode.UNAVAILABLE shutdown" in outcomes[1:5], outcomes
     assert "unanswered=0" in server.log()
+
+
+def _stalled_body(addr: str) -> socket.socket:
+    """An HTTP infer request that announces 100 000 bytes and sends 11, then waits."""
+    host, port = addr.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100000\r\n\r\n{\"inputs\":")
+    return sock
+
+
+def test_a_stalled_body_times_out_and_does_not_hold_shutdown(tmp_path):
+    bundle = mlp_bundle(tmp_path / "mlp.dse", tmp_path)
+    proc = ServeProcess([bundle], ["--body-timeout", "0.5", "--threads", "1"], tmp_path / "serve.log")
+    try:
+        sock = _stalled_body(proc.http)
+        t0 = time.monotonic()
+        reply = b""
+        while b"}" not in reply:  # headers and the JSON body may come in separate packets
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        reply = reply.decode(errors="replace")
+        assert reply.startswith("HTTP/1.1 408") and "request body not complete within 0.5 s" in reply, reply
+        assert time.monotonic() - t0 < 10
+        sock.close()
+    finally:
+        proc.terminate()
+    proc = ServeProcess([bundle], ["--threads", "1"], tmp_path / "serve2.log")  # the default 30 s body timeout
+    sock = _stalled_body(proc.http)
+    try:
+        time.sleep(0.5)
+        code, took = proc.terminate()
+        log = proc.log_path.read_text()
+        assert code == 0 and took < 15, log[-2000:]  # not held until the client leaves
+    finally:
+        sock.close()
+    assert "Traceback" not in log and "ClientDisconnect" not in log, log[-2000:]

@@ -52,6 +52,8 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
               help="Level of requests with priority 0 or none.")
 @click.option("--drain-timeout", type=FiniteFloat(min=0), default=10.0, show_default=True,
               help="Seconds SIGTERM lets queued requests run before rejecting the rest.")
+@click.option("--body-timeout", type=FiniteFloat(min=0, min_open=True), default=30.0, show_default=True,
+              help="Seconds an HTTP request's body may take to arrive; then 408 (a stalled client holds nothing).")
 @click.option("--auth-token-file", type=click.Path(dir_okay=False), default=None,
               help="Require 'Authorization: Bearer <token in this file>' (HTTP and gRPC; health stays open).")
 @click.option("--tls-cert", type=click.Path(dir_okay=False), default=None, help="PEM certificate (HTTP and gRPC).")
@@ -65,7 +67,7 @@ def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port:
           metrics_port: int | None, variant: str | None, cascade: bool, budget_ms: float | None,
           max_batch: int | None, threads: int | None, max_inflight: int | None, max_queue: int,
           max_body_bytes: int, max_connections: int, priority_levels: int, default_priority: int,
-          drain_timeout: float, auth_token_file: str | None, tls_cert: str | None, tls_key: str | None,
+          drain_timeout: float, body_timeout: float, auth_token_file: str | None, tls_cert: str | None, tls_key: str | None,
           http_impl: str, log_format: str, log_level: str) -> None:
     """Serve BUNDLE... over the Open Inference Protocol (KServe v2): HTTP/REST and gRPC, with latency budgets.
 
@@ -82,7 +84,7 @@ def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port:
                       max_batch=max_batch, threads=threads, max_inflight=max_inflight, max_queue=max_queue,
                       max_body_bytes=max_body_bytes, max_connections=max_connections,
                       priority_levels=priority_levels, default_priority=default_priority,
-                      drain_timeout_s=drain_timeout, auth_token_file=auth_token_file, tls_cert=tls_cert,
+                      drain_timeout_s=drain_timeout, body_timeout_s=body_timeout, auth_token_file=auth_token_file, tls_cert=tls_cert,
                       tls_key=tls_key, log_format=log_format, log_level=log_level,
                       http_impl=http_impl)
     code = run(cfg)

@@ -19,7 +19,7 @@ _OPEN_GRPC = ("/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInfe
 
 class TokenCheck:
     def __init__(self, token: str) -> None:
-        self._want = f"Bearer {token}".encode()
+        self._token = token.encode()
 
     @classmethod
     def from_file(cls, path: str | Path) -> "TokenCheck":
@@ -34,10 +34,12 @@ class TokenCheck:
         return cls(token)
 
     def ok(self, header: str | bytes | None) -> bool:
+        """``header`` is an ``Authorization`` value: ``Bearer <token>``, the scheme in any case (RFC 7235 §2.1)."""
         if header is None:
             return False
         got = header.encode() if isinstance(header, str) else header
-        return hmac.compare_digest(got, self._want)
+        scheme, _, token = got.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._token)
 
     # -- HTTP -------------------------------------------------------------------------------------------------
     def asgi(self, app: Any, open_paths: Iterable[str] = ()) -> Any:

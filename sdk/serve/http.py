@@ -14,6 +14,7 @@ compressed and the inflated body both.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import zlib
@@ -21,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -31,6 +32,7 @@ from .protocol import ServeError, from_list, from_raw, invalid, rejection, v2_da
 
 log = logging.getLogger("dsedge.serve")
 _HEADER_LEN = "inference-header-content-length"
+BODY_TIMEOUT_S = 30.0  # a request body must be complete this long after its handler starts, s
 
 
 def _error(e: ServeError) -> JSONResponse:
@@ -42,16 +44,41 @@ def _too_big(cap: int) -> ServeError:
                       "too_large")
 
 
-async def _read_body(request: Request, cap: int) -> bytes:
+async def _read_body(request: Request, cap: int, timeout_s: float = BODY_TIMEOUT_S,
+                     stopping: asyncio.Event | None = None) -> bytes:
+    """The request body, inflated. ServeError: over ``cap`` (413), not complete within ``timeout_s`` (408), the
+    client gone (499), the server stopping (``stopping`` set: 503 ``shutdown``, so a half-sent body does not hold
+    the shutdown), not valid gzip/deflate (400)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > cap:
         raise _too_big(cap)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            raise _too_big(cap)
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+
+    async def receive() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise _too_big(cap)
+            chunks.append(chunk)
+
+    reading = asyncio.ensure_future(receive())
+    waits = {reading} if stopping is None else {reading, asyncio.ensure_future(stopping.wait())}
+    try:
+        done, _ = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+    if reading not in done:  # a stalled or trickling client: its connection holds neither a slot nor the shutdown
+        if stopping is not None and stopping.is_set():
+            raise rejection("shutdown", "the server is shutting down")
+        raise ServeError(408, "DEADLINE_EXCEEDED", f"request body not complete within {timeout_s:g} s",
+                         "body_timeout")
+    try:
+        reading.result()
+    except ClientDisconnect:
+        raise ServeError(499, "CANCELLED", "the client closed the connection before the body was complete",
+                         "cancelled") from None
     body = b"".join(chunks)
     encoding = request.headers.get("content-encoding", "identity").lower()
     if encoding in ("gzip", "deflate"):
@@ -80,6 +107,8 @@ def parse_infer_body(body: bytes, header_len: str | None) -> tuple[dict[str, Any
         req = json.loads(head)
     except (ValueError, UnicodeDecodeError) as e:
         raise invalid(f"request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise invalid("request body nests JSON deeper than the parser allows") from None
     if not isinstance(req, dict) or not isinstance(req.get("inputs"), list) or not req["inputs"]:
         raise invalid("request must be a JSON object with a non-empty 'inputs' list")
     inputs: dict[str, np.ndarray] = {}
@@ -95,7 +124,10 @@ def parse_infer_body(body: bytes, header_len: str | None) -> tuple[dict[str, Any
             raise invalid(f"input {name!r}: 'parameters' must be an object")
         size = params.get("binary_data_size")
         if size is not None:
-            if not isinstance(size, int) or size < 0 or offset + size > len(rest):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise invalid(f"input {name!r}: binary_data_size must be a byte count (an integer >= 0), "
+                              f"got {size!r}")
+            if offset + size > len(rest):
                 raise invalid(f"input {name!r}: binary_data_size {size!r} runs past the end of the body")
             inputs[name] = from_raw(name, t.get("datatype", ""), t.get("shape"), bytes(rest[offset:offset + size]))
             offset += size
@@ -153,8 +185,9 @@ def encode_response(model: str, req: dict[str, Any], outputs: dict[str, np.ndarr
 
 
 def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck | None,
-              server_metadata: Callable[[], dict[str, Any]]) -> Any:
-    """The ASGI app. ``state`` has ``draining`` (bool) and ``track()`` (a context manager counting live infers)."""
+              server_metadata: Callable[[], dict[str, Any]], body_timeout_s: float = BODY_TIMEOUT_S) -> Any:
+    """The ASGI app. ``state`` has ``draining`` (bool) and ``track()`` (a context manager counting live infers).
+    A request body not complete within ``body_timeout_s`` is refused with 408 (``body_timeout``)."""
 
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -183,19 +216,23 @@ def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck |
 
     async def infer(request: Request) -> Response:
         name = request.path_params["model"]
+        m, inside = None, False  # infer() counts the requests that end inside it; this handler those that end before
         with state.track():
             try:
                 if state.draining:
                     raise rejection("shutdown", "the server is shutting down")
                 m = repo.get(name, request.path_params.get("version"))
-                body = await _read_body(request, max_body)
+                body = await _read_body(request, max_body, body_timeout_s, getattr(state, "stopping", None))
                 req, inputs = parse_infer_body(body, request.headers.get(_HEADER_LEN))
                 params = req.get("parameters") or {}
                 if not isinstance(params, dict):
                     raise invalid("'parameters' must be an object")
                 names, binary = requested_outputs(req)
+                inside = True
                 answer = await m.infer(inputs, params, names, "http")
             except ServeError as e:
+                if m is not None and not inside:
+                    m.count_failure("http", e)
                 log.debug("infer refused", extra={"fields": {"model": name, "status": e.status, "reason": e.reason,
                                                              "error": e.message}})
                 return _error(e)

@@ -106,7 +106,7 @@ def from_raw(name: str, datatype: str, shape: Any, raw: bytes) -> np.ndarray:
     """A little-endian raw buffer (binary extension / gRPC ``raw_input_contents``) → ndarray of ``shape``."""
     dt = numpy_dtype(datatype, name).newbyteorder("<")
     shp = check_shape(name, shape)
-    want = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
+    want = math.prod(shp) * dt.itemsize  # Python ints: a huge shape cannot wrap around
     if len(raw) != want:
         raise invalid(f"input {name!r}: {len(raw)} bytes of data for shape {list(shp)} {datatype} "
                       f"(expected {want})")
@@ -126,7 +126,7 @@ def from_list(name: str, datatype: str, shape: Any, data: Any) -> np.ndarray:
         arr = arr.astype(dt, casting="unsafe").reshape(-1)
     except (ValueError, TypeError) as e:
         raise invalid(f"input {name!r}: data is not a list of {datatype} values ({e})") from None
-    size = int(np.prod(shp, dtype=np.int64))
+    size = math.prod(shp)
     if arr.size != size:
         raise invalid(f"input {name!r}: {arr.size} values for shape {list(shp)} (expected {size})")
     return arr.reshape(shp)
@@ -153,14 +153,15 @@ def deadline(params: Mapping[str, Any], default_ms: float) -> Deadline:
     """Effective budget = min(``budget_ms``, ``timeout`` / 1000); the model's default when neither is given.
 
     ``timeout`` is Triton's, in microseconds: any positive value (past ``MAX_BUDGET_MS`` it bounds nothing and is
-    capped there). Raises ServeError(400) for a non-positive or non-number value, and for a ``budget_ms`` over
+    capped there); 0 is Triton's "no timeout of its own", so it bounds nothing either. Raises ServeError(400) for a non-positive or non-number value, and for a ``budget_ms`` over
     ``MAX_BUDGET_MS`` (as ``Session.submit``: a longer "latency budget" is a unit mistake).
     """
     budget = _number(params, BUDGET_PARAM)
     if budget is not None and budget > MAX_BUDGET_MS:
         raise invalid(f"parameter {BUDGET_PARAM!r} must be at most {MAX_BUDGET_MS:.0f} ms (one hour), "
                       f"got {budget:g}")
-    timeout = _number(params, TIMEOUT_PARAM)
+    timeout = None if params.get(TIMEOUT_PARAM) == 0 and not isinstance(params.get(TIMEOUT_PARAM), bool) else \
+        _number(params, TIMEOUT_PARAM)
     timeout_ms = None if timeout is None else min(timeout / 1000.0, MAX_BUDGET_MS)
     if budget is None and timeout_ms is None:
         return Deadline(float(default_ms), "default")

@@ -21,9 +21,10 @@ import logging
 import math
 import signal
 import socket
+import ssl
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from ..runtime.errors import ConfigError, DsedgeError
@@ -53,6 +54,7 @@ class ServeConfig:
     priority_levels: int = 3
     default_priority: int = 2
     drain_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
     auth_token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -69,6 +71,8 @@ class ServeConfig:
             raise bad("--budget-ms", self.budget_ms, "a finite number of milliseconds > 0", "15")
         if not (_finite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
             raise bad("--drain-timeout", self.drain_timeout_s, "a finite number of seconds >= 0", "10")
+        if not (_finite(self.body_timeout_s) and self.body_timeout_s > 0):
+            raise bad("--body-timeout", self.body_timeout_s, "a finite number of seconds > 0", "30")
         for option, value, least in (("--max-batch", self.max_batch, 1), ("--threads", self.threads, 1),
                                      ("--max-inflight", self.max_inflight, 1), ("--max-queue", self.max_queue, 0),
                                      ("--max-body-bytes", self.max_body_bytes, 1024),
@@ -81,6 +85,13 @@ class ServeConfig:
                              ("--metrics-port", self.metrics_port)):
             if port is not None and not (is_integer(port) and 0 <= port <= 65535):
                 raise bad(option, port, "a port in 0..65535 (0 = any free port) or None (off)", "0")
+        fixed = [(o, p) for o, p in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
+                                     ("--metrics-port", self.metrics_port)) if p]
+        for i, (option, port) in enumerate(fixed):
+            for other, same in fixed[i + 1:]:
+                if same == port:
+                    raise ConfigError(f"{option} and {other} are both {port}: each listener needs its own port",
+                                      "give them different ports, or 0 for any free one")
         if self.http_port is None and self.grpc_port is None:
             raise ConfigError("--http-port and --grpc-port are both off: the server would take no requests",
                               "leave one on, e.g. --grpc-port 8001")
@@ -99,6 +110,11 @@ class ServerState:
     draining: bool = False
     active: int = 0
     lag_ms: float = 0.0
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``draining``: cuts body reads short
+
+    def drain(self) -> None:
+        self.draining = True
+        self.stopping.set()
 
     async def watch_loop(self, interval_s: float = 0.02) -> None:
         """Track ``lag_ms``: how late a ``sleep(interval_s)`` wakes up; rises at once, decays over ~10 ticks."""
@@ -218,6 +234,11 @@ async def serve(cfg: ServeConfig) -> int:
             tls = (open(cfg.tls_key, "rb").read(), open(cfg.tls_cert, "rb").read())
         except OSError as e:
             raise ConfigError(f"cannot read TLS file {e.filename}: {e.strerror}", "pass PEM files") from None
+        try:  # what both listeners will load: a bad pair is refused here, not as a bind error of gRPC's
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        except ssl.SSLError as e:
+            raise ConfigError(f"--tls-cert {cfg.tls_cert} and --tls-key {cfg.tls_key} are not a PEM certificate and "
+                              f"its private key ({e.reason or e})", "pass the PEM files of one certificate") from None
 
     metrics = ServeMetrics()
     repo = Repository(cfg.bundles, metrics, variant=cfg.variant, cascade=cfg.cascade, budget_ms=cfg.budget_ms,
@@ -247,6 +268,8 @@ async def serve(cfg: ServeConfig) -> int:
         sock = _socket(cfg.host, port)
         conf = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", loop="asyncio", http=cfg.http_impl,
                               limit_concurrency=cfg.max_connections, timeout_keep_alive=5,
+                              # after the drain: a connection still open (a half-sent body) is closed 2 s on
+                              timeout_graceful_shutdown=2.0,
                               ssl_certfile=cfg.tls_cert if kind == "http" else None,
                               ssl_keyfile=cfg.tls_key if kind == "http" else None)
         srv = _Server(conf)
@@ -258,23 +281,8 @@ async def serve(cfg: ServeConfig) -> int:
         ready_parts.append(f"{kind}={_fmt(cfg.host, sock.getsockname()[1])}")
 
     if cfg.http_port is not None:
-        http_server(build_app(repo, state, max_body=cfg.max_body_bytes, auth=auth, server_metadata=server_metadata),
-                    cfg.http_port, "http")
-    grpc_server = None
-    if cfg.grpc_port is not None:
-        grpc_server = build_server(repo, state, max_message=cfg.max_body_bytes, max_rpcs=cfg.max_connections,
-                                   interceptors=[auth.grpc_interceptor()] if auth else [],
-                                   server_metadata=server_metadata)
-        addr = _fmt(cfg.host, cfg.grpc_port)
-        if cfg.grpc_port:  # a taken port is refused here, before gRPC core logs a raw error line of its own
-            _socket(cfg.host, cfg.grpc_port).close()
-        try:
-            port = (grpc_server.add_secure_port(addr, __import__("grpc").ssl_server_credentials([tls])) if tls
-                    else grpc_server.add_insecure_port(addr))
-        except RuntimeError as e:
-            raise ConfigError(f"cannot bind gRPC {addr}: {e}", "pick another --grpc-port, or 0") from None
-        await grpc_server.start()
-        ready_parts.append(f"grpc={_fmt(cfg.host, port)}")
+        http_server(build_app(repo, state, max_body=cfg.max_body_bytes, auth=auth, server_metadata=server_metadata,
+                              body_timeout_s=cfg.body_timeout_s), cfg.http_port, "http")
     if cfg.metrics_port is not None:
         http_server(metrics.asgi_app(), cfg.metrics_port, "metrics")
     for srv, task in servers:
@@ -283,6 +291,24 @@ async def serve(cfg: ServeConfig) -> int:
         if task.done():
             task.result()
             raise ConfigError("an HTTP listener failed to start", "see the log above")
+    # gRPC last: every refusal above comes before a grpc.aio server exists (one left behind on an error logs a
+    # traceback from its __del__ once the loop is closed)
+    grpc_server = None
+    if cfg.grpc_port is not None:
+        addr = _fmt(cfg.host, cfg.grpc_port)
+        if cfg.grpc_port:  # a taken port is refused here, before gRPC core logs a raw error line of its own
+            _socket(cfg.host, cfg.grpc_port).close()
+        grpc_server = build_server(repo, state, max_message=cfg.max_body_bytes, max_rpcs=cfg.max_connections,
+                                   interceptors=[auth.grpc_interceptor()] if auth else [],
+                                   server_metadata=server_metadata)
+        try:
+            port = (grpc_server.add_secure_port(addr, __import__("grpc").ssl_server_credentials([tls])) if tls
+                    else grpc_server.add_insecure_port(addr))
+        except RuntimeError as e:
+            await grpc_server.stop(None)
+            raise ConfigError(f"cannot bind gRPC {addr}: {e}", "pick another --grpc-port, or 0") from None
+        await grpc_server.start()
+        ready_parts.insert(len(ready_parts) - (cfg.metrics_port is not None), f"grpc={_fmt(cfg.host, port)}")
 
     code = 0
     t0 = time.perf_counter()
@@ -308,7 +334,7 @@ async def serve(cfg: ServeConfig) -> int:
         await asyncio.wait({load})  # a bundle still loading: let it finish before the sessions close
     # -- drain ------------------------------------------------------------------------------------------------
     t_drain = time.perf_counter()
-    state.draining = True
+    state.drain()
     repo.stop_admitting()
     log.info("draining", extra={"fields": {"active": state.active, "timeout_s": cfg.drain_timeout_s}})
     await asyncio.to_thread(repo.close, cfg.drain_timeout_s)
