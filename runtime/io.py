@@ -159,8 +159,8 @@ def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = 
             continue
         v = float(value) if is_real(value) else math.nan
         if not (math.isfinite(v) and (v > 0 if low_open else v >= 0) and v <= MAX_BUDGET_MS):
-            raise InputError(f"{name} must be a finite number of ms {'>' if low_open else '>='} 0, got {value!r}",
-                             f"pass {name}=50.0, or None for the default")
+            raise InputError(f"{name} must be a finite number in {'(' if low_open else '['}0, {MAX_BUDGET_MS:.0f}] ms, "
+                             f"got {value!r}", f"pass {name}=50.0, or None for the default")
     if profile not in PROFILE_SOURCES:
         raise InputError(f"profile must be one of {', '.join(PROFILE_SOURCES)}, got {profile!r}",
                          "pass profile='auto'")

@@ -621,7 +621,9 @@ class BudgetScheduler:
                 cold = lane.max_queue
             elif alone + lane.margin_s * 1e3 > budget_ms:
                 lane.refused(req)
-                reasons.append((BUDGET, f"predicted {alone:.1f} ms alone on {lane.name} > budget {budget_ms:g} ms"))
+                margin = f" + {lane.margin_s * 1e3:g} ms margin" if lane.margin_s else ""
+                reasons.append((BUDGET, f"predicted {alone:.1f} ms alone on {lane.name}{margin} > budget "
+                                        f"{budget_ms:.4g} ms"))
                 continue
             elif lane.depth >= lane.max_queue:
                 reasons.append((OVERLOAD, f"queue of {lane.name} full ({lane.max_queue} requests)"))

@@ -174,6 +174,7 @@ def test_a_default_budget_that_is_not_a_number_is_an_input_error(tmp_path):
     ({"max_queue": 0}, "max_queue must be an integer >= 1"),
     ({"max_delay_ms": float("nan")}, "max_delay_ms must be a finite number"),
     ({"budget_ms": -5}, "budget_ms must be a finite number"),
+    ({"budget_ms": 1e9}, re.escape("budget_ms must be a finite number in (0, 3600000] ms, got 1000000000.0")),
     ({"profile": "fast"}, "profile must be one of auto, measure, bundle"),
     ({"threads": 0}, "threads must be an integer >= 1"),
 ])
