@@ -201,7 +201,7 @@ def verify_bundle(bundle: str | os.PathLike) -> Manifest:
     root = Path(bundle)
     m = read_manifest(root)
     for rel, expected in m.files.items():
-        p = inside(root, rel, "manifest lists a file", BundleIntegrityError)
+        p = inside(root, rel, "manifest's file", BundleIntegrityError)
         if not p.is_file():
             raise BundleIntegrityError(f"bundle file {rel!r} is missing", "copy the whole .dse directory, or rebuild it")
         actual = sha256_file(p)

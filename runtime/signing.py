@@ -172,6 +172,8 @@ def sign_bundle(bundle: str | os.PathLike, key_path: str | os.PathLike, signer: 
 
 def _read(root: Path) -> dict[str, Any] | None:
     p = root / SIGNATURE
+    if p.is_symlink():  # as for manifest.json: nothing outside the bundle is read
+        raise SignatureError(f"{SIGNATURE} of {str(root)!r} is a link", "a bundle's signature must be a file inside it")
     if not p.is_file():
         return None
     try:

@@ -1,4 +1,5 @@
-"""Turn the operating system's "the disk refused this write" errors into a one-line ``StorageError``."""
+"""Turn the operating system's "the disk refused this write" (and "this path cannot be used") errors into a
+one-line ``StorageError``."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,11 @@ _STORAGE = {
     errno.EACCES: ("permission denied", "choose a directory you can write to"),
     errno.EPERM: ("operation not permitted", "choose a directory you can write to"),
     errno.ENAMETOOLONG: ("a path is too long", "choose a shorter --out or model name"),
+    # a path that cannot be what the command needs: still the user's input, not a crash
+    errno.ENOTDIR: ("a part of the path is a file, not a directory", "choose a path whose parents are directories"),
+    errno.EISDIR: ("the path is a directory, where a file was expected", "give a file path, not a directory"),
+    errno.EEXIST: ("a file is in the way of a directory to create", "choose another path, or move that file"),
+    errno.ENOENT: ("no such file or directory", "check the path (relative paths count from where you run)"),
 }
 
 

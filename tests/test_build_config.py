@@ -56,10 +56,14 @@ def test_config_file_round_trips_and_refuses_unknown_keys_and_wrong_types(tmp_pa
     path.write_text(dump_config(cfg))
     assert read_config_file(path) == cfg
     path.write_text('[build]\ntarget = "cpu"\nprecison = "int8"\n')
-    with pytest.raises(ConfigError, match="unknown key 'precison'"):
+    with pytest.raises(ConfigError, match=r"unknown key 'precison' \(did you mean 'precision'\?\)"):
         read_config_file(path)
     path.write_text('[build]\nblock_size = "32"\n')
-    with pytest.raises(ConfigError, match="block_size = '32' is not of type int"):
+    with pytest.raises(ConfigError, match="block_size = '32' is not an integer") as e:
+        read_config_file(path)
+    assert e.value.hint == "write block_size as an integer"
+    path.write_text('[build]\nthreads = -4\n')
+    with pytest.raises(ConfigError, match="threads = -4 is not an integer >= 1"):
         read_config_file(path)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.precision = "int4"  # type: ignore[misc]
@@ -134,3 +138,11 @@ def test_a_negative_qat_steps_is_a_usage_error_naming_the_option(capsys):
         assert "No such option" not in err
     code, _, err = run_main(["build", "--model", "nowhere.onnx", "--finetune-steps", "-3"], capsys)
     assert code == 2 and "Invalid value for '--finetune-steps': -3 is not in the range x>=0" in err
+
+
+def test_build_threads_must_be_positive(capsys):
+    from cli_helpers import run_main
+
+    for bad in ("0", "-2"):
+        code, _, err = run_main(["build", "--model", "never-read.onnx", "--target", "cpu", "--threads", bad], capsys)
+        assert code == 2 and "Invalid value for '--threads'" in err, err

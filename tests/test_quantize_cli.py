@@ -58,6 +58,14 @@ def test_quantize_user_errors_are_one_line(files, capsys):
     code, _, err = run_main(["quantize", files / "mlp.onnx", "-o", files / "x.onnx", "--calib", files / "calib",
                          "--accuracy-gate", "cosine:0.99"], capsys)
     assert code == 2 and "--heldout" in err
+    # an output path that cannot be a file: one line, exit 2, nothing left behind (was a FileExistsError /
+    # IsADirectoryError traceback)
+    (files / "afile").write_text("x")
+    for bad, why in ((files / "afile" / "q.onnx", "a file is in the way"),
+                     (files / "calib", "the path is a directory")):
+        code, _, err = run_main(["quantize", files / "mlp.onnx", "-o", bad, "--algorithm", "rtn"], capsys)
+        assert code == 2 and why in err and "Traceback" not in err and err.count("\n") <= 2, err
+    assert sorted(p.name for p in files.iterdir() if p.name.startswith(".")) == []
 
 
 def test_prune_2_4(files, capsys):

@@ -108,3 +108,17 @@ def test_a_signed_bundle_copied_whole_still_verifies_and_a_swapped_model_does_no
     shutil.copy(mlp_onnx(tmp_path / "other.onnx", seed=3), copy / "models/fp32.onnx")
     with pytest.raises(dsedge.runtime.errors.BundleIntegrityError, match="corrupt or was modified"):
         dsedge.load(copy, trusted_keys=[pub])  # the signature holds, the file hash it covers does not
+
+
+def test_a_linked_signature_is_refused(bundle, keys, tmp_path):
+    """A symlinked manifest.sig was followed outside the bundle (a symlinked manifest.json already was refused)."""
+    (priv, pub), _ = keys
+    dsedge.runtime.signing.sign_bundle(bundle, priv)
+    outside = tmp_path / "elsewhere.sig"
+    (bundle / "manifest.sig").rename(outside)
+    (bundle / "manifest.sig").symlink_to(outside)
+    try:
+        with pytest.raises(SignatureError, match="manifest.sig of .* is a link"):
+            dsedge.load(bundle, trusted_keys=[pub])
+    finally:
+        (bundle / "manifest.sig").unlink()

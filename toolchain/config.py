@@ -16,6 +16,8 @@ A ``build.toml`` holds the same keys as ``BuildConfig`` (``[build]`` table or to
 """
 from __future__ import annotations
 
+import difflib
+
 import dataclasses
 import os
 from dataclasses import dataclass, field, fields
@@ -78,14 +80,19 @@ def config_from_mapping(data: Mapping[str, Any], what: str = "build config") -> 
         name = str(key).replace("-", "_")
         name = {"out": "out_dir", "dla": "dla_core"}.get(name, name)
         if name not in types:
-            raise ConfigError(f"{what}: unknown key {key!r}", f"known keys: {', '.join(FIELD_NAMES)}")
+            close = difflib.get_close_matches(name, FIELD_NAMES, n=1)
+            raise ConfigError(f"{what}: unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""),
+                              f"known keys: {', '.join(FIELD_NAMES)}")
         want = types[name]
         ok = (value is None and "None" in want) or (
             isinstance(value, bool) if want.startswith("bool") else
             isinstance(value, int) and not isinstance(value, bool) if want.startswith("int") else
             isinstance(value, str))
         if not ok:
-            raise ConfigError(f"{what}: {key} = {value!r} is not of type {want}", f"write {key} as a {want.split()[0]}")
+            kind = {"bool": "true or false", "int": "an integer", "str": "a string"}[want.split()[0]]
+            raise ConfigError(f"{what}: {key} = {value!r} is not {kind}", f"write {key} as {kind}")
+        if name == "threads" and value is not None and value < 1:
+            raise ConfigError(f"{what}: threads = {value!r} is not an integer >= 1", "write threads = 2, or leave it out")
         clean[name] = value
     return BuildConfig(**clean)
 
