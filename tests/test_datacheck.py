@@ -343,6 +343,40 @@ def test_an_empty_data_set_fails(tmp_path, capsys):
     assert code == 1 and check(r, "format.unreadable")["detail"] == "the data set has no rows"
 
 
+@pytest.mark.parametrize("name", ["e.csv", "e.tsv", "e.jsonl", "e.txt", "blank.csv"])
+def test_an_empty_file_of_any_format_fails_the_same_way(tmp_path, capsys, name):
+    (tmp_path / name).write_bytes(b"\n \n" if name.startswith("blank") else b"")
+    code, out, err = run_cli(["data", "check", str(tmp_path / name), "--json"], capsys)
+    assert code == 1, err
+    assert check(json.loads(out), "format.unreadable")["detail"] == "the data set has no rows"
+
+
+def test_a_csv_with_a_blank_first_line_and_rows_is_still_a_usage_error(tmp_path, capsys):
+    (tmp_path / "b.csv").write_text("\na,b\n1,2\n")
+    code, _, err = run_cli(["data", "check", str(tmp_path / "b.csv")], capsys)
+    assert code == 2 and "the CSV has no header row" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_random_bytes_parquet_is_a_one_line_usage_error(tmp_path, capsys, as_json):
+    p = tmp_path / "rand.parquet"
+    p.write_bytes(np.random.default_rng(0).bytes(2000))
+    code, out, err = run_cli(["data", "check", str(p)] + (["--json"] if as_json else []), capsys)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert "not a readable Parquet file (Parquet magic bytes not found in footer)" in err and "hint:" in err
+
+
+def test_truncated_parquet_is_a_one_line_usage_error(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"text": [f"document number {i}" for i in range(1000)]}), good)
+    bad = tmp_path / "cut.parquet"
+    bad.write_bytes(good.read_bytes()[:-100])
+    code, _, err = run_cli(["data", "check", str(bad)], capsys)
+    assert code == 2 and "not a readable Parquet file" in err and "Traceback" not in err
+
+
 def test_thresholds_from_toml_turn_a_pass_into_a_fail(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text('[checks.zipf]\npass = [1.5, 2.0]\nwarn = false\n')

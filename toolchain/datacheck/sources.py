@@ -106,8 +106,19 @@ def _csv_header(path: Path) -> tuple[tuple[str, ...], str, int]:
         raise DataError(f"{path}: the CSV header is not UTF-8", "re-encode the file as UTF-8") from None
     header = next(csv.reader([text], delimiter=delimiter), [])
     if not header or not any(h.strip() for h in header):
+        if _blank_file(path):               # an empty data set: no rows, graded like empty JSONL/text (exit 1)
+            return (), delimiter, len(raw)
         raise DataError(f"{path}: the CSV has no header row", "the first line must name the columns")
     return tuple(h.strip() for h in header), delimiter, len(raw)
+
+
+def _blank_file(path: Path) -> bool:
+    """True when the file holds nothing but whitespace (stops at the first other byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def plan_shards(data: str | os.PathLike, shard_bytes: int | None = None) -> list[Shard]:
@@ -165,8 +176,7 @@ def _line_cuts(path: Path, start: int, size: int, shard_bytes: int) -> list[tupl
 
 
 def _parquet_shards(i: int, path: Path, shard_bytes: int | None) -> list[Shard]:
-    pq = _pyarrow_parquet()
-    meta = pq.ParquetFile(path).metadata
+    meta = _open_parquet(path).metadata
     groups = list(range(meta.num_row_groups))
     if shard_bytes is None or not groups:
         return [Shard(i, str(path), "parquet", row_groups=tuple(groups))]
@@ -190,6 +200,22 @@ def _pyarrow_parquet():
         raise DataError("reading Parquet needs pyarrow, which is not installed",
                         'pip install -e ".[data]"') from None
     return pq
+
+
+def _open_parquet(path: str | os.PathLike):
+    """``pyarrow.parquet.ParquetFile(path)``; a file pyarrow cannot open is a DataError like an unreadable CSV header."""
+    pq = _pyarrow_parquet()
+    import pyarrow as pa
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({_arrow_reason(e)})",
+                        "the file is truncated, corrupt or not Parquet: rewrite it, or give it its real "
+                        "format's suffix (.jsonl, .csv, .txt)") from None
+
+
+def _arrow_reason(e: Exception) -> str:
+    return str(e).strip().splitlines()[0].split(". ")[0].rstrip(".") if str(e).strip() else type(e).__name__
 
 
 def _lines(shard: Shard) -> Iterator[tuple[int, bytes]]:
@@ -324,13 +350,21 @@ def _read_csv(shard: Shard, batch_rows: int) -> Iterator[Batch]:
 
 
 def _read_parquet(shard: Shard, batch_rows: int) -> Iterator[Batch]:
-    pq = _pyarrow_parquet()
-    pf = pq.ParquetFile(shard.path)
+    import pyarrow as pa
+    pf = _open_parquet(shard.path)
     row = shard.first_line
     if not shard.row_groups:
         yield Batch()
         return
-    for rb in pf.iter_batches(batch_size=batch_rows, row_groups=list(shard.row_groups)):
+    batches = pf.iter_batches(batch_size=batch_rows, row_groups=list(shard.row_groups))
+    while True:
+        try:
+            rb = next(batches)
+        except StopIteration:
+            break
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{shard.path}: Parquet rows from {row} on cannot be read ({_arrow_reason(e)})",
+                            "the file is truncated or corrupt: rewrite it from its source") from None
         n = rb.num_rows
         b = Batch(locs=[_loc(shard, r) for r in range(row, row + n)], columns=rb.to_pydict())
         row += n
