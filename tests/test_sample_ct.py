@@ -158,6 +158,19 @@ def test_not_a_series_directory(tmp_path):
         read_dicom_series(tmp_path)
 
 
+def test_evaluate_without_a_build_names_the_missing_file(tmp_path):
+    """No training, no build: evaluate stops before reading any volume, with one line and the step to run."""
+    import os
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, "-m", "samples.ct", "evaluate", "--volume", "no-such-volume"],
+                       cwd=tmp_path, env=env, text=True, capture_output=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "error: runs/bundles/builds.json: no such file" in p.stderr
+    assert "hint: run `python -m samples.ct build` first" in p.stderr
+
+
 # ------------------------------------------------------------------------------------------ lesion insertion
 def _phantom(spacing=(2.0, 2.0, 2.0), thickness=None) -> tuple[Volume, np.ndarray]:
     """A 'lung' ball of -850 HU (r = 50 mm) in soft tissue (40 HU), 120 mm cube."""

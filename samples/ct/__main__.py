@@ -117,7 +117,15 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
     from .evaluate import ANCHORS, ModelEntry, evaluate as run_eval
     from .report import write_json, write_png
 
-    builds = json.loads((Path(bundles) / "builds.json").read_text())
+    builds_json = Path(bundles) / "builds.json"
+    if not builds_json.is_file():
+        raise DsedgeError(f"{builds_json}: no such file (evaluate reads the bundles that build wrote)",
+                          f"run `python -m samples.ct build{'' if bundles == 'runs/bundles' else ' --out ' + bundles}` "
+                          "first")
+    try:
+        builds = json.loads(builds_json.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DsedgeError(f"{builds_json}: not valid JSON ({e})", "run `python -m samples.ct build` again") from None
     builds = builds["builds"] if isinstance(builds, dict) else builds
     ok = {(b["model"], b["target"], b["precision"]): b["bundle"] for b in builds
           if b["ok"] and b["precision"] != "auto"}
