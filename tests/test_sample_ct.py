@@ -153,6 +153,19 @@ def test_compressed_without_decoder_names_file(shared_data, tmp_path):
     assert "pylibjpeg" in e.value.hint
 
 
+@pytest.mark.parametrize("keep, says", [
+    (2000, r"it ends at byte 2000 inside the header, before any pixel data"),       # cut inside the header
+    (3000, r"it ends at byte 3000 inside the header, before any pixel data"),       # header whole, pixels gone
+    (200000, r"its pixel data has 196992 of 524288 bytes"),                      # cut inside the pixels
+])
+def test_truncated_file_says_truncated(shared_data, tmp_path, keep, says):
+    d = _copy_series(shared_data / DICOM, tmp_path / "s")
+    (d / "1-03.dcm").write_bytes((shared_data / DICOM / "1-03.dcm").read_bytes()[:keep])
+    with pytest.raises(SeriesError, match=r"1-03\.dcm: the file is truncated: " + says) as e:
+        read_dicom_series(d)
+    assert "truncated" in e.value.hint and "missing" not in str(e.value)
+
+
 def test_not_a_series_directory(tmp_path):
     with pytest.raises(SeriesError, match="no DICOM files in"):
         read_dicom_series(tmp_path)

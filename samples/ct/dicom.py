@@ -71,10 +71,15 @@ def read_dicom_series(source: str | os.PathLike | Iterable[str | os.PathLike], *
         try:
             ds = pydicom.dcmread(f, stop_before_pixels=True)
         except Exception as e:  # pydicom raises several types for a broken file
-            raise SeriesError(f"{f}: not a readable DICOM file ({e})", "remove the file from the series folder") from e
+            cut = _truncated(f)
+            raise SeriesError(f"{f}: " + (cut or f"not a readable DICOM file ({e})"),
+                              TRUNCATED_HINT if cut else "remove the file from the series folder") from e
         for tag in ("SeriesInstanceUID", "ImagePositionPatient", "ImageOrientationPatient", "PixelSpacing", "Rows",
                     "Columns"):
             if tag not in ds:
+                cut = _truncated(f)                 # pydicom stops quietly at a cut: say so, not "missing tag"
+                if cut:
+                    raise SeriesError(f"{f}: {cut}", TRUNCATED_HINT)
                 raise SeriesError(f"{f}: missing {tag}, cannot place the slice in a volume",
                                   "only axial CT image slices can be read as a series")
         headers.append(ds)
@@ -157,11 +162,50 @@ def _check_slice_gaps(files: list[Path], pos: np.ndarray, rtol: float) -> float:
     return ref
 
 
+TRUNCATED_HINT = "the file is truncated (an interrupted copy or download?): copy it again, or remove it from the folder"
+
+
+def _truncated(path: Path) -> str | None:
+    """Why the DICOM file is cut short, or None. pydicom reads a truncated file quietly up to the last whole element,
+    so: bytes left over after the last element read, a value shorter than its declared length (pixel data cut), or a
+    file that ends inside an element (pydicom's "No tag to read" / EOF errors)."""
+    import pydicom
+
+    size = Path(path).stat().st_size
+    try:
+        ds = pydicom.dcmread(path)
+    except (EOFError, OSError) as e:
+        return f"the file is truncated or corrupt ({size} bytes; pydicom: {e})"
+    except Exception:
+        return None
+    if not len(ds):
+        return None
+    last = ds.get_item(list(ds.keys())[-1])
+    tell, length, value = getattr(last, "value_tell", None), getattr(last, "length", None), getattr(last, "value", None)
+    if tell is None or length is None or length == 0xFFFFFFFF:
+        return None
+    if isinstance(value, (bytes, bytearray)) and len(value) < length:
+        what = "pixel data" if last.tag == 0x7FE00010 else f"element {last.tag}"
+        return f"the file is truncated: its {what} has {len(value)} of {length} bytes"
+    if tell + length < size and "PixelData" not in ds:
+        return (f"the file is truncated: it ends at byte {size} inside the header, before any pixel data "
+                f"(the last whole element ends at byte {tell + length})")
+    return None
+
+
 def _read_hu(path: Path) -> np.ndarray:
     """One slice in HU, float32 (rows, columns). Raises SeriesError for pixel data that cannot be decoded."""
     import pydicom
 
     ds = pydicom.dcmread(path)
+    pix = ds.get_item("PixelData") if "PixelData" in ds else None
+    cut = _truncated(path) if pix is None else None
+    if cut:
+        raise SeriesError(f"{path}: {cut}", TRUNCATED_HINT)
+    if pix is not None and isinstance(pix.value, (bytes, bytearray)) and getattr(pix, "length", 0) != 0xFFFFFFFF \
+            and len(pix.value) < pix.length:
+        raise SeriesError(f"{path}: the file is truncated: its pixel data has {len(pix.value)} of {pix.length} bytes",
+                          TRUNCATED_HINT)
     ts = ds.file_meta.get("TransferSyntaxUID") if hasattr(ds, "file_meta") else None
     if ts is not None and ts.is_compressed:
         missing = _missing_decoder(ts)
