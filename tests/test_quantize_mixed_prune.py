@@ -120,3 +120,39 @@ def test_channel_pruning_shrinks_the_mlp_and_keeps_it_running():
         prune_channels(model, 0.5)
     with pytest.raises(QuantizationError, match="outside"):
         prune_channels(m, 1.0)
+
+
+def _torch_mlp_onnx(path, two_d: bool = True) -> onnx.ModelProto:
+    """A real torch Linear → ReLU → Linear MLP exported by the TorchScript exporter (its Linears are Gemm, transB=1,
+    the bias as C)."""
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32)).eval()
+    torch.onnx.export(net, (torch.randn(8, 64),), str(path), input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "b"}}, opset_version=17, dynamo=False)
+    return onnx.load(str(path))
+
+
+def test_channel_pruning_of_a_torch_exported_gemm_mlp(tmp_path, capsys):
+    from dsedge.cli import main
+
+    m = _torch_mlp_onnx(tmp_path / "mlp.onnx")
+    assert [n.op_type for n in m.graph.node] == ["Gemm", "Relu", "Gemm"]
+    x = {"x": inputs(two_d=True)[0]["x"]}
+    p, report = prune_channels(m, 0.5)
+    assert report["blocks"][0]["hidden_before"] == 96 and report["blocks"][0]["hidden_after"] == 48
+    g1, g2 = (n for n in p.graph.node if n.op_type == "Gemm")
+    inits = {t.name: numpy_helper.to_array(t) for t in p.graph.initializer}
+    assert inits[g1.input[1]].shape == (48, 64) and inits[g1.input[2]].shape == (48,)    # [N, K] kept transposed
+    assert inits[g2.input[1]].shape == (32, 48) and inits[g2.input[2]].shape == (32,)
+    out, ref = run(p, x), run(m, x)
+    assert out.shape == ref.shape and cosine(out, ref) > 0.7
+    # pruning zero channels changes nothing: the Gemm bookkeeping (transB, C) is exact
+    same, _ = prune_channels(m, 0.0, min_keep=96)
+    assert np.array_equal(run(same, x), ref)
+    # and through the CLI, as the user ran it
+    with pytest.raises(SystemExit) as e:
+        main(["prune", str(tmp_path / "mlp.onnx"), "-o", str(tmp_path / "p.onnx"), "--pattern", "channels"])
+    assert e.value.code in (0, None), capsys.readouterr().err
+    assert run(onnx.load(str(tmp_path / "p.onnx")), x).shape == ref.shape

@@ -4,8 +4,9 @@
   MatMul/Gemm weight, the 2 least important weights are zeroed — the pattern Ampere+ sparse tensor cores run
   (TensorRT ``--sparsity=enable``; A100 and Orin). Importance is ``|w| * ||x_k||`` (Wanda, arXiv:2306.11695) with
   calibration data, else ``|w|``.
-- **Channels** (``prune_channels``): hidden channels of ``MatMul(W1) [+ bias] → elementwise activation →
-  MatMul(W2)`` blocks (transformer FFNs, MLPs) are removed — columns of W1 and the bias, rows of W2 — to a global
+- **Channels** (``prune_channels``): hidden channels of ``MatMul/Gemm(W1) [+ bias] → elementwise activation →
+  MatMul/Gemm(W2)`` blocks (transformer FFNs, MLPs; a Gemm as torch exports ``nn.Linear``: ``transB=1``, the bias
+  as C) are removed — columns of W1 and the bias, rows of W2 — to a global
   sparsity target, lowest importance first across all blocks; importance of hidden channel j is
   ``||W1[:, j]|| * ||W2[j, :]||`` (times the channel's RMS activation with calibration data). The graph gets
   really smaller. ONNX weights cannot be fine-tuned here: to recover accuracy, prune the torch model instead
@@ -74,7 +75,9 @@ def prune_2_4(model: onnx.ModelProto, activations: dict[str, np.ndarray] | None 
 
 @dataclass
 class MLPBlock:
-    """``up`` (MatMul/Gemm, weight [K, H]) → optional bias Add ([H]) → elementwise region → ``down`` ([H, N])."""
+    """``up`` (MatMul/Gemm, weight [K, H]) → optional bias Add ([H]) → elementwise region → ``down`` ([H, N]).
+
+    ``bias`` names the bias Add node, or ``up`` itself for a Gemm whose C is the [H] bias (torch's Linear)."""
 
     up: str
     bias: str | None
@@ -105,13 +108,20 @@ def find_mlp_blocks(model: onnx.ModelProto) -> list[MLPBlock]:
             scalar_sizes[n.output[0]] = int(np.prod(n.attribute[0].t.dims))
     blocks = []
     for up in layers.values():
-        if up.transposed:
-            continue
         h = up.n
         start = nodes[up.node].output[0]
         bias = None
+        if up.op_type == "Gemm" and len(nodes[up.node].input) > 2 and nodes[up.node].input[2]:
+            c = nodes[up.node].input[2]               # torch's Linear: Gemm(transB=1) with the bias as C
+            dims = list(inits[c].dims) if c in inits else None
+            if dims is None or (int(np.prod(dims)) != 1 and (int(np.prod(dims)) != h or dims[-1] != h)):
+                continue                              # C is not a constant [H], [1, H] or scalar
+            if int(np.prod(dims)) == h:
+                if sum(c in n.input for n in model.graph.node) > 1:
+                    continue                          # a shared C would be cut for its other users too
+                bias = up.node
         cons = consumers.get(start, [])
-        if len(cons) == 1 and cons[0].op_type == "Add":
+        if bias is None and len(cons) == 1 and cons[0].op_type == "Add":
             other = [i for i in cons[0].input if i != start]
             if other and other[0] in inits and list(inits[other[0]].dims) == [h]:
                 bias = cons[0].name
@@ -157,8 +167,9 @@ def prune_channels(model: onnx.ModelProto, sparsity: float, *, activations: dict
     out.CopyFrom(model)
     blocks = find_mlp_blocks(out)
     if not blocks:
-        raise QuantizationError("no prunable MLP block (MatMul → elementwise → MatMul) found",
-                                "channel pruning needs Linear → activation → Linear blocks with constant weights")
+        raise QuantizationError("no prunable MLP block (MatMul/Gemm → elementwise → MatMul/Gemm) found",
+                                "channel pruning needs Linear → activation → Linear blocks with constant weights "
+                                "whose hidden tensor feeds only the second Linear")
     layers = {lay.node: lay for lay in select_layers(out, None)}
     scores = []
     for b in blocks:
@@ -183,8 +194,9 @@ def prune_channels(model: onnx.ModelProto, sparsity: float, *, activations: dict
         set_weight(out, down, w2[keep, :])
         if b.bias:
             bias_node = next(n for n in out.graph.node if n.name == b.bias)
-            bname = next(i for i in bias_node.input if i in inits)
-            _replace(out, bname, numpy_helper.to_array(inits[bname])[keep])
+            bname = (bias_node.input[2] if bias_node.op_type == "Gemm"            # Gemm's own C
+                     else next(i for i in bias_node.input if i in inits))
+            _replace(out, bname, numpy_helper.to_array(inits[bname])[..., keep])
         report.append({"up": b.up, "down": b.down, "hidden_before": b.hidden, "hidden_after": int(keep_n)})
     _clear_shapes(out)
     before = sum(r["hidden_before"] for r in report)
