@@ -539,7 +539,9 @@ def test_unimplemented_methods_and_out_of_range_budgets_get_clean_errors(server,
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "at most 3600000 ms" in e.value.message()
     with pytest.raises(InferenceServerException) as e:  # a budget under the way-back reserve says so
         gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers=gauth(), parameters={"budget_ms": 0.5})
-    assert e.value.message().startswith("budget:") and "to get back" in e.value.message()
+    # (on a loaded machine parsing the call can take the whole 0.5 ms: refused as spent, also a `budget` refusal)
+    msg = e.value.message()
+    assert msg.startswith("budget:") and ("to get back" in msg or "spent before the request reached" in msg), msg
     time.sleep(0.2)
     assert "Traceback" not in server.log() and "NotImplementedError" not in server.log()
 
