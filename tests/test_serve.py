@@ -539,9 +539,11 @@ def test_unimplemented_methods_and_out_of_range_budgets_get_clean_errors(server,
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "at most 3600000 ms" in e.value.message()
     with pytest.raises(InferenceServerException) as e:  # a budget under the way-back reserve says so
         gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers=gauth(), parameters={"budget_ms": 0.5})
-    # (on a loaded machine parsing the call can take the whole 0.5 ms: refused as spent, also a `budget` refusal)
+    # (timing decides which of the three `budget` refusals it is: parsing may take the whole 0.5 ms on a loaded
+    # machine, and a fast way back may leave enough for the scheduler, which then refuses it alone)
     msg = e.value.message()
-    assert msg.startswith("budget:") and ("to get back" in msg or "spent before the request reached" in msg), msg
+    assert msg.startswith("budget:") and any(w in msg for w in ("to get back", "spent before the request reached",
+                                                                "alone on")), msg
     time.sleep(0.2)
     assert "Traceback" not in server.log() and "NotImplementedError" not in server.log()
 
