@@ -235,7 +235,9 @@ def check_signature(bundle: str | os.PathLike, trusted_keys: Iterable[Any] | Non
     if match is None:
         raise SignatureError(f"bundle {root.name} is signed by {kid} ({doc['signer']!r}), which is not a trusted key",
                              f"add its .pub to trusted_keys / ${ENV}, or get the bundle from a trusted signer")
-    if not valid:
-        raise SignatureError(f"bundle {root.name}: the manifest was changed after it was signed by {kid} "
-                             "(signature does not match)", "rebuild and sign it again; do not edit signed bundles")
+    if not valid:  # manifest_sha256 (not itself signed) tells which side moved
+        what = ("the manifest was changed" if doc.get("manifest_sha256") != hashlib.sha256(manifest).hexdigest()
+                else "the signer name or the signature in manifest.sig was changed")
+        raise SignatureError(f"bundle {root.name}: {what} after it was signed by {kid} (signature does not match)",
+                             "rebuild and sign it again; do not edit signed bundles")
     return SignatureInfo(kid, str(doc["signer"]), True, True)

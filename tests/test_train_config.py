@@ -121,3 +121,22 @@ def test_cli_prints_one_line_error_without_traceback(tmp_path, capsys):
 def test_from_dict_validates():
     with pytest.raises(ConfigError, match="out_dir is missing"):
         from_dict({"steps": 1, "model": {"factory": "a:b"}, "data": {"factory": "a:b"}})
+
+
+def test_a_missing_data_file_is_one_line_and_leaves_no_run_directory(tmp_path, capsys):
+    """Found by a fresh user: the traceback of a FileNotFoundError, and OUT/config.toml written before it."""
+    from pathlib import Path
+
+    from dsedge.cli import main
+
+    text = (Path(__file__).resolve().parents[1] / "samples" / "fraud" / "teacher.toml").read_text()
+    run = tmp_path / "run"
+    missing = tmp_path / "nope.csv"
+    text = text.replace('out_dir = "out/fraud/teacher-run"', f'out_dir = "{run}"')
+    text = text.replace("../shared/data/creditcard-fraud-ulb/creditcard_fraud_subsample.csv", str(missing))
+    path = write(tmp_path, text)
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"no such file or directory ({missing})" in err and "Traceback" not in err, err
+    assert not run.exists()

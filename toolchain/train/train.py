@@ -80,10 +80,6 @@ def run(cfg: TrainConfig, forward_loss: Callable[[Callable], ForwardLoss] | None
 
 def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | None) -> RunResult:
     run_dir = Path(cfg.out_dir)
-    if env.rank == 0:
-        write_resolved_config(run_dir, cfg)
-    log = MetricsLog(run_dir / "metrics.jsonl", env.rank, progress=cfg.health.progress,
-                     tensorboard=cfg.health.tensorboard)
 
     # model and data: same seed on every rank, so every rank builds the same initial weights
     torch.manual_seed(cfg.seed)
@@ -107,6 +103,12 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
     total_steps = cfg.steps if cfg.steps is not None else sampler.steps_for_epochs(cfg.epochs)
     hard_loss = make_loss(cfg.loss)
     forward_loss = forward_loss_factory(hard_loss) if forward_loss_factory else None
+    # the run directory only once the model and data could be built: a bad config or a missing data file leaves
+    # nothing behind
+    if env.rank == 0:
+        write_resolved_config(run_dir, cfg)
+    log = MetricsLog(run_dir / "metrics.jsonl", env.rank, progress=cfg.health.progress,
+                     tensorboard=cfg.health.tensorboard)
 
     # precision, activation checkpointing, parallelism (applied to the plain module, names kept)
     policy = PrecisionPolicy(cfg.precision.mode, env.device.type, cfg.precision.initial_scale,
