@@ -123,7 +123,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         received = time.perf_counter()
         remaining = context.time_remaining()  # None without a gRPC deadline
-        m, inside = None, False  # infer() counts the calls that end inside it; this handler those that end before
+        m = None  # once known, every refusal is counted against it (infer() counts only answers and cancels)
         with self.state.track():
             try:
                 if self.state.draining:
@@ -135,11 +135,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     if _param_value(o.parameters["classification"]) if "classification" in o.parameters else False:
                         raise invalid("the classification extension is not supported")
                 names = [o.name for o in request.outputs] or None
-                inside = True
                 answer = await m.infer(inputs, params, names, "grpc", received=received,
                                        transport_deadline=None if remaining is None else received + remaining)
             except ServeError as e:
-                if m is not None and not inside:
+                if m is not None:
                     m.count_failure("grpc", e)
                 log.debug("infer refused", extra={"fields": {"model": request.model_name, "code": e.code,
                                                              "reason": e.reason, "error": e.message}})

@@ -45,7 +45,7 @@ def _too_big(cap: int) -> ServeError:
 
 
 async def _read_body(request: Request, cap: int, timeout_s: float = BODY_TIMEOUT_S,
-                     stopping: asyncio.Event | None = None) -> bytes:
+                     stopping: asyncio.Future | None = None) -> bytes:
     """The request body, inflated. ServeError: over ``cap`` (413), not complete within ``timeout_s`` (408), the
     client gone (499), the server stopping (``stopping`` set: 503 ``shutdown``, so a half-sent body does not hold
     the shutdown), not valid gzip/deflate (400)."""
@@ -63,14 +63,13 @@ async def _read_body(request: Request, cap: int, timeout_s: float = BODY_TIMEOUT
             chunks.append(chunk)
 
     reading = asyncio.ensure_future(receive())
-    waits = {reading} if stopping is None else {reading, asyncio.ensure_future(stopping.wait())}
-    try:
-        done, _ = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    try:  # ``stopping`` is the server's one shared future: waited on, never cancelled here
+        done, _ = await asyncio.wait({reading} if stopping is None else {reading, stopping}, timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for w in waits:
-            w.cancel()
+        reading.cancel()
     if reading not in done:  # a stalled or trickling client: its connection holds neither a slot nor the shutdown
-        if stopping is not None and stopping.is_set():
+        if stopping is not None and stopping.done():
             raise rejection("shutdown", "the server is shutting down")
         raise ServeError(408, "DEADLINE_EXCEEDED", f"request body not complete within {timeout_s:g} s",
                          "body_timeout")
@@ -186,7 +185,8 @@ def encode_response(model: str, req: dict[str, Any], outputs: dict[str, np.ndarr
 
 def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck | None,
               server_metadata: Callable[[], dict[str, Any]], body_timeout_s: float = BODY_TIMEOUT_S) -> Any:
-    """The ASGI app. ``state`` has ``draining`` (bool) and ``track()`` (a context manager counting live infers).
+    """The ASGI app. ``state`` has ``draining`` (bool), ``stopping`` (a future done at SIGTERM, or None) and
+    ``track()`` (a context manager counting live infers).
     A request body not complete within ``body_timeout_s`` is refused with 408 (``body_timeout``)."""
 
     async def live(request: Request) -> Response:
@@ -216,22 +216,21 @@ def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck |
 
     async def infer(request: Request) -> Response:
         name = request.path_params["model"]
-        m, inside = None, False  # infer() counts the requests that end inside it; this handler those that end before
+        m = None  # once known, every refusal is counted against it (infer() counts only answers and cancels)
         with state.track():
             try:
                 if state.draining:
                     raise rejection("shutdown", "the server is shutting down")
                 m = repo.get(name, request.path_params.get("version"))
-                body = await _read_body(request, max_body, body_timeout_s, getattr(state, "stopping", None))
+                body = await _read_body(request, max_body, body_timeout_s, state.stopping)
                 req, inputs = parse_infer_body(body, request.headers.get(_HEADER_LEN))
                 params = req.get("parameters") or {}
                 if not isinstance(params, dict):
                     raise invalid("'parameters' must be an object")
                 names, binary = requested_outputs(req)
-                inside = True
                 answer = await m.infer(inputs, params, names, "http")
             except ServeError as e:
-                if m is not None and not inside:
+                if m is not None:
                     m.count_failure("http", e)
                 log.debug("infer refused", extra={"fields": {"model": name, "status": e.status, "reason": e.reason,
                                                              "error": e.message}})

@@ -74,10 +74,6 @@ class WayBack:
         if self._n % self._every == 0:
             self._refresh(now)
 
-    @property
-    def ms(self) -> float:
-        return self.at(time.perf_counter())
-
     def at(self, now: float) -> float:
         """The reserve at ``now`` (perf_counter s), ms."""
         if now - self._t >= self._horizon / 8:
@@ -136,14 +132,15 @@ class ServedModel:
         """Count a request of this model that ended with ``e`` (``dsedge_requests_total``: outcome ``rejected`` for
         a refusal, ``error`` for a server fault, else ``invalid``; reason ``e.reason``)."""
         outcome = "rejected" if e.reason in ("overload", "budget", "deadline", "shutdown") else (
-            "error" if e.status >= 500 and e.status != 499 else "invalid")
+            "error" if e.status >= 500 else "invalid")
         self.metrics.failed(self.name, protocol, outcome, e.reason)
 
     # -- inference --------------------------------------------------------------------------------------------
     async def infer(self, inputs: Mapping[str, np.ndarray], params: Mapping[str, Any],
                     outputs: Sequence[str] | None, protocol: str, *, received: float | None = None,
                     transport_deadline: float | None = None) -> InferAnswer:
-        """Admit, queue and run one request; raises ServeError for every way it can end without an answer.
+        """Admit, queue and run one request; raises ServeError for every way it can end without an answer (the
+        front end counts those with ``count_failure``, as it does its own refusals before this).
 
         Args:
             received: ``time.perf_counter()`` when the front end got the call (default: now); the budget counts
@@ -152,7 +149,7 @@ class ServedModel:
                 When it comes before ``received + budget`` it is the deadline, and the budget's source is
                 ``"grpc_deadline"``: the client's clock started when it sent the call, so this is the one bound
                 that includes the time the call queued inside gRPC before its handler ran.
-        The scheduler gets the budget less what is already spent and less ``way_back.ms`` (the recent p99 of
+        The scheduler gets the budget less what is already spent and less ``way_back.at(now)`` (the recent p99 of
         answer → handler running again, so the answer still leaves in time).
         """
         t_arrive = time.perf_counter() if received is None else received
@@ -161,9 +158,6 @@ class ServedModel:
         except asyncio.CancelledError:  # the client went away or its gRPC deadline passed while it waited
             self.metrics.failed(self.name, protocol, "rejected", "deadline" if transport_deadline is not None
                                 and time.perf_counter() >= transport_deadline else "cancelled")
-            raise
-        except ServeError as e:
-            self.count_failure(protocol, e)
             raise
         p = answer.parameters
         self.metrics.answered(self.name, protocol, p["variant"], p["latency_ms"] / 1e3, p["queue_ms"] / 1e3,

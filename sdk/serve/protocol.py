@@ -140,10 +140,12 @@ class Deadline:
     source: str
 
 
-def _number(params: Mapping[str, Any], key: str) -> float | None:
+def _number(params: Mapping[str, Any], key: str, zero_is_none: bool = False) -> float | None:
     if key not in params or params[key] is None:
         return None
     v = params[key]
+    if zero_is_none and v == 0 and not isinstance(v, bool):
+        return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise invalid(f"parameter {key!r} must be a positive number, got {v!r}")
     return float(v)
@@ -160,8 +162,7 @@ def deadline(params: Mapping[str, Any], default_ms: float) -> Deadline:
     if budget is not None and budget > MAX_BUDGET_MS:
         raise invalid(f"parameter {BUDGET_PARAM!r} must be at most {MAX_BUDGET_MS:.0f} ms (one hour), "
                       f"got {budget:g}")
-    timeout = None if params.get(TIMEOUT_PARAM) == 0 and not isinstance(params.get(TIMEOUT_PARAM), bool) else \
-        _number(params, TIMEOUT_PARAM)
+    timeout = _number(params, TIMEOUT_PARAM, zero_is_none=True)
     timeout_ms = None if timeout is None else min(timeout / 1000.0, MAX_BUDGET_MS)
     if budget is None and timeout_ms is None:
         return Deadline(float(default_ms), "default")

@@ -24,7 +24,7 @@ import socket
 import ssl
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ..runtime.errors import ConfigError, DsedgeError
@@ -81,17 +81,16 @@ class ServeConfig:
                                      ("--default-priority", self.default_priority, 1)):
             if value is not None and not (is_integer(value) and value >= least):
                 raise bad(option, value, f"an integer >= {least}", str(max(least, 2)))
+        taken: dict[int, str] = {}
         for option, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
                              ("--metrics-port", self.metrics_port)):
             if port is not None and not (is_integer(port) and 0 <= port <= 65535):
                 raise bad(option, port, "a port in 0..65535 (0 = any free port) or None (off)", "0")
-        fixed = [(o, p) for o, p in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
-                                     ("--metrics-port", self.metrics_port)) if p]
-        for i, (option, port) in enumerate(fixed):
-            for other, same in fixed[i + 1:]:
-                if same == port:
-                    raise ConfigError(f"{option} and {other} are both {port}: each listener needs its own port",
-                                      "give them different ports, or 0 for any free one")
+            if port and port in taken:
+                raise ConfigError(f"{taken[port]} and {option} are both {port}: each listener needs its own port",
+                                  "give them different ports, or 0 for any free one")
+            if port:
+                taken[port] = option
         if self.http_port is None and self.grpc_port is None:
             raise ConfigError("--http-port and --grpc-port are both off: the server would take no requests",
                               "leave one on, e.g. --grpc-port 8001")
@@ -110,11 +109,12 @@ class ServerState:
     draining: bool = False
     active: int = 0
     lag_ms: float = 0.0
-    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``draining``: cuts body reads short
+    stopping: asyncio.Future | None = None  # done with ``draining`` (one future for all: cuts body reads short)
 
     def drain(self) -> None:
         self.draining = True
-        self.stopping.set()
+        if self.stopping is not None and not self.stopping.done():
+            self.stopping.set_result(None)
 
     async def watch_loop(self, interval_s: float = 0.02) -> None:
         """Track ``lag_ms``: how late a ``sleep(interval_s)`` wakes up; rises at once, decays over ~10 ticks."""
@@ -244,7 +244,7 @@ async def serve(cfg: ServeConfig) -> int:
     repo = Repository(cfg.bundles, metrics, variant=cfg.variant, cascade=cfg.cascade, budget_ms=cfg.budget_ms,
                       max_batch=cfg.max_batch, threads=cfg.threads, max_inflight=cfg.max_inflight,
                       max_queue=cfg.max_queue, levels=levels)
-    state = ServerState()
+    state = ServerState(stopping=asyncio.get_running_loop().create_future())
     extensions = ["binary_tensor_data"]
 
     def server_metadata() -> dict[str, Any]:
@@ -258,7 +258,7 @@ async def serve(cfg: ServeConfig) -> int:
     metrics.loop_lag.set_function(lambda: state.lag_ms / 1e3)
     watcher = asyncio.ensure_future(state.watch_loop())
     servers: list[tuple[Any, asyncio.Task]] = []
-    ready_parts: list[str] = []
+    listening: dict[str, str] = {}  # kind → host:port, for the ready line
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -278,7 +278,7 @@ async def serve(cfg: ServeConfig) -> int:
             servers.append((srv, asyncio.ensure_future(srv.serve(sockets=[sock]))))
         finally:
             _listener.reset(token)
-        ready_parts.append(f"{kind}={_fmt(cfg.host, sock.getsockname()[1])}")
+        listening[kind] = _fmt(cfg.host, sock.getsockname()[1])
 
     if cfg.http_port is not None:
         http_server(build_app(repo, state, max_body=cfg.max_body_bytes, auth=auth, server_metadata=server_metadata,
@@ -308,7 +308,7 @@ async def serve(cfg: ServeConfig) -> int:
             await grpc_server.stop(None)
             raise ConfigError(f"cannot bind gRPC {addr}: {e}", "pick another --grpc-port, or 0") from None
         await grpc_server.start()
-        ready_parts.insert(len(ready_parts) - (cfg.metrics_port is not None), f"grpc={_fmt(cfg.host, port)}")
+        listening["grpc"] = _fmt(cfg.host, port)
 
     code = 0
     t0 = time.perf_counter()
@@ -316,7 +316,8 @@ async def serve(cfg: ServeConfig) -> int:
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if load.done() and load.exception() is None:
-        line = f"dsedge serve ready {' '.join(ready_parts)} models={','.join(repo.names)}"
+        parts = " ".join(f"{k}={listening[k]}" for k in ("http", "grpc", "metrics") if k in listening)
+        line = f"dsedge serve ready {parts} models={','.join(repo.names)}"
         log.info("ready", extra={"fields": {"load_s": round(time.perf_counter() - t0, 3), "tls": tls is not None,
                                             "auth": auth is not None}})
         print(line, flush=True)
