@@ -181,16 +181,25 @@ def _truncated(path: Path) -> str | None:
     if not len(ds):
         return None
     last = ds.get_item(list(ds.keys())[-1])
-    tell, length, value = getattr(last, "value_tell", None), getattr(last, "length", None), getattr(last, "value", None)
+    tell, length = getattr(last, "value_tell", None), getattr(last, "length", None)
     if tell is None or length is None or length == 0xFFFFFFFF:
         return None
-    if isinstance(value, (bytes, bytearray)) and len(value) < length:
-        what = "pixel data" if last.tag == 0x7FE00010 else f"element {last.tag}"
-        return f"the file is truncated: its {what} has {len(value)} of {length} bytes"
+    short = _short_value(last)
+    if short:
+        return short
     if tell + length < size and "PixelData" not in ds:
         return (f"the file is truncated: it ends at byte {size} inside the header, before any pixel data "
                 f"(the last whole element ends at byte {tell + length})")
     return None
+
+
+def _short_value(elem) -> str | None:
+    """"the file is truncated: …" when a raw element holds fewer bytes than its declared length, else None."""
+    length, value = getattr(elem, "length", None), getattr(elem, "value", None)
+    if length is None or length == 0xFFFFFFFF or not isinstance(value, (bytes, bytearray)) or len(value) >= length:
+        return None
+    what = "pixel data" if elem.tag == 0x7FE00010 else f"element {elem.tag}"
+    return f"the file is truncated: its {what} has {len(value)} of {length} bytes"
 
 
 def _read_hu(path: Path) -> np.ndarray:
@@ -199,13 +208,9 @@ def _read_hu(path: Path) -> np.ndarray:
 
     ds = pydicom.dcmread(path)
     pix = ds.get_item("PixelData") if "PixelData" in ds else None
-    cut = _truncated(path) if pix is None else None
+    cut = _truncated(path) if pix is None else _short_value(pix)  # (reading the file again only when it lacks pixels)
     if cut:
         raise SeriesError(f"{path}: {cut}", TRUNCATED_HINT)
-    if pix is not None and isinstance(pix.value, (bytes, bytearray)) and getattr(pix, "length", 0) != 0xFFFFFFFF \
-            and len(pix.value) < pix.length:
-        raise SeriesError(f"{path}: the file is truncated: its pixel data has {len(pix.value)} of {pix.length} bytes",
-                          TRUNCATED_HINT)
     ts = ds.file_meta.get("TransferSyntaxUID") if hasattr(ds, "file_meta") else None
     if ts is not None and ts.is_compressed:
         missing = _missing_decoder(ts)
