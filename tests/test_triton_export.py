@@ -103,7 +103,9 @@ def test_cpu_batching_holds_the_budget_by_the_measured_profile(exports, target_b
         top = db.preferred_batch_size[-1]
         budget_us = manifest.latency_budget_ms * 1000
         worst = db.max_queue_delay_microseconds + 1000 * (prof.predict(top, seq, k_dev=0) + prof.predict(top, seq))
-        if worst > budget_us:  # only when even one request cannot: batching off
+        # (+1 µs: the manifest's latencies are whole µs, so delay + p50 + p99 can land on the budget exactly, and
+        # float rounding put it a hair over)
+        if worst > budget_us + 1:  # only when even one request cannot: batching off
             assert list(db.preferred_batch_size) == [1] and db.max_queue_delay_microseconds == 0
         else:
             # the next power of two would not have fitted
