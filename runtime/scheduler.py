@@ -15,8 +15,11 @@ Predictions are the profile's tail estimate of service time (see runtime/latency
 quantile per batch size and length bucket, fed only by measured service times, never by request latencies).
 Nothing multiplies them, so no run of late answers can lock a lane. What keeps an over-estimate from sticking
 when a lane rejects everything (so nothing runs that would correct it): the request last refused (for its budget
-or its plan) is kept, and the idle worker runs it again as a probe (at most every ``probe_interval_ms``), so its true service
-time replaces the stale one within about a second.
+or its plan) is kept, and the idle worker runs it again as a probe once nothing of its kind (batch size, length
+bucket) has run for ``probe_after_ms`` (and at most every ``probe_interval_ms``), so its true service time replaces
+the stale one within about a second. A key that real batches keep measuring is never probed: under overload a probe
+is a run nobody asked for, which new arrivals then queue behind (at 3× load through ``dsedge serve``, probing every
+100 ms regardless took a third of the backend's busy time).
 
 Cold start: a lane starts with whatever its profile was seeded with (the bundle's build-time figures, scaled once
 this machine measured something) and its worker's first act is a warm-up run off the caller's thread. Until
@@ -128,6 +131,8 @@ class Lane:
         warm_seq: sequence length of that warm-up run (None for models without a sequence axis).
         observe_warmup: record the warm-up run's time in the profile (False keeps seeded figures as they are).
         probe_interval_ms: shortest gap between re-measuring probes of a refused request, ms.
+        probe_after_ms: a refused request is probed only when its (batch, length bucket) has no sample newer than
+            this, ms.
         inline_ms: an idle lane runs requests expected (median) to take at most this long on the submitting
             thread (0: never).
         plan_limit: admission plays the queue forward batch by batch up to this many queued requests (beyond:
@@ -139,7 +144,7 @@ class Lane:
                  max_queue: int = 1024, max_delay_ms: float | None = None, margin_ms: float = 0.5,
                  tie_ms: float = 1.0, *, warm_feed: Callable[[int, int | None], dict] | None = None,
                  warm_seq: int | None = None, observe_warmup: bool = True, probe_interval_ms: float = 100.0,
-                 inline_ms: float = 1.0, plan_limit: int = 16) -> None:
+                 probe_after_ms: float = 500.0, inline_ms: float = 1.0, plan_limit: int = 16) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -151,6 +156,7 @@ class Lane:
         self.margin_s = margin_ms / 1e3
         self.tie_s = max(tie_ms, 1e-3) / 1e3
         self.probe_interval_s = probe_interval_ms / 1e3
+        self.probe_after_s = probe_after_ms / 1e3
         self.inline_ms = float(inline_ms)
         self.plan_limit = int(plan_limit)
         self.calibration = PlanCalibration()
@@ -470,7 +476,10 @@ class Lane:
             with self._cond:
                 while self._running or (not self._queue and not self._closing):
                     if not self._running and self._refused is not None and not self._closing:
-                        due = self._t_probe + self.probe_interval_s - _clock()
+                        r = self._refused
+                        seen = self.profile.last_observed(r.rows, r.seq)
+                        due = max(self._t_probe + self.probe_interval_s,
+                                  -math.inf if seen is None else seen + self.probe_after_s) - _clock()
                         if due <= 0:
                             probe, self._refused = self._refused, None
                             break

@@ -254,6 +254,32 @@ def test_lane_recovers_from_an_over_estimate(backend):
     sched.close()
 
 
+def test_a_key_that_real_batches_measure_is_not_probed(backend):
+    """Probes re-measure only what nothing else measures: a refused request whose (batch, bucket) keeps running in
+    real batches is not run again (under overload such a probe is a run nobody asked for)."""
+    layout = BatchLayout.of(*TEXT_IO)
+    lane = Lane("fp32", backend.run, LatencyProfile("fp32"), layout, StreamMetrics(), max_batch=8,
+                warm_feed=lambda b, s: example_feed(layout, b, s), warm_seq=8, probe_interval_ms=50.0,
+                probe_after_ms=500.0)
+    assert lane.warm.wait(10)
+    sched = BudgetScheduler([lane], layout, lane.metrics)
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    kinds = []
+    while time.perf_counter() - t0 < 1.0:
+        kinds.append(type(sched.submit(text_request(rng, 8), 50).result(10)).__name__)
+        refused = sched.submit(text_request(rng, 8), 0.01).result(10)  # under its own run time: refused
+        assert isinstance(refused, Rejected) and refused.reason == "budget"
+        time.sleep(0.02)
+    assert kinds and set(kinds) == {"Result"}
+    assert lane.probes == 0  # idle gaps of 20 ms, each past probe_interval_ms … but the key was just measured
+    t_last = time.perf_counter()
+    while lane.probes == 0 and time.perf_counter() - t_last < 5.0:  # nothing of that kind has run for longer
+        time.sleep(0.01)  # than probe_after_ms: now it is re-measured, once
+    assert lane.probes == 1 and time.perf_counter() - t_last >= 0.45
+    sched.close()
+
+
 def test_first_submit_does_not_wait_for_warm_up(backend):
     """The lane warms up on its own thread; a request arriving meanwhile is queued with its own deadline."""
     layout = BatchLayout.of(*TEXT_IO)
