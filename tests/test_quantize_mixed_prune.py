@@ -122,16 +122,46 @@ def test_channel_pruning_shrinks_the_mlp_and_keeps_it_running():
         prune_channels(m, 1.0)
 
 
-def _torch_mlp_onnx(path, two_d: bool = True) -> onnx.ModelProto:
+def _torch_mlp_onnx(path, two_d: bool = True, act=None) -> onnx.ModelProto:
     """A real torch Linear → ReLU → Linear MLP exported by the TorchScript exporter (its Linears are Gemm, transB=1,
     the bias as C)."""
     import torch
 
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32)).eval()
+    net = torch.nn.Sequential(torch.nn.Linear(64, 96), act or torch.nn.ReLU(), torch.nn.Linear(96, 32)).eval()
     torch.onnx.export(net, (torch.randn(8, 64),), str(path), input_names=["x"], output_names=["y"],
                       dynamic_axes={"x": {0: "b"}}, opset_version=17, dynamo=False)
     return onnx.load(str(path))
+
+
+def test_a_gated_ffn_is_not_cut_on_one_branch(tmp_path):
+    """SwiGLU, as torch exports it: down(silu(gate(x)) * up(x)). Each branch's walk reaches a Mul whose other
+    operand comes from the other branch; cutting one branch's channels would break that Mul, so neither is a block,
+    while the x * sigmoid(x) inside one branch (SiLU) stays a block of its own."""
+    import torch
+
+    class GatedFFN(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate, self.up, self.down = (torch.nn.Linear(64, 96), torch.nn.Linear(64, 96),
+                                             torch.nn.Linear(96, 32))
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+    torch.manual_seed(0)
+    torch.onnx.export(GatedFFN().eval(), (torch.randn(8, 64),), str(tmp_path / "g.onnx"), input_names=["x"],
+                      output_names=["y"], dynamic_axes={"x": {0: "b"}}, opset_version=17, dynamo=False)
+    m = onnx.load(str(tmp_path / "g.onnx"))
+    assert {"Mul", "Sigmoid"} <= {n.op_type for n in m.graph.node}
+    assert find_mlp_blocks(m) == []
+    with pytest.raises(QuantizationError, match="no prunable MLP block"):
+        prune_channels(m, 0.5)
+    silu = _torch_mlp_onnx(tmp_path / "silu.onnx", act=torch.nn.SiLU())  # x * sigmoid(x): both operands inside
+    assert [len(b.region) for b in find_mlp_blocks(silu)] == [2]
+    x = {"x": inputs(two_d=True)[0]["x"]}
+    p, _ = prune_channels(silu, 0.5)
+    assert run(p, x).shape == run(silu, x).shape
 
 
 def test_channel_pruning_of_a_torch_exported_gemm_mlp(tmp_path, capsys):

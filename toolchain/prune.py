@@ -96,7 +96,9 @@ def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
 
 def find_mlp_blocks(model: onnx.ModelProto) -> list[MLPBlock]:
     """MLP blocks whose hidden width can be pruned: every path from ``up``'s output runs through elementwise ops
-    whose other operands are scalars (or the [H] bias right after ``up``) and ends at the one ``down`` layer."""
+    whose other operands are scalars, the [H] bias right after ``up``, or tensors of the region itself (``x · σ(x)``),
+    and ends at the one ``down`` layer. A gated FFN (``down(act(gate(x)) · up(x))``, SwiGLU) is not such a block:
+    its two branches would have to be cut together."""
     layers = {lay.node: lay for lay in select_layers(model, None)}
     inits = initializers(model)
     consumers = _consumers(model)
@@ -147,6 +149,11 @@ def find_mlp_blocks(model: onnx.ModelProto) -> list[MLPBlock]:
                 seen.add(c.name)
                 region.append(c.name)
                 frontier.append(c.output[0])
+        if ok and region:
+            # a two-input op of the region whose other operand comes from outside it (a gated FFN's gate branch,
+            # a residual) would keep the full width there: cutting this block's channels would break its shape
+            inside = {start} | {nodes[r].output[0] for r in region}
+            ok = all(i in inside or scalar_sizes.get(i) == 1 for r in region for i in nodes[r].input if i)
         if ok and len(ends) == 1:
             blocks.append(MLPBlock(up.node, bias, ends.pop(), h, region))
     return blocks
