@@ -1,0 +1,51 @@
+"""benchmarks/schedule_bound.py: the exact-knowledge reference is the optimum where the theory says so (one request
+at a time, one budget), checked against exhaustive search; and batching only ever helps it."""
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from schedule_bound import exact_knowledge, service_ms  # noqa: E402
+
+
+def _most_on_time(arrivals: np.ndarray, p: float, budget: float) -> int:
+    # exhaustive: the largest subset that a FIFO single server (service p each) finishes within budget
+    def feasible(subset) -> bool:
+        t = 0.0
+        for i in subset:
+            t = max(t, arrivals[i]) + p
+            if t > arrivals[i] + budget + 1e-9:
+                return False
+        return True
+
+    n = len(arrivals)
+    return next(m for m in range(n, -1, -1) if any(feasible(s) for s in itertools.combinations(range(n), m)))
+
+
+def test_one_at_a_time_it_answers_as_many_on_time_as_exhaustive_search():
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        n = 9
+        arrivals = np.sort(rng.uniform(0.0, n * 10.0 * rng.uniform(0.4, 1.2), n))
+        got = exact_knowledge(arrivals, 30.0, {1: 10.0}, max_batch=1)
+        assert got["within_budget"] == _most_on_time(arrivals, 10.0, 30.0)
+        assert got["within_budget"] + got["rejected"] == n  # nothing admitted is late: the plan is exact
+
+
+def test_a_burst_is_partly_out_of_reach_and_batching_recovers_it():
+    burst = np.zeros(6)  # six requests at once, 10 ms each alone, budget 30 ms
+    alone = exact_knowledge(burst, 30.0, {1: 10.0}, max_batch=1)
+    assert alone["within_budget"] == 3 and alone["rejected"] == 3
+    batched = exact_knowledge(burst, 30.0, {1: 10.0, 2: 14.0, 4: 22.0, 8: 38.0})
+    # the first starts alone on the idle backend (0-10 ms), the next three share a batch (10-28 ms), and the last
+    # two could only finish at 38 ms: refused at once
+    assert (batched["within_budget"], batched["rejected"]) == (4, 2)
+    assert service_ms({1: 10.0, 2: 14.0, 4: 22.0, 8: 38.0}, 6) == pytest.approx(30.0)
+    assert service_ms({1: 10.0, 8: 38.0}, 16) == pytest.approx(38.0 + 8 * 4.0)  # the last slope extended
+    with pytest.raises(ValueError, match="under the batch-1 time"):
+        exact_knowledge(burst, 5.0, {1: 10.0})
