@@ -18,7 +18,8 @@ Both run the same ORT settings (--threads). Reported per load: goodput (answers 
 arrival window), in-budget share of admitted, rejections, the misses split into answered late and timed out
 (refused at the deadline or past the gRPC deadline), p99 of answered (client-side), for dsedge serve how many of
 its late answers were within budget by the server's own clock (the rest of their time went to the client and the
-transport, which no server-side policy sees), and Triton's own
+transport, which no server-side policy sees) and its own counts per level (``dsedge_requests_total`` scraped from
+its metrics port before and after: in budget of admitted by the server's clock), and Triton's own
 per-request overhead (an identity Python-backend model, serial round trips) beside the model's own b1 run time.
 Arrivals, request pool and capacity come from benchmarks/streaming.py. Timings on a shared machine are noisy:
 compare ratios inside one run.
@@ -235,10 +236,42 @@ def set_batching(config_path: Path, delay_us: int, preferred: list[int], max_bat
     config_path.write_text(text_format.MessageToString(cfg))
 
 
-def start_dsedge_serve(bundle, name: str, args, budget: float, log: Path) -> tuple[subprocess.Popen, str]:
-    grpc_port = free_port()
+def server_outcomes(metrics_url: str) -> dict[str, float]:
+    """dsedge serve's own request counts so far, ``{"ok": n, "late": n, "rejected:<reason>": n, …}`` (its
+    ``dsedge_requests_total`` series, judged by the server's clock: arrival at the handler → answer)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "dsedge_requests":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                o, r = sample.labels.get("outcome", ""), sample.labels.get("reason", "")
+                key = f"{o}:{r}" if r else o
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def server_view(before: dict[str, float], after: dict[str, float]) -> dict:
+    """One level's server-side counts (``after - before``) and its in-budget share of admitted by its own clock:
+    ok / (ok + late + admitted then dropped or cancelled)."""
+    d = {k: int(after.get(k, 0) - before.get(k, 0)) for k in after}
+    d = {k: v for k, v in d.items() if v}
+    missed = d.get("late", 0) + sum(v for k, v in d.items() if k in ("rejected:deadline", "rejected:cancelled"))
+    ok = d.get("ok", 0)
+    return {"server_counts": d, "server_admitted_within_budget": round(ok / (ok + missed), 4) if ok + missed else None}
+
+
+def start_dsedge_serve(bundle, name: str, args, budget: float, log: Path) -> tuple[subprocess.Popen, str, str]:
+    grpc_port, metrics_port = free_port(), free_port()
+    while metrics_port == grpc_port:
+        metrics_port = free_port()
     cmd = [sys.executable, "-m", "dsedge", "serve", f"{name}={bundle}", "--host", "127.0.0.1", "--http-port", "off",
-           "--grpc-port", str(grpc_port), "--metrics-port", "off", "--budget-ms", f"{budget:g}",
+           "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--budget-ms", f"{budget:g}",
            "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
@@ -250,7 +283,7 @@ def start_dsedge_serve(bundle, name: str, args, budget: float, log: Path) -> tup
         if not line and proc.poll() is not None:
             raise RuntimeError(f"dsedge serve exited {proc.returncode}: see {log}")
         if "ready" in line:
-            return proc, f"127.0.0.1:{grpc_port}"
+            return proc, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{metrics_port}/metrics"
     proc.terminate()
     raise RuntimeError("dsedge serve did not get ready in 180 s")
 
@@ -387,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
 
         if mode == "serve":
-            serve_proc, url = start_dsedge_serve(bundle, model, args, budget, work / "serve.log")
+            serve_proc, url, metrics_url = start_dsedge_serve(bundle, model, args, budget, work / "serve.log")
             ours = GrpcDriver(url, model)
             overhead["dsedge_serve_b1_p50_ms"] = round(ours.serial_p50_ms(pool[0], 30), 3)
             if ours.serial_errors:
@@ -396,7 +429,11 @@ def main(argv: list[str] | None = None) -> int:
             session.warmup()
             ours = DsedgeServer(session)
         for load, sched in schedules.items():
+            before = server_outcomes(metrics_url) if mode == "serve" else None
             row = drive(ours, sched, pool, budget)
+            if before is not None:
+                time.sleep(0.2)  # the last answers' counters
+                row.update(server_view(before, server_outcomes(metrics_url)))
             row.update(load=load, server="dsedge")
             results.append(row)
             print(json.dumps(row), flush=True)
@@ -423,8 +460,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['p99_ms'] if r['p99_ms'] is not None else '-':>8} {pct(r['rejection_rate']):>9} "
                   f"{pct(r['miss_rate']):>7} {r['answered_late']:>5} {r['timed_out']:>5} "
                   f"{pct(r['admitted_within_budget']):>24}"
-                  + (f"  ({r['late_in_budget_at_server']} of {r['answered_late']})" if r["server"] == "dsedge"
-                     and mode == "serve" else ""))
+                  + (f"  ({r['late_in_budget_at_server']} of {r['answered_late']}); by the server's clock "
+                     f"{pct(r.get('server_admitted_within_budget'))} % of admitted in budget "
+                     f"{r.get('server_counts')}" if r["server"] == "dsedge" and mode == "serve" else ""))
         tri = max((r for r in rows if r["server"].startswith("triton")), key=lambda r: r["goodput_per_s"])
         ours_row = next(r for r in rows if r["server"] == "dsedge")
         ratio = ours_row["goodput_per_s"] / tri["goodput_per_s"] if tri["goodput_per_s"] else float("inf")
