@@ -46,7 +46,13 @@ def test_profile_interpolates_seeds_and_scales_them_by_this_machine():
     p.set(8, None, 9.0, 0.0)
     assert p.predict(1) == pytest.approx(2.0)
     assert p.predict(4) == pytest.approx(2.0 + 3 / 7 * 7.0)  # linear between known batch sizes
-    assert p.predict(16) == pytest.approx(9.0 + 1.0 * 8)  # last slope extended
+    # beyond the largest known batch no row is cheaper than there: 9 / 8 ms per row (the last slope, 1 ms per row,
+    # would promise 17 ms for 16 rows) …
+    assert p.predict(16) == pytest.approx(18.0) and p.predict(12) == pytest.approx(13.5)
+    steep = LatencyProfile("fp32", k_dev=0.0)
+    steep.set(1, None, 2.0, 0.0)
+    steep.set(4, None, 20.0, 0.0)  # … while a last slope steeper than that (6 > 5 ms per row) is extended
+    assert steep.predict(8) == pytest.approx(44.0)
     for _ in range(3):
         p.observe(1, None, 4.0)  # this machine is twice as slow as the build machine …
     assert p.predict(1) == pytest.approx(4.0)
