@@ -1,5 +1,6 @@
 """Real Triton as the baseline: the same ONNX model on a real ``tritonserver`` (dynamic batcher) vs dsedge, driven
-by the same open-loop bursty arrival schedule, at 0.5×, 1.5× and 3× measured capacity.
+by the same open-loop bursty arrival schedule, at 0.5×, 1.5× and 3× the batch-1 capacity (``--capacity batched``:
+the best batched rows/s), then a noisy-neighbour run (one CPU burner per core for 2 s at 0.5×).
 
     python benchmarks/triton_baseline.py --bundle out/all-minilm-l6-v2-cpu.dse --duration-s 8
     python benchmarks/triton_baseline.py --small        # a tiny text model built here
@@ -46,7 +47,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 
 import dsedge  # noqa: E402
 from dsedge.runtime.batching import BatchLayout  # noqa: E402
-from streaming import arrivals, batch_latency_ms, make_requests  # noqa: E402
+from streaming import arrivals, batch_latency_ms, make_requests, recovery_s  # noqa: E402
 from triton_server import TritonServer, build_stub_env, free_port  # noqa: E402
 
 _clock = time.perf_counter
@@ -85,17 +86,38 @@ class DsedgeServer:
 
 
 
-def drive(server, schedule: np.ndarray, pool, budget_ms: float) -> dict:
-    """Submit ``pool[i % len(pool)]`` at ``schedule[i]`` (open loop) and tally the outcomes."""
-    futures = []
+def drive(server, schedule: np.ndarray, pool, budget_ms: float, stall: tuple[float, float] | None = None) -> dict:
+    """Submit ``pool[i % len(pool)]`` at ``schedule[i]`` (open loop) and tally the outcomes. ``stall``: (start,
+    length) s of one CPU burner process per core inside the window (a noisy neighbour); the row then says how long
+    after its end answers were back in budget."""
+    futures, burners, state = [], [], "before"
     t0 = _clock()
-    for i, t in enumerate(schedule):
-        delay = t0 + t - _clock()
-        if delay > 0:
-            time.sleep(delay)
-        futures.append(server.submit(pool[i % len(pool)], budget_ms))
+    try:
+        for i, t in enumerate(schedule):
+            if stall is not None:
+                now = _clock() - t0
+                if state == "before" and now >= stall[0]:
+                    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                               for _ in range(os.cpu_count() or 2)]
+                    state = "on"
+                elif state == "on" and now >= stall[0] + stall[1]:
+                    for b in burners:
+                        b.kill()
+                    state = "after"
+            delay = t0 + t - _clock()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(server.submit(pool[i % len(pool)], budget_ms))
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
     window = max(float(schedule[-1]) if len(schedule) else 0.0, 1e-9)
     outcomes = [f.result(timeout=120) for f in futures]
+    extra = {}
+    if stall is not None:
+        ok = np.array([o[0] == "answered" and o[1] <= budget_ms for o in outcomes])
+        extra["stall_recovery_s"] = recovery_s(schedule, ok, stall[0] + stall[1], window)
     lat = np.array([o[1] for o in outcomes if o[0] == "answered"])
     # answered late at the client although the server's own clock had it within budget: time spent in the client
     # and the transport, which no server-side policy sees (dsedge serve reports its latency; Triton does not)
@@ -115,6 +137,7 @@ def drive(server, schedule: np.ndarray, pool, budget_ms: float) -> dict:
         "rejection_rate": round(rejected / n, 4) if n else 0.0,
         "miss_rate": round((admitted - within) / admitted, 4) if admitted else 0.0,
         "admitted_within_budget": round(within / admitted, 4) if admitted else None,
+        **extra,
     }
 
 
@@ -301,7 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--small", action="store_true")
     ap.add_argument("--variant", default=None)
     ap.add_argument("--budget-ms", type=float, default=None)
-    ap.add_argument("--loads", default="0.5,1.5,3")
+    ap.add_argument("--loads", default="0.5,1.5,3", help="multiples of the capacity (see --capacity)")
+    ap.add_argument("--capacity", choices=("batch1", "batched"), default="batch1",
+                    help="what the loads multiply: 1000 / batch-1 p50 (the reference a user meets first) or the "
+                         "best batched rows/s")
+    ap.add_argument("--stall-s", type=float, default=2.0, help="the noisy-neighbour run: one CPU burner per core "
+                    "for this long (0: none)")
+    ap.add_argument("--stall-at-s", type=float, default=4.0, help="when the burners start inside its window")
+    ap.add_argument("--stall-load", type=float, default=0.5)
     ap.add_argument("--duration-s", type=float, default=8.0)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--max-queue", type=int, default=256)
@@ -377,8 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# triton baseline  {platform.node()}  {platform.processor() or platform.machine()}  cores "
           f"{os.cpu_count()}  cpu flags [{flags}]  python {platform.python_version()}  onnxruntime "
           f"{onnxruntime.__version__}  tritonclient {version('tritonclient')}  dsedge {dsedge.__version__}")
+    ref = 1000.0 / float(np.median(b1)) if args.capacity == "batch1" else cap
     print(f"# bundle {Path(str(bundle)).name}  variant {session.variant.name}  budget {budget:g} ms  capacity "
-          f"{cap:.0f} rows/s (batch {cap_b})  b1 p50 {np.median(b1):.2f} ms  seq {args.min_seq}-{args.max_seq}  "
+          f"{cap:.0f} rows/s (batch {cap_b})  b1 p50 {np.median(b1):.2f} ms -> batch-1 capacity "
+          f"{1000.0 / float(np.median(b1)):.0f} rows/s; loads are multiples of the {args.capacity} one "
+          f"({ref:.0f} rows/s)  seq {args.min_seq}-{args.max_seq}  "
           f"window {args.duration_s:g} s  threads {args.threads}  dsedge via "
           f"{'dsedge serve (same gRPC client)' if mode == 'serve' else 'Session.submit in-process (no network)'}")
 
@@ -393,8 +426,10 @@ def main(argv: list[str] | None = None) -> int:
         ident = GrpcDriver(server.grpc_url, "identity")
         overhead["identity_p50_ms"] = round(ident.serial_p50_ms({"x": np.zeros(1, np.float32)}, 200), 3)
         ident.close()
-        schedules = {load: arrivals(load * cap, args.duration_s, np.random.default_rng(args.seed + int(load * 100)))
+        schedules = {load: arrivals(load * ref, args.duration_s, np.random.default_rng(args.seed + int(load * 100)))
                      for load in [float(x) for x in args.loads.split(",")]}
+        stall = (args.stall_at_s, args.stall_s) if args.stall_s > 0 else None
+        stall_sched = arrivals(args.stall_load * ref, args.duration_s, np.random.default_rng(args.seed + 999))
         import tritonclient.grpc as grpcclient
 
         admin = grpcclient.InferenceServerClient(server.grpc_url)
@@ -411,6 +446,11 @@ def main(argv: list[str] | None = None) -> int:
             for load, sched in schedules.items():
                 row = drive(drv, sched, pool, budget)
                 row.update(load=load, server=f"triton-b{mb}-{d:g}ms")
+                results.append(row)
+                print(json.dumps(row), flush=True)
+            if stall is not None:
+                row = drive(drv, stall_sched, pool, budget, stall=stall)
+                row.update(load=args.stall_load, server=f"triton-b{mb}-{d:g}ms", scenario="stall")
                 results.append(row)
                 print(json.dumps(row), flush=True)
             drv.close()
@@ -437,6 +477,11 @@ def main(argv: list[str] | None = None) -> int:
             row.update(load=load, server="dsedge")
             results.append(row)
             print(json.dumps(row), flush=True)
+        if stall is not None:
+            row = drive(ours, stall_sched, pool, budget, stall=stall)
+            row.update(load=args.stall_load, server="dsedge", scenario="stall")
+            results.append(row)
+            print(json.dumps(row), flush=True)
         ours.close()
     finally:
         server.stop()
@@ -454,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'late':>5} {'t/o':>5} {'in-budget % of admitted':>24}  (late: of which in budget by the server's clock)")
     pct = (lambda x: f"{100 * x:.2f}" if x is not None else "-")
     for load in schedules:
-        rows = [r for r in results if r["load"] == load]
+        rows = [r for r in results if r["load"] == load and "scenario" not in r]
         for r in rows:
             print(f"{load:>5g} {r['server']:<14} {r['submitted']:>6} {r['goodput_per_s']:>10.1f} "
                   f"{r['p99_ms'] if r['p99_ms'] is not None else '-':>8} {pct(r['rejection_rate']):>9} "
@@ -467,8 +512,15 @@ def main(argv: list[str] | None = None) -> int:
         ours_row = next(r for r in rows if r["server"] == "dsedge")
         ratio = ours_row["goodput_per_s"] / tri["goodput_per_s"] if tri["goodput_per_s"] else float("inf")
         print(f"{'':>5} dsedge / best real Triton ({tri['server']}) goodput = {ratio:.2f}x")
+    for r in (x for x in results if x.get("scenario") == "stall"):
+        rec = r.get("stall_recovery_s")
+        print(f"# stall ({os.cpu_count()} CPU burners {args.stall_s:g} s at {args.stall_load:g}x): {r['server']:<14} "
+              f"goodput {r['goodput_per_s']:.1f}/s, in budget of admitted {pct(r['admitted_within_budget'])} %, "
+              f"answers back in budget {rec if rec is not None else 'never'} s after the stall's end")
     if args.json:
-        Path(args.json).write_text(json.dumps({"budget_ms": budget, "capacity_rows_per_s": cap, "dsedge_via": mode,
+        Path(args.json).write_text(json.dumps({"budget_ms": budget, "capacity_rows_per_s": cap,
+                                               "reference_rows_per_s": ref, "capacity": args.capacity,
+                                               "dsedge_via": mode,
                                                "overhead": overhead, "results": results}, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return 0
