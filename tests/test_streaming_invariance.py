@@ -113,6 +113,37 @@ def test_reference_bundle_variants_are_batch_invariant(reference_build):
             assert v.batch_invariant is not False  # served batched, so it must not be marked batch-variant
 
 
+def test_cpu_fp32_is_the_fused_export_exact_and_batch_invariant(reference_build, tmp_path):
+    """On ONNX Runtime targets the fp32 candidate is the fastest batch-invariant form: the parity-checked TorchScript
+    export with ORT's transformer fusions, so the cpu default (chosen by latency side by side) beats it or is it."""
+    from types import SimpleNamespace
+
+    from dsedge.targets import get_target
+    from dsedge.toolchain.export import Exported
+    from dsedge.toolchain.sources import resolve_source
+    from dsedge.toolchain.stages.compressors import compress_fp32
+
+    bundle = reference_build.bundle
+    manifest = dsedge.load(bundle, variant="fp32", providers=["CPUExecutionProvider"]).manifest
+    exported = Exported(bundle / manifest.variant("fp32").file, list(manifest.inputs), list(manifest.outputs), None,
+                        "dynamo")
+    source = resolve_source(None)
+    (tmp_path / "models").mkdir()
+    fused = compress_fp32(exported, tmp_path, SimpleNamespace(target=get_target("cpu")), source)
+    ops = {n.op_type for n in onnx.load(str(fused.path)).graph.node}
+    assert fused.path != exported.path and {"Attention", "SkipLayerNormalization"} <= ops
+    assert fused.details["batch_invariant"] is True
+    rng = np.random.default_rng(2)
+    feed = {"input_ids": rng.integers(1, 1000, (3, 24)), "attention_mask": np.ones((3, 24)),
+            "token_type_ids": np.zeros((3, 24))}
+    feed = {s.name: feed[s.name].astype(np.int64) for s in manifest.inputs}
+    a, b = OrtBackend(fused.path).run(feed), OrtBackend(exported.path).run(feed)
+    assert all(np.max(np.abs(a[k] - b[k])) <= 1e-3 for k in a)
+    assert _worst_rel_diff(OrtBackend(fused.path).run, manifest.inputs, manifest.outputs, rng) <= TOL
+    jetson = compress_fp32(exported, tmp_path, SimpleNamespace(target=get_target("jetson")), source)
+    assert jetson.path == exported.path  # TensorRT reads no ORT contrib ops: the export as it is
+
+
 def test_cpu_default_int8_is_batch_invariant_and_per_tensor_is_not(cpu_int8_models):
     paths, manifest = cpu_int8_models
     rng = np.random.default_rng(1)

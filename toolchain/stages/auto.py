@@ -40,7 +40,7 @@ def choose_auto(plan: BuildPlan, exported: Exported, reference_onnx: Path, work:
     from ...runtime.errors import DsedgeError
 
     target, opts = plan.target, plan.config
-    implemented = set(COMPRESSORS) | {"fp32"}
+    implemented = set(COMPRESSORS)
     order = [p for p in dict.fromkeys([*target.precision_order, "fp32"]) if p in implemented]
     built: dict[str, tuple[Compressed, int, dict[str, Any]]] = {}
     gates = build_gates(opts.accuracy_gate)
@@ -55,8 +55,7 @@ def choose_auto(plan: BuildPlan, exported: Exported, reference_onnx: Path, work:
     skipped: list[dict[str, Any]] = []
     for p in order:
         try:
-            comp = (Compressed(exported.path, "fp32", {}) if p == "fp32"
-                    else COMPRESSORS[p](exported, work, plan, source))
+            comp = COMPRESSORS[p](exported, work, plan, source)
             opset = fit_target(comp.path, target)
         except DsedgeError as e:
             skipped.append({"precision": p, "skipped": str(e)})

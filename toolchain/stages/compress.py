@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from ..artifacts import Choice, Compressed, Prepared
+from ..artifacts import Choice, Prepared
 from ..config import BuildPlan
 from ..gates import gate_summary
 from .compressors import COMPRESSORS
@@ -14,7 +14,8 @@ from .auto import choose_auto
 
 
 def compress(plan: BuildPlan, model: Prepared, work: Path, log: Callable[[str], None]) -> Choice:
-    """Compress ``model.exported`` to the plan's precision (fp32: the export itself).
+    """Compress ``model.exported`` to the plan's precision (fp32: the export, fused for ONNX Runtime when it can
+    be: ``compress_fp32``).
 
     Raises:
         CalibrationError / QuantizationError / AccuracyGateError: from the compressor.
@@ -22,8 +23,7 @@ def compress(plan: BuildPlan, model: Prepared, work: Path, log: Callable[[str], 
     cfg, target = plan.config, plan.target
     if cfg.precision != "auto":
         precision = plan.precision
-        compressed = (COMPRESSORS[precision](model.exported, work, plan, model.source) if precision != "fp32"
-                      else Compressed(model.exported.path, "fp32", {}))
+        compressed = COMPRESSORS[precision](model.exported, work, plan, model.source)
         choice = Choice(precision, compressed, notes=plan.notes)
     else:
         reference = model.reference

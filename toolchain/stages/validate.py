@@ -20,14 +20,15 @@ def validate(plan: BuildPlan, model: Prepared, choice: Choice, opsets: dict[str,
     """
     finetuned = plan.finetuning
     candidates = [(choice.precision, choice.compressed.path)]
-    if plan.config.keep_fp32 and choice.precision != "fp32":
-        candidates.append(("fp32", model.exported.path))
+    if plan.config.keep_fp32 and choice.precision != "fp32":  # as measured by auto (fused on ORT), else the export
+        fp32 = choice.measured.get("fp32")
+        candidates.append(("fp32", fp32.compressed.path if fp32 is not None else model.exported.path))
     fp32_size = model.reference.stat().st_size
     variants = []
     for name, path in candidates:
         if name in choice.measured and not finetuned:  # already validated by the measured auto choice
             acc = choice.measured[name].accuracy
-        elif name == "fp32" and opsets["fp32"] == 21 and not finetuned:
+        elif name == "fp32" and path == model.exported.path and opsets["fp32"] == 21 and not finetuned:
             acc = {"reference": "self"}
         else:
             acc = compare_models(model.reference, path, model.validation, task=model.source.task)
