@@ -12,10 +12,11 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Se
 import numpy as np
 
 from .runtime.backends import Preferences, VariantFiles, open_backend
+from .runtime.batching import BatchLayout
 from .runtime.decode import GenerationStream
 from .runtime.budget import FALLBACK_BUDGET_MS, resolve_budget
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
-from .runtime.errors import SessionClosedError
+from .runtime.errors import DsedgeError, InferenceError, InputError, SessionClosedError
 from .runtime.golden import check_backend
 from .runtime.signing import check_signature
 from .runtime.io import check_request_options, check_session_options, check_stream_inputs, validate_inputs
@@ -90,12 +91,25 @@ class Session:
         Returns:
             numpy arrays keyed by output name.
         Raises:
-            InputError: a missing/unknown name, wrong dtype or shape (checked before the backend runs).
+            InputError: a missing/unknown name, wrong dtype or shape, a value outside an input's ``value_range``
+                (checked before the backend runs).
+            InferenceError: the backend failed on inputs that passed those checks (its message, one line).
             SessionClosedError: after ``close()``.
         """
+        backend = self._backend  # close() drops it: a run racing close() fails closed, not on None
         self._check_open()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
-        return self._backend.run(checked)
+        if backend is None:
+            self._check_open()
+        try:
+            return backend.run(checked)
+        except DsedgeError:
+            raise
+        except Exception as e:  # ORT's InvalidArgument/Fail/RuntimeException: one line, the cause chained
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise InferenceError(f"{self.backend_name} failed to run this batch: {type(e).__name__}: {first}",
+                                 "check the input values (token ids within the vocabulary the model was built "
+                                 "with, lengths within its context)") from e
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary: bundle, target, variant, backend and providers in use."""
@@ -133,8 +147,6 @@ class Session:
             with self._start_lock:
                 if self._stream is None:
                     if self.is_decoder:
-                        from .runtime.errors import InputError
-
                         raise InputError("this bundle is a decoder with past key/values: submit/stream serve "
                                          "one-shot models", "use session.generate_stream(prompt, max_new_tokens)")
                     self._stream = StreamingCore(self.manifest, self.variant, self._backend.run, self._metrics,
@@ -236,10 +248,11 @@ class Session:
             a ``GenerationStream``: ``for token in stream``; ``.rejected`` says why when refused; ``.ttft_ms``,
             ``.token_gaps_ms``, ``.finish_reason`` once done.
         Raises:
-            InputError: not a decoder bundle, or a malformed prompt. SessionClosedError after ``close()``.
+            InputError: not a decoder bundle; a malformed prompt (not 1-D integer ids, an id outside the
+                vocabulary, longer than the model's positions); a budget that is not a finite number in
+                (0, 3 600 000] ms; ``max_new_tokens`` not an integer ≥ 1. SessionClosedError after ``close()``.
         """
         from .runtime.decode import DecodeLoop
-        from .runtime.errors import InputError
 
         self._check_open()
         if not self.is_decoder:
@@ -250,17 +263,19 @@ class Session:
 
             raise BackendUnavailable(f"generation runs on ONNX Runtime; this session uses {self.backend_name}",
                                      "load the bundle with providers=['CPUExecutionProvider'] (or CUDA)")
+        budget, _ = check_request_options(budget_ms, 0, self.default_budget_ms)
+        token_budget = budget if token_budget_ms is None else check_request_options(token_budget_ms, 0, name="token_budget_ms")[0]
         with self._start_lock:
             if self._decoder is None:
                 eos = self.manifest.source.get("eos_token_id")
+                ids = next((i for i in self.inputs if i.name == "input_ids"), None)
+                vocab = ids.value_range[1] + 1 if ids is not None and ids.value_range else None
                 self._decoder = DecodeLoop(self._backend, max_batch=self._max_batch or 8,
                                            max_waiting=self._max_queue, eos_token_id=eos,
-                                           model_config=self.manifest.source)
+                                           model_config=self.manifest.source, vocab_size=vocab)
                 self._decoder.warmup()
-        budget = self.default_budget_ms() if budget_ms is None else float(budget_ms)
         try:
-            return self._decoder.submit(prompt, max_new_tokens, budget,
-                                        budget if token_budget_ms is None else float(token_budget_ms), id=id,
+            return self._decoder.submit(prompt, max_new_tokens, budget, token_budget, id=id,
                                         eos_token_id=eos_token_id, window=window, sink_tokens=sink_tokens)
         except RuntimeError:
             raise SessionClosedError("this session is closed", "call dsedge.load() again") from None
@@ -347,15 +362,27 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         BackendUnavailable: a requested provider is not installed.
         SignatureError: trusted keys are configured and the bundle is unsigned, wrongly signed or was edited.
         OutputMismatchError: ``check_outputs`` and the backend's golden answers are outside tolerance.
-        InputError: a bad option (``profile`` not auto/measure/bundle, a non-positive ``max_batch`` …).
+        InputError: a bad option (``profile`` not auto/measure/bundle, a non-positive ``max_batch`` or one above
+            the bundle's batch range max, a ``variant`` that is not a str, a flag that is not a bool …).
     """
     check_session_options(path, budget_ms=budget_ms, max_batch=max_batch, max_queue=max_queue,
                           max_delay_ms=max_delay_ms, profile=profile, threads=threads)
     if isinstance(providers, str):
         providers = [providers]
+    if variant is not None and not isinstance(variant, str):
+        raise InputError(f"variant must be a variant name (str) or None, got {type(variant).__name__} {variant!r}",
+                         "pass variant='int8' (`dsedge inspect BUNDLE` lists them), or None for the default")
+    for name, flag in (("cascade", cascade), ("batch_variant_ok", batch_variant_ok), ("check_outputs", check_outputs)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise InputError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}", f"pass {name}=True")
     check_signature(path, trusted_keys)
     manifest = verify_bundle(path)
     v = manifest.variant(variant)
+    batch_symbol = BatchLayout.of(manifest.inputs, manifest.outputs).batch_symbol
+    top = manifest.shape_ranges.get(batch_symbol or "", {}).get("max")
+    if max_batch is not None and top is not None and int(max_batch) > int(top):
+        raise InputError(f"max_batch={max_batch} is above the bundle's batch range max {top}",
+                         f"pass max_batch={top} or less: batches stay within the shapes the bundle was built for")
 
     def open_variant(name: str) -> Any:  # the target's backend (TensorRT when here), else ONNX Runtime
         return open_backend(VariantFiles(Path(path), manifest, manifest.variant(name)), Preferences(providers, threads))

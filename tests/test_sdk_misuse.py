@@ -1,0 +1,142 @@
+"""The in-process SDK used the way a new user gets it wrong: real bundles, real ORT sessions, real threads.
+
+The decoder is a tiny absolute-position model built here (token + position embedding tables, the past cache
+concatenated with the new hidden state, logits over a 16-token vocabulary): cheap to build, and a position past its
+table makes ORT's Gather fail the way GPT-2 does past ``n_positions``.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import dsedge
+from dsedge.runtime.bundle import IOSpec, Variant
+from dsedge.toolchain.bundle_writer import write_bundle
+
+from streaming_models import text_bundle
+
+VOCAB, DIM = 16, 4
+
+
+def decoder_bundle(out: Path, positions: int, source: dict | None = None) -> Path:
+    rng = np.random.default_rng(0)
+    b, s, past, total = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
+    inits = [numpy_helper.from_array(rng.standard_normal((VOCAB, DIM)).astype(np.float32), "wte"),
+             numpy_helper.from_array(rng.standard_normal((positions, DIM)).astype(np.float32), "wpe"),
+             numpy_helper.from_array(rng.standard_normal((DIM, VOCAB)).astype(np.float32), "head"),
+             numpy_helper.from_array(np.array([1], np.int64), "axis1")]
+    nodes = [helper.make_node("Gather", ["wte", "input_ids"], ["tok"]),
+             helper.make_node("Gather", ["wpe", "position_ids"], ["pos"]),
+             helper.make_node("Add", ["tok", "pos"], ["h"]),
+             helper.make_node("Unsqueeze", ["h", "axis1"], ["h4"]),
+             helper.make_node("Concat", ["past_key_values.0.key", "h4"], ["present.0.key"], axis=2),
+             helper.make_node("Concat", ["past_key_values.0.value", "h4"], ["present.0.value"], axis=2),
+             helper.make_node("MatMul", ["h", "head"], ["logits"])]
+    ins = [("input_ids", TensorProto.INT64, [b, s]), ("attention_mask", TensorProto.INT64, [b, total]),
+           ("position_ids", TensorProto.INT64, [b, s]),
+           ("past_key_values.0.key", TensorProto.FLOAT, [b, 1, past, DIM]),
+           ("past_key_values.0.value", TensorProto.FLOAT, [b, 1, past, DIM])]
+    outs = [("logits", TensorProto.FLOAT, [b, s, VOCAB]), ("present.0.key", TensorProto.FLOAT, [b, 1, total, DIM]),
+            ("present.0.value", TensorProto.FLOAT, [b, 1, total, DIM])]
+    graph = helper.make_graph(nodes, "tiny_decoder", [helper.make_tensor_value_info(*i) for i in ins],
+                              [helper.make_tensor_value_info(*o) for o in outs], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    out.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, out / "decoder.onnx")
+    dtype = {TensorProto.INT64: "int64", TensorProto.FLOAT: "float32"}
+    return write_bundle(out / "tiny-decoder-cpu.dse", name="tiny-decoder", target={"name": "cpu"},
+                        inputs=[IOSpec(n, dtype[t], tuple(sh)) for n, t, sh in ins],
+                        outputs=[IOSpec(n, dtype[t], tuple(sh)) for n, t, sh in outs],
+                        models={"models/fp32.onnx": out / "decoder.onnx"},
+                        variants=[Variant("fp32", "fp32", "models/fp32.onnx")], default_variant="fp32",
+                        source=source)
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    return decoder_bundle(tmp_path_factory.mktemp("decoder"), positions=40)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    return text_bundle(tmp_path_factory.mktemp("text"), max_batch=8)
+
+
+def _read_in_thread(stream) -> list[int] | None:
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(list(stream)), daemon=True)
+    t.start()
+    t.join(5)
+    return None if t.is_alive() else got[0]
+
+
+def test_a_generation_stream_read_again_or_by_a_second_reader_ends(decoder):
+    with dsedge.load(decoder, threads=1, budget_ms=60_000) as s:
+        st = s.generate_stream([1, 2], 3)
+        first = _read_in_thread(st)
+        assert first is not None and len(first) == 3 and st.finish_reason == "length"
+        assert _read_in_thread(st) == []  # used to wait forever: the end marker had been consumed
+        assert st.tokens == first
+
+
+def test_generate_stream_refuses_bad_prompts_and_options_at_the_call(decoder):
+    with dsedge.load(decoder, threads=1, budget_ms=60_000) as s:
+        for prompt in ([1, VOCAB], [-1, 2]):  # past the vocabulary; negative (ORT's Gather would wrap it)
+            with pytest.raises(dsedge.InputError, match="outside the model's vocabulary"):
+                s.generate_stream(prompt, 2)
+        for kwargs, match in ((dict(budget_ms=-1), "budget_ms"), (dict(budget_ms="5"), "budget_ms"),
+                              (dict(token_budget_ms=float("nan")), "token_budget_ms"),
+                              (dict(max_new_tokens=1.5), "max_new_tokens"), (dict(eos_token_id="x"), "eos_token_id")):
+            with pytest.raises(dsedge.InputError, match=match):
+                s.generate_stream([1, 2], **{"max_new_tokens": 2, **kwargs})
+        assert len(list(s.generate_stream([1, 2], 2))) == 2
+
+
+def test_a_sequence_past_the_models_positions_fails_alone(decoder):
+    with dsedge.load(decoder, threads=1, budget_ms=60_000) as s:
+        assert s.generate_stream([1], 1).wait(30)
+        alone = list(s.generate_stream([3], 6))
+        with s._decoder._cond:  # both wait together, so they are prefilled and decoded in one batch
+            long = s.generate_stream([1] * 38, 10)  # positions 0..37, then 38, 39, and 40 is past the table
+            short = s.generate_stream([3], 6)
+        assert long.wait(30) and short.wait(30)
+        assert long.finish_reason == "error" and "Gather" in long.error and len(long.tokens) == 3
+        assert short.finish_reason == "length" and short.error is None and short.tokens == alone
+        assert s._decoder.stats.max_rows == 2
+
+
+def test_a_prompt_longer_than_the_context_is_refused_and_warmup_fits_a_short_context(tmp_path):
+    bundle = decoder_bundle(tmp_path, positions=20, source={"max_position_embeddings": 20})
+    with dsedge.load(bundle, threads=1, budget_ms=60_000) as s:
+        assert len(list(s.generate_stream([1, 2], 3))) == 3  # warm-up used to feed 32 positions to a 20-position model
+        with pytest.raises(dsedge.InputError, match="longer than the model's 20 positions"):
+            s.generate_stream([1] * 21, 2)
+
+
+def test_load_refuses_options_the_bundle_cannot_serve(text):
+    with pytest.raises(dsedge.InputError, match="above the bundle's batch range max 8"):
+        dsedge.load(text, max_batch=9)
+    with pytest.raises(dsedge.InputError, match="variant must be a variant name"):
+        dsedge.load(text, variant=0)
+    with pytest.raises(dsedge.InputError, match="cascade must be True or False"):
+        dsedge.load(text, cascade="yes")
+    with dsedge.load(text, max_batch=8, budget_ms=60_000) as s:
+        row = {"input_ids": np.ones((1, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}
+        answers = [f.result(30) for f in [s.submit(row) for _ in range(20)]]
+        assert all(a.ok for a in answers) and max(a.batch_size for a in answers) <= 8
+
+
+def test_a_backend_failure_in_run_is_an_inference_error_and_the_session_goes_on(text):
+    with dsedge.load(text, threads=1) as s:
+        bad = {"input_ids": np.full((1, 4), 10_000, np.int64), "attention_mask": np.ones((1, 4), np.int64)}
+        with pytest.raises(dsedge.InferenceError, match="onnxruntime failed to run this batch") as e:
+            s.run(bad)
+        assert "\n" not in str(e.value) and e.value.hint and e.value.__cause__ is not None
+        good = {"input_ids": np.ones((1, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}
+        assert s.run(good)["sentence_embedding"].shape == (1, 64)
