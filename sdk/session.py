@@ -282,8 +282,10 @@ class Session:
 
     def metrics(self) -> dict[str, Any]:
         """Counts, p50/p90/p99 latency (ms), goodput (answers within budget per s), rejection and budget-miss
-        rates for everything submitted to this session (see ``StreamMetrics.snapshot`` for the keys), plus
-        ``queue_depth`` and ``batches`` per lane, and ``decode`` (steps, prefills, rows per step) for generation."""
+        rates for everything sent through ``submit``/``stream``/``infer_async``/``stream_async`` (not ``run``; see
+        ``StreamMetrics`` for the keys and units), plus ``lanes`` (queue depth, batches per variant) and, once
+        ``generate_stream`` was used, ``decode`` (steps, prefills, rows per step; generation requests are not in the
+        request counts)."""
         snap = self._metrics.snapshot()
         if self._stream is not None:
             snap["lanes"] = self._stream.lane_stats()
