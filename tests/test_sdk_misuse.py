@@ -20,6 +20,8 @@ from dsedge.toolchain.bundle_writer import write_bundle
 
 from streaming_models import text_bundle
 
+pytest_plugins = ["pytester"]
+
 VOCAB, DIM = 16, 4
 
 
@@ -140,3 +142,16 @@ def test_a_backend_failure_in_run_is_an_inference_error_and_the_session_goes_on(
         assert "\n" not in str(e.value) and e.value.hint and e.value.__cause__ is not None
         good = {"input_ids": np.ones((1, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}
         assert s.run(good)["sentence_embedding"].shape == (1, 64)
+
+
+def test_the_latency_plugin_collects_a_bundle_whose_figures_are_plain_ms(tmp_path, pytester):
+    bundle = text_bundle(tmp_path, latency_ms={"fp32": {"1": 0.5, "4": 1.0}})  # a number per batch: schema-valid
+    pytester.makepyfile(test_lat=f"""
+        import pytest
+
+        @pytest.mark.dsedge_bundle({str(bundle)!r})
+        def test_latency(dsedge_latency):
+            assert dsedge_latency.case.seq_len is None
+        """)
+    res = pytester.runpytest("-p", "no:cacheprovider", "-q")
+    res.assert_outcomes(passed=2)  # batch 1 and 4; the collection used to fail on float.get("shape")
