@@ -331,8 +331,18 @@ class StreamingCore:
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop admitting; drain or reject what is queued (``BudgetScheduler.close``). A cascade still being opened
-        is waited for (its lanes run ONNX Runtime on their own threads), at most ``timeout_s`` or 30 s."""
+        is waited for (its lanes run ONNX Runtime on their own threads), at most ``timeout_s`` or 30 s.
+
+        Called on a lane's own thread (from a future's done-callback), which cannot wait for itself: admission stops
+        at once and the rest runs on a helper thread, so every future still resolves just after the callback."""
         self._closed = True
+        if threading.current_thread() in [getattr(lane, "_thread", None) for lane in self.lanes]:
+            threading.Thread(target=self._finish_close, args=(drain, timeout_s), name="dsedge-close",
+                             daemon=True).start()
+            return
+        self._finish_close(drain, timeout_s)
+
+    def _finish_close(self, drain: bool, timeout_s: float | None) -> None:
         if self._cascade_thread is not None:
             self._cascade_thread.join(min(timeout_s or 30.0, 30.0))
         self.scheduler.close(drain=drain, timeout_s=timeout_s)

@@ -306,9 +306,11 @@ class Session:
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop accepting requests; finish (``drain=True``) or reject with "shutdown" what is queued.
 
-        After ``timeout_s`` seconds of draining, whatever is still queued is rejected with "shutdown". Every
-        submitted future is resolved when this returns. Further ``submit`` calls raise SessionClosedError;
-        ``run`` is no longer available either.
+        After ``timeout_s`` seconds of draining, whatever is still queued is rejected with "shutdown" (a batch
+        already running finishes first). Every submitted future is resolved when this returns; called from a
+        future's done-callback (the session's own worker thread), the close finishes on a helper thread right
+        after the callback. Further ``submit`` calls raise SessionClosedError; ``run`` is no longer available
+        either. Closing again does nothing.
         """
         if self._closed:
             return

@@ -155,3 +155,35 @@ def test_the_latency_plugin_collects_a_bundle_whose_figures_are_plain_ms(tmp_pat
         """)
     res = pytester.runpytest("-p", "no:cacheprovider", "-q")
     res.assert_outcomes(passed=2)  # batch 1 and 4; the collection used to fail on float.get("shape")
+
+
+def test_close_from_a_done_callback_closes_and_resolves_every_future(text):
+    row = {"input_ids": np.ones((1, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}
+    for _ in range(5):  # until the callback runs on the lane's thread (a future already done calls it right here)
+        s = dsedge.load(text, threads=1, budget_ms=60_000)
+        raised, ran_on, called = [], [], threading.Event()
+
+        def close_on_answer(_, s=s, raised=raised, ran_on=ran_on, called=called):
+            ran_on.append(threading.current_thread().name)
+            try:
+                s.close()
+            except BaseException as e:  # concurrent.futures only logs what a callback raises
+                raised.append(e)
+            called.set()
+
+        futures = [s.submit(row) for _ in range(30)]  # open loop: they queue and run on the lane's thread
+        futures[-1].add_done_callback(close_on_answer)
+        assert called.wait(30) and raised == []  # was RuntimeError("cannot join current thread")
+        answers = [f.result(30) for f in futures]
+        assert all(a.ok or a.reason == "shutdown" for a in answers)
+        with pytest.raises(dsedge.SessionClosedError):
+            s.submit(row)
+        if ran_on[0].startswith("dsedge-lane"):
+            break
+        s.close()
+    assert ran_on[0].startswith("dsedge-lane")
+    for _ in range(100):
+        if not any(t.name.startswith(("dsedge-lane", "dsedge-close")) for t in threading.enumerate()):
+            break
+        threading.Event().wait(0.05)
+    assert not any(t.name.startswith(("dsedge-lane", "dsedge-close")) for t in threading.enumerate())
