@@ -115,7 +115,8 @@ class StreamMetrics:
         """Expose the snapshot to Prometheus through a custom collector read at scrape time.
 
         Needs ``prometheus-client`` (extra ``serve``). Returns the collector. Raises BackendUnavailable when the
-        package is missing.
+        package is missing, and prometheus-client's ValueError when ``registry`` already holds these names (any
+        registry: the collector describes itself).
         """
         try:
             from prometheus_client import REGISTRY
@@ -128,6 +129,9 @@ class StreamMetrics:
         metrics = self
 
         class _Collector:
+            def describe(self) -> list[Any]:  # lets every registry refuse a second collector with these names
+                return list(self.collect())
+
             def collect(self) -> Iterator[Any]:
                 s = metrics.snapshot()
                 for key in ("submitted", "answered", "errors", "within_budget", "budget_missed", "answered_late",

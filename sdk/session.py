@@ -66,6 +66,7 @@ class Session:
         self._max_batch = max_batch
         self._max_queue = max_queue
         self._metrics = StreamMetrics()
+        self._prometheus: dict[tuple[int, str], Any] = {}  # (id(registry), prefix) -> collector
         self._stream: StreamingCore | None = None
         self._decoder: Any = None
         self._start_lock = threading.Lock()
@@ -296,12 +297,28 @@ class Session:
                               "mean_rows": round(float(np.mean(st.rows_per_step)), 3) if st.rows_per_step else None}
         return snap
 
-    def export_prometheus(self, registry: Any = None) -> Any:
-        """Register this session's metrics with a prometheus-client registry (default: the global one).
+    def export_prometheus(self, registry: Any = None, prefix: str = "dsedge") -> Any:
+        """Register this session's metrics with a prometheus-client registry (default: the global one), as
+        ``{prefix}_requests_*`` counters and ``{prefix}_latency_ms`` / ``{prefix}_goodput_per_second`` /
+        ``{prefix}_in_flight`` gauges read at scrape time. Returns the collector; calling again with the same
+        registry and prefix returns the same one.
 
-        Raises BackendUnavailable without prometheus-client (``pip install 'dsedge[serve]'``).
+        Raises:
+            BackendUnavailable: without prometheus-client (``pip install 'dsedge[serve]'``).
+            InputError: another collector (e.g. a second session) already registered these names there.
         """
-        return self._metrics.register_prometheus(registry)
+        key = (id(registry), prefix)
+        exported = self._prometheus
+        if key in exported:
+            return exported[key]
+        try:
+            exported[key] = self._metrics.register_prometheus(registry, prefix=prefix)
+        except ValueError as e:  # prometheus_client's DuplicateTimeseries
+            raise InputError(f"metrics named {prefix}_* are already registered in that Prometheus registry "
+                             f"({str(e).splitlines()[0][:80]}…)",
+                             "give each session its own prefix (export_prometheus(prefix='dsedge_minilm')) "
+                             "or registry") from None
+        return exported[key]
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop accepting requests; finish (``drain=True``) or reject with "shutdown" what is queued.

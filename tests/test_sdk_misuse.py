@@ -187,3 +187,20 @@ def test_close_from_a_done_callback_closes_and_resolves_every_future(text):
             break
         threading.Event().wait(0.05)
     assert not any(t.name.startswith(("dsedge-lane", "dsedge-close")) for t in threading.enumerate())
+
+
+def test_two_sessions_export_prometheus_metrics_side_by_side(text):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    reg = CollectorRegistry()
+    with dsedge.load(text) as a, dsedge.load(text) as b:
+        first = a.export_prometheus(reg)
+        assert a.export_prometheus(reg) is first  # again: the same collector, not a DuplicateTimeseries
+        with pytest.raises(dsedge.InputError, match="already registered"):
+            b.export_prometheus(reg)
+        b.export_prometheus(reg, prefix="dsedge_b")
+        row = {"input_ids": np.ones((1, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}
+        assert b.submit(row).result(30).ok
+        text_out = generate_latest(reg).decode()
+        assert "dsedge_requests_submitted_total 0.0" in text_out
+        assert "dsedge_b_requests_submitted_total 1.0" in text_out
