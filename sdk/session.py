@@ -5,6 +5,7 @@ import asyncio
 import logging
 import os
 import threading
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -26,6 +27,21 @@ from .runtime.streaming import StreamingCore
 
 
 log = logging.getLogger("dsedge")
+
+
+def _weak_call(method: Callable[[], float], default: float) -> Callable[[], float]:
+    """``method()`` through a weak reference to its object (``default`` once it is gone), so that a streaming core
+    does not keep its session alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> float:
+        m = ref()
+        return default if m is None else m()
+    return call
+
+
+def _close_in_background(close: Callable[[], None]) -> None:
+    threading.Thread(target=close, name="dsedge-close", daemon=True).start()
 
 
 class Session:
@@ -69,6 +85,7 @@ class Session:
         self._prometheus: dict[tuple[int, str], Any] = {}  # (id(registry), prefix) -> collector
         self._stream: StreamingCore | None = None
         self._decoder: Any = None
+        self._finalizers: list[weakref.finalize] = []
         self._start_lock = threading.Lock()
         self._closed = False
 
@@ -141,6 +158,14 @@ class Session:
         if self._closed:
             raise SessionClosedError("this session is closed", "call dsedge.load() again to open a new session")
 
+    def _close_when_collected(self, close: Callable[[], None]) -> None:
+        """A session dropped without ``close()`` finishes what it queued and stops its worker threads once it is
+        garbage collected (on a helper thread: collection never blocks; at interpreter exit the atexit hook of
+        runtime/streaming.py stops what is left)."""
+        f = weakref.finalize(self, _close_in_background, close)
+        f.atexit = False
+        self._finalizers.append(f)
+
     def _core(self) -> StreamingCore:
         self._check_open()
         core = self._stream
@@ -151,7 +176,10 @@ class Session:
                         raise InputError("this bundle is a decoder with past key/values: submit/stream serve "
                                          "one-shot models", "use session.generate_stream(prompt, max_new_tokens)")
                     self._stream = StreamingCore(self.manifest, self.variant, self._backend.run, self._metrics,
-                                                 default_budget_ms=self.default_budget_ms, **self._stream_opts)
+                                                 default_budget_ms=_weak_call(self.default_budget_ms,
+                                                                              FALLBACK_BUDGET_MS),
+                                                 **self._stream_opts)
+                    self._close_when_collected(self._stream.close)
                 core = self._stream
         return core
 
@@ -274,6 +302,7 @@ class Session:
                 self._decoder = DecodeLoop(self._backend, max_batch=self._max_batch or 8,
                                            max_waiting=self._max_queue, eos_token_id=eos,
                                            model_config=self.manifest.source, vocab_size=vocab)
+                self._close_when_collected(self._decoder.close)
                 self._decoder.warmup()
         try:
             return self._decoder.submit(prompt, max_new_tokens, budget, token_budget, id=id,
@@ -332,6 +361,8 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        for f in self._finalizers:
+            f.detach()
         with self._start_lock:
             if self._stream is not None:
                 self._stream.close(drain=drain, timeout_s=timeout_s)

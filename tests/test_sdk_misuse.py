@@ -204,3 +204,22 @@ def test_two_sessions_export_prometheus_metrics_side_by_side(text):
         text_out = generate_latest(reg).decode()
         assert "dsedge_requests_submitted_total 0.0" in text_out
         assert "dsedge_b_requests_submitted_total 1.0" in text_out
+
+
+def _dsedge_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(("dsedge-lane", "dsedge-decode"))]
+
+
+def test_a_session_dropped_without_close_answers_its_queue_and_stops_its_threads(text, decoder):
+    before = len(_dsedge_threads())
+    row = {"input_ids": np.ones((1, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}
+    futures = [dsedge.load(text, budget_ms=60_000).submit(row) for _ in range(4)]  # each session dropped at once
+    streams = [dsedge.load(decoder, threads=1, budget_ms=60_000).generate_stream([1, 2], 3) for _ in range(2)]
+    assert all(f.result(30).ok for f in futures)  # queued work still finishes
+    assert all(len(list(st)) == 3 and st.finish_reason == "length" for st in streams)
+    del streams
+    for _ in range(100):  # a lane / decode thread per forgotten session used to stay forever
+        if len(_dsedge_threads()) <= before:
+            break
+        threading.Event().wait(0.05)
+    assert len(_dsedge_threads()) <= before
