@@ -196,7 +196,8 @@ class Session:
         """Queue one request; thread-safe. The future resolves to a ``Result`` or a ``Rejected``, never raises.
 
         Args:
-            inputs: numpy arrays keyed by input name (usually one row on the batch axis).
+            inputs: numpy arrays keyed by input name (usually one row on the batch axis); copied here, so the
+                caller may refill its buffers for the next request at once.
             budget_ms: latency budget, ms (default ``default_budget_ms()``).
             priority: higher wins among equal deadlines.
             id: reported back in the answer (default: a per-session counter).
@@ -209,6 +210,9 @@ class Session:
             self._check_open()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
         budget, priority = check_request_options(budget_ms, priority, self.default_budget_ms)
+        # the request runs later, on another thread: an array the caller still holds (and may refill for the
+        # next request) is copied now; one made here from a list is not
+        checked = {k: v.copy() if v is inputs[k] or v.base is not None else v for k, v in checked.items()}
         try:
             return core.submit(checked, budget, priority, id)
         except RuntimeError:

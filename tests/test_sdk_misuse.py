@@ -223,3 +223,18 @@ def test_a_session_dropped_without_close_answers_its_queue_and_stops_its_threads
             break
         threading.Event().wait(0.05)
     assert len(_dsedge_threads()) <= before
+
+
+def test_submit_copies_the_callers_buffers_before_they_are_refilled(tmp_path):
+    bundle = text_bundle(tmp_path, variants={"fp32": 8}, dim=256)
+    with dsedge.load(bundle, threads=1, budget_ms=60_000) as s:
+        ids, mask = np.ones((1, 16), np.int64), np.ones((1, 16), np.int64)
+        expected, futures = [], []
+        for v in range(1, 9):
+            ids[:] = v
+            expected.append(s.run({"input_ids": ids, "attention_mask": mask})["sentence_embedding"])
+        for v in range(1, 9):
+            ids[:] = v  # one preallocated buffer refilled per request, as a reading loop does
+            futures.append(s.submit({"input_ids": ids, "attention_mask": mask}))
+        for f, want in zip(futures, expected):  # queued requests used to read the buffer's last contents
+            np.testing.assert_allclose(f.result(30).outputs["sentence_embedding"], want, rtol=1e-5, atol=1e-6)
