@@ -20,7 +20,8 @@ from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import DsedgeError, InferenceError, InputError, SessionClosedError
 from .runtime.golden import check_backend
 from .runtime.signing import check_signature
-from .runtime.io import check_request_options, check_session_options, check_stream_inputs, validate_inputs
+from .runtime.io import (check_request_options, check_session_options, check_stream_inputs, is_real,
+                         validate_inputs)
 from .runtime.metrics import StreamMetrics
 from .runtime.results import Rejected, Result
 from .runtime.streaming import StreamingCore
@@ -361,7 +362,17 @@ class Session:
         future's done-callback (the session's own worker thread), the close finishes on a helper thread right
         after the callback. Further ``submit`` calls raise SessionClosedError; ``run`` is no longer available
         either. Closing again does nothing.
+
+        Raises:
+            InputError: ``drain`` not a bool, ``timeout_s`` not None or a finite number ≥ 0 (checked before anything
+                is closed).
         """
+        if not isinstance(drain, (bool, np.bool_)):
+            raise InputError(f"drain must be True or False, got {type(drain).__name__} {drain!r}",
+                             "close(drain=True) answers what is queued; drain=False rejects it")
+        if timeout_s is not None and not (is_real(timeout_s) and 0 <= float(timeout_s) < float("inf")):
+            raise InputError(f"timeout_s must be None or a finite number of seconds >= 0, got {timeout_s!r}",
+                             "pass close(timeout_s=5.0), or None to wait for the queue to drain")
         if self._closed:
             return
         self._closed = True

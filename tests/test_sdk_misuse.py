@@ -238,3 +238,16 @@ def test_submit_copies_the_callers_buffers_before_they_are_refilled(tmp_path):
             futures.append(s.submit({"input_ids": ids, "attention_mask": mask}))
         for f, want in zip(futures, expected):  # queued requests used to read the buffer's last contents
             np.testing.assert_allclose(f.result(30).outputs["sentence_embedding"], want, rtol=1e-5, atol=1e-6)
+
+
+def test_close_with_a_bad_argument_refuses_before_closing_anything(text):
+    s = dsedge.load(text)
+    row = {"input_ids": np.ones((1, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}
+    assert s.submit(row).result(30).ok
+    for kwargs in (dict(timeout_s="1"), dict(timeout_s=-1), dict(timeout_s=float("nan")), dict(drain="no")):
+        with pytest.raises(dsedge.InputError):
+            s.close(**kwargs)
+    assert s.submit(row).result(30).ok  # still open: a TypeError used to leave it marked closed, lanes running
+    s.close(timeout_s=5)
+    with pytest.raises(dsedge.SessionClosedError):
+        s.submit(row)
