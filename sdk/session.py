@@ -271,6 +271,9 @@ class Session:
                         sink_tokens: int = 4) -> "GenerationStream":
         """Greedy generation with continuous batching; iterate the result to get token ids as they come.
 
+        The first call starts the decode loop and times prefill and decode steps on the caller's thread
+        (``DecodeLoop.warmup``: a few prompts of up to 32 tokens, steps at batch 1–8), before its own request.
+
         Args:
             prompt: 1-D token ids (int).
             max_new_tokens: tokens to generate at most (fewer when ``eos_token_id`` comes).
