@@ -290,7 +290,17 @@ class StreamingCore:
         """``async for`` form of ``stream`` over a sync or async iterable (same window and order)."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
-        win = AnswerWindow(ordered, lambda a: loop.call_soon_threadsafe(out.put_nowait, a))
+        gone = threading.Event()  # the consumer stopped (break, cancel, end): later answers have nowhere to go
+
+        def put(answer: Any) -> None:
+            if gone.is_set() or loop.is_closed():
+                return
+            try:
+                loop.call_soon_threadsafe(out.put_nowait, answer)
+            except RuntimeError:  # the loop closed between the check and the call
+                pass
+
+        win = AnswerWindow(ordered, put)
         slots = asyncio.Semaphore(window or self.default_window())
 
         async def items() -> AsyncIterator[Mapping[str, Any]]:
@@ -311,7 +321,7 @@ class StreamingCore:
             except BaseException as e:
                 error = e
             finally:
-                loop.call_soon_threadsafe(out.put_nowait, _End(n, error))
+                put(_End(n, error))
 
         task = asyncio.ensure_future(feed())
         try:
@@ -322,6 +332,7 @@ class StreamingCore:
                     slots.release()
                     yield got
         finally:
+            gone.set()
             task.cancel()
 
     # -- reporting and shutdown -------------------------------------------------------------------------------

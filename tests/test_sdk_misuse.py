@@ -225,9 +225,14 @@ def test_a_session_dropped_without_close_answers_its_queue_and_stops_its_threads
     assert len(_dsedge_threads()) <= before
 
 
-def test_submit_copies_the_callers_buffers_before_they_are_refilled(tmp_path):
-    bundle = text_bundle(tmp_path, variants={"fp32": 8}, dim=256)
-    with dsedge.load(bundle, threads=1, budget_ms=60_000) as s:
+@pytest.fixture(scope="module")
+def heavier_text(tmp_path_factory):
+    """Eight 256-wide layers: slow enough (a few ms a batch) that requests queue behind each other."""
+    return text_bundle(tmp_path_factory.mktemp("heavier"), variants={"fp32": 8}, dim=256)
+
+
+def test_submit_copies_the_callers_buffers_before_they_are_refilled(heavier_text):
+    with dsedge.load(heavier_text, threads=1, budget_ms=60_000) as s:
         ids, mask = np.ones((1, 16), np.int64), np.ones((1, 16), np.int64)
         expected, futures = [], []
         for v in range(1, 9):
@@ -251,3 +256,21 @@ def test_close_with_a_bad_argument_refuses_before_closing_anything(text):
     s.close(timeout_s=5)
     with pytest.raises(dsedge.SessionClosedError):
         s.submit(row)
+
+
+def test_leaving_stream_async_early_logs_no_callback_errors_after_the_loop_closes(heavier_text, caplog):
+    import asyncio
+    import logging
+
+    row = {"input_ids": np.ones((1, 64), np.int64), "attention_mask": np.ones((1, 64), np.int64)}
+    with dsedge.load(heavier_text, threads=1, budget_ms=60_000) as s:
+        async def first_answer():
+            async for answer in s.stream_async([row] * 40, window=20):
+                return answer
+
+        with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
+            assert asyncio.run(first_answer()).ok  # the loop closes with ~19 answers still in flight
+            assert s.submit(row).result(30).ok    # the lane went on
+        assert s.metrics()["in_flight"] == 0
+    # each late answer used to log "exception calling callback ... RuntimeError: Event loop is closed"
+    assert not [r for r in caplog.records if "callback" in r.getMessage()]
