@@ -215,7 +215,7 @@ class DecodeLoop:
 
     def _failing_rows(self) -> dict[int, str]:
         """After a failed step: run each row's step alone and return ``{row index: error}`` for the rows that fail
-        alone (all rows when none does: the batch itself failed), so one bad sequence (e.g. past an absolute-
+        alone (empty when none does: then the batch itself failed), so one bad sequence (e.g. past an absolute-
         position model's context) does not end its batch-mates."""
         feed, bad = self._step_feed(), {}
         for i in range(len(self._rows)):
@@ -251,9 +251,9 @@ class DecodeLoop:
             output_scores: keep each step's logits on ``stream.scores``.
         Raises:
             InputError: empty or non-integer prompt, a token id outside the vocabulary, a prompt longer than the
-                model's positions, max_new_tokens not an integer ≥ 1, a non-integer eos_token_id, a window on a decoder that is not rotary
-                (or whose bundle does not say), window < 1, sink_tokens < 0, sinks + window past the model's
-                ``max_position_embeddings``.
+                model's positions, max_new_tokens not an integer ≥ 1, a non-integer eos_token_id, a window on a
+                decoder that is not rotary (or whose bundle does not say), window < 1, sink_tokens < 0, sinks +
+                window past the model's ``max_position_embeddings``.
             RuntimeError: after ``close()``.
         """
         p = np.asarray(prompt)

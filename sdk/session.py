@@ -301,7 +301,8 @@ class Session:
             raise BackendUnavailable(f"generation runs on ONNX Runtime; this session uses {self.backend_name}",
                                      "load the bundle with providers=['CPUExecutionProvider'] (or CUDA)")
         budget, _ = check_request_options(budget_ms, 0, self.default_budget_ms)
-        token_budget = budget if token_budget_ms is None else check_request_options(token_budget_ms, 0, name="token_budget_ms")[0]
+        token_budget = (budget if token_budget_ms is None
+                        else check_request_options(token_budget_ms, 0, name="token_budget_ms")[0])
         with self._start_lock:
             if self._decoder is None:
                 eos = self.manifest.source.get("eos_token_id")
