@@ -188,7 +188,12 @@ class Session:
         """Measure every lane's latency profile now (batch 1 … max batch), blocking; optional.
 
         Serving does not depend on it: without it, lanes start from the bundle's figures and a warm-up run on
-        their own thread. Returns ``{variant: LatencyProfile.to_dict()}`` for every lane (primary, then cascade).
+        their own thread. Returns ``{variant: LatencyProfile.to_dict()}`` for every lane (primary, then cascade):
+        per (batch, sequence bucket) point its ``mean_ms`` and ``tail_ms`` (ms) and sample ``count``.
+
+        Raises:
+            InputError: on a decoder bundle (``generate_stream`` warms its own loop). SessionClosedError after
+                ``close()``.
         """
         return self._core().warmup()
 
