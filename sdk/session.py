@@ -87,6 +87,7 @@ class Session:
         self._stream: StreamingCore | None = None
         self._decoder: Any = None
         self._finalizers: list[weakref.finalize] = []
+        self._threads_pid: int | None = None  # the process the lane / decode threads were started in
         self._start_lock = threading.Lock()
         self._closed = False
 
@@ -167,8 +168,16 @@ class Session:
         f.atexit = False
         self._finalizers.append(f)
 
+    def _check_process(self) -> None:
+        if self._threads_pid is not None and self._threads_pid != os.getpid():
+            raise SessionClosedError(f"this session's worker threads run in process {self._threads_pid}; after a "
+                                     f"fork they do not exist in this one ({os.getpid()}), so requests would wait "
+                                     "forever", "call dsedge.load() in each worker process (e.g. a multiprocessing "
+                                     "Pool initializer), or use the 'spawn' start method")
+
     def _core(self) -> StreamingCore:
         self._check_open()
+        self._check_process()
         core = self._stream
         if core is None:
             with self._start_lock:
@@ -181,6 +190,7 @@ class Session:
                                                                               FALLBACK_BUDGET_MS),
                                                  **self._stream_opts)
                     self._close_when_collected(self._stream.close)
+                    self._threads_pid = os.getpid()
                 core = self._stream
         return core
 
@@ -209,11 +219,13 @@ class Session:
             id: reported back in the answer (default: a per-session counter).
         Raises:
             InputError: inputs do not match the bundle (checked before queueing).
-            SessionClosedError: the session is closed.
+            SessionClosedError: the session is closed, or its worker threads were started in another process
+                (this one is a fork of it: load the bundle again here).
         """
         core = self._stream or self._core()
         if self._closed:
             self._check_open()
+        self._check_process()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
         budget, priority = check_request_options(budget_ms, priority, self.default_budget_ms)
         # the request runs later, on another thread: an array the caller still holds (and may refill for the
@@ -297,6 +309,7 @@ class Session:
         from .runtime.decode import DecodeLoop
 
         self._check_open()
+        self._check_process()
         if not self.is_decoder:
             raise InputError("generate_stream needs a decoder exported with past key/values",
                              "build the bundle from optimum's text-generation-with-past export; use submit() here")
@@ -317,6 +330,7 @@ class Session:
                                            max_waiting=self._max_queue, eos_token_id=eos,
                                            model_config=self.manifest.source, vocab_size=vocab)
                 self._close_when_collected(self._decoder.close)
+                self._threads_pid = os.getpid()
                 self._decoder.warmup()
         try:
             return self._decoder.submit(prompt, max_new_tokens, budget, token_budget, id=id,

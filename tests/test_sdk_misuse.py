@@ -274,3 +274,29 @@ def test_leaving_stream_async_early_logs_no_callback_errors_after_the_loop_close
         assert s.metrics()["in_flight"] == 0
     # each late answer used to log "exception calling callback ... RuntimeError: Event loop is closed"
     assert not [r for r in caplog.records if "callback" in r.getMessage()]
+
+
+def test_a_forked_child_is_told_to_load_again_instead_of_waiting_forever(text):
+    import multiprocessing
+
+    row = {"input_ids": np.ones((1, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}
+    with dsedge.load(text, budget_ms=60_000) as s:
+        assert s.submit(row).result(30).ok  # the lane thread runs in this process
+
+        def child(q):
+            try:
+                futures = [s.submit(row) for _ in range(8)]  # queued for a lane thread the fork does not have
+                q.put([type(f.result(3)).__name__ for f in futures])
+            except dsedge.SessionClosedError as e:
+                q.put(f"closed: {e}")
+            except Exception as e:
+                q.put(repr(e))
+
+        ctx = multiprocessing.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(q,))
+        p.start()
+        got = q.get(timeout=30)
+        p.join(30)
+        assert got.startswith("closed: this session's worker threads run in process"), got  # was TimeoutError()
+        assert s.submit(row).result(30).ok  # the parent's session is untouched
