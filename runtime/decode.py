@@ -259,7 +259,8 @@ class DecodeLoop:
         p = np.asarray(prompt)
         if p.ndim != 1 or p.size == 0 or p.dtype.kind not in "iu":
             raise InputError(f"prompt must be a non-empty 1-D sequence of token ids, got shape {list(p.shape)} "
-                             f"dtype {p.dtype}", "pass a list of ints from your tokenizer")
+                             f"dtype {p.dtype}", "pass a list of ints from your tokenizer (for its [1, n] "
+                             "return_tensors='np' array, pass ids[0])")
         if int(p.min()) < 0 or (self.vocab_size is not None and int(p.max()) >= self.vocab_size):
             bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
             raise InputError(f"prompt holds token id {bad}, outside the model's vocabulary [0, "
