@@ -243,11 +243,12 @@ class Session:
         Each answer's ``id`` is the item's index. At most ``window`` requests are in flight (default two full
         batches): the iterable is read as answers come back, so a long stream does not flood the queue. A
         separate thread reads ``inputs``, so a slow source does not hold back finished answers.
-        Raises InputError (at the call for ``inputs`` that is not an iterable of requests, else from the item that
-        failed validation) or SessionClosedError.
+        Raises InputError (at the call for ``inputs`` that is not an iterable of requests, a bad ``window``,
+        ``budget_ms`` or ``priority``; else from the item that failed validation) or SessionClosedError.
         """
         check_stream_inputs(inputs)
         check_session_options(self.path, window=window)
+        check_request_options(budget_ms, priority, self.default_budget_ms)
         core = self._core()
         return core.stream(lambda item, i: self.submit(item, budget_ms=budget_ms, priority=priority, id=i), inputs,
                            ordered=ordered, window=window)
@@ -261,9 +262,10 @@ class Session:
                      budget_ms: float | None = None, ordered: bool = False, priority: int = 0,
                      window: int | None = None) -> AsyncIterator[Result | Rejected]:
         """``async for`` form of ``stream`` over a sync or async iterable (same ids, order, window and errors;
-        ``inputs`` and ``window`` are checked at the call)."""
+        ``inputs``, ``window``, ``budget_ms`` and ``priority`` are checked at the call)."""
         check_stream_inputs(inputs, "stream_async", allow_async=True)
         check_session_options(self.path, window=window)
+        check_request_options(budget_ms, priority, self.default_budget_ms)
         return self._stream_async(inputs, budget_ms, ordered, priority, window)
 
     async def _stream_async(self, inputs: Iterable[Mapping[str, Any]] | AsyncIterator[Mapping[str, Any]],

@@ -130,6 +130,11 @@ def test_load_refuses_options_the_bundle_cannot_serve(text):
         dsedge.load(text, cascade="yes")
     with dsedge.load(text, max_batch=8, budget_ms=60_000) as s:
         row = {"input_ids": np.ones((1, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}
+        for kwargs in (dict(budget_ms=-1), dict(priority=0.5)):  # at the call, not at the first next()
+            with pytest.raises(dsedge.InputError):
+                s.stream([row], **kwargs)
+            with pytest.raises(dsedge.InputError):
+                s.stream_async([row], **kwargs)
         answers = [f.result(30) for f in [s.submit(row) for _ in range(20)]]
         assert all(a.ok for a in answers) and max(a.batch_size for a in answers) <= 8
 
