@@ -37,6 +37,7 @@ import numpy as np
 
 from .errors import InputError
 from .generation_stream import GenerationStream
+from .io import is_integer
 from .kv_cache import RotarySpec, WindowUnsupported, cache_bound_bytes, evict_row
 from .latency_profile import LatencyProfile
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected
@@ -87,10 +88,13 @@ class DecodeLoop:
             stops a sequence).
         model_config: the decoder's Hugging Face style config (``model_type``, ``rope_theta``,
             ``max_position_embeddings`` ...; a bundle's ``source``): needed for sliding-window requests.
+        vocab_size: token ids a prompt may hold are ``0 … vocab_size - 1`` (default: the static last dim of the
+            ``logits`` output, if any).
     """
 
     def __init__(self, backend: Any, max_batch: int = 8, max_waiting: int = 256,
-                 eos_token_id: int | None = None, model_config: dict[str, Any] | None = None) -> None:
+                 eos_token_id: int | None = None, model_config: dict[str, Any] | None = None,
+                 vocab_size: int | None = None) -> None:
         self.backend = backend
         ins = {i.name: i for i in backend.session.get_inputs()}
         self.layers = sorted({int(m.group(1)) for n in ins if (m := _PAST.match(n))})
@@ -101,7 +105,11 @@ class DecodeLoop:
         self.heads, self.head_dim = int(k0.shape[1]), int(k0.shape[3])
         self.kv_dtype = np.float16 if "float16" in k0.type else np.float32
         self.has_positions = "position_ids" in ins
-        self.max_positions = (model_config or {}).get("max_position_embeddings")
+        config = model_config or {}
+        self.max_positions = config.get("max_position_embeddings") or config.get("n_positions")
+        logits = next((o for o in backend.session.get_outputs() if o.name == "logits"), None)
+        width = logits.shape[-1] if logits is not None and logits.shape else None
+        self.vocab_size = int(vocab_size) if vocab_size else (width if isinstance(width, int) and width > 0 else None)
         self.rope: RotarySpec | None = None
         self._no_window = ""
         try:
@@ -195,14 +203,33 @@ class DecodeLoop:
             self._mask = self._mask[:, first:]
             self._kv = {k: v[:, :, first:] for k, v in self._kv.items()}
 
-    def _step(self) -> tuple[list[int], np.ndarray]:
-        self._evict()
+    def _step_feed(self) -> dict[str, np.ndarray]:
+        """The next decode step's inputs for every running row (batch axis 0 in every array)."""
         b = len(self._rows)
         mask = np.concatenate([self._mask, np.ones((b, 1), np.int64)], axis=1)
         feed = {"input_ids": np.array([[r.last] for r in self._rows], dtype=np.int64), "attention_mask": mask,
                 **self._kv}
         if self.has_positions:
             feed["position_ids"] = np.array([[r.length] for r in self._rows], dtype=np.int64)
+        return feed
+
+    def _failing_rows(self) -> dict[int, str]:
+        """After a failed step: run each row's step alone and return ``{row index: error}`` for the rows that fail
+        alone (empty when none does: then the batch itself failed), so one bad sequence (e.g. past an absolute-
+        position model's context) does not end its batch-mates."""
+        feed, bad = self._step_feed(), {}
+        for i in range(len(self._rows)):
+            try:
+                self.backend.run({k: v[i:i + 1] for k, v in feed.items()})
+            except Exception as e:
+                bad[i] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+        return bad
+
+    def _step(self) -> tuple[list[int], np.ndarray]:
+        self._evict()
+        b = len(self._rows)
+        feed = self._step_feed()
+        mask = feed["attention_mask"]
         t0 = _clock()
         out = self.backend.run(feed)
         self.step_profile.observe(b, mask.shape[1], (_clock() - t0) * 1e3)
@@ -223,17 +250,31 @@ class DecodeLoop:
             sink_tokens: attention-sink entries kept at the start of a windowed cache (StreamingLLM uses 4).
             output_scores: keep each step's logits on ``stream.scores``.
         Raises:
-            InputError: empty or non-integer prompt, max_new_tokens < 1, a window on a decoder that is not rotary
-                (or whose bundle does not say), window < 1, sink_tokens < 0, sinks + window past the model's
-                ``max_position_embeddings``.
+            InputError: empty or non-integer prompt, a token id outside the vocabulary, a prompt longer than the
+                model's positions, max_new_tokens not an integer ≥ 1, a non-integer eos_token_id, a window on a
+                decoder that is not rotary (or whose bundle does not say), window < 1, sink_tokens < 0, sinks +
+                window past the model's ``max_position_embeddings``.
             RuntimeError: after ``close()``.
         """
         p = np.asarray(prompt)
         if p.ndim != 1 or p.size == 0 or p.dtype.kind not in "iu":
             raise InputError(f"prompt must be a non-empty 1-D sequence of token ids, got shape {list(p.shape)} "
-                             f"dtype {p.dtype}", "pass a list of ints from your tokenizer")
-        if int(max_new_tokens) < 1:
-            raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}", "ask for at least one token")
+                             f"dtype {p.dtype}", "pass a list of ints from your tokenizer (for its [1, n] "
+                             "return_tensors='np' array, pass ids[0])")
+        if int(p.min()) < 0 or (self.vocab_size is not None and int(p.max()) >= self.vocab_size):
+            bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
+            raise InputError(f"prompt holds token id {bad}, outside the model's vocabulary [0, "
+                             f"{'…' if self.vocab_size is None else self.vocab_size - 1}]",
+                             "use the tokenizer the decoder was trained with")
+        if self.max_positions and p.size > int(self.max_positions):
+            raise InputError(f"prompt of {p.size} tokens is longer than the model's {self.max_positions} positions",
+                             "the prompt is prefilled whole: shorten it (keep its most recent tokens)")
+        if not is_integer(max_new_tokens) or int(max_new_tokens) < 1:
+            raise InputError(f"max_new_tokens must be an integer ≥ 1, got {max_new_tokens!r}",
+                             "ask for at least one token")
+        if eos_token_id is not None and not is_integer(eos_token_id):
+            raise InputError(f"eos_token_id must be an integer token id, got {eos_token_id!r}",
+                             "pass the tokenizer's eos_token_id, or None")
         if window is not None:
             self._check_window(int(window), int(sink_tokens))
         s = GenerationStream(next(self._ids) if id is None else id, p.astype(np.int64), max_new_tokens, budget_ms,
@@ -339,11 +380,13 @@ class DecodeLoop:
                 continue
             try:
                 tokens, logits = self._step()
-            except Exception as e:  # a failed step fails the sequences in it; the loop keeps serving
+            except Exception as e:  # a failed step fails the sequences that fail alone; the loop keeps serving
                 err = f"{type(e).__name__}: {str(e).strip()[:300]}"
-                for r in self._rows:
-                    r.stream._finish("error", error=err)
-                self._retire([])
+                bad = self._failing_rows() if len(self._rows) > 1 else {}
+                bad = bad or {i: err for i in range(len(self._rows))}
+                for i, why in bad.items():
+                    self._rows[i].stream._finish("error", error=why)
+                self._retire([i for i in range(len(self._rows)) if i not in bad])
                 continue
             self.stats.steps += 1
             self.stats.max_rows = max(self.stats.max_rows, len(self._rows))
@@ -371,7 +414,12 @@ class DecodeLoop:
 
     def warmup(self, prompt_lens: Sequence[int] = (8, 32), batch_sizes: Sequence[int] = (1, 2, 4, 8),
                past_len: int = 32) -> None:
-        """Time prefill at a few prompt lengths and decode steps at a few batch sizes (first run discarded)."""
+        """Time prefill at a few prompt lengths and decode steps at a few batch sizes (first run discarded);
+        lengths are kept within the model's positions when the config names them."""
+        if self.max_positions:
+            top = int(self.max_positions)
+            prompt_lens = sorted({min(n, top) for n in prompt_lens})
+            past_len = min(past_len, top - 1)
         for n in prompt_lens:
             p = np.ones(n, dtype=np.int64)
             for _ in range(3):

@@ -40,6 +40,11 @@ class InputError(DsedgeError):
     """Inputs passed to ``Session.run``/``submit`` do not match the bundle's IO specs (name, dtype, shape)."""
 
 
+class InferenceError(DsedgeError):
+    """The backend failed to run inputs that passed the bundle's checks (e.g. a token id past an embedding table the
+    manifest gives no range for); the message carries the backend's own first line, the cause is chained."""
+
+
 class BackendUnavailable(DsedgeError):
     """A backend (TensorRT, an ORT provider) is not installed or cannot run here."""
 

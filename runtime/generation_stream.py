@@ -91,9 +91,12 @@ class GenerationStream:
         return self._done.wait(timeout)
 
     def __iter__(self) -> Iterator[int]:
+        """Yields each token once, as it is produced. The stream is consumed once: iterating it again after the
+        end (or from a second consumer) ends at once; ``tokens`` holds them all."""
         while True:
             item = self._q.get()
             if item is _DONE:
+                self._q.put(_DONE)  # whoever reads next ends too, instead of waiting forever
                 return
             yield item
 
@@ -103,5 +106,6 @@ class GenerationStream:
         while True:
             item = await loop.run_in_executor(None, self._q.get)
             if item is _DONE:
+                self._q.put(_DONE)
                 return
             yield item

@@ -86,7 +86,8 @@ MAX_PRIORITY = 2**31 - 1
 
 
 def check_request_options(budget_ms: Any, priority: Any,
-                          default_budget_ms: Callable[[], Any] | float | None = None) -> tuple[float, int]:
+                          default_budget_ms: Callable[[], Any] | float | None = None,
+                          name: str = "budget_ms") -> tuple[float, int]:
     """A request's latency budget and priority as ``(float ms, int)``, checked before anything is queued.
 
     Args:
@@ -94,6 +95,7 @@ def check_request_options(budget_ms: Any, priority: Any,
             ``default_budget_ms`` (a value, or a callable called only then).
         priority: an integer in [-``MAX_PRIORITY``, ``MAX_PRIORITY``] (numpy integers too; bools, floats and
             strings are refused rather than truncated or compared with ints later).
+        name: the budget's name in messages (``"token_budget_ms"`` for generation's per-token budget).
     Raises:
         InputError: a budget that is not a number, NaN, infinite, ≤ 0 or too large; a priority that is not an
             integer or out of range.
@@ -106,7 +108,7 @@ def check_request_options(budget_ms: Any, priority: Any,
                              "pass load(..., budget_ms=50.0) or submit(..., budget_ms=50.0)") from None
         what = "default latency budget"
     else:
-        what = "budget_ms"
+        what = name
     if not is_real(budget_ms):
         raise InputError(f"{what} must be a number of milliseconds, got {type(budget_ms).__name__} {budget_ms!r}",
                          "pass budget_ms=50.0 (ms), or None for the session's default")

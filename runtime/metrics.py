@@ -1,7 +1,7 @@
 """Counters and latency percentiles for a streaming session; optional Prometheus export.
 
 Memory is bounded: counts are integers, latencies live in a ring buffer of the last ``window`` answers (p50/p90/p99
-are over that window). Goodput = answers within budget per second since the first request (DESIGN.md's term).
+are over that window). Goodput = answers within budget per second since the first request.
 """
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ class StreamMetrics:
     a *miss*: answered late (``answered_late``), answered with a backend error, or dropped at its deadline
     (``dropped_at_deadline``, reason "deadline"). ``budget_missed`` counts them all and
     ``budget_miss_rate`` = budget_missed / admitted.
+
+    Units and bases: ``p50_ms``/``p90_ms``/``p99_ms``/``mean_ms`` are submit → answer wall-clock ms over answers
+    without a backend error (None before the first); ``queue_p99_ms`` submit → batch start, ms; ``elapsed_s`` first
+    submit → last answer, s; ``goodput_per_s`` answers within budget and ``throughput_per_s`` all answers (errors
+    included) per ``elapsed_s``; ``rejection_rate`` = all rejections ("deadline" and "shutdown" included) / submitted.
     """
 
     def __init__(self, window: int = 10_000) -> None:
@@ -110,7 +115,8 @@ class StreamMetrics:
         """Expose the snapshot to Prometheus through a custom collector read at scrape time.
 
         Needs ``prometheus-client`` (extra ``serve``). Returns the collector. Raises BackendUnavailable when the
-        package is missing.
+        package is missing, and prometheus-client's ValueError when ``registry`` already holds these names (any
+        registry: the collector describes itself).
         """
         try:
             from prometheus_client import REGISTRY
@@ -123,6 +129,9 @@ class StreamMetrics:
         metrics = self
 
         class _Collector:
+            def describe(self) -> list[Any]:  # lets every registry refuse a second collector with these names
+                return list(self.collect())
+
             def collect(self) -> Iterator[Any]:
                 s = metrics.snapshot()
                 for key in ("submitted", "answered", "errors", "within_budget", "budget_missed", "answered_late",

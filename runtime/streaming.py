@@ -290,7 +290,17 @@ class StreamingCore:
         """``async for`` form of ``stream`` over a sync or async iterable (same window and order)."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
-        win = AnswerWindow(ordered, lambda a: loop.call_soon_threadsafe(out.put_nowait, a))
+        gone = threading.Event()  # the consumer stopped (break, cancel, end): later answers have nowhere to go
+
+        def put(answer: Any) -> None:
+            if gone.is_set() or loop.is_closed():
+                return
+            try:
+                loop.call_soon_threadsafe(out.put_nowait, answer)
+            except RuntimeError:  # the loop closed between the check and the call
+                pass
+
+        win = AnswerWindow(ordered, put)
         slots = asyncio.Semaphore(window or self.default_window())
 
         async def items() -> AsyncIterator[Mapping[str, Any]]:
@@ -311,7 +321,7 @@ class StreamingCore:
             except BaseException as e:
                 error = e
             finally:
-                loop.call_soon_threadsafe(out.put_nowait, _End(n, error))
+                put(_End(n, error))
 
         task = asyncio.ensure_future(feed())
         try:
@@ -322,6 +332,7 @@ class StreamingCore:
                     slots.release()
                     yield got
         finally:
+            gone.set()
             task.cancel()
 
     # -- reporting and shutdown -------------------------------------------------------------------------------
@@ -331,8 +342,18 @@ class StreamingCore:
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop admitting; drain or reject what is queued (``BudgetScheduler.close``). A cascade still being opened
-        is waited for (its lanes run ONNX Runtime on their own threads), at most ``timeout_s`` or 30 s."""
+        is waited for (its lanes run ONNX Runtime on their own threads), at most ``timeout_s`` or 30 s.
+
+        Called on a lane's own thread (from a future's done-callback), which cannot wait for itself: admission stops
+        at once and the rest runs on a helper thread, so every future still resolves just after the callback."""
         self._closed = True
+        if threading.current_thread() in [getattr(lane, "_thread", None) for lane in self.lanes]:
+            threading.Thread(target=self._finish_close, args=(drain, timeout_s), name="dsedge-close",
+                             daemon=True).start()
+            return
+        self._finish_close(drain, timeout_s)
+
+    def _finish_close(self, drain: bool, timeout_s: float | None) -> None:
         if self._cascade_thread is not None:
             self._cascade_thread.join(min(timeout_s or 30.0, 30.0))
         self.scheduler.close(drain=drain, timeout_s=timeout_s)

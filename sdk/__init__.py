@@ -16,6 +16,7 @@ from .runtime.errors import (
     BundleError,
     BundleIntegrityError,
     DsedgeError,
+    InferenceError,
     InputError,
     SessionClosedError,
     SourceError,
@@ -30,6 +31,6 @@ except PackageNotFoundError:  # running from a source tree without install
     __version__ = "0.0.0+src"
 
 __all__ = [
-    "load", "Session", "DsedgeError", "BundleError", "BundleIntegrityError", "InputError", "SourceError",
-    "TargetError", "BackendUnavailable", "SessionClosedError", "Result", "Rejected", "__version__",
+    "load", "Session", "DsedgeError", "BundleError", "BundleIntegrityError", "InputError", "InferenceError",
+    "SourceError", "TargetError", "BackendUnavailable", "SessionClosedError", "Result", "Rejected", "__version__",
 ]

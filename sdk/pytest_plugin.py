@@ -138,10 +138,13 @@ def _batch_sizes(manifest: Any, variant: Any, option: str | None) -> list[int]:
 
 
 def _recorded_seq_len(manifest: Any, variant: Any, batch: int) -> int | None:
-    """The token-axis length the build measured this batch size at (``latency_ms[b]["shape"]``), if any."""
+    """The token-axis length the build measured this batch size at (``latency_ms[b]["shape"]``), if any; None for
+    a figure given as a plain number of ms (the manifest allows both)."""
     from .runtime.bench import is_sequence_dim
 
-    shapes = (variant.latency_ms.get(str(batch)) or {}).get("shape") or {}
+    figure = variant.latency_ms.get(str(batch))
+    shapes = figure.get("shape") if isinstance(figure, dict) else None
+    shapes = shapes if isinstance(shapes, dict) else {}
     for spec in manifest.inputs:
         dims = shapes.get(spec.name)
         if dims and len(dims) == len(spec.shape):

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import os
 import threading
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -12,19 +13,36 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Se
 import numpy as np
 
 from .runtime.backends import Preferences, VariantFiles, open_backend
+from .runtime.batching import BatchLayout
 from .runtime.decode import GenerationStream
 from .runtime.budget import FALLBACK_BUDGET_MS, resolve_budget
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
-from .runtime.errors import SessionClosedError
+from .runtime.errors import DsedgeError, InferenceError, InputError, SessionClosedError
 from .runtime.golden import check_backend
 from .runtime.signing import check_signature
-from .runtime.io import check_request_options, check_session_options, check_stream_inputs, validate_inputs
+from .runtime.io import (check_request_options, check_session_options, check_stream_inputs, is_real,
+                         validate_inputs)
 from .runtime.metrics import StreamMetrics
 from .runtime.results import Rejected, Result
 from .runtime.streaming import StreamingCore
 
 
 log = logging.getLogger("dsedge")
+
+
+def _weak_call(method: Callable[[], float], default: float) -> Callable[[], float]:
+    """``method()`` through a weak reference to its object (``default`` once it is gone), so that a streaming core
+    does not keep its session alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> float:
+        m = ref()
+        return default if m is None else m()
+    return call
+
+
+def _close_in_background(close: Callable[[], None]) -> None:
+    threading.Thread(target=close, name="dsedge-close", daemon=True).start()
 
 
 class Session:
@@ -65,8 +83,11 @@ class Session:
         self._max_batch = max_batch
         self._max_queue = max_queue
         self._metrics = StreamMetrics()
+        self._prometheus: dict[tuple[int, str], Any] = {}  # (id(registry), prefix) -> collector
         self._stream: StreamingCore | None = None
         self._decoder: Any = None
+        self._finalizers: list[weakref.finalize] = []
+        self._threads_pid: int | None = None  # the process the lane / decode threads were started in
         self._start_lock = threading.Lock()
         self._closed = False
 
@@ -90,12 +111,25 @@ class Session:
         Returns:
             numpy arrays keyed by output name.
         Raises:
-            InputError: a missing/unknown name, wrong dtype or shape (checked before the backend runs).
+            InputError: a missing/unknown name, wrong dtype or shape, a value outside an input's ``value_range``
+                (checked before the backend runs).
+            InferenceError: the backend failed on inputs that passed those checks (its message, one line).
             SessionClosedError: after ``close()``.
         """
+        backend = self._backend  # close() drops it: a run racing close() fails closed, not on None
         self._check_open()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
-        return self._backend.run(checked)
+        if backend is None:
+            self._check_open()
+        try:
+            return backend.run(checked)
+        except DsedgeError:
+            raise
+        except Exception as e:  # ORT's InvalidArgument/Fail/RuntimeException: one line, the cause chained
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise InferenceError(f"{self.backend_name} failed to run this batch: {type(e).__name__}: {first}",
+                                 "check the input values (token ids within the vocabulary the model was built "
+                                 "with, lengths within its context)") from e
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary: bundle, target, variant, backend and providers in use."""
@@ -126,19 +160,37 @@ class Session:
         if self._closed:
             raise SessionClosedError("this session is closed", "call dsedge.load() again to open a new session")
 
+    def _close_when_collected(self, close: Callable[[], None]) -> None:
+        """A session dropped without ``close()`` finishes what it queued and stops its worker threads once it is
+        garbage collected (on a helper thread: collection never blocks; at interpreter exit the atexit hook of
+        runtime/streaming.py stops what is left)."""
+        f = weakref.finalize(self, _close_in_background, close)
+        f.atexit = False
+        self._finalizers.append(f)
+
+    def _check_process(self) -> None:
+        if self._threads_pid is not None and self._threads_pid != os.getpid():
+            raise SessionClosedError(f"this session's worker threads run in process {self._threads_pid}; after a "
+                                     f"fork they do not exist in this one ({os.getpid()}), so requests would wait "
+                                     "forever", "call dsedge.load() in each worker process (e.g. a multiprocessing "
+                                     "Pool initializer), or use the 'spawn' start method")
+
     def _core(self) -> StreamingCore:
         self._check_open()
+        self._check_process()
         core = self._stream
         if core is None:
             with self._start_lock:
                 if self._stream is None:
                     if self.is_decoder:
-                        from .runtime.errors import InputError
-
                         raise InputError("this bundle is a decoder with past key/values: submit/stream serve "
                                          "one-shot models", "use session.generate_stream(prompt, max_new_tokens)")
                     self._stream = StreamingCore(self.manifest, self.variant, self._backend.run, self._metrics,
-                                                 default_budget_ms=self.default_budget_ms, **self._stream_opts)
+                                                 default_budget_ms=_weak_call(self.default_budget_ms,
+                                                                              FALLBACK_BUDGET_MS),
+                                                 **self._stream_opts)
+                    self._close_when_collected(self._stream.close)
+                    self._threads_pid = os.getpid()
                 core = self._stream
         return core
 
@@ -146,7 +198,12 @@ class Session:
         """Measure every lane's latency profile now (batch 1 … max batch), blocking; optional.
 
         Serving does not depend on it: without it, lanes start from the bundle's figures and a warm-up run on
-        their own thread. Returns ``{variant: LatencyProfile.to_dict()}`` for every lane (primary, then cascade).
+        their own thread. Returns ``{variant: LatencyProfile.to_dict()}`` for every lane (primary, then cascade):
+        per (batch, sequence bucket) point its ``mean_ms`` and ``tail_ms`` (ms) and sample ``count``.
+
+        Raises:
+            InputError: on a decoder bundle (``generate_stream`` warms its own loop). SessionClosedError after
+                ``close()``.
         """
         return self._core().warmup()
 
@@ -155,19 +212,25 @@ class Session:
         """Queue one request; thread-safe. The future resolves to a ``Result`` or a ``Rejected``, never raises.
 
         Args:
-            inputs: numpy arrays keyed by input name (usually one row on the batch axis).
+            inputs: numpy arrays keyed by input name (usually one row on the batch axis); copied here, so the
+                caller may refill its buffers for the next request at once.
             budget_ms: latency budget, ms (default ``default_budget_ms()``).
             priority: higher wins among equal deadlines.
             id: reported back in the answer (default: a per-session counter).
         Raises:
             InputError: inputs do not match the bundle (checked before queueing).
-            SessionClosedError: the session is closed.
+            SessionClosedError: the session is closed, or its worker threads were started in another process
+                (this one is a fork of it: load the bundle again here).
         """
         core = self._stream or self._core()
         if self._closed:
             self._check_open()
+        self._check_process()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
         budget, priority = check_request_options(budget_ms, priority, self.default_budget_ms)
+        # the request runs later, on another thread: an array the caller still holds (and may refill for the
+        # next request) is copied now; one made here from a list is not
+        checked = {k: v.copy() if v is inputs[k] or v.base is not None else v for k, v in checked.items()}
         try:
             return core.submit(checked, budget, priority, id)
         except RuntimeError:
@@ -180,11 +243,12 @@ class Session:
         Each answer's ``id`` is the item's index. At most ``window`` requests are in flight (default two full
         batches): the iterable is read as answers come back, so a long stream does not flood the queue. A
         separate thread reads ``inputs``, so a slow source does not hold back finished answers.
-        Raises InputError (at the call for ``inputs`` that is not an iterable of requests, else from the item that
-        failed validation) or SessionClosedError.
+        Raises InputError (at the call for ``inputs`` that is not an iterable of requests, a bad ``window``,
+        ``budget_ms`` or ``priority``; else from the item that failed validation) or SessionClosedError.
         """
         check_stream_inputs(inputs)
         check_session_options(self.path, window=window)
+        check_request_options(budget_ms, priority, self.default_budget_ms)
         core = self._core()
         return core.stream(lambda item, i: self.submit(item, budget_ms=budget_ms, priority=priority, id=i), inputs,
                            ordered=ordered, window=window)
@@ -198,9 +262,10 @@ class Session:
                      budget_ms: float | None = None, ordered: bool = False, priority: int = 0,
                      window: int | None = None) -> AsyncIterator[Result | Rejected]:
         """``async for`` form of ``stream`` over a sync or async iterable (same ids, order, window and errors;
-        ``inputs`` and ``window`` are checked at the call)."""
+        ``inputs``, ``window``, ``budget_ms`` and ``priority`` are checked at the call)."""
         check_stream_inputs(inputs, "stream_async", allow_async=True)
         check_session_options(self.path, window=window)
+        check_request_options(budget_ms, priority, self.default_budget_ms)
         return self._stream_async(inputs, budget_ms, ordered, priority, window)
 
     async def _stream_async(self, inputs: Iterable[Mapping[str, Any]] | AsyncIterator[Mapping[str, Any]],
@@ -225,6 +290,9 @@ class Session:
                         sink_tokens: int = 4) -> "GenerationStream":
         """Greedy generation with continuous batching; iterate the result to get token ids as they come.
 
+        The first call starts the decode loop and times prefill and decode steps on the caller's thread
+        (``DecodeLoop.warmup``: a few prompts of up to 32 tokens, steps at batch 1–8), before its own request.
+
         Args:
             prompt: 1-D token ids (int).
             max_new_tokens: tokens to generate at most (fewer when ``eos_token_id`` comes).
@@ -236,12 +304,14 @@ class Session:
             a ``GenerationStream``: ``for token in stream``; ``.rejected`` says why when refused; ``.ttft_ms``,
             ``.token_gaps_ms``, ``.finish_reason`` once done.
         Raises:
-            InputError: not a decoder bundle, or a malformed prompt. SessionClosedError after ``close()``.
+            InputError: not a decoder bundle; a malformed prompt (not 1-D integer ids, an id outside the
+                vocabulary, longer than the model's positions); a budget that is not a finite number in
+                (0, 3 600 000] ms; ``max_new_tokens`` not an integer ≥ 1. SessionClosedError after ``close()``.
         """
         from .runtime.decode import DecodeLoop
-        from .runtime.errors import InputError
 
         self._check_open()
+        self._check_process()
         if not self.is_decoder:
             raise InputError("generate_stream needs a decoder exported with past key/values",
                              "build the bundle from optimum's text-generation-with-past export; use submit() here")
@@ -250,25 +320,32 @@ class Session:
 
             raise BackendUnavailable(f"generation runs on ONNX Runtime; this session uses {self.backend_name}",
                                      "load the bundle with providers=['CPUExecutionProvider'] (or CUDA)")
+        budget, _ = check_request_options(budget_ms, 0, self.default_budget_ms)
+        token_budget = (budget if token_budget_ms is None
+                        else check_request_options(token_budget_ms, 0, name="token_budget_ms")[0])
         with self._start_lock:
             if self._decoder is None:
                 eos = self.manifest.source.get("eos_token_id")
+                ids = next((i for i in self.inputs if i.name == "input_ids"), None)
+                vocab = ids.value_range[1] + 1 if ids is not None and ids.value_range else None
                 self._decoder = DecodeLoop(self._backend, max_batch=self._max_batch or 8,
                                            max_waiting=self._max_queue, eos_token_id=eos,
-                                           model_config=self.manifest.source)
+                                           model_config=self.manifest.source, vocab_size=vocab)
+                self._close_when_collected(self._decoder.close)
+                self._threads_pid = os.getpid()
                 self._decoder.warmup()
-        budget = self.default_budget_ms() if budget_ms is None else float(budget_ms)
         try:
-            return self._decoder.submit(prompt, max_new_tokens, budget,
-                                        budget if token_budget_ms is None else float(token_budget_ms), id=id,
+            return self._decoder.submit(prompt, max_new_tokens, budget, token_budget, id=id,
                                         eos_token_id=eos_token_id, window=window, sink_tokens=sink_tokens)
         except RuntimeError:
             raise SessionClosedError("this session is closed", "call dsedge.load() again") from None
 
     def metrics(self) -> dict[str, Any]:
         """Counts, p50/p90/p99 latency (ms), goodput (answers within budget per s), rejection and budget-miss
-        rates for everything submitted to this session (see ``StreamMetrics.snapshot`` for the keys), plus
-        ``queue_depth`` and ``batches`` per lane, and ``decode`` (steps, prefills, rows per step) for generation."""
+        rates for everything sent through ``submit``/``stream``/``infer_async``/``stream_async`` (not ``run``; see
+        ``StreamMetrics`` for the keys and units), plus ``lanes`` (queue depth, batches per variant) and, once
+        ``generate_stream`` was used, ``decode`` (steps, prefills, rows per step; generation requests are not in the
+        request counts)."""
         snap = self._metrics.snapshot()
         if self._stream is not None:
             snap["lanes"] = self._stream.lane_stats()
@@ -279,23 +356,53 @@ class Session:
                               "mean_rows": round(float(np.mean(st.rows_per_step)), 3) if st.rows_per_step else None}
         return snap
 
-    def export_prometheus(self, registry: Any = None) -> Any:
-        """Register this session's metrics with a prometheus-client registry (default: the global one).
+    def export_prometheus(self, registry: Any = None, prefix: str = "dsedge") -> Any:
+        """Register this session's metrics with a prometheus-client registry (default: the global one), as
+        ``{prefix}_requests_*`` counters and ``{prefix}_latency_ms`` / ``{prefix}_goodput_per_second`` /
+        ``{prefix}_in_flight`` gauges read at scrape time. Returns the collector; calling again with the same
+        registry and prefix returns the same one.
 
-        Raises BackendUnavailable without prometheus-client (``pip install 'dsedge[serve]'``).
+        Raises:
+            BackendUnavailable: without prometheus-client (``pip install 'dsedge[serve]'``).
+            InputError: another collector (e.g. a second session) already registered these names there.
         """
-        return self._metrics.register_prometheus(registry)
+        key = (id(registry), prefix)
+        exported = self._prometheus
+        if key in exported:
+            return exported[key]
+        try:
+            exported[key] = self._metrics.register_prometheus(registry, prefix=prefix)
+        except ValueError as e:  # prometheus_client's DuplicateTimeseries
+            raise InputError(f"metrics named {prefix}_* are already registered in that Prometheus registry "
+                             f"({str(e).splitlines()[0][:80]}…)",
+                             "give each session its own prefix (export_prometheus(prefix='dsedge_minilm')) "
+                             "or registry") from None
+        return exported[key]
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop accepting requests; finish (``drain=True``) or reject with "shutdown" what is queued.
 
-        After ``timeout_s`` seconds of draining, whatever is still queued is rejected with "shutdown". Every
-        submitted future is resolved when this returns. Further ``submit`` calls raise SessionClosedError;
-        ``run`` is no longer available either.
+        After ``timeout_s`` seconds of draining, whatever is still queued is rejected with "shutdown" (a batch
+        already running finishes first). Every submitted future is resolved when this returns; called from a
+        future's done-callback (the session's own worker thread), the close finishes on a helper thread right
+        after the callback. Further ``submit`` calls raise SessionClosedError; ``run`` is no longer available
+        either. Closing again does nothing.
+
+        Raises:
+            InputError: ``drain`` not a bool, ``timeout_s`` not None or a finite number ≥ 0 (checked before anything
+                is closed).
         """
+        if not isinstance(drain, (bool, np.bool_)):
+            raise InputError(f"drain must be True or False, got {type(drain).__name__} {drain!r}",
+                             "close(drain=True) answers what is queued; drain=False rejects it")
+        if timeout_s is not None and not (is_real(timeout_s) and 0 <= float(timeout_s) < float("inf")):
+            raise InputError(f"timeout_s must be None or a finite number of seconds >= 0, got {timeout_s!r}",
+                             "pass close(timeout_s=5.0), or None to wait for the queue to drain")
         if self._closed:
             return
         self._closed = True
+        for f in self._finalizers:
+            f.detach()
         with self._start_lock:
             if self._stream is not None:
                 self._stream.close(drain=drain, timeout_s=timeout_s)
@@ -347,15 +454,27 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         BackendUnavailable: a requested provider is not installed.
         SignatureError: trusted keys are configured and the bundle is unsigned, wrongly signed or was edited.
         OutputMismatchError: ``check_outputs`` and the backend's golden answers are outside tolerance.
-        InputError: a bad option (``profile`` not auto/measure/bundle, a non-positive ``max_batch`` …).
+        InputError: a bad option (``profile`` not auto/measure/bundle, a non-positive ``max_batch`` or one above
+            the bundle's batch range max, a ``variant`` that is not a str, a flag that is not a bool …).
     """
     check_session_options(path, budget_ms=budget_ms, max_batch=max_batch, max_queue=max_queue,
                           max_delay_ms=max_delay_ms, profile=profile, threads=threads)
     if isinstance(providers, str):
         providers = [providers]
+    if variant is not None and not isinstance(variant, str):
+        raise InputError(f"variant must be a variant name (str) or None, got {type(variant).__name__} {variant!r}",
+                         "pass variant='int8' (`dsedge inspect BUNDLE` lists them), or None for the default")
+    for name, flag in (("cascade", cascade), ("batch_variant_ok", batch_variant_ok), ("check_outputs", check_outputs)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise InputError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}", f"pass {name}=True")
     check_signature(path, trusted_keys)
     manifest = verify_bundle(path)
     v = manifest.variant(variant)
+    batch_symbol = BatchLayout.of(manifest.inputs, manifest.outputs).batch_symbol
+    top = manifest.shape_ranges.get(batch_symbol or "", {}).get("max")
+    if max_batch is not None and top is not None and int(max_batch) > int(top):
+        raise InputError(f"max_batch={max_batch} is above the bundle's batch range max {top}",
+                         f"pass max_batch={top} or less: batches stay within the shapes the bundle was built for")
 
     def open_variant(name: str) -> Any:  # the target's backend (TensorRT when here), else ONNX Runtime
         return open_backend(VariantFiles(Path(path), manifest, manifest.variant(name)), Preferences(providers, threads))
