@@ -42,6 +42,7 @@ the caller blocked on its previous answer (``submit(x).result()`` in a loop): no
 than such a model's run on a busy machine (the fraud-scorer case); the returned future is then already done.
 Requests from open-loop callers, or arriving while the lane is busy, queue and batch as above.
 Every request resolves its future exactly once: a ``Result`` (maybe carrying a backend error) or a ``Rejected``.
+A batch the backend fails on is run again request by request, so one bad request fails alone.
 """
 from __future__ import annotations
 
@@ -543,6 +544,10 @@ class Lane:
             parts = self.layout.split(outputs, [r.feed for r in batch])
             error = None
         except Exception as e:  # a backend failure fails this batch only; the lane keeps serving
+            if len(batch) > 1:  # one bad request must not fail its batch-mates: each runs alone once more
+                for r in batch:
+                    self._execute([r])
+                return
             parts, seq = [{} for _ in batch], None
             error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         t1 = _clock()

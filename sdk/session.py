@@ -218,7 +218,8 @@ class Session:
             priority: higher wins among equal deadlines.
             id: reported back in the answer (default: a per-session counter).
         Raises:
-            InputError: inputs do not match the bundle (checked before queueing).
+            InputError: inputs do not match the bundle, or hold more rows than ``max_batch`` (checked before
+                queueing).
             SessionClosedError: the session is closed, or its worker threads were started in another process
                 (this one is a fork of it: load the bundle again here).
         """
@@ -228,6 +229,10 @@ class Session:
         self._check_process()
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
         budget, priority = check_request_options(budget_ms, priority, self.default_budget_ms)
+        rows, most = core.layout.rows(checked), core.scheduler.lanes[0].max_batch
+        if rows > most:  # as Triton refuses a request above max_batch_size: batches never exceed it
+            raise InputError(f"the request has {rows} rows; this session batches at most {most}",
+                             "split it, or load(max_batch=…) up to the bundle's batch range")
         # the request runs later, on another thread: an array the caller still holds (and may refill for the
         # next request) is copied now; one made here from a list is not
         checked = {k: v.copy() if v is inputs[k] or v.base is not None else v for k, v in checked.items()}

@@ -305,3 +305,30 @@ def test_a_forked_child_is_told_to_load_again_instead_of_waiting_forever(text):
         p.join(30)
         assert got.startswith("closed: this session's worker threads run in process"), got  # was TimeoutError()
         assert s.submit(row).result(30).ok  # the parent's session is untouched
+
+
+def test_one_bad_request_fails_alone_not_its_batch_mates(text):
+    """The backend fails on a batch (a token id past the embedding table: this bundle declares no value range, so
+    only ORT sees it); the lane runs the batch again request by request, so only the bad request fails."""
+    rng = np.random.default_rng(0)
+    with dsedge.load(text, budget_ms=2000) as s:
+        s.warmup()
+        good = [{"input_ids": rng.integers(1, 100, (1, 8)), "attention_mask": np.ones((1, 8), np.int64)}
+                for _ in range(12)]
+        bad = {"input_ids": np.full((1, 8), 10**6, np.int64), "attention_mask": np.ones((1, 8), np.int64)}
+        long = {"input_ids": rng.integers(1, 100, (8, 128)), "attention_mask": np.ones((8, 128), np.int64)}
+        first = s.submit(long)  # keeps the worker busy while the next 13 queue, so they share a batch
+        futs = [s.submit(x) for x in good[:6]] + [s.submit(bad)] + [s.submit(x) for x in good[6:]]
+        answers = [f.result(30) for f in futs]
+        assert first.result(30).ok
+    assert [a.ok for a in answers] == [True] * 6 + [False] + [True] * 6
+    assert answers[6].error and "Gather" in answers[6].error
+
+
+def test_a_request_above_max_batch_is_refused_at_the_call(tmp_path):
+    bundle = text_bundle(tmp_path, max_batch=8)
+    with dsedge.load(bundle, max_batch=4) as s:
+        feed = {"input_ids": np.ones((8, 6), np.int64), "attention_mask": np.ones((8, 6), np.int64)}
+        with pytest.raises(dsedge.InputError, match="8 rows; this session batches at most 4"):
+            s.submit(feed)
+        assert s.submit({k: v[:4] for k, v in feed.items()}).result(30).batch_size <= 4
