@@ -180,7 +180,7 @@ def compress_fp32(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
     from ..quantize.int8 import fuse_transformer
 
     fused, stats = fuse_transformer(onnx.load(os.fspath(fusable)))
-    path = work / "models" / "fp32.onnx"
+    path = work / "models" / "fp32-fused.onnx"  # a fine-tuned student's export is models/fp32.onnx: kept as it is
     _save(fused, path)
     return Compressed(path, "fp32", {"form": "fp32 with ONNX Runtime's transformer fusions",
                                      "fusion_export": "torchscript (parity-checked)", "fused_ops": stats,
