@@ -1,0 +1,113 @@
+"""Realistic mistakes of a new user of the host-side commands (quantize, prune, build sources, calibration files,
+train launches, bench inputs): each is a one-line error with a hint and exit code 2, found before any work is done,
+and never names a temporary path."""
+from __future__ import annotations
+
+import shutil
+import uuid
+
+import numpy as np
+import pytest
+
+from cli_helpers import run_main
+from tiny_models import mlp_onnx
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    return mlp_onnx(tmp_path_factory.mktemp("mlp") / "mlp.onnx")
+
+
+def _one_line_error(code, err, *words):
+    assert code == 2, err
+    assert "Traceback" not in err and err.startswith("error: "), err
+    assert ".tmp-" not in err, err
+    for w in words:
+        assert w in err, err
+
+
+@pytest.mark.parametrize("command", [["quantize", "--algorithm", "rtn"], ["prune"]])
+def test_an_output_path_that_is_a_directory_is_refused_before_the_work(mlp, tmp_path, capsys, command):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    code, _, err = run_main([command[0], mlp, "-o", out_dir, *command[1:]], capsys)
+    _one_line_error(code, err, "-o/--output", "is a directory")
+    assert list(out_dir.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_an_output_path_under_a_file_and_a_report_path_that_is_a_directory_are_refused(mlp, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    code, _, err = run_main(["prune", mlp, "-o", tmp_path / "afile" / "p.onnx"], capsys)
+    _one_line_error(code, err, "is a file, not a directory")
+    code, _, err = run_main(["quantize", mlp, "-o", tmp_path / "q.onnx", "--algorithm", "rtn", "--report", tmp_path],
+                            capsys)
+    _one_line_error(code, err, "--report", "report.json")
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_a_failed_rename_names_the_users_destination_not_the_temporary_file(tmp_path):
+    from dsedge.runtime.files import atomic_path
+    from dsedge.runtime.storage import storage_error
+
+    dest = tmp_path / "taken"
+    (dest / "inside").mkdir(parents=True)
+    with pytest.raises(OSError) as e:
+        with atomic_path(dest) as tmp:
+            tmp.write_bytes(b"x")
+    err = storage_error(e.value, "writing")
+    assert err is not None and str(dest) in str(err) and ".tmp-" not in str(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+@pytest.fixture(scope="module")
+def small_vocab_hf_dir(tmp_path_factory):
+    """A real 1-layer BERT (vocab 1200) saved with safetensors, and no tokenizer."""
+    torch = pytest.importorskip("torch")
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("hf") / "no-tokenizer"
+    BertModel(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                         vocab_size=1200)).save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def test_a_hf_directory_without_a_tokenizer_is_a_source_error(small_vocab_hf_dir, tmp_path, capsys):
+    code, _, err = run_main(["build", "--model", small_vocab_hf_dir, "--target", "cpu", "--out", tmp_path], capsys)
+    _one_line_error(code, err, "has no tokenizer", "save_pretrained")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tokenizer_larger_than_the_embedding_table_is_a_source_error(small_vocab_hf_dir, tmp_path):
+    from dsedge.runtime.errors import SourceError
+    from dsedge.toolchain import reference
+    from dsedge.toolchain.sources import resolve_source
+
+    d = tmp_path / "mismatch"
+    shutil.copytree(small_vocab_hf_dir, d)
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(reference.verified_model_dir() / f, d / f)
+    with pytest.raises(SourceError, match=r"30522 tokens but the model's vocab_size is 1200"):
+        resolve_source(str(d))
+
+
+@pytest.fixture
+def factory_module(tmp_path, monkeypatch):
+    """A real importable module of model factories; returns its (unique) name."""
+    name = f"factories_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "import torch\n"
+        "def not_a_module():\n    return 'hello', (torch.zeros(2, 3),)\n"
+        "def wrong_inputs():\n    return torch.nn.Linear(16, 4), (torch.zeros(2, 7),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+@pytest.mark.parametrize("fn, words", [("not_a_module", ["returned a str", "torch.nn.Module"]),
+                                       ("wrong_inputs", ["fails on its own example inputs", "input_0 [2, 7]",
+                                                         "mat1 and mat2"])])
+def test_a_factory_that_returns_no_module_or_inputs_it_rejects_is_a_source_error(factory_module, tmp_path, capsys,
+                                                                                  fn, words):
+    code, _, err = run_main(["build", "--model", f"{factory_module}:{fn}", "--target", "cpu", "--out", tmp_path],
+                            capsys)
+    _one_line_error(code, err, *words)
