@@ -111,3 +111,59 @@ def test_a_factory_that_returns_no_module_or_inputs_it_rejects_is_a_source_error
     code, _, err = run_main(["build", "--model", f"{factory_module}:{fn}", "--target", "cpu", "--out", tmp_path],
                             capsys)
     _one_line_error(code, err, *words)
+
+
+def _bad_npz_dirs(root, good):
+    """Directories of one bad .npz each: garbage, a .npy under a .npz name, a file cut short, object arrays."""
+    import io
+
+    made = {}
+    for kind in ("garbage", "npy", "truncated", "objects"):
+        d = root / kind
+        d.mkdir()
+        f = d / "a.npz"
+        if kind == "garbage":
+            f.write_bytes(b"not numpy at all\n")
+        elif kind == "npy":
+            buf = io.BytesIO()
+            np.save(buf, good)
+            f.write_bytes(buf.getvalue())
+        elif kind == "truncated":
+            buf = io.BytesIO()
+            np.savez(buf, x=good)
+            f.write_bytes(buf.getvalue()[:200])
+        else:
+            np.savez(f, x=np.array([{"a": 1}], dtype=object))
+        made[kind] = d
+    return made
+
+
+_NPZ_REASONS = {"garbage": "not a zip archive", "npy": "is a .npy file", "truncated": "damaged or cut short",
+                "objects": "object arrays"}
+
+
+def test_a_bad_npz_file_says_why_in_every_reader(mlp, tmp_path, capsys):
+    from dsedge.runtime.bundle import IOSpec
+    from dsedge.runtime.errors import CalibrationError, InputError
+    from dsedge.runtime.bench_load import read_inputs_dir
+    from dsedge.toolchain.npz_inputs import read_npz_dir
+    from dsedge.toolchain.quantize.calibration import read_batches
+
+    good = np.zeros((4, 64), np.float32)
+    specs = [IOSpec("x", "float32", ("batch", 64))]
+    for kind, d in _bad_npz_dirs(tmp_path, good).items():
+        reason = _NPZ_REASONS[kind]
+        for read, error in ((lambda p: read_npz_dir(p, specs, "held-out"), CalibrationError),
+                            (read_batches, CalibrationError), (lambda p: read_inputs_dir(p, specs), InputError)):
+            with pytest.raises(error, match=reason) as e:
+                read(d)
+            assert "pickled (object) data" not in str(e.value) and str(d / "a.npz") in str(e.value)
+    code, _, err = run_main(["quantize", mlp, "-o", tmp_path / "q.onnx", "--calib", tmp_path / "truncated"], capsys)
+    _one_line_error(code, err, "cut short")
+
+
+def test_quantize_calibration_of_the_wrong_static_shape_names_the_axis(mlp, tmp_path, capsys):
+    np.savez(tmp_path / "a.npz", x=np.zeros((8, 63), np.float32))
+    code, _, err = run_main(["quantize", mlp, "-o", tmp_path / "q.onnx", "--calib", tmp_path], capsys)
+    _one_line_error(code, err, "input 'x' axis 1 is 63, the model expects 64")
+    assert not (tmp_path / "q.onnx").exists()
