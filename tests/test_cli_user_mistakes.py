@@ -167,3 +167,36 @@ def test_quantize_calibration_of_the_wrong_static_shape_names_the_axis(mlp, tmp_
     code, _, err = run_main(["quantize", mlp, "-o", tmp_path / "q.onnx", "--calib", tmp_path], capsys)
     _one_line_error(code, err, "input 'x' axis 1 is 63, the model expects 64")
     assert not (tmp_path / "q.onnx").exists()
+
+
+def _train_toml(tmp_path, name="c", **over):
+    from dsedge.toolchain.train.config import dump_toml
+    from train_models import config
+
+    path = tmp_path / f"{name}.toml"
+    path.write_text(dump_toml(config(tmp_path / name, **over)))
+    return path
+
+
+def test_training_a_finished_run_again_says_there_is_nothing_to_train(tmp_path, capsys):
+    path = _train_toml(tmp_path, steps=2, checkpoint={"every": 2})
+    code, out, _ = run_main(["train", path], capsys)
+    assert code == 0 and "trained 2 steps, loss " in out and "nan" not in out
+    code, out, err = run_main(["train", path], capsys)
+    assert code == 0 and "resumed from checkpoint step_2" in err
+    assert "nothing to train" in out and "already at step 2" in out and "nan" not in out
+
+
+@pytest.mark.parametrize("verb, args, over, words", [
+    ("train", [], {"distill": {"teacher": "runs/t"}}, ["has a [distill] section", "dsedge distill"]),
+    ("train", ["--nproc-per-node", "0"], {}, ["0 is not in the range x>=1"]),
+    ("train", ["--max-restarts", "1"], {}, ["--max-restarts needs --nproc-per-node"]),
+    ("train", ["--nproc-per-node", "2"], {"data": {"factory": "train_models:make_dataz"}}, ["no callable 'make_dataz'"]),
+    ("distill", ["--nproc-per-node", "2"], {"distill": {"teacher": "no-such-run"}}, ["not a finished dsedge run"]),
+])
+def test_train_launch_mistakes_are_one_line_before_any_process_starts(tmp_path, capsys, verb, args, over, words):
+    code, _, err = run_main([verb, _train_toml(tmp_path, **over), *args], capsys)
+    assert code == 2 and "Traceback" not in err and "ChildFailedError" not in err, err
+    for w in words:
+        assert w in err, err
+    assert not (tmp_path / "c").exists()
