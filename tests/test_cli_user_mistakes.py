@@ -200,3 +200,24 @@ def test_train_launch_mistakes_are_one_line_before_any_process_starts(tmp_path, 
     for w in words:
         assert w in err, err
     assert not (tmp_path / "c").exists()
+
+
+def test_a_factory_with_tuple_inputs_exports_with_dynamo_not_the_torchscript_fallback(tmp_path, monkeypatch):
+    """Tuple example inputs are named input_0, …; nn.Sequential's forward() calls its argument ``input``."""
+    import onnxruntime as ort
+
+    from dsedge.toolchain.export import export_onnx
+    from dsedge.toolchain.sources import resolve_source
+
+    name = f"seq_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "import torch\n"
+        "def make():\n    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)), "
+        "(torch.randn(3, 16),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    exported = export_onnx(resolve_source(f"{name}:make"), tmp_path / "m.onnx")
+    assert exported.exporter == "dynamo" and exported.parity_max_abs_diff < 1e-5
+    assert exported.inputs[0].shape[0] == "batch"
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert sess.run(None, {"input_0": np.ones((5, 16), np.float32)})[0].shape == (5, 4)
