@@ -221,3 +221,12 @@ def test_a_factory_with_tuple_inputs_exports_with_dynamo_not_the_torchscript_fal
     assert exported.inputs[0].shape[0] == "batch"
     sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     assert sess.run(None, {"input_0": np.ones((5, 16), np.float32)})[0].shape == (5, 4)
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["verify"], ["bench", "--iterations", "2"]])
+def test_the_build_out_folder_instead_of_its_bundle_names_the_bundle(tmp_path, capsys, command):
+    from tiny_models import tiny_bundle
+
+    bundle = tiny_bundle(tmp_path / "out" / "mlp-cpu.dse", tmp_path)
+    code, _, err = run_main([command[0], tmp_path / "out", *command[1:]], capsys)
+    _one_line_error(code, err, "is a folder of bundles (mlp-cpu.dse), not a bundle", repr(str(bundle)))
