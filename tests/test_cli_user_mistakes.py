@@ -230,3 +230,15 @@ def test_the_build_out_folder_instead_of_its_bundle_names_the_bundle(tmp_path, c
     bundle = tiny_bundle(tmp_path / "out" / "mlp-cpu.dse", tmp_path)
     code, _, err = run_main([command[0], tmp_path / "out", *command[1:]], capsys)
     _one_line_error(code, err, "is a folder of bundles (mlp-cpu.dse), not a bundle", repr(str(bundle)))
+
+
+def test_the_config_in_docs_train_md_is_a_valid_config(tmp_path):
+    from pathlib import Path
+
+    from dsedge.toolchain.train.config import load_config
+
+    doc = (Path(__file__).parents[1] / "docs" / "train.md").read_text()
+    block = doc.split("### The config", 1)[1].split("```toml", 1)[1].split("```", 1)[0]
+    (tmp_path / "c.toml").write_text(block)
+    cfg = load_config(tmp_path / "c.toml", distill=True)
+    assert cfg.steps == 1000 and cfg.model.input_names == ["features"] and cfg.distill.alpha == 0.7

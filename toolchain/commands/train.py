@@ -1,4 +1,4 @@
-"""``dsedge train CONFIG``: train a model from a TOML/YAML config (see TRAIN_CONFIG.md); torchrun-ready."""
+"""``dsedge train CONFIG``: train a model from a TOML/YAML config (see docs/train.md); torchrun-ready."""
 from __future__ import annotations
 
 import os

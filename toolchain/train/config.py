@@ -1,6 +1,6 @@
 """The training config (TOML or YAML): one file drives `dsedge train` and `dsedge distill`.
 
-The contract is TRAIN_CONFIG.md (shared with the samples). Every section is a dataclass below; unknown keys, wrong
+The contract is docs/train.md ("The config"; the samples follow it). Every section is a dataclass below; unknown keys, wrong
 types and impossible settings raise :class:`~dsedge.runtime.errors.ConfigError` with the file, section and key in one
 line and a hint (the closest known key, or what would work). Keys beyond the contract are optional and default to
 the documented behaviour: ``device``; ``[data] num_workers, shuffle, max_tokens, max_batch_size, memory_limit_mb,
@@ -201,7 +201,7 @@ def _type_name(tp: Any) -> str:
 def _build(cls: type, data: Any, where: str, source: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {where or 'the file'} must be a table, got {type(data).__name__}",
-                          "see TRAIN_CONFIG.md for the layout")
+                          "see docs/train.md (The config) for the layout")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     kwargs = {}
