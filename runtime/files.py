@@ -57,12 +57,13 @@ def check_output_file(dest: str | os.PathLike, option: str = "-o/--output", exam
 
     dest = Path(dest)
     if dest.is_dir():
-        raise StorageError(f"{option} {str(dest)!r} is a directory, where the output file goes",
+        raise StorageError(f"{option} {str(dest)!r}: the path is a directory, where a file was expected",
                            f"give a file path, e.g. {str(dest / example)!r}")
     for parent in dest.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise StorageError(f"{option} {str(dest)!r}: {str(parent)!r} is a file, not a directory",
+                raise StorageError(f"{option} {str(dest)!r}: a file is in the way ({str(parent)!r} is a file, "
+                                   "not a directory)",
                                    "choose a path whose parents are directories")
             break
     return dest

@@ -31,14 +31,14 @@ def test_an_output_path_that_is_a_directory_is_refused_before_the_work(mlp, tmp_
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     code, _, err = run_main([command[0], mlp, "-o", out_dir, *command[1:]], capsys)
-    _one_line_error(code, err, "-o/--output", "is a directory")
+    _one_line_error(code, err, "-o/--output", "the path is a directory")
     assert list(out_dir.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_an_output_path_under_a_file_and_a_report_path_that_is_a_directory_are_refused(mlp, tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     code, _, err = run_main(["prune", mlp, "-o", tmp_path / "afile" / "p.onnx"], capsys)
-    _one_line_error(code, err, "is a file, not a directory")
+    _one_line_error(code, err, "a file is in the way", "is a file, not a directory")
     code, _, err = run_main(["quantize", mlp, "-o", tmp_path / "q.onnx", "--algorithm", "rtn", "--report", tmp_path],
                             capsys)
     _one_line_error(code, err, "--report", "report.json")
@@ -242,3 +242,25 @@ def test_the_config_in_docs_train_md_is_a_valid_config(tmp_path):
     (tmp_path / "c.toml").write_text(block)
     cfg = load_config(tmp_path / "c.toml", distill=True)
     assert cfg.steps == 1000 and cfg.model.input_names == ["features"] and cfg.distill.alpha == 0.7
+
+
+@pytest.mark.parametrize("args", [["--precision", "fp16"], ["--precision", "int8", "--int8-mode", "dynamic"]])
+def test_quantize_checks_the_accuracy_gate_for_precisions_without_a_gated_search(mlp, tmp_path, capsys, args):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "held.npz", x=rng.standard_normal((16, 64)).astype(np.float32))
+    out = tmp_path / "q.onnx"
+    code, _, err = run_main(["quantize", mlp, "-o", out, *args, "--accuracy-gate", "cosine:0.99"], capsys)
+    _one_line_error(code, err, "--accuracy-gate needs --heldout")
+    code, _, err = run_main(["quantize", mlp, "-o", out, *args, "--accuracy-gate", "cosin:0.99",
+                             "--heldout", tmp_path / "held.npz"], capsys)
+    _one_line_error(code, err, "'cosin:0.99' is not METRIC:THRESHOLD")
+    code, _, err = run_main(["quantize", mlp, "-o", out, *args, "--accuracy-gate", "cosine-min:0.99999999",
+                             "--heldout", tmp_path / "held.npz"], capsys)
+    assert code == 2 and "accuracy gate cosine-min:0.99999999 not met" in err and "cosine-min = 0.9" in err, err
+    assert not out.exists()
+    code, stdout, _ = run_main(["quantize", mlp, "-o", out, *args, "--accuracy-gate", "cosine:0.9",
+                                "--heldout", tmp_path / "held.npz", "--json"], capsys)
+    import json
+
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert code == 0 and out.is_file() and report["gate"] == "cosine:0.9" and report["gate_values"]["cosine"] > 0.9
