@@ -264,3 +264,14 @@ def test_quantize_checks_the_accuracy_gate_for_precisions_without_a_gated_search
 
     report = json.loads(stdout.strip().splitlines()[-1])
     assert code == 0 and out.is_file() and report["gate"] == "cosine:0.9" and report["gate_values"]["cosine"] > 0.9
+
+
+def test_a_broken_user_profile_overriding_a_target_says_why_not_unknown_target(tmp_path, monkeypatch, capsys):
+    from dsedge.targets import PROFILE_DIR
+
+    text = (PROFILE_DIR / "cpu.toml").read_text()
+    (tmp_path / "cpu.toml").write_text(text.replace("default_budget_ms = 50.0", 'default_budget_ms = "fast"'))
+    monkeypatch.setenv("DSEDGE_TARGETS_DIR", str(tmp_path))
+    code, _, err = run_main(["targets", "cpu"], capsys)
+    assert code == 2 and "Traceback" not in err and "unknown target" not in err, err
+    assert "error: target profile cpu.toml field default_budget_ms: 'fast' is not of type 'number'" in err, err
