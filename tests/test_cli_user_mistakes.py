@@ -275,3 +275,20 @@ def test_a_broken_user_profile_overriding_a_target_says_why_not_unknown_target(t
     code, _, err = run_main(["targets", "cpu"], capsys)
     assert code == 2 and "Traceback" not in err and "unknown target" not in err, err
     assert "error: target profile cpu.toml field default_budget_ms: 'fast' is not of type 'number'" in err, err
+
+
+def test_an_onnx_model_with_a_static_batch_of_one_builds(mlp, tmp_path, capsys):
+    import onnx
+
+    import dsedge
+
+    m = onnx.load(str(mlp))
+    for v in (m.graph.input[0], m.graph.output[0]):
+        v.type.tensor_type.shape.dim[0].dim_value = 1
+    onnx.save(m, str(tmp_path / "static.onnx"))
+    code, _, err = run_main(["build", "--model", tmp_path / "static.onnx", "--target", "cpu", "--precision", "fp32",
+                             "--out", tmp_path / "out", "-q"], capsys)
+    assert code == 0, err
+    s = dsedge.load(tmp_path / "out" / "static-cpu.dse")
+    assert s.run({"x": np.ones((1, 64), np.float32)})["logits"].shape == (1, 4)
+    s.close()

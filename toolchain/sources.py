@@ -120,7 +120,8 @@ def _onnx_file(path: Path) -> Source:
     from ..runtime.bench import synthetic_inputs
 
     inputs, _ = io_specs(model)
-    example = synthetic_inputs(inputs, batch=2, seq_len=16)
+    static = {int(s.shape[0]) for s in inputs if s.shape and not isinstance(s.shape[0], str)}
+    example = synthetic_inputs(inputs, batch=static.pop() if len(static) == 1 else 2, seq_len=16)  # a static batch axis: its size
     dyn = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in inputs}
     name = path.stem.lower().replace("_", "-")
     return Source(kind="onnx", name=name, example_inputs=example, dynamic_axes=dyn, onnx_path=path,
