@@ -178,13 +178,28 @@ def _train_toml(tmp_path, name="c", **over):
     return path
 
 
-def test_training_a_finished_run_again_says_there_is_nothing_to_train(tmp_path, capsys):
-    path = _train_toml(tmp_path, steps=2, checkpoint={"every": 2})
-    code, out, _ = run_main(["train", path], capsys)
-    assert code == 0 and "trained 2 steps, loss " in out and "nan" not in out
-    code, out, err = run_main(["train", path], capsys)
+@pytest.fixture(scope="module")
+def teacher_run(tmp_path_factory):
+    """A finished 2-step run of train_models:make_tiny (3 classes) and its config file."""
+    from dsedge.toolchain.train import train
+    from dsedge.toolchain.train.config import load_config
+
+    path = _train_toml(tmp_path_factory.mktemp("teacher"), steps=2, checkpoint={"every": 2})
+    train.run(load_config(path))
+    return path
+
+
+def test_training_a_finished_run_again_says_there_is_nothing_to_train(teacher_run, capsys):
+    code, out, err = run_main(["train", teacher_run], capsys)
     assert code == 0 and "resumed from checkpoint step_2" in err
     assert "nothing to train" in out and "already at step 2" in out and "nan" not in out
+
+
+def test_a_student_whose_outputs_differ_from_the_teachers_is_a_config_error(teacher_run, tmp_path, capsys):
+    path = _train_toml(tmp_path, name="student", steps=2, model={"kwargs": {"classes": 5}},
+                       distill={"teacher": str(teacher_run.parent / "c")})
+    code, _, err = run_main(["distill", path], capsys)
+    _one_line_error(code, err, "the student's output [8, 5] and the teacher's [8, 3]", "[model] kwargs")
 
 
 @pytest.mark.parametrize("verb, args, over, words", [
