@@ -307,3 +307,12 @@ def test_an_onnx_model_with_a_static_batch_of_one_builds(mlp, tmp_path, capsys):
     s = dsedge.load(tmp_path / "out" / "static-cpu.dse")
     assert s.run({"x": np.ones((1, 64), np.float32)})["logits"].shape == (1, 4)
     s.close()
+
+
+def test_quantize_in_place_reports_the_size_against_the_original_source(mlp, tmp_path, capsys):
+    model = tmp_path / "m.onnx"
+    shutil.copy(mlp, model)
+    before = model.stat().st_size
+    code, out, _ = run_main(["quantize", model, "-o", model, "--algorithm", "rtn"], capsys)
+    ratio = model.stat().st_size / before
+    assert code == 0 and f"{ratio:.1%} of the source" in out and ratio < 0.5, out

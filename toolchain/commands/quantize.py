@@ -85,6 +85,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
         if heldout is None:
             raise SourceError("--accuracy-gate needs --heldout data", "pass --heldout DIR_OR_NPZ")
     m = _load(model)
+    source_size = model.stat().st_size  # before writing: -o may be MODEL itself
     # INT4 and INT8 static search for the layers to keep higher; every other precision is checked once, after
     searched = chosen.accuracy_gate and (chosen.precision == "int4" or chosen.algorithm == "static")
     say = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
@@ -93,7 +94,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
     checked = _check_gate(m, out.model, chosen, heldout) if chosen.accuracy_gate and not searched else {}
     save_model_atomic(out.model, output)
     report = {"source": str(model), "output": str(output), "precision": chosen.precision,
-              "size_bytes": output.stat().st_size, "source_size_bytes": model.stat().st_size, **out.details,
+              "size_bytes": output.stat().st_size, "source_size_bytes": source_size, **out.details,
               **checked}
     if report_path:
         write_text_atomic(report_path, json.dumps(report, indent=2, default=float) + "\n")
