@@ -316,3 +316,11 @@ def test_quantize_in_place_reports_the_size_against_the_original_source(mlp, tmp
     code, out, _ = run_main(["quantize", model, "-o", model, "--algorithm", "rtn"], capsys)
     ratio = model.stat().st_size / before
     assert code == 0 and f"{ratio:.1%} of the source" in out and ratio < 0.5, out
+
+
+def test_bench_seq_len_on_a_bundle_without_a_token_axis_is_a_usage_error(tmp_path, capsys):
+    from tiny_models import tiny_bundle
+
+    bundle = tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path)
+    code, _, err = run_main(["bench", bundle, "--iterations", 2, "--seq-len", 128], capsys)
+    assert code == 2 and "--seq-len 128: the bundle's inputs have no variable axis" in err and "x ['batch', 64]" in err
