@@ -324,3 +324,11 @@ def test_bench_seq_len_on_a_bundle_without_a_token_axis_is_a_usage_error(tmp_pat
     bundle = tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path)
     code, _, err = run_main(["bench", bundle, "--iterations", 2, "--seq-len", 128], capsys)
     assert code == 2 and "--seq-len 128: the bundle's inputs have no variable axis" in err and "x ['batch', 64]" in err
+
+
+def test_an_unfinished_training_run_is_named_as_such(teacher_run, tmp_path, capsys):
+    run = tmp_path / "partial"
+    shutil.copytree(teacher_run.parent / "c", run)
+    shutil.rmtree(run / "final")
+    code, _, err = run_main(["build", "--model", run, "--target", "cpu", "--out", tmp_path / "out"], capsys)
+    _one_line_error(code, err, "is a training run that has not finished", "latest checkpoint is step_2", "resumes")

@@ -206,6 +206,13 @@ def resolve_source(model: str | None) -> Source:
             return _run_dir(path)
         if (path / "config.json").is_file():
             return _hf_dir(path)
+        if (path / "config.toml").is_file() and ((path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()):
+            steps = sorted((p.name for p in (path / "checkpoints").glob("step_*") if (p / "COMPLETE").is_file()),
+                           key=lambda n: int(n.split("_")[1]) if n.split("_")[1].isdigit() else -1)
+            last = f"; its latest checkpoint is {steps[-1]}" if steps else "; it has no complete checkpoint"
+            raise SourceError(f"{model} is a training run that has not finished (no final/model.json{last})",
+                              "finish it first: rerun the `dsedge train` / `dsedge distill` command that started it "
+                              "(it resumes from the latest checkpoint), then build")
         raise SourceError(f"{model} is a directory but not a Hugging Face model or a dsedge training run",
                           "a HF directory has config.json + model.safetensors; a run has final/model.json")
     if ":" in model and not model.endswith(".onnx") and "/" not in model.split(":")[0]:
