@@ -332,3 +332,20 @@ def test_an_unfinished_training_run_is_named_as_such(teacher_run, tmp_path, caps
     shutil.rmtree(run / "final")
     code, _, err = run_main(["build", "--model", run, "--target", "cpu", "--out", tmp_path / "out"], capsys)
     _one_line_error(code, err, "is a training run that has not finished", "latest checkpoint is step_2", "resumes")
+
+
+@pytest.mark.parametrize("kwargs, words", [({"hidden": 48}, ["blocks.0.up.weight is [32, 16] there, [48, 16] now"]),
+                                           ({"depth": 3}, ["it has no model.blocks.2.norm.weight"])])
+def test_resuming_a_run_with_a_changed_model_is_a_config_error_and_keeps_the_run(teacher_run, tmp_path, capsys,
+                                                                                  kwargs, words):
+    from dsedge.toolchain.train.config import dump_toml
+    from train_models import config
+
+    run = tmp_path / "run"
+    shutil.copytree(teacher_run.parent / "c", run)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    path = tmp_path / "changed.toml"
+    path.write_text(dump_toml(config(run, steps=4, checkpoint={"every": 2}, model={"kwargs": kwargs})))
+    code, _, err = run_main(["train", path], capsys)
+    _one_line_error(code, err, "holds checkpoints of another model", *words, "another out_dir")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before == ["step_2"]
