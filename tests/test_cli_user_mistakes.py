@@ -349,3 +349,18 @@ def test_resuming_a_run_with_a_changed_model_is_a_config_error_and_keeps_the_run
     code, _, err = run_main(["train", path], capsys)
     _one_line_error(code, err, "holds checkpoints of another model", *words, "another out_dir")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before == ["step_2"]
+
+
+def test_yaml_configs_read_exponent_floats_as_numbers(tmp_path):
+    pytest.importorskip("yaml")
+    from dsedge.runtime.errors import ConfigError
+    from dsedge.toolchain.train.config import load_config
+
+    base = ("out_dir: runs/y\nsteps: 10\nmodel:\n  factory: train_models:make_tiny\n  input_names: [features]\n"
+            "data:\n  factory: train_models:make_data\n  batch_size: 8\n")
+    (tmp_path / "c.yaml").write_text(base + "optim:\n  lr: 1e-3\n  eps: 1.0e-8\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg.optim.lr == 1e-3 and cfg.optim.eps == 1e-8 and cfg.steps == 10 and isinstance(cfg.steps, int)
+    (tmp_path / "q.yaml").write_text(base + "optim:\n  lr: '1e-3'\n")  # quoted: still a string, still refused
+    with pytest.raises(ConfigError, match="lr must be float"):
+        load_config(tmp_path / "q.yaml")

@@ -349,7 +349,7 @@ def load_config(path: str | Path, *, distill: bool = False) -> TrainConfig:
         except ModuleNotFoundError:
             raise ConfigError(f"{path}: reading YAML needs PyYAML", "pip install pyyaml, or write the config as TOML")
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_yaml_loader(yaml)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}", "fix the syntax") from None
     else:
@@ -362,6 +362,21 @@ def load_config(path: str | Path, *, distill: bool = False) -> TrainConfig:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}", "fix the syntax (or use .yaml for YAML)") from None
     return from_dict(data, str(path), distill=distill)
+
+
+def _yaml_loader(yaml: Any) -> type:
+    """PyYAML's SafeLoader, also reading ``1e-3`` and ``1.0e5`` as floats: PyYAML follows YAML 1.1, where a float
+    needs a dot and a signed exponent, so ``lr: 1e-3`` (YAML 1.2, and every other config language) came back as the
+    string '1e-3'. Quoted values stay strings."""
+    import re
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                 re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                 list("-+0123456789"))
+    return Loader
 
 
 def dump_toml(data: dict) -> str:
