@@ -11,6 +11,7 @@ import numpy as np
 
 from .bundle import IOSpec
 from .errors import InputError
+from .npz import read_npz
 
 
 def read_inputs_dir(path: str | os.PathLike, specs: Sequence[IOSpec]) -> dict[str, np.ndarray]:
@@ -29,13 +30,17 @@ def read_inputs_dir(path: str | os.PathLike, specs: Sequence[IOSpec]) -> dict[st
         raise InputError(f"--inputs {str(root)!r} holds no .npz files", "save inputs with numpy.savez(name=array, …)")
     parts: dict[str, list[np.ndarray]] = {s.name: [] for s in specs}
     for f in files:
-        with np.load(f, allow_pickle=False) as z:
-            for s in specs:
-                if s.name not in z.files:
-                    raise InputError(f"{f.name} has no array {s.name!r} (it has {', '.join(z.files)})",
-                                     "name the arrays like the bundle's inputs (dsedge inspect BUNDLE)")
-                a = z[s.name]
-                parts[s.name].append(a if a.ndim == len(s.shape) else a[None])
+        try:
+            z = read_npz(f)
+        except (ValueError, OSError) as e:
+            raise InputError(f"--inputs file {str(f)!r} is not readable: {e}",
+                             "save inputs with numpy.savez(name=array, …)") from None
+        for s in specs:
+            if s.name not in z:
+                raise InputError(f"{f.name} has no array {s.name!r} (it has {', '.join(z) or 'none'})",
+                                 "name the arrays like the bundle's inputs (dsedge inspect BUNDLE)")
+            a = z[s.name]
+            parts[s.name].append(a if a.ndim == len(s.shape) else a[None])
     out = {}
     for name, arrays in parts.items():
         ndim = arrays[0].ndim

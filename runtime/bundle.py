@@ -177,6 +177,11 @@ def read_manifest(bundle: str | os.PathLike) -> Manifest:
         raise BundleError(f"{str(root)!r} is not a bundle directory", "a bundle is a NAME-TARGET.dse/ directory")
     path = root / MANIFEST
     if not path.is_file():
+        inside = sorted(p for p in root.glob("*.dse") if (p / MANIFEST).is_file())  # the --out folder of a build
+        if inside:
+            raise BundleError(f"{str(root)!r} is a folder of bundles ({', '.join(p.name for p in inside[:4])}"
+                              f"{', …' if len(inside) > 4 else ''}), not a bundle",
+                              f"pass the bundle itself, e.g. {str(inside[0])!r}")
         raise BundleError(f"{str(root)!r} has no {MANIFEST}", "is this a dsedge bundle? rebuild it with `dsedge build`")
     if path.is_symlink():
         raise BundleError(f"{MANIFEST} of {str(root)!r} is a link", "a bundle's manifest must be a file inside it")

@@ -46,6 +46,29 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             os.unlink(tmp)
 
 
+def check_output_file(dest: str | os.PathLike, option: str = "-o/--output", example: str = "model.onnx") -> Path:
+    """Refuse an output file path that can never be written, before any work is done: an existing directory, or a
+    parent that is a file (``example`` names a file in the hint). Returns ``dest`` as a Path.
+
+    Raises:
+        StorageError: naming ``option`` and the path.
+    """
+    from .errors import StorageError
+
+    dest = Path(dest)
+    if dest.is_dir():
+        raise StorageError(f"{option} {str(dest)!r}: the path is a directory, where a file was expected",
+                           f"give a file path, e.g. {str(dest / example)!r}")
+    for parent in dest.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise StorageError(f"{option} {str(dest)!r}: a file is in the way ({str(parent)!r} is a file, "
+                                   "not a directory)",
+                                   "choose a path whose parents are directories")
+            break
+    return dest
+
+
 def write_bytes_atomic(dest: str | os.PathLike, data: bytes, *, fsync: bool = False) -> Path:
     """Write ``data`` to ``dest`` atomically; ``fsync`` flushes it to disk before the rename. Returns ``dest``."""
     with atomic_path(dest) as tmp:

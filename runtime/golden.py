@@ -25,6 +25,7 @@ import numpy as np
 
 from .bundle import IOSpec, Manifest, Variant
 from .errors import BundleError, OutputMismatchError
+from .npz import read_npz
 
 GOLDEN_DIR = "golden"
 INPUTS_FILE = f"{GOLDEN_DIR}/inputs.npz"
@@ -54,8 +55,7 @@ def has_golden(manifest: Manifest) -> bool:
 
 def _npz(path: Path) -> dict[str, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
+        return read_npz(path)
     except (OSError, ValueError) as e:
         raise BundleError(f"golden file {path.name} is unreadable ({e})", "rebuild the bundle") from None
 

@@ -30,7 +30,9 @@ def storage_error(err: OSError, what: str = "writing") -> StorageError | None:
     if err.errno not in _STORAGE:
         return None
     why, hint = _STORAGE[err.errno]
-    where = f" ({err.filename})" if err.filename else ""
+    # a rename names the temporary file first and the user's destination second: name the destination
+    path = getattr(err, "filename2", None) or err.filename
+    where = f" ({path})" if path else ""
     return StorageError(f"{what} failed: {why}{where}", f"{hint}; nothing half-written was published")
 
 

@@ -171,7 +171,8 @@ def get_target(name_or_path: str | os.PathLike) -> Target:
     """Resolve a target by name, alias, or profile file path (``./my-device.toml``).
 
     Raises:
-        TargetError: no such target (the hint lists the known ones), or a malformed profile.
+        TargetError: no such target (the hint lists the known ones), or a malformed profile (also a user profile
+            named like the target, which ``list_targets`` skips).
     """
     s = os.fspath(name_or_path)
     if s.endswith(".toml") or os.sep in s:
@@ -187,5 +188,8 @@ def get_target(name_or_path: str | os.PathLike) -> Target:
                           "use the full target name, or remove the alias from one profile")
     if claimed:
         return claimed[0]
+    for path in _profile_files():  # a profile of that name that list_targets skipped: say why, not "unknown"
+        if path.stem.lower() == key:
+            load_profile(path)
     names = ", ".join(t.name + (f" ({'/'.join(t.aliases)})" if t.aliases else "") for t in targets)
     raise TargetError(f"unknown target {s!r}", f"known targets: {names}; or pass a profile file ./my-device.toml")

@@ -82,10 +82,10 @@ def export_onnx(source: Source, dest: str | os.PathLike, opset: int = EXPORT_OPS
     names = list(source.example_inputs)
     args = tuple(torch.from_numpy(v) for v in source.example_inputs.values())
     dims: dict[str, torch.export.Dim] = {}
-    dynamic_shapes = {}
-    for n in names:
-        axes = source.dynamic_axes.get(n, {})
-        dynamic_shapes[n] = {int(a): dims.setdefault(sym, torch.export.Dim(sym)) for a, sym in axes.items()} or None
+    # positional, like ``args``: a dict would have to be keyed by forward()'s parameter names, which the input
+    # names (input_0, a run's input_names, …) need not be, and torch.export refuses the mismatch
+    dynamic_shapes = tuple({int(a): dims.setdefault(sym, torch.export.Dim(sym))
+                            for a, sym in source.dynamic_axes.get(n, {}).items()} or None for n in names)
     first_error = None
     exporter = "dynamo"
     import logging

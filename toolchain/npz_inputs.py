@@ -10,6 +10,7 @@ import numpy as np
 
 from ..runtime.bundle import IOSpec
 from ..runtime.errors import CalibrationError
+from ..runtime.npz import read_npz
 
 
 def read_npz_dir(path: str | os.PathLike, specs: list[IOSpec], what: str = "calibration") -> dict[str, np.ndarray]:
@@ -34,20 +35,22 @@ def read_npz_dir(path: str | os.PathLike, specs: list[IOSpec], what: str = "cali
     parts: dict[str, list[np.ndarray]] = {n: [] for n in input_names}
     for f in files:
         try:
-            with np.load(f, allow_pickle=False) as z:
-                missing = [n for n in input_names if n not in z.files]
-                if missing:
-                    raise CalibrationError(f"{f.name} lacks input {missing[0]!r}", f"each file needs: {', '.join(input_names)}")
-                arrays = {n: z[n] for n in input_names}
-                try:
-                    validate_inputs(specs, arrays)
-                    check_finite(arrays)
-                except InputError as e:
-                    raise CalibrationError(f"{f.name}: {e}", e.hint) from None
-                for n in input_names:
-                    parts[n].append(arrays[n])
+            z = read_npz(f)
         except (ValueError, OSError) as e:
-            raise CalibrationError(f"{f.name} is not a readable .npz file ({e})", "write it with numpy.savez") from None
+            raise CalibrationError(f"{what} file {f} is not readable: {e}",
+                                   f"write it with numpy.savez(f, {', '.join(n + '=…' for n in input_names)})") from None
+        missing = [n for n in input_names if n not in z]
+        if missing:
+            raise CalibrationError(f"{what} file {f} lacks input {missing[0]!r}",
+                                   f"each file needs: {', '.join(input_names)}")
+        arrays = {n: z[n] for n in input_names}
+        try:
+            validate_inputs(specs, arrays)
+            check_finite(arrays)
+        except InputError as e:
+            raise CalibrationError(f"{what} file {f}: {e}", e.hint) from None
+        for n in input_names:
+            parts[n].append(arrays[n])
     data = {n: _concat_padded(n, v, what) for n, v in parts.items()}
     if len(next(iter(data.values()))) == 0:
         raise CalibrationError(f"{what} directory {str(d)!r} holds 0 samples", "save at least one sample per file")

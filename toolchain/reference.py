@@ -52,10 +52,21 @@ def sentences(split: str) -> list[str]:
 
 
 def load_tokenizer(model_path: str | os.PathLike) -> Any:
+    """The tokenizer saved in the HF model directory ``model_path`` (nothing is downloaded).
+
+    Raises:
+        SourceError: the directory holds no tokenizer transformers can load (no tokenizer.json / vocab file).
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.fspath(model_path), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(os.fspath(model_path), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:  # no vocab file: a TypeError (None path) or an OSError
+        why = "" if isinstance(e, TypeError) or not str(e) else f" ({str(e).splitlines()[0][:160]})"
+        raise SourceError(f"{os.fspath(model_path)} has no tokenizer dsedge can load{why}",
+                          "save it beside the weights: AutoTokenizer.from_pretrained(NAME).save_pretrained(DIR) "
+                          "(tokenizer.json or vocab.txt + tokenizer_config.json)") from None
 
 
 def tokenize(tokenizer: Any, texts: list[str], max_length: int = 128) -> dict[str, np.ndarray]:

@@ -66,6 +66,11 @@ def _fingerprint(paths: list[Path], extra: str = "") -> str:
 
 def _text_source(kind: str, name: str, model_path: Path, fingerprint: str) -> Source:
     tok = reference.load_tokenizer(model_path)
+    ranges = _text_value_ranges(model_path, int(tok.vocab_size))
+    if len(tok) > ranges["input_ids"][1] + 1:
+        raise SourceError(f"{model_path}: the tokenizer has {len(tok)} tokens but the model's vocab_size is "
+                          f"{ranges['input_ids'][1] + 1}, so its ids would index past the embedding table",
+                          "save the tokenizer the model was trained with beside its weights")
     calib = reference.tokenize(tok, reference.sentences("calibration"))
     val = reference.tokenize(tok, reference.sentences("heldout"))
     example = {k: v[:2] for k, v in calib.items()}
@@ -75,7 +80,7 @@ def _text_source(kind: str, name: str, model_path: Path, fingerprint: str) -> So
                   module=reference.sentence_encoder(model_path), calibration=calib, validation=val,
                   validation_kind="held-out real inputs (60 sentences)", task="sentence-embedding",
                   fingerprint=fingerprint, ref=str(model_path), vocab_size=int(tok.vocab_size),
-                  value_ranges=_text_value_ranges(model_path, int(tok.vocab_size)))
+                  value_ranges=ranges)
 
 
 def _text_value_ranges(model_path: Path, vocab_size: int) -> dict[str, tuple[int, int]]:
@@ -115,7 +120,8 @@ def _onnx_file(path: Path) -> Source:
     from ..runtime.bench import synthetic_inputs
 
     inputs, _ = io_specs(model)
-    example = synthetic_inputs(inputs, batch=2, seq_len=16)
+    static = {int(s.shape[0]) for s in inputs if s.shape and not isinstance(s.shape[0], str)}
+    example = synthetic_inputs(inputs, batch=static.pop() if len(static) == 1 else 2, seq_len=16)  # a static batch axis: its size
     dyn = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in inputs}
     name = path.stem.lower().replace("_", "-")
     return Source(kind="onnx", name=name, example_inputs=example, dynamic_axes=dyn, onnx_path=path,
@@ -145,11 +151,20 @@ def _callable(spec: str) -> Source:
         example = example if isinstance(example, (tuple, list)) else (example,)
         example_np = {f"input_{i}": _to_numpy(v) for i, v in enumerate(example)}
     dyn = result[2] if len(result) == 3 else {k: {0: "batch"} for k in example_np}
-    module.eval()
     import torch
 
+    if not isinstance(module, torch.nn.Module):
+        raise SourceError(f"{spec} returned a {type(module).__name__} where a torch.nn.Module goes",
+                          "return (model, example_inputs) with model a torch.nn.Module")
+    module.eval()
     with torch.no_grad():  # name the outputs: "output", or output_0, output_1 … for a tuple
-        out = module(*[torch.from_numpy(v) for v in example_np.values()])
+        try:
+            out = module(*[torch.from_numpy(v) for v in example_np.values()])
+        except Exception as e:  # the user's forward: say which call failed, in one line
+            shapes = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in example_np.items())
+            raise SourceError(f"{spec}: the model fails on its own example inputs ({shapes}): "
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                              "return example inputs the model's forward() accepts, in its argument order") from None
     n_out = len(out) if isinstance(out, (tuple, list)) else 1
     names = ["output"] if n_out == 1 else [f"output_{i}" for i in range(n_out)]
     name = f"{module_name.rsplit('.', 1)[-1]}-{fn_name}".lower().replace("_", "-")
@@ -191,6 +206,13 @@ def resolve_source(model: str | None) -> Source:
             return _run_dir(path)
         if (path / "config.json").is_file():
             return _hf_dir(path)
+        if (path / "config.toml").is_file() and ((path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()):
+            steps = sorted((p.name for p in (path / "checkpoints").glob("step_*") if (p / "COMPLETE").is_file()),
+                           key=lambda n: int(n.split("_")[1]) if n.split("_")[1].isdigit() else -1)
+            last = f"; its latest checkpoint is {steps[-1]}" if steps else "; it has no complete checkpoint"
+            raise SourceError(f"{model} is a training run that has not finished (no final/model.json{last})",
+                              "finish it first: rerun the `dsedge train` / `dsedge distill` command that started it "
+                              "(it resumes from the latest checkpoint), then build")
         raise SourceError(f"{model} is a directory but not a Hugging Face model or a dsedge training run",
                           "a HF directory has config.json + model.safetensors; a run has final/model.json")
     if ":" in model and not model.endswith(".onnx") and "/" not in model.split(":")[0]:

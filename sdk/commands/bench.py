@@ -113,6 +113,10 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
     base = core.load_report(baseline) if baseline else None  # a bad baseline fails before minutes of measuring
     session = load(bundle, variant=variant, threads=threads,
                    providers=[p.strip() for p in providers.split(",") if p.strip()] if providers else None)
+    if seq_len is not None and not any(isinstance(d, str) for i in session.inputs for d in i.shape[1:]):
+        session.close()  # e.g. a CNN or an MLP: --seq-len would be recorded in the report but change nothing
+        raise click.UsageError(f"--seq-len {seq_len}: the bundle's inputs have no variable axis besides the batch "
+                               f"({', '.join(f'{i.name} {list(i.shape)}' for i in session.inputs)}); drop --seq-len")
     profile = _target_profile(session.manifest)
     budget, source = core.resolve_budget(budget_ms, session.manifest, profile.default_budget_ms if profile else None)
     real = None

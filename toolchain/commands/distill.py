@@ -6,22 +6,22 @@ import sys
 
 import click
 
-from .train import launch_torchrun, under_torchrun
+from .train import check_launch, finished_line, launch_torchrun, under_torchrun
 
 
 @click.command(name="distill")
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--nproc-per-node", "nproc", type=int, default=None,
+@click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="Start N processes on this node via torchrun (default: run in this process, or as launched).")
-@click.option("--max-restarts", type=int, default=0, show_default=True,
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="With --nproc-per-node: restart the group this many times after a failure.")
 def distill(config: str, nproc: int | None, max_restarts: int) -> None:
     """Distill the [model] student from the [distill] teacher run (KL with temperature + hard-label loss)."""
+    cfg = check_launch("distill", config, nproc, max_restarts)
     if nproc is not None and not under_torchrun():
         sys.exit(launch_torchrun("distill", config, nproc, max_restarts))
-    from ..train.config import load_config
     from ..train.distill import run
 
-    result = run(load_config(config, distill=True))
+    result = run(cfg)
     if int(os.environ.get("RANK", 0)) == 0:
-        click.echo(f"distilled {result.steps} steps, loss {result.final_loss:.6g}: {result.run_dir}")
+        click.echo(finished_line("distill", result))

@@ -14,7 +14,7 @@ import click
 
 from ...runtime.params import FiniteFloat
 from ...runtime.errors import ConfigError
-from ...runtime.files import atomic_path, write_text_atomic
+from ...runtime.files import atomic_path, check_output_file, write_text_atomic
 from .quantize import _load, save_model_atomic
 
 
@@ -71,6 +71,9 @@ def prune(model: str, output: Path, pattern: str, sparsity: float, calib: Path |
     teacher; ONNX files are not (prune the torch model, or use dsedge build --prune, to fine-tune)."""
     from ..prune import prune_onnx
 
+    check_output_file(output)
+    if report_path:
+        check_output_file(report_path, "--report", "report.json")
     if pattern == "2:4" and sparsity != 0.3:
         raise ConfigError("--sparsity applies to --pattern channels; 2:4 is always 50 %", "drop --sparsity")
     if pattern == "channels" and not 0.0 < sparsity < 1.0:

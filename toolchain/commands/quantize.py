@@ -9,7 +9,7 @@ import click
 from click.core import ParameterSource
 
 from ...runtime.errors import ConfigError, SourceError
-from ...runtime.files import atomic_path, write_text_atomic
+from ...runtime.files import atomic_path, check_output_file, write_text_atomic
 from ...runtime.params import FiniteFloat
 
 
@@ -72,19 +72,30 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
         return
     if model is None or output is None:
         raise click.UsageError("MODEL and -o/--output are required (or pass --list-presets)")
+    check_output_file(output)
+    if report_path:
+        check_output_file(report_path, "--report", "report.json")
     chosen = _preset_from_flags(ctx, preset, precision=precision, algorithm=algorithm, block_size=block_size,
                                 asymmetric=asymmetric, gate=gate, method=method, int8_mode=int8_mode,
                                 smooth_alpha=smooth_alpha, nodes=nodes)
+    if chosen.accuracy_gate:
+        from ..quantize.mixed import parse_gates
+
+        parse_gates(chosen.accuracy_gate)  # a bad spec is refused before any work, for every precision
+        if heldout is None:
+            raise SourceError("--accuracy-gate needs --heldout data", "pass --heldout DIR_OR_NPZ")
     m = _load(model)
-    gated = chosen.accuracy_gate and (chosen.precision == "int4" or chosen.algorithm == "static")
-    if gated and heldout is None:
-        raise SourceError("--accuracy-gate needs --heldout data", "pass --heldout DIR_OR_NPZ")
+    source_size = model.stat().st_size  # before writing: -o may be MODEL itself
+    # INT4 and INT8 static search for the layers to keep higher; every other precision is checked once, after
+    searched = chosen.accuracy_gate and (chosen.precision == "int4" or chosen.algorithm == "static")
     say = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
-    on_step = (lambda msg: click.echo(f"  {msg}", err=True)) if gated else None
+    on_step = (lambda msg: click.echo(f"  {msg}", err=True)) if searched else None
     out = compress(m, chosen, Calibration(calib, heldout=heldout, on_step=on_step))
+    checked = _check_gate(m, out.model, chosen, heldout) if chosen.accuracy_gate and not searched else {}
     save_model_atomic(out.model, output)
     report = {"source": str(model), "output": str(output), "precision": chosen.precision,
-              "size_bytes": output.stat().st_size, "source_size_bytes": model.stat().st_size, **out.details}
+              "size_bytes": output.stat().st_size, "source_size_bytes": source_size, **out.details,
+              **checked}
     if report_path:
         write_text_atomic(report_path, json.dumps(report, indent=2, default=float) + "\n")
     ratio = report["size_bytes"] / max(report["source_size_bytes"], 1)
@@ -96,6 +107,28 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
             say(f"  kept float: {r['node']} — {r['reason']}")
     if as_json:
         click.echo(json.dumps(report, default=float))
+
+
+def _check_gate(source, compressed, preset, heldout: Path) -> dict:  # type: ignore[no-untyped-def]
+    """``--accuracy-gate`` on a precision without a gated search (FP16/BF16, dynamic/row-wise/weight-only INT8):
+    the compressed model vs the source on the held-out inputs. Returns ``{"gate", "gate_values"}``.
+
+    Raises:
+        AccuracyGateError: a gate is not met (nothing is written), with the values reached.
+    """
+    from ...runtime.errors import AccuracyGateError
+    from ..quantize.mixed import GateCheck
+
+    check = GateCheck(preset.accuracy_gate, metric=None, heldout=heldout, reference=source)
+    values = check.measure(compressed)
+    failing = [g for g in check.gates if not g.passes(values[g.metric])]
+    if failing:  # enough digits that a value just under a tight threshold does not print as the threshold
+        shown = ", ".join(f"{g.metric} = {values[g.metric]:.10g}" for g in failing)
+        raise AccuracyGateError(f"accuracy gate {preset.accuracy_gate} not met by the {preset.precision} "
+                                f"({preset.algorithm}) model: {shown} vs the source on --heldout",
+                                "loosen the gate, or use int4 / int8 static: they keep the most sensitive layers "
+                                "higher until it passes")
+    return {"gate": preset.accuracy_gate, "gate_values": values}
 
 
 def _preset_from_flags(ctx: click.Context, name: str | None, *, precision: str, algorithm: str, block_size: int,

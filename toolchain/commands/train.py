@@ -1,4 +1,4 @@
-"""``dsedge train CONFIG``: train a model from a TOML/YAML config (see TRAIN_CONFIG.md); torchrun-ready."""
+"""``dsedge train CONFIG``: train a model from a TOML/YAML config (see docs/train.md); torchrun-ready."""
 from __future__ import annotations
 
 import os
@@ -22,20 +22,60 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
+def check_launch(verb: str, config: str, nproc: int | None, max_restarts: int):  # type: ignore[no-untyped-def]
+    """Read and check CONFIG in this process, before anything starts: under ``--nproc-per-node`` a mistake is one
+    line here, not one per rank followed by torchrun's ChildFailedError traceback. Returns the TrainConfig.
+
+    Raises:
+        click.UsageError: ``--max-restarts`` without ``--nproc-per-node`` (only torchrun restarts).
+        ConfigError: what ``load_config`` raises; a mesh ``--nproc-per-node`` processes cannot hold; a factory that
+            cannot be imported; ``dsedge train`` on a config with a ``[distill]`` section (it would train without
+            the teacher).
+        SourceError: ``dsedge distill`` whose teacher is not a finished run.
+    """
+    from ...runtime.errors import ConfigError
+    from ..train.config import check_world, load_config, resolve_callable
+
+    if max_restarts and nproc is None and not under_torchrun():
+        raise click.UsageError("--max-restarts needs --nproc-per-node N (torchrun restarts the group)")
+    cfg = load_config(config, distill=verb == "distill")
+    if verb == "train" and cfg.distill is not None:
+        raise ConfigError(f"{config} has a [distill] section, which `dsedge train` does not use",
+                          f"run `dsedge distill {config}` to distill from the teacher, or delete [distill]")
+    if nproc is not None and not under_torchrun():
+        check_world(cfg, nproc)
+        resolve_callable(cfg.model.factory, "[model] factory")
+        resolve_callable(cfg.data.factory, "[data] factory")
+        if verb == "distill":
+            from ..train.export_source import read_model_json
+
+            read_model_json(cfg.distill.teacher)
+    return cfg
+
+
+def finished_line(verb: str, result) -> str:  # type: ignore[no-untyped-def]
+    """What rank 0 prints at the end of ``dsedge train`` / ``dsedge distill`` (``verb``)."""
+    if result.steps == result.resumed_from:
+        return (f"nothing to {verb}: {result.run_dir} is already at step {result.steps}, its last checkpoint "
+                "(raise `steps` in the config to go on, or choose another out_dir for a new run)")
+    done = {"train": "trained", "distill": "distilled"}[verb]
+    return f"{done} {result.steps} steps, loss {result.final_loss:.6g}: {result.run_dir}"
+
+
 @click.command(name="train")
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--nproc-per-node", "nproc", type=int, default=None,
+@click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="Start N processes on this node via torchrun (default: run in this process, or as launched).")
-@click.option("--max-restarts", type=int, default=0, show_default=True,
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="With --nproc-per-node: restart the group this many times after a failure (resumes from the "
                    "latest checkpoint).")
 def train(config: str, nproc: int | None, max_restarts: int) -> None:
     """Train the model a config describes; writes OUT/config.toml, metrics.jsonl, checkpoints/, final/."""
+    cfg = check_launch("train", config, nproc, max_restarts)
     if nproc is not None and not under_torchrun():
         sys.exit(launch_torchrun("train", config, nproc, max_restarts))
-    from ..train.config import load_config
     from ..train.train import run
 
-    result = run(load_config(config))
+    result = run(cfg)
     if int(os.environ.get("RANK", 0)) == 0:
-        click.echo(f"trained {result.steps} steps, loss {result.final_loss:.6g}: {result.run_dir}")
+        click.echo(finished_line("train", result))

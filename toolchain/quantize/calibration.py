@@ -17,6 +17,7 @@ import onnx
 
 from ...runtime.errors import CalibrationError
 from ...runtime.io import check_finite
+from ...runtime.npz import read_npz
 
 Batch = dict[str, np.ndarray]
 CalibrationSource = Union[str, os.PathLike, Iterable[Batch]]
@@ -48,8 +49,7 @@ def read_batches(source: CalibrationSource) -> list[Batch]:
         batches = []
         for f in files:
             try:
-                with np.load(f, allow_pickle=False) as z:
-                    batches.append({k: z[k] for k in z.files})
+                batches.append(read_npz(f))
             except (OSError, ValueError) as e:
                 raise CalibrationError(f"calibration file {str(f)!r} is not a readable .npz: {e}",
                                        "save batches with numpy.savez") from None
@@ -66,7 +66,8 @@ def read_batches(source: CalibrationSource) -> list[Batch]:
 
 
 def check_batches(model: onnx.ModelProto, batches: list[Batch], what: str = "calibration") -> list[Batch]:
-    """Check names, rank and dtype kind of every batch against the model's graph inputs; cast same-kind dtypes.
+    """Check names, rank, static dims and dtype kind of every batch against the model's graph inputs; cast
+    same-kind dtypes.
 
     Raises CalibrationError naming the input (missing, unknown, wrong rank, int given for float …).
     """
@@ -77,8 +78,8 @@ def check_batches(model: onnx.ModelProto, batches: list[Batch], what: str = "cal
             continue
         tt = i.type.tensor_type
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
-        rank = len(tt.shape.dim) if tt.HasField("shape") else None
-        specs[i.name] = (dtype, rank)
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim] if tt.HasField("shape") else None
+        specs[i.name] = (dtype, dims)
     out = []
     for j, b in enumerate(batches):
         missing = sorted(set(specs) - set(b))
@@ -90,12 +91,16 @@ def check_batches(model: onnx.ModelProto, batches: list[Batch], what: str = "cal
             raise CalibrationError(f"{what} batch {j} has {unknown[0]!r}, which is not a model input",
                                    f"the model's inputs are {sorted(specs)}")
         fixed = {}
-        for name, (dtype, rank) in specs.items():
+        for name, (dtype, dims) in specs.items():
             a = np.asarray(b[name])
             check_finite({name: a}, CalibrationError, f"{what} batch {j}")
-            if rank is not None and a.ndim != rank:
-                raise CalibrationError(f"{what} input {name!r} has rank {a.ndim}, the model expects {rank}",
+            if dims is not None and a.ndim != len(dims):
+                raise CalibrationError(f"{what} input {name!r} has rank {a.ndim}, the model expects {len(dims)}",
                                        "check the batch layout")
+            for axis, (got, want) in enumerate(zip(a.shape, dims or ())):
+                if isinstance(want, int) and want and got != want:
+                    raise CalibrationError(f"{what} batch {j}: input {name!r} axis {axis} is {got}, the model "
+                                           f"expects {want} (shape {dims})", "this axis is static in the model")
             if _KINDS.get(a.dtype.kind) != _KINDS.get(np.dtype(dtype).kind):
                 raise CalibrationError(f"{what} input {name!r} is {a.dtype}, the model expects {np.dtype(dtype)}",
                                        "convert the calibration data to the model's input dtype")

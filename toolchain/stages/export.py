@@ -22,7 +22,10 @@ def export(plan: BuildPlan, source: Source, work: Path, log: Callable[[str], Non
         SourceError: the export fails or its outputs differ from torch's.
     """
     exported = export_with_ranges(source, work / "models" / "fp32.onnx")
-    log(f"exported ONNX ({exported.exporter}); parity max abs diff {exported.parity_max_abs_diff}")
+    if exported.parity_max_abs_diff is None:  # an ONNX source: nothing exported, nothing to compare with torch
+        log("ONNX source used as is: no export, no torch parity check")
+    else:
+        log(f"exported ONNX ({exported.exporter}); parity max abs diff {exported.parity_max_abs_diff:.3g}")
     reference = work / "reference-fp32.onnx"
     shutil.copyfile(exported.path, reference)
     return Prepared(source=source, exported=exported, reference=reference, validation=source.example_inputs)

@@ -2,7 +2,7 @@
 
 - ``components.py``  model/data factories, domain mixture, batch sampler; ``run_files.py`` config.toml, final/
 - ``evaluation.py``  (per-domain) validation, moving the mixture / augmentation; ``reductions.py`` grad norm, loss
-- ``config.py``      the TOML/YAML contract (TRAIN_CONFIG.md), ConfigError on unknown keys and impossible meshes
+- ``config.py``      the TOML/YAML contract (docs/train.md), ConfigError on unknown keys and impossible meshes
 - ``parallel.py``    DeviceMesh (pp, dp, tp): DDP (+ fp16/bf16/PowerSGD comm hooks), FSDP2, DTensor TP, pipelining
 - ``precision.py``   autocast bf16/fp16 with fp32 norm layers, GradScaler for fp16, FSDP2 MixedPrecisionPolicy
 - ``optim.py``       LAMB (DTensor-aware) + AdamW hybrid, warmup-cosine schedule (torch lr_scheduler)

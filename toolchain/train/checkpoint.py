@@ -138,6 +138,7 @@ class Checkpointer:
         """Restore the newest loadable checkpoint into ``model``/``optimizers`` (collective); returns its trainer
         state (with ``step``) or None when there is none. Corrupt or partial ones are skipped with a log line."""
         from torch.distributed.checkpoint import FileSystemReader, load
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         candidates = _broadcast_obj([(s, str(p)) for s, p in self.steps()] if self.rank == 0 else None)
@@ -153,7 +154,8 @@ class Checkpointer:
                     state = {"model": msd, "optim": osd}
                     load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())
                     ok = True
-                except Exception as e:  # noqa: BLE001 - any failure means: try the next older checkpoint
+                except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
+                    _refuse_other_model(path, e)  # any other failure: try the next older checkpoint
                     ok, reason = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 if _all_true(ok):
                     set_state_dict(model, optimizers, model_state_dict=state["model"],
@@ -166,3 +168,25 @@ class Checkpointer:
             if self.rank == 0:
                 self.log(f"skipping checkpoint {path}: {reason}")
         return None
+
+
+_SIZE_MISMATCH = re.compile(r"Size mismatch between saved torch\.Size\((\[[^\]]*\])\) and current: "
+                            r"torch\.Size\((\[[^\]]*\])\) for (\S+)")
+_MISSING_KEY = re.compile(r"Missing key in checkpoint state_dict: ([^\s{}\"']+?)\.?$", re.M)  # not the source line
+
+
+def _refuse_other_model(path: Path, err: BaseException) -> None:
+    """A checkpoint that loads but does not fit the model (other sizes or another architecture) was written under
+    another config: raise ConfigError rather than skip it and start over in the same run directory, whose
+    checkpoints the new run would then overwrite. Any other failure returns (the caller skips it as corrupt)."""
+    from ...runtime.errors import ConfigError
+
+    text = str(err)
+    size, missing = _SIZE_MISMATCH.search(text), _MISSING_KEY.search(text)
+    if not (size or missing):
+        return
+    what = (f"{size.group(3)} is {size.group(1)} there, {size.group(2)} now" if size
+            else f"it has no {missing.group(1)}")
+    raise ConfigError(f"{path.parent.parent} holds checkpoints of another model ({path.name}: {what})",
+                      "set another out_dir for the changed model, or restore the [model] section this run was "
+                      "trained with") from None

@@ -1,6 +1,6 @@
 """The training config (TOML or YAML): one file drives `dsedge train` and `dsedge distill`.
 
-The contract is TRAIN_CONFIG.md (shared with the samples). Every section is a dataclass below; unknown keys, wrong
+The contract is docs/train.md ("The config"; the samples follow it). Every section is a dataclass below; unknown keys, wrong
 types and impossible settings raise :class:`~dsedge.runtime.errors.ConfigError` with the file, section and key in one
 line and a hint (the closest known key, or what would work). Keys beyond the contract are optional and default to
 the documented behaviour: ``device``; ``[data] num_workers, shuffle, max_tokens, max_batch_size, memory_limit_mb,
@@ -201,7 +201,7 @@ def _type_name(tp: Any) -> str:
 def _build(cls: type, data: Any, where: str, source: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {where or 'the file'} must be a table, got {type(data).__name__}",
-                          "see TRAIN_CONFIG.md for the layout")
+                          "see docs/train.md (The config) for the layout")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     kwargs = {}
@@ -349,7 +349,7 @@ def load_config(path: str | Path, *, distill: bool = False) -> TrainConfig:
         except ModuleNotFoundError:
             raise ConfigError(f"{path}: reading YAML needs PyYAML", "pip install pyyaml, or write the config as TOML")
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_yaml_loader(yaml)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}", "fix the syntax") from None
     else:
@@ -362,6 +362,21 @@ def load_config(path: str | Path, *, distill: bool = False) -> TrainConfig:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}", "fix the syntax (or use .yaml for YAML)") from None
     return from_dict(data, str(path), distill=distill)
+
+
+def _yaml_loader(yaml: Any) -> type:
+    """PyYAML's SafeLoader, also reading ``1e-3`` and ``1.0e5`` as floats: PyYAML follows YAML 1.1, where a float
+    needs a dot and a signed exponent, so ``lr: 1e-3`` (YAML 1.2, and every other config language) came back as the
+    string '1e-3'. Quoted values stay strings."""
+    import re
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                 re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                 list("-+0123456789"))
+    return Loader
 
 
 def dump_toml(data: dict) -> str:

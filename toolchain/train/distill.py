@@ -61,6 +61,10 @@ def run(cfg: TrainConfig) -> recipe.RunResult:
             s_out = model(*x)
             t_out = t_out[0] if isinstance(t_out, (tuple, list)) else t_out
             s_out = s_out[0] if isinstance(s_out, (tuple, list)) else s_out
+            if s_out.shape != t_out.shape:  # KL over the class axis: the same outputs or nothing to match
+                raise ConfigError(f"{cfg.source}: the student's output {list(s_out.shape)} and the teacher's "
+                                  f"{list(t_out.shape)} ({d.teacher}) differ in shape",
+                                  "give the student the teacher's number of outputs ([model] kwargs)")
             pairs = [(s_feats[s], t_feats[t]) for s, t in d.features.items()] if d.features else []
             return kd(s_out, t_out, y, pairs)
         return forward_loss

@@ -46,6 +46,7 @@ class RunResult:
     run_dir: Path
     steps: int
     final_loss: float
+    resumed_from: int = 0   # the checkpoint step this process started at (0: a fresh run)
 
 
 def step_lr(schedulers: list) -> None:
@@ -195,6 +196,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
 
     data = batches_from(step)
     model.train()
+    start_step = step
     last_loss = float("nan")
     while step < total_steps:
         t0 = time.perf_counter()
@@ -309,4 +311,4 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
     log.event("finished", step=step, loss=last_loss)
     log.close()
     optimizer = model = schedule = params = None  # free them before returning (the restore closure holds them too)
-    return RunResult(run_dir, step, last_loss)
+    return RunResult(run_dir, step, last_loss, start_step)
