@@ -15,11 +15,12 @@ Predictions are the profile's tail estimate of service time (see runtime/latency
 quantile per batch size and length bucket, fed only by measured service times, never by request latencies).
 Nothing multiplies them, so no run of late answers can lock a lane. What keeps an over-estimate from sticking
 when a lane rejects everything (so nothing runs that would correct it): the request last refused (for its budget
-or its plan) is kept, and the idle worker runs it again as a probe once nothing of its kind (batch size, length
-bucket) has run for ``probe_after_ms`` (and at most every ``probe_interval_ms``), so its true service time replaces
-the stale one within about a second. A key that real batches keep measuring is never probed: under overload a probe
-is a run nobody asked for, which new arrivals then queue behind (at 3× load through ``dsedge serve``, probing every
-100 ms regardless took a third of the backend's busy time).
+or its plan) is kept, and the idle worker runs it again as a probe, at most every ``probe_interval_ms``, unless a
+real batch of its kind (batch size, length bucket) ran within ``probe_after_ms``: then real batches are measuring it
+already, and under overload a probe is a run nobody asked for, which new arrivals queue behind (at 3× load through
+``dsedge serve``, probing every 100 ms regardless took a third of the backend's busy time). Probes do not count as
+such runs, so a lane that refuses everything (after a stall) keeps probing every ``probe_interval_ms`` and its
+stale estimate is replaced within about a second.
 
 Cold start: a lane starts with whatever its profile was seeded with (the bundle's build-time figures, scaled once
 this machine measured something) and its worker's first act is a warm-up run off the caller's thread. Until
@@ -58,7 +59,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from .batching import BatchLayout
-from .latency_profile import LatencyProfile
+from .latency_profile import LatencyProfile, seq_bucket
 from .metrics import StreamMetrics
 from .plan_calibration import PlanCalibration
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
@@ -132,8 +133,8 @@ class Lane:
         warm_seq: sequence length of that warm-up run (None for models without a sequence axis).
         observe_warmup: record the warm-up run's time in the profile (False keeps seeded figures as they are).
         probe_interval_ms: shortest gap between re-measuring probes of a refused request, ms.
-        probe_after_ms: a refused request is probed only when its (batch, length bucket) has no sample newer than
-            this, ms.
+        probe_after_ms: a refused request is not probed while a real batch of its (batch, length bucket) ran
+            within this, ms.
         inline_ms: an idle lane runs requests expected (median) to take at most this long on the submitting
             thread (0: never).
         plan_limit: admission plays the queue forward batch by batch up to this many queued requests (beyond:
@@ -179,6 +180,7 @@ class Lane:
         self._refused: Request | None = None  # the latest request refused for its budget: the next probe
         self._last_future: Future | None = None  # of the latest request offered to try_inline
         self._t_probe = 0.0
+        self._served: dict[tuple[int, int], float] = {}  # (rows, length bucket) -> end of its latest real batch
         self.batches = 0
         self.probes = 0
         self.inline = 0
@@ -478,9 +480,8 @@ class Lane:
                 while self._running or (not self._queue and not self._closing):
                     if not self._running and self._refused is not None and not self._closing:
                         r = self._refused
-                        seen = self.profile.last_observed(r.rows, r.seq)
-                        due = max(self._t_probe + self.probe_interval_s,
-                                  -math.inf if seen is None else seen + self.probe_after_s) - _clock()
+                        seen = self._served.get((r.rows, seq_bucket(r.seq)), -math.inf)
+                        due = max(self._t_probe + self.probe_interval_s, seen + self.probe_after_s) - _clock()
                         if due <= 0:
                             probe, self._refused = self._refused, None
                             break
@@ -553,6 +554,7 @@ class Lane:
         t1 = _clock()
         if error is None:
             self.profile.observe(rows, seq, (t1 - t0) * 1e3, t1)
+            self._served[(rows, seq_bucket(seq))] = t1
         for r, part in zip(batch, parts):
             self._answer(r, Result(r.id, part, (t1 - r.t_submit) * 1e3, (t0 - r.t_submit) * 1e3, rows, self.name,
                                    r.budget_ms, error))
