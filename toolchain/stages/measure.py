@@ -1,5 +1,4 @@
-"""Stage ``measure``: CPU latency of each variant at batch 1, and for sequence models at a few larger batches
-(ONNX Runtime's CPU provider on this host, ms).
+"""Stage ``measure``: CPU latency of each variant at batch 1 (ONNX Runtime's CPU provider on this host, ms).
 
 Variants the measured ``auto`` choice already timed keep those timings (taken side by side with the other
 candidates); the others are timed here, one after the other.
@@ -18,50 +17,16 @@ from ..config import BuildPlan
 from ..export import Exported
 
 
-BATCHES = (2, 4, 8)  # the batch sizes timed beside batch 1 for sequence models (the scheduler's cold-start seeds)
-
-
 def measure(plan: BuildPlan, model: Prepared, choice: Choice, variants: list[VariantDraft]) -> list[VariantDraft]:
-    """Fill ``latency_ms`` of every variant: ``{"1": {p50, p99, mean, …, "shape", "provider"}}`` (ms), and for a
-    model with a sequence axis ``"{b}x32"`` for b in ``BATCHES`` within the target's batch range (what batching
-    costs on this host: the runtime's latency profile starts from these, scaled to the device's own batch-1 runs,
-    instead of assuming that a batch costs its rows times batch 1)."""
+    """Fill ``latency_ms`` of every variant: ``{"1": {p50, p99, mean, …, "shape", "provider"}}`` (ms)."""
     cfg = plan.config
-    top = int((getattr(plan.target, "shapes", None) or {}).get("batch", {}).get("max", max(BATCHES)))
-    sizes = [b for b in BATCHES if b <= top] if _has_sequence_axis(model.exported) else []
     for v in variants:
         if v.name in choice.measured:
-            v.latency_ms = dict(choice.measured[v.name].latency_ms)
+            v.latency_ms = choice.measured[v.name].latency_ms
         else:
             v.latency_ms = measure_latency(v.path, model.exported, cfg.latency_iterations, cfg.threads,
                                            model.source.vocab_size)
-        if sizes:
-            v.latency_ms.update(measure_batches(v.path, model.exported, sizes, max(5, cfg.latency_iterations // 5),
-                                                cfg.threads, model.source.vocab_size))
     return variants
-
-
-def _has_sequence_axis(exported: Exported) -> bool:
-    return any(len(s.shape) >= 2 and isinstance(s.shape[1], str) and str(s.dtype).startswith("int")
-               for s in exported.inputs)
-
-
-def measure_batches(onnx_path: Path, exported: Exported, sizes: list[int], iterations: int, threads: int | None,
-                    vocab_size: int | None = None, seq_len: int = 32) -> dict[str, Any]:
-    """ORT CPU latency at each batch size of ``sizes`` (``seq_len`` tokens), ms: ``{"8x32": {p50, p99, …}}``. The
-    keys carry the sequence length, so on-device latency tests (sdk/pytest_plugin.py), which read the plain batch
-    keys, keep testing batch 1."""
-    from ...runtime.backends.ort import OrtBackend
-    from ...runtime.bench import synthetic_inputs
-
-    backend = OrtBackend(onnx_path, providers=["CPUExecutionProvider"], threads=threads)
-    out = {}
-    for b in sizes:
-        feeds = synthetic_inputs(exported.inputs, batch=b, seq_len=seq_len, vocab_size=vocab_size)
-        stats = time_calls(lambda: backend.run(feeds), iterations=iterations, warmup=2)
-        out[f"{b}x{seq_len}"] = {**stats, "shape": {k: list(v.shape) for k, v in feeds.items()},
-                                 "provider": backend.providers[0]}
-    return out
 
 
 def measure_latency(onnx_path: Path, exported: Exported, iterations: int, threads: int | None,
