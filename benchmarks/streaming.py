@@ -37,6 +37,7 @@ import time
 from collections import Counter, deque
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -186,6 +187,49 @@ class DsedgeServer:
 
 
 # --- one run ---------------------------------------------------------------------------------------------------
+class NoisyNeighbour:
+    """``procs`` CPU burner processes from ``stall[0]`` s into a run for ``stall[1]`` s: call ``at(now)`` with the
+    run's elapsed seconds as it goes, ``close()`` at the end (kills whatever still runs)."""
+
+    def __init__(self, stall: tuple[float, float] | None, procs: int) -> None:
+        self.stall, self.procs, self.state, self.burners = stall, procs, "before", []
+
+    def at(self, now: float) -> None:
+        if self.stall is None:
+            return
+        if self.state == "before" and now >= self.stall[0]:
+            self.burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.procs)]
+            self.state = "on"
+        elif self.state == "on" and now >= self.stall[0] + self.stall[1]:
+            self.close()
+            self.state = "after"
+
+    def close(self) -> None:
+        for p in self.burners:
+            p.kill()
+        for p in self.burners:
+            p.wait()
+        self.burners = []
+
+
+def open_loop(schedule: np.ndarray, submit: Callable[[int], Any], stall: tuple[float, float] | None = None,
+              burner_procs: int = 0) -> list:
+    """Call ``submit(i)`` at ``schedule[i]`` s from now (open loop: nothing waits for an answer), with the noisy
+    neighbour of ``stall`` inside the window; returns what the calls returned."""
+    neighbour, out = NoisyNeighbour(stall, burner_procs), []
+    t0 = _clock()
+    try:
+        for i, t in enumerate(schedule):
+            neighbour.at(_clock() - t0)
+            delay = t0 + t - _clock()
+            if delay > 0:
+                time.sleep(delay)
+            out.append(submit(i))
+    finally:
+        neighbour.close()
+    return out
+
+
 def drive(server, schedule: np.ndarray, pool, budget_ms: float, stall: tuple[float, float] | None = None,
           burner_procs: int = 0) -> dict:
     """Submit ``pool[i % len(pool)]`` at ``schedule[i]`` (open loop) and tally the outcomes; latency counts from
@@ -199,27 +243,8 @@ def drive(server, schedule: np.ndarray, pool, budget_ms: float, stall: tuple[flo
         done_at[i] = _clock() - t0
         kinds[i] = f.result()
 
-    burners: list = []
-    stall_state = "before"
-    for i, t in enumerate(schedule):
-        if stall is not None:
-            now = _clock() - t0
-            if stall_state == "before" and now >= stall[0]:
-                burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burner_procs)]
-                stall_state = "on"
-            elif stall_state == "on" and now >= stall[0] + stall[1]:
-                for p in burners:
-                    p.kill()
-                for p in burners:
-                    p.wait()
-                stall_state = "after"
-        delay = t0 + t - _clock()
-        if delay > 0:
-            time.sleep(delay)
-        server.submit(pool[i % len(pool)], budget_ms).add_done_callback(lambda f, i=i: record(i, f))
-    for p in burners:
-        p.kill()
-        p.wait()
+    open_loop(schedule, lambda i: server.submit(pool[i % len(pool)], budget_ms).add_done_callback(
+        lambda f, i=i: record(i, f)), stall, burner_procs)
     t_end = _clock() + 120
     while any(k is None for k in kinds) and _clock() < t_end:
         time.sleep(0.01)

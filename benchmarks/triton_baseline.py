@@ -47,7 +47,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 
 import dsedge  # noqa: E402
 from dsedge.runtime.batching import BatchLayout  # noqa: E402
-from streaming import arrivals, batch_latency_ms, make_requests, recovery_s  # noqa: E402
+from streaming import arrivals, batch_latency_ms, make_requests, open_loop, recovery_s  # noqa: E402
 from triton_server import TritonServer, build_stub_env, free_port  # noqa: E402
 
 _clock = time.perf_counter
@@ -90,28 +90,7 @@ def drive(server, schedule: np.ndarray, pool, budget_ms: float, stall: tuple[flo
     """Submit ``pool[i % len(pool)]`` at ``schedule[i]`` (open loop) and tally the outcomes. ``stall``: (start,
     length) s of one CPU burner process per core inside the window (a noisy neighbour); the row then says how long
     after its end answers were back in budget."""
-    futures, burners, state = [], [], "before"
-    t0 = _clock()
-    try:
-        for i, t in enumerate(schedule):
-            if stall is not None:
-                now = _clock() - t0
-                if state == "before" and now >= stall[0]:
-                    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                               for _ in range(os.cpu_count() or 2)]
-                    state = "on"
-                elif state == "on" and now >= stall[0] + stall[1]:
-                    for b in burners:
-                        b.kill()
-                    state = "after"
-            delay = t0 + t - _clock()
-            if delay > 0:
-                time.sleep(delay)
-            futures.append(server.submit(pool[i % len(pool)], budget_ms))
-    finally:
-        for b in burners:
-            b.kill()
-            b.wait()
+    futures = open_loop(schedule, lambda i: server.submit(pool[i % len(pool)], budget_ms), stall, os.cpu_count() or 2)
     window = max(float(schedule[-1]) if len(schedule) else 0.0, 1e-9)
     outcomes = [f.result(timeout=120) for f in futures]
     extra = {}
