@@ -226,7 +226,7 @@ class LatencyProfile:
                 return hi[0][1], hi[0][2]
             # beyond the largest: the last slope extended, but never a row cheaper than at the largest known batch
             # (the slope between the two smallest batches is the flattest, the fixed overhead shared; extended,
-            # it promised a 6-row MiniLM int8 batch in 44 ms that took 81: five answers late at once)
+            # it predicted about 44 ms for a 6-row MiniLM int8 batch that took 81: five answers late at once)
             (b0, m0, t0), (b1, m1, t1) = row[-2], row[-1]
             slope = max(0.0, (m1 - m0) / (b1 - b0))
             mid = max(m1 + slope * (b - b1), m1 * b / b1)
