@@ -149,19 +149,9 @@ def test_not_onnx_and_unknown_directory(tmp_path):
 @pytest.mark.slow
 def test_hugging_face_directory_source(tmp_path):
     """A local HF directory (a tiny BERT with the reference tokenizer) builds like the reference model."""
-    import shutil
+    from tiny_models import tiny_bert_dir
 
-    import torch
-    from transformers import BertConfig, BertModel
-
-    from dsedge.toolchain import reference
-
-    torch.manual_seed(0)
-    d = tmp_path / "Tiny_Bert"
-    BertModel(BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128)
-              ).save_pretrained(d, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(reference.verified_model_dir() / f, d / f)
+    d = tiny_bert_dir(tmp_path / "Tiny_Bert", hidden=64)
     r = build(BuildOptions(model=str(d), target="cpu", out_dir=str(tmp_path / "o"), precision="int4",
                            latency_iterations=3, keep_fp32=False))
     assert r.bundle.name == "tiny-bert-cpu.dse"

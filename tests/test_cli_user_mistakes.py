@@ -62,14 +62,10 @@ def test_a_failed_rename_names_the_users_destination_not_the_temporary_file(tmp_
 @pytest.fixture(scope="module")
 def small_vocab_hf_dir(tmp_path_factory):
     """A real 1-layer BERT (vocab 1200) saved with safetensors, and no tokenizer."""
-    torch = pytest.importorskip("torch")
-    from transformers import BertConfig, BertModel
+    pytest.importorskip("torch")
+    from tiny_models import tiny_bert_dir
 
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("hf") / "no-tokenizer"
-    BertModel(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
-                         vocab_size=1200)).save_pretrained(d, safe_serialization=True)
-    return d
+    return tiny_bert_dir(tmp_path_factory.mktemp("hf") / "no-tokenizer", hidden=8, vocab_size=1200, tokenizer=False)
 
 
 def test_a_hf_directory_without_a_tokenizer_is_a_source_error(small_vocab_hf_dir, tmp_path, capsys):

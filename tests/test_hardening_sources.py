@@ -14,24 +14,14 @@ import pytest
 
 import dsedge
 from dsedge.runtime.errors import InputError, QuantizationError, SourceError
-from tiny_models import mlp_onnx, tiny_bundle
+from tiny_models import mlp_onnx, tiny_bert_dir, tiny_bundle
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A tiny BERT saved with safetensors, with the reference tokenizer (a real HF directory)."""
-    torch = pytest.importorskip("torch")
-    from transformers import BertConfig, BertModel
-
-    from dsedge.toolchain import reference
-
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("hf") / "tiny-bert"
-    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                         vocab_size=30522)).save_pretrained(d, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(reference.verified_model_dir() / f, d / f)
-    return d
+    pytest.importorskip("torch")
+    return tiny_bert_dir(tmp_path_factory.mktemp("hf") / "tiny-bert")
 
 
 def _pickle_file(path: Path) -> None:

@@ -70,3 +70,22 @@ def tiny_bundle(dest: Path, tmp: Path, **kwargs) -> Path:
         default_variant="fp32", shape_ranges={"batch": {"min": 1, "opt": 8, "max": 32}}, latency_budget_ms=5.0,
         **kwargs,
     )
+
+
+def tiny_bert_dir(d: Path, hidden: int = 32, vocab_size: int = 30522, tokenizer: bool = True) -> Path:
+    """A real 1-layer Hugging Face BERT (``hidden`` wide, 2 heads, FFN 2×) saved at ``d`` with safetensors, and the
+    reference model's tokenizer files beside it unless ``tokenizer`` is False (seeded: the same weights each call)."""
+    import shutil
+
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    BertModel(BertConfig(hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=2 * hidden, vocab_size=vocab_size)).save_pretrained(d, safe_serialization=True)
+    if tokenizer:
+        from dsedge.toolchain import reference
+
+        for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+            shutil.copy(reference.verified_model_dir() / f, d / f)
+    return d
