@@ -170,9 +170,7 @@ def compress_fp32(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
     when it beats this, not the unfused graph (on an AVX2 host without VNNI, INT8 MatMuls buy little over fused
     fp32). Elsewhere, and when the model cannot be fused, the export itself.
     """
-    if plan.target.backend != "onnxruntime" or has_conv(_load(exported.path)):
-        return Compressed(exported.path, "fp32", {})
-    fusable = fusable_export(exported, source, work)
+    fusable = fusable_export(exported, source, work) if plan.target.backend == "onnxruntime" else None
     if fusable is None:
         return Compressed(exported.path, "fp32", {})
     import onnx
@@ -185,12 +183,6 @@ def compress_fp32(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
     return Compressed(path, "fp32", {"form": "fp32 with ONNX Runtime's transformer fusions",
                                      "fusion_export": "torchscript (parity-checked)", "fused_ops": stats,
                                      "batch_invariant": True})
-
-
-def _load(path: Path) -> Any:
-    import onnx
-
-    return onnx.load(os.fspath(path), load_external_data=False)
 
 
 def has_conv(model: Any) -> bool:
