@@ -34,10 +34,11 @@ cheaper variants — the cascade):
     (``Lane.plan``) plays the queue forward with the request inserted in deadline order, batch by batch as the
     worker will form them (a schedulability test by simulation, as admission control for EDF does): expected
     times add, tail margins add in quadrature into the plan's spread, and the request is planned to complete at
-    expected + z · spread, where z is the lane's calibration (runtime/plan_calibration.py: a rolling quantile of
-    the standardized residuals of admitted requests, its level steered to the miss rate seen — normalized,
-    adaptive conformal prediction). It is admitted only if that meets its deadline and no request queued before
-    it loses its place.
+    expected + z · spread, where z is the lane's calibration (runtime/plan_calibration.py): 1 (the profile's own
+    tail) for a request planned alone on an idle lane; behind other batches, a rolling quantile of the
+    standardized residuals of admitted requests planned as many batches deep, its level steered to the miss rate
+    seen (normalized, adaptive, Mondrian conformal prediction). It is admitted only if that meets its deadline
+    and no request queued before it loses its place.
 An idle primary lane runs a request expected to take at most ``inline_ms`` (1 ms) on the caller's thread when
 the caller blocked on its previous answer (``submit(x).result()`` in a loop): no thread hand-off, which costs more
 than such a model's run on a busy machine (the fraud-scorer case); the returned future is then already done.
@@ -85,12 +86,14 @@ class Answer(Future):
 class Plan(NamedTuple):
     """An admission plan: predicted completion (expected + z · spread + margin), expected completion (both
     ``time.perf_counter()`` s) and spread (s); ``others``: the same plan's ``(request, Plan)`` for the requests
-    already queued (their completions move when this one joins their batch or goes ahead of them)."""
+    already queued (their completions move when this one joins their batch or goes ahead of them); ``ahead``:
+    batches planned before the request's own (the running one included), its calibration stratum."""
 
     done: float
     expected: float
     spread: float
     others: tuple = ()
+    ahead: int = 0
 
 
 @dataclass(eq=False)
@@ -109,6 +112,7 @@ class Request:
     future: Future = field(default_factory=Answer)
     plan_ms: float = 0.0  # admission's expected latency, ms; 0 = admitted without a plan
     spread_ms: float = 0.0  # the plan's spread (tail margins in quadrature), ms
+    ahead: int = 0  # batches the plan put before this request's own (its calibration stratum)
 
     def sort_key(self, order: int, tie_s: float) -> tuple:
         # deadlines within ``tie_s`` of each other count as equal, so priority can break the tie
@@ -212,7 +216,7 @@ class Lane:
             if wake:
                 self._cond.notify()
 
-    def plan(self, req: Request, now: float, z: float = 1.0) -> "Plan":
+    def plan(self, req: Request, now: float, z: float | Callable[[int], float] = 1.0) -> "Plan":
         """The plan for ``req`` if queued now: its predicted completion (s), expected completion (s) and spread
         (s); ``done`` is ``inf`` when admitting it would break its own deadline or that of a request already
         queued.
@@ -222,10 +226,12 @@ class Lane:
         every member's deadline; a head that fits no batch runs alone if it can still make its deadline, else it
         would be dropped and takes no time). Expected times (medians) add; the tail margins
         (tail − median) of the batches add in quadrature, as independent service times' deviations do; a
-        completion is planned at ``expected + z · spread`` (``z`` from runtime/plan_calibration.py). Queues
-        longer than ``plan_limit`` are estimated in closed form (batches of the largest size that fits the
-        budget).
+        completion is planned at ``expected + z · spread`` (``z``: a number, or ``batches ahead -> z`` as
+        runtime/plan_calibration.py gives it per stratum). Queues longer than ``plan_limit`` are estimated in
+        closed form (batches of the largest size that fits the budget).
         """
+        if not callable(z):
+            z = (lambda _k, c=float(z): c)
         with self._cond:
             queued = [r for _, r in self._queue]
             run_end_mid, run_dev = self._run_mid, self._run_dev
@@ -252,16 +258,18 @@ class Lane:
         return got._replace(others=tuple((r, with_req[id(r)]) for r in queued if id(r) in with_req))
 
     def _play(self, order: list[Request], now: float, mid_s: float, var_s: float,
-              z: float = 1.0) -> dict[int, "Plan"]:
+              z: Callable[[int], float]) -> dict[int, "Plan"]:
         """``{id(request): Plan}`` for the requests of ``order`` (EDF order) that would be served in time,
         playing the worker's batching forward from ``now`` plus the running batch."""
         out: dict[int, Plan] = {}
         left = list(order)
+        ahead = 1 if (mid_s > 0.0 or var_s > 0.0) else 0  # the running batch
         while left:
             head = left[0]
             cands = self._candidates(left)
             start = now + mid_s
-            feasible = self._feasible(cands, now, start, var_s, z)
+            zk = z(ahead)
+            feasible = self._feasible(cands, now, start, var_s, zk)
             if feasible:
                 n, t, m, d = feasible[self._choose(feasible)]
             else:  # as the worker does: the head runs alone if it can still make its deadline at the expected
@@ -271,12 +279,12 @@ class Lane:
                     left.pop(0)
                     continue
                 d = max(self.predict(head.rows, head.seq) / 1e3 - m, 0.0)
-                n, t = 1, start + m + z * self._spread(var_s, d, start - now + m) + self.margin_s
+                n, t = 1, start + m + zk * self._spread(var_s, d, start - now + m) + self.margin_s
             chosen = cands[:n]
-            plan = Plan(t, start + m, self._spread(var_s, d, start - now + m))
+            plan = Plan(t, start + m, self._spread(var_s, d, start - now + m), ahead=ahead)
             for r in chosen:
                 out[id(r)] = plan
-            mid_s, var_s = mid_s + m, var_s + d * d
+            mid_s, var_s, ahead = mid_s + m, var_s + d * d, ahead + 1
             ids = set(map(id, chosen))
             left = [r for r in left if id(r) not in ids]
         return out
@@ -326,10 +334,10 @@ class Lane:
         return max(i for i in range(len(feasible)) if round(rate[i], 6) >= 0.95 * top)
 
     def _closed_form(self, req: Request, queued: list[Request], now: float, mid_s: float, var_s: float,
-                     z: float) -> "Plan":
-        ahead = sum(r.rows for r in queued if r.deadline <= req.deadline)
+                     z: Callable[[int], float]) -> "Plan":
+        rows_ahead = sum(r.rows for r in queued if r.deadline <= req.deadline)
         b = max(1, self.profile.max_batch_within(req.budget_ms, req.seq, self.max_batch))
-        full, rest = divmod(ahead + req.rows, b)
+        full, rest = divmod(rows_ahead + req.rows, b)
         if rest == 0:
             full, rest = full - 1, b
         m_b, m_r = self.predict(b, req.seq, k_dev=0.0) / 1e3, self.predict(rest, req.seq, k_dev=0.0) / 1e3
@@ -337,7 +345,8 @@ class Lane:
         d_r = max(self.predict(rest, req.seq) / 1e3 - m_r, 0.0)
         expected = mid_s + full * m_b + m_r
         spread = self._spread(var_s + full * d_b * d_b, d_r, expected)
-        return Plan(now + expected + z * spread + self.margin_s, now + expected, spread)
+        ahead = full + (1 if (mid_s > 0.0 or var_s > 0.0) else 0)
+        return Plan(now + expected + z(ahead) * spread + self.margin_s, now + expected, spread, ahead=ahead)
 
     def enqueue(self, req: Request, cold_limit: int | None = None) -> bool:
         """Queue ``req``; False when the queue is full (or holds ``cold_limit`` already) or the lane is closing."""
@@ -390,7 +399,7 @@ class Lane:
     def _answer(self, req: Request, answer: Result | Rejected) -> None:
         if req.plan_ms > 0.0 and isinstance(answer, Result):
             if answer.error is None:
-                self.calibration.score(req.plan_ms, answer.latency_ms, req.spread_ms)
+                self.calibration.score(req.plan_ms, answer.latency_ms, req.spread_ms, stratum=req.ahead)
             self.calibration.outcome(answer.latency_ms > req.budget_ms or answer.error is not None)
         if req.future.set_running_or_notify_cancel():
             _answering.on = True
@@ -510,7 +519,8 @@ class Lane:
                         self._queue = [it for it in self._queue if it[1] is not r]
                         expected = self.predict(r.rows, r.seq, k_dev=0.0)
                         if r.plan_ms > 0.0:  # it would have taken at least this long: a miss of the plan
-                            self.calibration.score(r.plan_ms, (now - r.t_submit) * 1e3 + expected, r.spread_ms)
+                            self.calibration.score(r.plan_ms, (now - r.t_submit) * 1e3 + expected, r.spread_ms,
+                                                   stratum=r.ahead)
                             self.calibration.outcome(True)
                         self._reject(r, DEADLINE, f"deadline in {(r.deadline - now) * 1e3:.1f} ms < expected "
                                                   f"{expected:.1f} ms on {self.name}")
@@ -583,7 +593,7 @@ def restate(others: Sequence[tuple["Request", Plan]]) -> None:
     prediction error, not the planned effect of admitting more."""
     for r, p in others:
         if r.plan_ms > 0.0:
-            r.plan_ms, r.spread_ms = (p.expected - r.t_submit) * 1e3, p.spread * 1e3
+            r.plan_ms, r.spread_ms, r.ahead = (p.expected - r.t_submit) * 1e3, p.spread * 1e3, p.ahead
 
 
 class BudgetScheduler:
@@ -647,10 +657,12 @@ class BudgetScheduler:
             else:
                 if lane is first and lane.try_inline(req):
                     return req.future
-                plan = lane.plan(req, now, lane.calibration.z(now))
+                cal = lane.calibration
+                plan = lane.plan(req, now, lambda k, cal=cal, now=now: cal.z(now, k))
                 done = plan.done
                 if done <= req.deadline:
                     req.plan_ms, req.spread_ms = (plan.expected - now) * 1e3, plan.spread * 1e3
+                    req.ahead = plan.ahead
                 else:
                     req.plan_ms = req.spread_ms = 0.0
                 if done > req.deadline:

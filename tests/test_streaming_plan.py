@@ -12,7 +12,7 @@ from dsedge.runtime.latency_profile import LatencyProfile
 from dsedge.runtime.metrics import StreamMetrics
 from dsedge.runtime.plan_calibration import PlanCalibration
 from dsedge.runtime.results import Rejected, Result
-from dsedge.runtime.scheduler import BudgetScheduler, Lane
+from dsedge.runtime.scheduler import BudgetScheduler, Lane, Request
 
 from streaming_models import text_request
 from test_streaming_parts import TEXT_IO, backend  # noqa: F401  (the module's tiny real ORT text model)
@@ -95,8 +95,9 @@ def test_admission_plays_the_queue_forward_and_never_displaces_an_admitted_reque
 
 
 def test_a_plan_that_was_optimistic_makes_admission_stricter(backend):
-    """Service takes 60 ms where the profile says 20 (and is not allowed to learn it): the calibration's residuals
-    grow and admission stops taking requests the plan alone would have admitted."""
+    """Service takes 60 ms where the profile says 20 (and is not allowed to learn it): the residuals of plans made
+    behind a running batch grow and admission stops taking such requests the plan alone would have admitted; a
+    request alone on an idle lane is still planned at the profile's tail (stratum 0)."""
     layout = BatchLayout.of(*TEXT_IO)
     prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
     prof.set(1, 8, 20.0, 0.0)
@@ -108,13 +109,29 @@ def test_a_plan_that_was_optimistic_makes_admission_stricter(backend):
 
     lane = Lane("fp32", run, prof, layout, StreamMetrics(), max_batch=1, inline_ms=0.0)
     lane.calibration = PlanCalibration(min_scores=5, refresh_s=0.0)
+    lane.warm.wait(10)
     sched = BudgetScheduler([lane], layout, lane.metrics)
     rng = np.random.default_rng(0)
-    first = [sched.submit(text_request(rng, 8), 100).result(10) for _ in range(6)]  # planned 20.5 ms, took 60
-    assert all(isinstance(a, Result) for a in first)
-    assert lane.calibration.z() == 5.0  # 40 ms late on a 4 ms spread (20 % of the 20 ms expected): z at its cap
-    after = sched.submit(text_request(rng, 8), 35).result(10)  # 24.5 ms at z = 1 fits 35; 40.5 ms at z = 5 does not
+
+    def busy():  # a request the worker has taken (running for 60 ms)
+        f = sched.submit(text_request(rng, 8), 1000)
+        t_end = time.perf_counter() + 5
+        while lane.depth and time.perf_counter() < t_end:
+            time.sleep(0.0005)
+        return f
+
+    for _ in range(6):  # planned 40 ms behind the running one (spread 8 ms), answered after 120: z-score 10
+        pair = [busy(), sched.submit(text_request(rng, 8), 1000)]
+        assert all(isinstance(f.result(10), Result) for f in pair)
+    assert lane.calibration.z(stratum=1) == 5.0 and lane.calibration.z() == 5.0  # at its cap
+    assert lane.calibration.z(stratum=0) == 1.0
+    running = busy()
+    # behind it: ~40 ms expected, + 8 ms at z = 1 fits 50; + 40 ms at z = 5 does not
+    after = sched.submit(text_request(rng, 8), 50).result(10)
     assert isinstance(after, Rejected) and after.reason == "overload" and not after.admitted
+    running.result(10)
+    alone = sched.submit(text_request(rng, 8), 30).result(10)  # idle: 20 + 4 ms at z = 1 fits 30 (runs 60: late)
+    assert isinstance(alone, Result) and alone.latency_ms > 30
     sched.close()
 
 
@@ -187,4 +204,59 @@ def test_a_later_admission_restates_the_plans_it_changes(backend):
     assert r1.plan_ms == pytest.approx(r0.plan_ms, abs=15.0)  # one batch: the same expected end
     gate.set()
     assert all(isinstance(f.result(20), Result) for f in (blocker, f0, f1))
+    sched.close()
+
+
+def test_calibration_strata_an_idle_lane_plan_keeps_the_profile_tail_and_queued_ones_their_own_quantile():
+    """Mondrian strata by batches planned ahead: correlated queue errors do not make an idle lane refuse."""
+    cal = PlanCalibration(quantile=0.9, min_scores=10, refresh_s=0.0, z_max=50.0)
+    for i in range(10):
+        cal.score(10.0, 10.0 + i, 1.0, now=0.0, stratum=0)  # alone on an idle lane: z-scores 0..9
+        cal.score(10.0, 10.0 + 3 * i, 1.0, now=0.0, stratum=1)  # one batch ahead: 0..27
+    assert cal.z(now=0.0, stratum=0) == 1.0  # the profile's tail, whatever was scored
+    assert cal.z(now=0.0, stratum=1) == 24.0  # its own p90 (nearest rank of 0, 3, ..., 27)
+    assert cal.z(now=0.0, stratum=2) == 24.0  # too few of its own: strata 1 and 2+ together
+    for i in range(10):
+        cal.score(10.0, 10.0 + 2 * i, 1.0, now=0.0, stratum=7)  # deeper than 2 counts as 2+: 0..18
+    assert cal.z(now=0.0, stratum=2) == 16.0 and cal.z(now=0.0, stratum=5) == 16.0
+    assert cal.z(now=0.0) == 18.0  # pooled over all 30: the 27th of 0..9, 0..27 by 3 and 0..18 by 2
+    live = PlanCalibration(quantile=0.9, min_scores=10, refresh_s=0.0, z_max=50.0)
+    for i in range(10):
+        live.score(10.0, 10.0 + 3 * i, 1.0, stratum=1)
+    assert live.to_dict()["z_by_ahead"] == [1.0, 24.0, 24.0]
+
+
+def test_a_plan_counts_the_batches_ahead_and_an_idle_lane_admits_at_the_profile_tail(backend):
+    layout = BatchLayout.of(*TEXT_IO)
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(1, 8, 10.0, 0.0)
+    prof.observe = lambda *a, **k: None
+    gate = threading.Event()
+
+    def run(feed):
+        gate.wait(10)
+        return backend.run(feed)
+
+    lane = Lane("fp32", run, prof, layout, StreamMetrics(), max_batch=1, inline_ms=0.0)
+    lane.calibration = PlanCalibration(min_scores=5, refresh_s=0.0, z_max=50.0)
+    for _ in range(5):
+        lane.calibration.score(10.0, 50.0, 2.0, stratum=1)  # queued plans were 20 spreads late
+    lane.warm.wait(10)
+    sched = BudgetScheduler([lane], layout, lane.metrics)
+    rng = np.random.default_rng(0)
+    now = time.perf_counter()
+    z = lambda k: lane.calibration.z(now, k)  # noqa: E731
+    first = sched.submit(text_request(rng, 8), 15)  # idle lane: 10 ms + 20 % spread at z = 1 + margin fits 15
+    deadline = time.perf_counter() + 5
+    while lane.depth and time.perf_counter() < deadline:  # the worker took it: it runs (held at the gate)
+        time.sleep(0.001)
+    feed = text_request(rng, 8)
+    probe = Request(0, feed, 1, 8, layout.group_key(feed), 100.0, 0, time.perf_counter(), time.perf_counter() + 0.1)
+    plan = lane.plan(probe, time.perf_counter(), z)
+    assert plan.ahead == 1  # behind the running batch: stratum 1, planned at z = 20
+    assert (plan.done - plan.expected) > 20 * plan.spread * 0.99
+    second = sched.submit(text_request(rng, 8), 40).result(10)  # ~20 ms expected but 20 spreads: refused
+    assert isinstance(second, Rejected) and second.reason == "overload"
+    gate.set()
+    assert isinstance(first.result(10), Result)
     sched.close()
