@@ -25,9 +25,12 @@ distribution shift (Gibbs & Candès, NeurIPS 2021). It cannot lock: α moves by 
 is in the plan, so late answers it caused leave the residual at ≈ 0; ``z`` is clamped to ``[0, z_max]``; and
 scores older than ``horizon_s`` stop counting once ``min_scores`` newer ones exist, and none older than
 ``max_horizon_s`` ever counts, so a lane that rejected everything, or came out of a stall, is back to the profile's
-own tail (``z = default_z``) within ``max_horizon_s``. The longer reach is for low rates: at 35 requests/s a
+own tail (``z = default_z``) within ``max_horizon_s`` (2 s). The longer reach is for low rates: at 35 requests/s a
 one-second horizon never holds 50 scores, and the plan would run on the profile's tail, uncalibrated, however
-often it missed.
+often it missed. It is kept short because a stall's residuals outlive the stall: with 5 s, the scores of requests
+planned at the stall's onset kept z at its cap for 1.5–2.8 s after a 2 s CPU burner ended (MiniLM fp32, 0.5×
+load, 48 ms budget), and answers were back within budget 1.55 and 2.8 s after its end; with 2 s, 0.3–0.5 s
+(three runs).
 
 Strata (Mondrian conformal prediction: a separate quantile per category of a taxonomy, Vovk, Lindsay,
 Nouretdinov & Gammerman, 2003), by the number of batches planned ahead of the request's own: 0, 1, 2 or more.
@@ -73,7 +76,7 @@ class PlanCalibration:
     """
 
     def __init__(self, quantile: float = 0.99, window: int = 512, horizon_s: float = 1.0, min_scores: int = 50,
-                 default_z: float = 1.0, z_max: float = 5.0, refresh_s: float = 0.02, *, max_horizon_s: float = 5.0,
+                 default_z: float = 1.0, z_max: float = 5.0, refresh_s: float = 0.02, *, max_horizon_s: float = 2.0,
                  target_miss: float = 0.005, gamma: float = 0.05, alpha_min: float = 0.01,
                  alpha_max: float = 0.5) -> None:
         if not 0.5 < quantile < 1.0:
