@@ -113,7 +113,8 @@ class PlanCalibration:
 
     def z(self, now: float | None = None, stratum: int | None = None) -> float:
         """The multiplier of a plan's spread for a request with ``stratum`` batches planned ahead of its own
-        (None: the pooled one); ``default_z`` until ``min_scores`` recent scores exist."""
+        (None: the pooled one): ``default_z`` for stratum 0, always; for the others their own quantile, else
+        that of strata 1 and 2+ together, else the pooled one, else ``default_z`` (see the module doc)."""
         t = _clock() if now is None else now
         if t - self._t_z >= self.refresh_s:
             with self._lock:
