@@ -170,19 +170,35 @@ def compress_fp32(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
     when it beats this, not the unfused graph (on an AVX2 host without VNNI, INT8 MatMuls buy little over fused
     fp32). Elsewhere, and when the model cannot be fused, the export itself.
     """
-    fusable = fusable_export(exported, source, work) if plan.target.backend == "onnxruntime" else None
-    if fusable is None:
+    fused = fused_fp32(exported, source, work) if plan.target.backend == "onnxruntime" else None
+    if fused is None:
         return Compressed(exported.path, "fp32", {})
+    path, stats = fused
+    return Compressed(path, "fp32", {"form": "fp32 with ONNX Runtime's transformer fusions",
+                                     "fusion_export": "torchscript (parity-checked)", "fused_ops": stats,
+                                     "batch_invariant": True})
+
+
+def fused_fp32(exported: Exported, source: Source, work: Path) -> tuple[Path, dict[str, int]] | None:
+    """``fusable_export`` with ORT's transformer fusions (``fuse_transformer``), made once per build for the fp32
+    and INT8 compressors alike: ``(work/models/fp32-fused.onnx, {fused op: count})``, or None when the model has
+    no fusable export."""
+    import json
+
+    path, stats_file = work / "models" / "fp32-fused.onnx", work / "fp32-fused.json"
+    if stats_file.exists():  # written after the model: the model is complete
+        return path, json.loads(stats_file.read_text())
+    fusable = fusable_export(exported, source, work)
+    if fusable is None:
+        return None
     import onnx
 
     from ..quantize.int8 import fuse_transformer
 
     fused, stats = fuse_transformer(onnx.load(os.fspath(fusable)))
-    path = work / "models" / "fp32-fused.onnx"  # a fine-tuned student's export is models/fp32.onnx: kept as it is
-    _save(fused, path)
-    return Compressed(path, "fp32", {"form": "fp32 with ONNX Runtime's transformer fusions",
-                                     "fusion_export": "torchscript (parity-checked)", "fused_ops": stats,
-                                     "batch_invariant": True})
+    _save(fused, path)  # a fine-tuned student's export is models/fp32.onnx: kept as it is
+    stats_file.write_text(json.dumps(stats))
+    return path, stats
 
 
 def has_conv(model: Any) -> bool:
@@ -232,12 +248,14 @@ def compress_int8(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
         details["form"] = "W8A8 explicit Q/DQ (CNN): per-channel weights, per-tensor activations, MinMax"
         details["layers"] = [{"node": n, "kept": "float", "why": INPUT_CONV_REASON} for n in stem]
     elif target.backend == "onnxruntime":
-        fusable = fusable_export(exported, source, work)
-        if fusable is not None:
-            model = onnx.load(os.fspath(fusable))
-        out = compress(model, get_preset("int8-rowwise").replace(fuse="bert" if fusable is not None else None))
+        fused = fused_fp32(exported, source, work)  # the fp32 variant's fused graph, fused once per build
+        if fused is not None:
+            model = onnx.load(os.fspath(fused[0]))
+        out = compress(model, get_preset("int8-rowwise").replace(fuse=None))
         q, details = out.model, out.details
-        details["fusion_export"] = "torchscript (parity-checked)" if fusable is not None else "none"
+        if fused is not None:
+            details["fused"] = fused[1]
+        details["fusion_export"] = "torchscript (parity-checked)" if fused is not None else "none"
     elif calib is not None and heldout is not None:
         gate = opts.accuracy_gate or DEFAULT_INT8_GATE
         out = compress(model, get_preset("int8-smoothquant").replace(accuracy_gate=gate),
