@@ -49,6 +49,7 @@ A batch the backend fails on is run again request by request, so one bad request
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import threading
@@ -216,7 +217,7 @@ class Lane:
             if wake:
                 self._cond.notify()
 
-    def plan(self, req: Request, now: float, z: float | Callable[[int], float] = 1.0) -> "Plan":
+    def plan(self, req: Request, now: float, z: Callable[[int], float] = lambda _ahead: 1.0) -> "Plan":
         """The plan for ``req`` if queued now: its predicted completion (s), expected completion (s) and spread
         (s); ``done`` is ``inf`` when admitting it would break its own deadline or that of a request already
         queued.
@@ -226,12 +227,10 @@ class Lane:
         every member's deadline; a head that fits no batch runs alone if it can still make its deadline, else it
         would be dropped and takes no time). Expected times (medians) add; the tail margins
         (tail − median) of the batches add in quadrature, as independent service times' deviations do; a
-        completion is planned at ``expected + z · spread`` (``z``: a number, or ``batches ahead -> z`` as
-        runtime/plan_calibration.py gives it per stratum). Queues longer than ``plan_limit`` are estimated in
+        completion is planned at ``expected + z(batches ahead) · spread`` (runtime/plan_calibration.py gives it
+        per stratum; default 1, the profile's tail). Queues longer than ``plan_limit`` are estimated in
         closed form (batches of the largest size that fits the budget).
         """
-        if not callable(z):
-            z = (lambda _k, c=float(z): c)
         with self._cond:
             queued = [r for _, r in self._queue]
             run_end_mid, run_dev = self._run_mid, self._run_dev
@@ -658,7 +657,7 @@ class BudgetScheduler:
                 if lane is first and lane.try_inline(req):
                     return req.future
                 cal = lane.calibration
-                plan = lane.plan(req, now, lambda k, cal=cal, now=now: cal.z(now, k))
+                plan = lane.plan(req, now, functools.partial(cal.z, now))
                 done = plan.done
                 if done <= req.deadline:
                     req.plan_ms, req.spread_ms = (plan.expected - now) * 1e3, plan.spread * 1e3
