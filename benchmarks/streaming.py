@@ -12,9 +12,12 @@ The hard case, as a user first meets it:
   * loads 0.5×, 0.9×, 1.5× and 3× the **batch-1** capacity (1000 / batch-1 p50 rows/s), single sentences of
     ``--seq`` tokens; budgets 3× and 8× the batch-1 p50;
   * a stall scenario: a CPU burner (one busy process per core) starts mid-run and stops 2 s later.
-Servers: ``dsedge`` (``Session.submit``: EDF, budget-aware batching, admission control); ``fifo`` (one request per
-run, dropped at dispatch once its deadline passed); ``triton-pP-dD`` (Triton's dynamic batcher: dispatch when P
-requests are queued or the oldest waited D ms, max batch 32, timeout reject at the budget, bounded queue).
+Servers: ``dsedge`` (``Session.submit`` as ``dsedge.load`` opens it: EDF, budget-aware batching, admission control,
+on its default instances); ``dsedge-1-instance`` (the same on one backend, where the default has more: what the
+instances buy); ``fifo`` (one request per run, dropped at dispatch once its deadline passed); ``triton-pP-dD``
+(Triton's dynamic batcher: dispatch when P requests are queued or the oldest waited D ms, max batch 32, timeout
+reject at the budget, bounded queue), and ``…-xN`` the same with N instances taking batches off its queue (an
+instance group as large as dsedge's default).
 Reported per server and level: offered, answered within budget, answered late, rejected at admission by reason,
 dropped at the deadline, in-budget share of offered and of admitted, goodput (in-budget answers/s), p99 of answered,
 the rejection rate of the first second; for the stall, the time from its end until answers are back in budget.
@@ -44,6 +47,7 @@ import numpy as np
 import dsedge
 from dsedge.runtime.backends.ort import OrtBackend
 from dsedge.runtime.batching import BatchLayout
+from dsedge.session import auto_instances
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from schedule_bound import exact_knowledge  # noqa: E402
@@ -113,7 +117,8 @@ class QueueBatcher:
     """
 
     def __init__(self, run, layout: BatchLayout, max_batch: int, max_delay_ms: float, max_queue: int,
-                 preferred: int | None = None) -> None:
+                 preferred: int | None = None, more_runs: tuple = ()) -> None:
+        # ``more_runs``: further instances (Triton's instance group): each a worker taking batches off one queue
         self.run, self.layout = run, layout
         self.max_batch, self.preferred = max_batch, min(preferred or max_batch, max_batch)
         self.max_delay_s = max_delay_ms / 1e3
@@ -121,8 +126,9 @@ class QueueBatcher:
         self.q: deque = deque()
         self.cond = threading.Condition()
         self.closing = False
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._loop, args=(r,), daemon=True) for r in (run, *more_runs)]
+        for t in self.threads:
+            t.start()
 
     def submit(self, feed, budget_ms: float) -> Future:
         fut: Future = Future()
@@ -135,7 +141,7 @@ class QueueBatcher:
             self.cond.notify()
         return fut
 
-    def _loop(self) -> None:
+    def _loop(self, run) -> None:
         while True:
             with self.cond:
                 while not self.q and not self.closing:
@@ -153,7 +159,7 @@ class QueueBatcher:
                     continue
                 batch = [self.q.popleft() for _ in range(min(self.max_batch, len(self.q)))]
             feed, _ = self.layout.stack([b[2] for b in batch])
-            self.run(feed)
+            run(feed)
             for *_, fut in batch:
                 fut.set_result(("answered", None))
 
@@ -161,14 +167,16 @@ class QueueBatcher:
         with self.cond:
             self.closing = True
             self.cond.notify_all()
-        self.thread.join()
+        for t in self.threads:
+            t.join()
 
 
 class DsedgeServer:
     """``dsedge.load`` then ``Session.submit`` straight away (no warm-up)."""
 
-    def __init__(self, bundle, threads, max_batch: int, max_queue: int) -> None:
-        self.session = dsedge.load(bundle, threads=threads, max_batch=max_batch, max_queue=max_queue)
+    def __init__(self, bundle, threads, max_batch: int, max_queue: int, instances: int | None = None) -> None:
+        self.session = dsedge.load(bundle, threads=threads, max_batch=max_batch, max_queue=max_queue,
+                                   instances=instances)
 
     def submit(self, feed, budget_ms: float) -> Future:
         out: Future = Future()
@@ -184,6 +192,33 @@ class DsedgeServer:
 
     def close(self) -> None:
         self.session.close()
+
+
+def concurrent_rows_per_s(model_path, n: int, threads: int | None, pool, seconds: float = 2.0) -> float:
+    """Batch-1 rows/s of ``n`` backends run back to back on ``n`` threads at once."""
+    backs = [OrtBackend(model_path, threads=threads) for _ in range(n)]
+    for b in backs:
+        b.run(pool[0])
+    count = [0] * n
+    stop = _clock() + seconds
+
+    def work(i: int) -> None:
+        while _clock() < stop:
+            backs[i].run(pool[(count[i] + i) % len(pool)])
+            count[i] += 1
+    threads_ = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads_:
+        t.start()
+    for t in threads_:
+        t.join()
+    return sum(count) / seconds
+
+
+def triton_instances(model_path, n: int, threads: int | None, layout: BatchLayout, max_batch: int,
+                     max_delay_ms: float, max_queue: int, preferred: int) -> QueueBatcher:
+    """The Triton-style batcher over ``n`` backends of ``threads`` intra-op threads each (an instance group)."""
+    runs = [OrtBackend(model_path, threads=threads).run for _ in range(n)]
+    return QueueBatcher(runs[0], layout, max_batch, max_delay_ms, max_queue, preferred, more_runs=tuple(runs[1:]))
 
 
 # --- one run ---------------------------------------------------------------------------------------------------
@@ -319,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-queue", type=int, default=256)
     ap.add_argument("--threads", type=int, default=None, help="ORT intra-op threads (every server alike)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--servers", default=None,
+                    help="comma-separated server names (or prefixes) to run, e.g. dsedge,triton (default: all)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -343,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     lat_b = batch_latency_ms(ref.run, layout, pool, sizes, repeats=15)
     b1 = lat_b[1]
     cap1 = 1000.0 / b1
+    n_inst, inst_threads = auto_instances(ref, None, args.threads)
     import onnxruntime
 
     print(f"# streaming benchmark (hard case)  python {platform.python_version()}  onnxruntime "
@@ -351,8 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# bundle {Path(str(bundle)).name}  variant {probe.variant.name}  seq {args.seq}  batch-1 p50 {b1:.2f} ms "
           f"-> batch-1 capacity {cap1:.0f} rows/s; batch p50 ms: "
           + ", ".join(f"{b}: {ms:.1f}" for b, ms in lat_b.items()))
+    if n_inst > 1:
+        print(f"# instances (dsedge's default here): {n_inst} x {inst_threads} intra-op threads; batch 1 run "
+              f"side by side: {concurrent_rows_per_s(model_path, n_inst, inst_threads, pool):.0f} rows/s vs "
+              f"{cap1:.0f} rows/s on one backend")
     probe.close()
     budgets = [float(x) * b1 for x in args.budgets_x.split(",")]
+    wanted = [w.strip() for w in args.servers.split(",")] if args.servers else []
     loads = [float(x) for x in args.loads.split(",")]
 
     def best_batched(budget: float) -> float:
@@ -367,13 +410,19 @@ def main(argv: list[str] | None = None) -> int:
                         else round(0.25 * budget, 2)))
         return out
 
-    def servers(budget: float, load: float):
+
+    def servers(budget: float, load: float, ablations: bool = True):
         yield "dsedge", lambda: DsedgeServer(bundle, args.threads, max_batch, args.max_queue)
+        if ablations and n_inst > 1:  # the same scheduler on one backend: what the instances buy, side by side
+            yield "dsedge-1-instance", lambda: DsedgeServer(bundle, args.threads, max_batch, args.max_queue, 1)
         yield "fifo", lambda: QueueBatcher(OrtBackend(model_path, threads=args.threads).run, layout, 1, 0.0,
                                            args.max_queue)
         for p, d in triton_settings(budget, load > 1.0):
             yield f"triton-p{p}-d{d:g}", (lambda p=p, d=d: QueueBatcher(
                 OrtBackend(model_path, threads=args.threads).run, layout, max_batch, d, args.max_queue, p))
+            if ablations and n_inst > 1:  # Triton's instance group, as many instances as dsedge's default
+                yield f"triton-p{p}-d{d:g}-x{n_inst}", (lambda p=p, d=d: triton_instances(
+                    model_path, n_inst, inst_threads, layout, max_batch, d, args.max_queue, p))
 
     header = (f"{'load':>4} {'budget':>7} {'server':<18} {'offered':>7} {'in-budget':>9} {'late':>5} "
               f"{'rejected':>16} {'dropped':>7} {'%offered':>8} {'%admitted':>9} {'goodput/s':>9} {'p99 ms':>8} "
@@ -384,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         for load in loads:
             schedule = arrivals(load * cap1, args.duration_s, np.random.default_rng(args.seed + int(load * 100) + bi))
             for name, make in servers(budget, load):
+                if wanted and not any(name == w or name.startswith(w + "-") for w in wanted):
+                    continue
                 server = make()
                 row = drive(server, schedule, pool, budget)
                 server.close()
@@ -404,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# stall: {os.cpu_count()} CPU burner processes from {args.stall_at_s:g} s for {args.stall_s:g} s; "
               f"load {args.stall_load:g}x, budget {budget:.1f} ms")
         schedule = arrivals(args.stall_load * cap1, args.duration_s, np.random.default_rng(args.seed + 999))
-        for name, make in list(servers(budget, args.stall_load))[:3]:
+        for name, make in list(servers(budget, args.stall_load, ablations=False))[:3]:
             server = make()
             row = drive(server, schedule, pool, budget, stall=(args.stall_at_s, args.stall_s),
                         burner_procs=os.cpu_count() or 2)

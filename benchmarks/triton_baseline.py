@@ -277,6 +277,7 @@ def start_dsedge_serve(bundle, name: str, args, budget: float, log: Path) -> tup
            "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    cmd += ["--instances", str(args.instances)]
     out = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
@@ -320,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="Triton max_batch_size values to try (preferred sizes: powers of two up to it)")
     ap.add_argument("--min-seq", type=int, default=8)
     ap.add_argument("--max-seq", type=int, default=48)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads per instance (both servers)")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="backends per model on both servers: Triton's instance_group count, dsedge serve --instances")
     ap.add_argument("--dsedge", choices=("auto", "serve", "inprocess"), default="auto")
     ap.add_argument("--stub-env", default=os.path.expanduser("~/.cache/dsedge/triton-stub-env"),
                     help="the Python-backend stub's virtualenv (built here if missing)")
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         build_stub_env(stub)
 
     session = dsedge.load(bundle, variant=args.variant, threads=args.threads, budget_ms=args.budget_ms,
-                          max_batch=args.max_batch, max_queue=args.max_queue)
+                          max_batch=args.max_batch, max_queue=args.max_queue, instances=args.instances)
     budget = session.default_budget_ms()
     rng = np.random.default_rng(args.seed)
     seqs = np.linspace(args.min_seq, args.max_seq, 4).round().astype(int)
@@ -364,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     from dsedge.toolchain.triton import export_triton
 
     repo = work / "repo"
-    export = export_triton(bundle, repo, platform="python", threads=args.threads)
+    export = export_triton(bundle, repo, platform="python", threads=args.threads, instances=args.instances)
     for m in export.models[1:]:  # only the served variant
         shutil.rmtree(repo / m.name)
     model = export.models[0].name
@@ -391,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{cap:.0f} rows/s (batch {cap_b})  b1 p50 {np.median(b1):.2f} ms -> batch-1 capacity "
           f"{1000.0 / float(np.median(b1)):.0f} rows/s; loads are multiples of the {args.capacity} one "
           f"({ref:.0f} rows/s)  seq {args.min_seq}-{args.max_seq}  "
-          f"window {args.duration_s:g} s  threads {args.threads}  dsedge via "
+          f"window {args.duration_s:g} s  threads {args.threads} x instances {args.instances}  dsedge via "
           f"{'dsedge serve (same gRPC client)' if mode == 'serve' else 'Session.submit in-process (no network)'}")
 
     delays = [0.1 * budget if d.strip() == "auto" else float(d) for d in args.triton_delays_ms.split(",") if d.strip()]

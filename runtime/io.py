@@ -130,11 +130,12 @@ PROFILE_SOURCES = ("auto", "measure", "bundle")
 
 def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = None, max_queue: Any = 1024,
                           max_delay_ms: Any = None, profile: Any = "auto", threads: Any = None,
-                          window: Any = None) -> None:
+                          window: Any = None, instances: Any = None) -> None:
     """Check ``dsedge.load``'s options (and ``stream``'s ``window``) before anything is opened.
 
     ``path`` is a str or ``os.PathLike``; ``budget_ms``/``max_delay_ms`` None or a finite number > 0 (ms; a
-    ``max_delay_ms`` of 0 holds no batch open); ``max_batch``/``threads``/``window`` None or an integer ≥ 1;
+    ``max_delay_ms`` of 0 holds no batch open); ``max_batch``/``threads``/``window``/``instances`` None or an integer
+    ≥ 1;
     ``max_queue`` an integer ≥ 1; ``profile`` one of ``PROFILE_SOURCES``.
 
     Raises:
@@ -156,6 +157,7 @@ def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = 
     integer("max_queue", max_queue, 1, optional=False)
     integer("threads", threads, 1)
     integer("window", window, 1)
+    integer("instances", instances, 1)
     for name, value, low_open in (("budget_ms", budget_ms, True), ("max_delay_ms", max_delay_ms, False)):
         if value is None:
             continue

@@ -39,6 +39,9 @@ cheaper variants — the cascade):
     standardized residuals of admitted requests planned as many batches deep, its level steered to the miss rate
     seen (normalized, adaptive, Mondrian conformal prediction). It is admitted only if that meets its deadline
     and no request queued before it loses its place.
+A variant may run on several instances (Triton's instance group): consecutive lanes of one name, each a backend
+with its own queue and worker, sharing the variant's profile and calibration; admission plans the request on each
+and queues it on the one whose plan completes earliest (ties: the first), and a refusal names that best plan.
 An idle primary lane runs a request expected to take at most ``inline_ms`` (1 ms) on the caller's thread when
 the caller blocked on its previous answer (``submit(x).result()`` in a loop): no thread hand-off, which costs more
 than such a model's run on a busy machine (the fraud-scorer case); the returned future is then already done.
@@ -144,6 +147,8 @@ class Lane:
             thread (0: never).
         plan_limit: admission plays the queue forward batch by batch up to this many queued requests (beyond:
             a closed-form estimate); see ``plan``.
+        calibration: the ``PlanCalibration`` to use (instances of one variant share theirs, and their profile).
+        instance: this lane's index among its variant's instances (0: the first).
     """
 
     def __init__(self, name: str, run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
@@ -151,7 +156,8 @@ class Lane:
                  max_queue: int = 1024, max_delay_ms: float | None = None, margin_ms: float = 0.5,
                  tie_ms: float = 1.0, *, warm_feed: Callable[[int, int | None], dict] | None = None,
                  warm_seq: int | None = None, observe_warmup: bool = True, probe_interval_ms: float = 100.0,
-                 probe_after_ms: float = 500.0, inline_ms: float = 1.0, plan_limit: int = 16) -> None:
+                 probe_after_ms: float = 500.0, inline_ms: float = 1.0, plan_limit: int = 16,
+                 calibration: PlanCalibration | None = None, instance: int = 0) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -166,7 +172,8 @@ class Lane:
         self.probe_after_s = probe_after_ms / 1e3
         self.inline_ms = float(inline_ms)
         self.plan_limit = int(plan_limit)
-        self.calibration = PlanCalibration()
+        self.calibration = calibration if calibration is not None else PlanCalibration()
+        self.instance = int(instance)
         self.warm = threading.Event()
         self._warm_feed = warm_feed
         self._warm_seq = warm_seq
@@ -190,7 +197,8 @@ class Lane:
         self.probes = 0
         self.inline = 0
         self.max_depth = 0
-        self._thread = threading.Thread(target=self._loop, name=f"dsedge-lane-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=f"dsedge-lane-{name}" + (f"-{instance}" if instance else ""),
+                                        daemon=True)
         self._thread.start()
 
     # -- prediction -------------------------------------------------------------------------------------------
@@ -586,6 +594,17 @@ class Lane:
             self._thread.join()
 
 
+def _instance_groups(lanes: Sequence[Lane]) -> list[list[Lane]]:
+    """``lanes`` split into runs of one variant's instances (consecutive lanes with the same name), in order."""
+    groups: list[list[Lane]] = []
+    for lane in lanes:
+        if groups and groups[-1][0].name == lane.name:
+            groups[-1].append(lane)
+        else:
+            groups.append([lane])
+    return groups
+
+
 def restate(others: Sequence[tuple["Request", Plan]]) -> None:
     """After an admission, each queued request is scored against the plan that now holds for it (the one its
     admission made no longer does once a later request joins its batch), so that the calibration measures
@@ -635,46 +654,59 @@ class BudgetScheduler:
         lanes = self.lanes
         first = lanes[0]
         reasons = []
-        for lane in lanes:
+        for group in _instance_groups(lanes):
+            lane = group[0]  # the instances of one variant share its profile and calibration
             alone = lane.alone_ms(req)
             cold = None
+            plan = None
             if math.isinf(alone):  # nothing known yet (no seed, warm-up still running): queued, own deadline
                 if budget_ms <= lane.margin_s * 1e3:
                     reasons.append((BUDGET, f"budget {budget_ms:g} ms is within the scheduling margin of "
                                             f"{lane.margin_s * 1e3:g} ms on {lane.name}"))
                     continue
                 cold = lane.max_queue
+                lane = min(group, key=lambda l: l.depth)
             elif alone + lane.margin_s * 1e3 > budget_ms:
                 lane.refused(req)
                 margin = f" + {lane.margin_s * 1e3:g} ms margin" if lane.margin_s else ""
                 reasons.append((BUDGET, f"predicted {alone:.1f} ms alone on {lane.name}{margin} > budget "
                                         f"{budget_ms:.4g} ms"))
                 continue
-            elif lane.depth >= lane.max_queue:
-                reasons.append((OVERLOAD, f"queue of {lane.name} full ({lane.max_queue} requests)"))
-                continue
             else:
+                room = [l for l in group if l.depth < l.max_queue]
+                if not room:
+                    reasons.append((OVERLOAD, f"queue of {lane.name} full ({lane.max_queue} requests)"))
+                    continue
                 if lane is first and lane.try_inline(req):
                     return req.future
-                cal = lane.calibration
-                plan = lane.plan(req, now, functools.partial(cal.z, now))
+                # each instance's plan; the one that completes earliest takes it (ties: the first instance, so
+                # light load stays on one and its batches fill)
+                best = None
+                for inst in room:
+                    p = inst.plan(req, now, functools.partial(inst.calibration.z, now))
+                    if best is None or p.done < best[1].done:
+                        best = (inst, p)
+                inst, plan = best
                 done = plan.done
-                if done <= req.deadline:
-                    req.plan_ms, req.spread_ms = (plan.expected - now) * 1e3, plan.spread * 1e3
-                    req.ahead = plan.ahead
-                else:
-                    req.plan_ms = req.spread_ms = 0.0
                 if done > req.deadline:
+                    req.plan_ms = req.spread_ms = 0.0
                     lane.refused(req)  # an idle lane re-measures it: a stale estimate cannot keep refusing
                     said = (f"predicted {(done - now) * 1e3:.1f} ms" if not math.isinf(done)
                             else "no batch meets its deadline and those queued before it")
-                    reasons.append((OVERLOAD, f"{said} with {lane.depth} queued on {lane.name} > budget "
+                    reasons.append((OVERLOAD, f"{said} with {inst.depth} queued on {lane.name} > budget "
                                               f"{budget_ms:g} ms"))
                     continue
+                if inst.profile.measured or not inst.profile.scale_seeds:
+                    # a plan on seeds still waiting to be scaled to this machine says nothing about the profile's
+                    # error: not scored (two such cold residuals of 8–13 held z at its cap for the first 2 s,
+                    # refusing requests a 54 ms budget had room for)
+                    req.plan_ms, req.spread_ms = (plan.expected - now) * 1e3, plan.spread * 1e3
+                    req.ahead = plan.ahead
+                lane = inst
             if lane.enqueue(req, cold):
-                if cold is None:
+                if plan is not None:
                     restate(plan.others)
-                if lane is not first:
+                if lane.name != first.name:
                     self.metrics.on_cascade(lane.name)
                 return req.future
             if self._closed:  # close() began while this request was being admitted

@@ -21,7 +21,7 @@ import atexit
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 
 from .batching import BatchLayout, example_feed
 from .bundle import Manifest, Variant
@@ -124,6 +124,9 @@ class StreamingCore:
         profile: ``"auto"`` (bundle figures scaled by this machine's warm-up run), ``"measure"`` (this machine
             only) or ``"bundle"`` (the bundle's figures as they are; measured where it has none).
         batch_variant_ok: batch variants the manifest marks ``batch_invariant: false`` (default: batch 1).
+        instances: ``run`` callables of more backends of the primary variant (Triton's instance group): each
+            becomes one more lane with its own queue and worker, sharing the primary's latency profile and
+            calibration; admission gives a request to the instance whose plan completes earliest.
     Raises:
         ValueError: an unknown ``profile`` mode.
     """
@@ -132,7 +135,7 @@ class StreamingCore:
                  default_budget_ms: Callable[[], float], cascade: bool = False,
                  open_variant: Callable[[str], Any] | None = None, max_batch: int | None = None,
                  max_queue: int = 1024, max_delay_ms: float | None = None, profile: str = "auto",
-                 batch_variant_ok: bool = False) -> None:
+                 batch_variant_ok: bool = False, instances: Sequence[Callable] = ()) -> None:
         if profile not in PROFILE_MODES:
             raise ValueError(f"profile must be one of {PROFILE_MODES}, got {profile!r}")
         self.manifest = manifest
@@ -150,7 +153,8 @@ class StreamingCore:
         self._seq_range = (int(seq_range.get("min", 1)), int(seq_range.get("max", 1 << 30)))
         self.warm_seq = self._clip_seq(_WARM_SEQ) if layout.seq_symbol else None
         primary = self._make_lane(variant, run)
-        self.scheduler = BudgetScheduler([primary], layout, metrics)
+        more = [self._make_lane(variant, r, primary, i + 1) for i, r in enumerate(instances)]
+        self.scheduler = BudgetScheduler([primary] + more, layout, metrics)
         self.cascade_ready = threading.Event()
         self._closed = False
         self._cascade_thread: threading.Thread | None = None
@@ -173,9 +177,12 @@ class StreamingCore:
             return 1
         return self.max_batch
 
-    def _make_lane(self, variant: Variant, run: Callable) -> Lane:
+    def _make_lane(self, variant: Variant, run: Callable, sibling: Lane | None = None, instance: int = 0) -> Lane:
+        # ``sibling``: the variant's first instance, whose profile and calibration this one shares
         mode = self._profile_mode
-        if mode == "measure":
+        if sibling is not None:
+            prof = sibling.profile
+        elif mode == "measure":
             prof = LatencyProfile(variant.name)
         else:
             prof = LatencyProfile.from_variant(variant, scale_seeds=(mode == "auto"))
@@ -183,11 +190,13 @@ class StreamingCore:
         return Lane(variant.name, run, prof, layout, self.metrics, max_batch=self.lane_max_batch(variant),
                     max_queue=self._max_queue, max_delay_ms=self._max_delay_ms,
                     warm_feed=lambda b, s: example_feed(layout, b, s), warm_seq=self.warm_seq,
-                    observe_warmup=(mode != "bundle" or prof.empty))
+                    observe_warmup=(mode != "bundle" or prof.empty),
+                    calibration=None if sibling is None else sibling.calibration, instance=instance)
 
     def _open_cascade(self, primary_variant: Variant, open_variant: Callable[[str], Any]) -> None:
         try:
-            primary = self.scheduler.lanes[0]
+            primaries = [l for l in self.scheduler.lanes if l.name == primary_variant.name]
+            primary = primaries[0]
             primary.warm.wait(60)
             seq = self.warm_seq
             alone = primary.predict(1, seq)
@@ -206,7 +215,7 @@ class StreamingCore:
                 else:
                     lane.close(drain=False)
             if cheaper and not self._closed:  # most accurate (the dearest of the cheaper ones) first
-                self.scheduler.set_lanes([primary] + [lane for _, lane in sorted(cheaper, key=lambda x: -x[0])])
+                self.scheduler.set_lanes(primaries + [lane for _, lane in sorted(cheaper, key=lambda x: -x[0])])
             elif cheaper:
                 for _, lane in cheaper:
                     lane.close(drain=False)
@@ -230,12 +239,12 @@ class StreamingCore:
             seqs = tuple(sorted({self._clip_seq(s) for s in _MEASURE_SEQS}))
         for lane in self.lanes:
             lane.warm.wait(timeout_s)
-            if self._profile_mode == "bundle" and not lane.profile.empty:
-                continue
+            if lane.instance or (self._profile_mode == "bundle" and not lane.profile.empty):
+                continue  # a second instance shares its variant's profile
             sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= lane.max_batch] + [lane.max_batch]
             measure(lane.profile, lane.run, lambda b, s: example_feed(layout, b, s), sizes, seqs, repeats=3,
                     stop_ms=2 * self._budget())
-        return {lane.name: lane.profile.to_dict() for lane in self.lanes}
+        return {lane.name: lane.profile.to_dict() for lane in self.lanes if not lane.instance}
 
     # -- requests ---------------------------------------------------------------------------------------------
     def submit(self, feed: dict, budget_ms: float, priority: int = 0, id: Any = None) -> Future:
@@ -337,8 +346,16 @@ class StreamingCore:
 
     # -- reporting and shutdown -------------------------------------------------------------------------------
     def lane_stats(self) -> dict[str, dict[str, int]]:
-        return {l.name: {"queue_depth": l.depth, "max_queue_depth": l.max_depth, "batches": l.batches,
-                         "inline": l.inline, "probes": l.probes, "max_batch": l.max_batch} for l in self.lanes}
+        out: dict[str, dict[str, int]] = {}
+        for l in self.lanes:  # a variant's instances add up
+            got = out.setdefault(l.name, {"queue_depth": 0, "max_queue_depth": 0, "batches": 0, "inline": 0,
+                                          "probes": 0, "max_batch": l.max_batch, "instances": 0})
+            got["queue_depth"] += l.depth
+            got["max_queue_depth"] = max(got["max_queue_depth"], l.max_depth)
+            for k in ("batches", "inline", "probes"):
+                got[k] += getattr(l, k)
+            got["instances"] += 1
+        return out
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop admitting; drain or reject what is queued (``BudgetScheduler.close``). A cascade still being opened

@@ -239,7 +239,7 @@ class LatencyCheck:
         key = (str(self.case.bundle), self.case.variant, threads)
         cache = self.config.stash[_SESSIONS]
         if key not in cache:
-            cache[key] = load(self.case.bundle, variant=self.case.variant, threads=threads)
+            cache[key] = load(self.case.bundle, variant=self.case.variant, threads=threads, instances=1)
         return cache[key]
 
     def measure(self) -> Any:

@@ -26,7 +26,7 @@ class TritonPythonModel:
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         bundle = os.path.join(version_dir, params.get("bundle", "bundle.dse"))
         threads = int(params["threads"]) if params.get("threads") else None
-        self.session = dsedge.load(bundle, variant=params.get("variant") or None, threads=threads)
+        self.session = dsedge.load(bundle, variant=params.get("variant") or None, threads=threads, instances=1)
         self.layout = BatchLayout.of(self.session.inputs, self.session.outputs)
         self.output_names = [o.name for o in self.session.outputs]
 

@@ -111,7 +111,7 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
         pyplot()  # a missing matplotlib fails before seconds of measuring, with nothing written
     settings = core.BenchSettings(warmup=warmup, iterations=iterations, duration_s=duration_s, percentile=percentile)
     base = core.load_report(baseline) if baseline else None  # a bad baseline fails before minutes of measuring
-    session = load(bundle, variant=variant, threads=threads,
+    session = load(bundle, variant=variant, threads=threads, instances=1,  # run() only: one backend
                    providers=[p.strip() for p in providers.split(",") if p.strip()] if providers else None)
     if seq_len is not None and not any(isinstance(d, str) for i in session.inputs for d in i.shape[1:]):
         session.close()  # e.g. a CNN or an MLP: --seq-len would be recorded in the report but change nothing

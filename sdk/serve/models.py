@@ -237,12 +237,13 @@ class Repository:
     def __init__(self, bundles: Sequence[str], metrics: ServeMetrics, *, variant: str | None = None,
                  cascade: bool = False, budget_ms: float | None = None, max_batch: int | None = None,
                  threads: int | None = None, providers: Sequence[str] | None = None, max_inflight: int | None = None,
+                 instances: int | None = None,
                  max_queue: int = 1024, levels: PriorityLevels | None = None) -> None:
         self.metrics = metrics
         self.models: dict[str, ServedModel] = {}
         self._specs = _name_bundles(bundles)
         self._opts = dict(variant=variant, cascade=cascade, budget_ms=budget_ms, max_batch=max_batch,
-                          threads=threads, providers=providers)
+                          threads=threads, providers=providers, instances=instances)
         self._max_inflight = max_inflight
         self._max_queue = max_queue
         self.levels = levels or PriorityLevels()
@@ -262,7 +263,7 @@ class Repository:
             s = dsedge.load(path, variant=self._opts["variant"], providers=self._opts["providers"],
                             threads=self._opts["threads"], budget_ms=self._opts["budget_ms"],
                             cascade=self._opts["cascade"], max_batch=self._opts["max_batch"],
-                            max_queue=self._max_queue)
+                            max_queue=self._max_queue, instances=self._opts["instances"])
             try:
                 lanes = warm_up(s)  # latency profiles measured here: admission control is usable from now on
             except DsedgeError:

@@ -47,6 +47,7 @@ class ServeConfig:
     budget_ms: float | None = None
     max_batch: int | None = None
     threads: int | None = None
+    instances: int | None = None
     max_inflight: int | None = None
     max_queue: int = 1024
     max_body_bytes: int = 64 * 1024 * 1024
@@ -74,6 +75,7 @@ class ServeConfig:
         if not (_finite(self.body_timeout_s) and self.body_timeout_s > 0):
             raise bad("--body-timeout", self.body_timeout_s, "a finite number of seconds > 0", "30")
         for option, value, least in (("--max-batch", self.max_batch, 1), ("--threads", self.threads, 1),
+                                     ("--instances", self.instances, 1),
                                      ("--max-inflight", self.max_inflight, 1), ("--max-queue", self.max_queue, 0),
                                      ("--max-body-bytes", self.max_body_bytes, 1024),
                                      ("--max-connections", self.max_connections, 1),
@@ -242,7 +244,7 @@ async def serve(cfg: ServeConfig) -> int:
 
     metrics = ServeMetrics()
     repo = Repository(cfg.bundles, metrics, variant=cfg.variant, cascade=cfg.cascade, budget_ms=cfg.budget_ms,
-                      max_batch=cfg.max_batch, threads=cfg.threads, max_inflight=cfg.max_inflight,
+                      max_batch=cfg.max_batch, threads=cfg.threads, instances=cfg.instances, max_inflight=cfg.max_inflight,
                       max_queue=cfg.max_queue, levels=levels)
     state = ServerState(stopping=asyncio.get_running_loop().create_future())
     extensions = ["binary_tensor_data"]

@@ -1,0 +1,88 @@
+"""Instances of one variant (Triton's instance group): several backends, one lane each, sharing a profile."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import dsedge
+from dsedge.runtime.batching import BatchLayout
+from dsedge.runtime.errors import InputError
+from dsedge.runtime.latency_profile import LatencyProfile
+from dsedge.runtime.metrics import StreamMetrics
+from dsedge.runtime.plan_calibration import PlanCalibration
+from dsedge.runtime.results import Result
+from dsedge.runtime.scheduler import BudgetScheduler, Lane
+from dsedge.session import auto_instances
+
+from streaming_models import text_bundle, text_request
+from test_streaming_parts import TEXT_IO, backend  # noqa: F401  (the module's tiny real ORT text model)
+
+
+def test_a_request_the_busy_instance_cannot_meet_goes_to_the_idle_one(backend):
+    layout = BatchLayout.of(*TEXT_IO)
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(1, 8, 100.0, 0.0)  # 100 ms per request, on either instance
+    gate = threading.Event()
+
+    def held(feed):
+        gate.wait(20)
+        return backend.run(feed)
+
+    metrics, cal = StreamMetrics(), PlanCalibration()
+    first = Lane("fp32", held, prof, layout, metrics, max_batch=1, inline_ms=0.0)
+    second = Lane("fp32", backend.run, prof, layout, metrics, max_batch=1, inline_ms=0.0, calibration=first.calibration,
+                  instance=1)
+    sched = BudgetScheduler([first, second], layout, metrics)
+    rng = np.random.default_rng(0)
+    blocker = sched.submit(text_request(rng, 8), 60_000, id="blocker")
+    while first._busy_until == 0.0:  # the blocker runs on the first instance, held at the gate
+        time.sleep(0.001)
+    # behind the blocker (≈ 100 ms left) a 150 ms budget cannot hold on the first instance; the second is idle
+    got = sched.submit(text_request(rng, 8), 150, id="next").result(10)
+    assert isinstance(got, Result) and got.ok and got.variant == "fp32"
+    assert not blocker.done()  # answered while the first instance was still busy
+    assert second.batches == 1 and first.batches == 0
+    assert metrics.snapshot()["cascaded"] == {}  # an instance of the same variant is no cascade
+    assert second.profile is first.profile and second.calibration is first.calibration
+    gate.set()
+    assert blocker.result(10).ok
+    sched.close()
+
+
+def test_load_with_instances_serves_on_each_backend_and_answers_like_run(tmp_path):
+    bundle = text_bundle(tmp_path / "b")
+    rng = np.random.default_rng(1)
+    reqs = [text_request(rng, int(s)) for s in rng.integers(4, 30, size=40)]
+    with dsedge.load(bundle, instances=2) as s:
+        lanes = s._core().lanes
+        assert [l.instance for l in lanes] == [0, 1] and len({id(l.run) for l in lanes}) == 2
+        runs = {id(getattr(l.run, "__self__", None)) for l in lanes}
+        assert id(s._backend) not in runs  # run() keeps its own backend, with ORT's default threads
+        answers = [f.result(30) for f in [s.submit(r, budget_ms=10_000) for r in reqs]]
+        for r, a in zip(reqs, answers):
+            assert isinstance(a, Result) and a.ok
+            np.testing.assert_allclose(a.outputs["sentence_embedding"], s.run(r)["sentence_embedding"], rtol=0,
+                                       atol=1e-5)
+        stats = s._core().lane_stats()["fp32"]
+        assert stats["instances"] == 2 and stats["batches"] + stats["inline"] >= 1
+    with pytest.raises(InputError, match="instances"):
+        dsedge.load(bundle, instances=0)
+
+
+def test_auto_instances_on_the_cpu_provider_splits_the_cores(monkeypatch):
+    class Cpu:
+        providers = ["CPUExecutionProvider"]
+
+    class Gpu:
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    monkeypatch.setattr("dsedge.session._cores", lambda: 8)
+    assert auto_instances(Cpu(), 4, None) == (4, 2)  # given: the cores split between them
+    assert auto_instances(Cpu(), 2, 3) == (2, 3)  # given threads are kept
+    assert auto_instances(Cpu(), None, 3) == (1, 3)  # threads alone: one backend as asked
+    assert auto_instances(Gpu(), None, None) == (1, None)  # one engine per device
+    n, t = auto_instances(Cpu(), None, None)
+    assert n * t <= 8 and n >= 1
