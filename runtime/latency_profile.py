@@ -106,6 +106,13 @@ class LatencyProfile:
             self._seed[key] = (float(mean_ms), float(dev_ms if dev_ms is not None else 0.1 * mean_ms))
             self._invalidate()
 
+    def scale_seed_figures(self, factor: float) -> None:
+        """Multiply every seed (mean and deviation) by ``factor``: figures measured with more intra-op threads than
+        this backend has. Measurements here rescale seeds anyway (``scale_seeds``); this is the start."""
+        with self._lock:
+            self._seed = {k: (m * factor, d * factor) for k, (m, d) in self._seed.items()}
+            self._invalidate()
+
     def forget(self) -> None:
         """Drop every measured sample (seeds stay)."""
         with self._lock:

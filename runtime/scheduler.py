@@ -41,7 +41,9 @@ cheaper variants — the cascade):
     and no request queued before it loses its place.
 A variant may run on several instances (Triton's instance group): consecutive lanes of one name, each a backend
 with its own queue and worker, sharing the variant's profile and calibration; admission plans the request on each
-and queues it on the one whose plan completes earliest (ties: the first), and a refusal names that best plan.
+and queues it on the one whose plan completes earliest (ties: the first), and a refusal names that best plan. A
+request the instances cannot meet even alone (each has fewer intra-op threads) goes to the variant's ``fallback``
+lane, the backend with all of them, when one is there.
 An idle primary lane runs a request expected to take at most ``inline_ms`` (1 ms) on the caller's thread when
 the caller blocked on its previous answer (``submit(x).result()`` in a loop): no thread hand-off, which costs more
 than such a model's run on a busy machine (the fraud-scorer case); the returned future is then already done.
@@ -149,6 +151,8 @@ class Lane:
             a closed-form estimate); see ``plan``.
         calibration: the ``PlanCalibration`` to use (instances of one variant share theirs, and their profile).
         instance: this lane's index among its variant's instances (0: the first).
+        fallback: this lane is the variant's backend of more intra-op threads beside its instances: admission
+            offers it only requests the instances refused for their budget (too slow for it even alone).
     """
 
     def __init__(self, name: str, run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
@@ -157,7 +161,7 @@ class Lane:
                  tie_ms: float = 1.0, *, warm_feed: Callable[[int, int | None], dict] | None = None,
                  warm_seq: int | None = None, observe_warmup: bool = True, probe_interval_ms: float = 100.0,
                  probe_after_ms: float = 500.0, inline_ms: float = 1.0, plan_limit: int = 16,
-                 calibration: PlanCalibration | None = None, instance: int = 0) -> None:
+                 calibration: PlanCalibration | None = None, instance: int = 0, fallback: bool = False) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -174,6 +178,7 @@ class Lane:
         self.plan_limit = int(plan_limit)
         self.calibration = calibration if calibration is not None else PlanCalibration()
         self.instance = int(instance)
+        self.fallback = bool(fallback)
         self.warm = threading.Event()
         self._warm_feed = warm_feed
         self._warm_seq = warm_seq
@@ -595,10 +600,10 @@ class Lane:
 
 
 def _instance_groups(lanes: Sequence[Lane]) -> list[list[Lane]]:
-    """``lanes`` split into runs of one variant's instances (consecutive lanes with the same name), in order."""
+    """``lanes`` split into runs of one variant's instances (consecutive lanes sharing a profile), in order."""
     groups: list[list[Lane]] = []
     for lane in lanes:
-        if groups and groups[-1][0].name == lane.name:
+        if groups and groups[-1][0].profile is lane.profile:
             groups[-1].append(lane)
         else:
             groups.append([lane])
@@ -656,6 +661,8 @@ class BudgetScheduler:
         reasons = []
         for group in _instance_groups(lanes):
             lane = group[0]  # the instances of one variant share its profile and calibration
+            if lane.fallback and not (reasons and reasons[-1][0] == BUDGET):
+                continue  # the variant's fallback backend takes only what its instances are too slow for alone
             alone = lane.alone_ms(req)
             cold = None
             plan = None

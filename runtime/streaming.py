@@ -127,6 +127,10 @@ class StreamingCore:
         instances: ``run`` callables of more backends of the primary variant (Triton's instance group): each
             becomes one more lane with its own queue and worker, sharing the primary's latency profile and
             calibration; admission gives a request to the instance whose plan completes earliest.
+        fallback: with ``instances``, the ``run`` of the variant's backend with more intra-op threads: a lane of
+            its own profile that takes the requests the instances cannot meet even alone.
+        instance_seed_scale: with ``instances``, the factor the bundle's figures take on them until measured here
+            (they were measured with more intra-op threads).
     Raises:
         ValueError: an unknown ``profile`` mode.
     """
@@ -135,7 +139,8 @@ class StreamingCore:
                  default_budget_ms: Callable[[], float], cascade: bool = False,
                  open_variant: Callable[[str], Any] | None = None, max_batch: int | None = None,
                  max_queue: int = 1024, max_delay_ms: float | None = None, profile: str = "auto",
-                 batch_variant_ok: bool = False, instances: Sequence[Callable] = ()) -> None:
+                 batch_variant_ok: bool = False, instances: Sequence[Callable] = (),
+                 fallback: Callable | None = None, instance_seed_scale: float = 1.0) -> None:
         if profile not in PROFILE_MODES:
             raise ValueError(f"profile must be one of {PROFILE_MODES}, got {profile!r}")
         self.manifest = manifest
@@ -153,7 +158,11 @@ class StreamingCore:
         self._seq_range = (int(seq_range.get("min", 1)), int(seq_range.get("max", 1 << 30)))
         self.warm_seq = self._clip_seq(_WARM_SEQ) if layout.seq_symbol else None
         primary = self._make_lane(variant, run)
+        if instances and instance_seed_scale != 1.0:
+            primary.profile.scale_seed_figures(instance_seed_scale)
         more = [self._make_lane(variant, r, primary, i + 1) for i, r in enumerate(instances)]
+        if fallback is not None:
+            more.append(self._make_lane(variant, fallback, fallback=True))
         self.scheduler = BudgetScheduler([primary] + more, layout, metrics)
         self.cascade_ready = threading.Event()
         self._closed = False
@@ -177,7 +186,8 @@ class StreamingCore:
             return 1
         return self.max_batch
 
-    def _make_lane(self, variant: Variant, run: Callable, sibling: Lane | None = None, instance: int = 0) -> Lane:
+    def _make_lane(self, variant: Variant, run: Callable, sibling: Lane | None = None, instance: int = 0,
+                   fallback: bool = False) -> Lane:
         # ``sibling``: the variant's first instance, whose profile and calibration this one shares
         mode = self._profile_mode
         if sibling is not None:
@@ -191,7 +201,8 @@ class StreamingCore:
                     max_queue=self._max_queue, max_delay_ms=self._max_delay_ms,
                     warm_feed=lambda b, s: example_feed(layout, b, s), warm_seq=self.warm_seq,
                     observe_warmup=(mode != "bundle" or prof.empty),
-                    calibration=None if sibling is None else sibling.calibration, instance=instance)
+                    calibration=None if sibling is None else sibling.calibration, instance=instance,
+                    fallback=fallback)
 
     def _open_cascade(self, primary_variant: Variant, open_variant: Callable[[str], Any]) -> None:
         try:
@@ -354,7 +365,7 @@ class StreamingCore:
             got["max_queue_depth"] = max(got["max_queue_depth"], l.max_depth)
             for k in ("batches", "inline", "probes"):
                 got[k] += getattr(l, k)
-            got["instances"] += 1
+            got["instances"] += 0 if l.fallback else 1
         return out
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:

@@ -68,7 +68,8 @@ class Session:
                  budget_ms: float | None = None, cascade: bool = False, max_batch: int | None = None,
                  max_queue: int = 1024, max_delay_ms: float | None = None, profile: str = "auto",
                  open_variant: Callable[[str], Any] | None = None, batch_variant_ok: bool = False,
-                 open_instances: Callable[[], list] | None = None) -> None:
+                 open_instances: Callable[[], list] | None = None, fallback: bool = False,
+                 instance_seed_scale: float = 1.0) -> None:
         self.path = Path(path)
         self.manifest = manifest
         self.variant = variant
@@ -83,6 +84,8 @@ class Session:
                                  batch_variant_ok=batch_variant_ok)
         self._open_instances = open_instances  # () -> the backends the streaming lanes run on (None: self._backend)
         self._instance_backends: list = []
+        self._fallback = fallback  # with instances: self._backend (more threads) takes what they are too slow for
+        self._instance_seed_scale = instance_seed_scale
         self._max_batch = max_batch
         self._max_queue = max_queue
         self._metrics = StreamMetrics()
@@ -195,7 +198,11 @@ class Session:
                     self._stream = StreamingCore(self.manifest, self.variant, runs[0], self._metrics,
                                                  default_budget_ms=_weak_call(self.default_budget_ms,
                                                                               FALLBACK_BUDGET_MS),
-                                                 instances=runs[1:], **self._stream_opts)
+                                                 instances=runs[1:],
+                                                 fallback=(self._backend.run if self._fallback and len(runs) > 1
+                                                           else None),
+                                                 instance_seed_scale=self._instance_seed_scale,
+                                                 **self._stream_opts)
                     self._close_when_collected(self._stream.close)
                     self._threads_pid = os.getpid()
                 core = self._stream
@@ -463,8 +470,9 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             ``$DSEDGE_TRUSTED_KEYS``; with none configured, signatures are not required; runtime/signing.py).
         instances: backends the streaming scheduler runs the variant on concurrently (Triton's instance group),
             each with its own queue and worker; opened here, side by side. None: ``auto_instances`` (on ONNX
-            Runtime's CPU provider, one per two cores, each with ``cores // instances`` intra-op threads unless
-            ``threads`` is given; else 1). ``run()`` always uses the backend opened here.
+            Runtime's CPU provider, 2, each with ``cores // 2`` intra-op threads unless ``threads`` is given;
+            else 1). ``run()`` always uses the backend opened here, with ORT's default threads; streaming sends it
+            the requests the instances cannot meet even alone (a fallback lane of its own latency profile).
     Raises:
         BundleError / BundleIntegrityError: missing, malformed, truncated or tampered bundle.
         BackendUnavailable: a requested provider is not installed.
@@ -512,7 +520,9 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         open_instances = opened.copy
     return Session(path, manifest, v, backend, budget_ms=budget_ms, cascade=cascade, max_batch=max_batch,
                    max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile, open_variant=open_variant,
-                   batch_variant_ok=batch_variant_ok, open_instances=open_instances)
+                   batch_variant_ok=batch_variant_ok, open_instances=open_instances,
+                   fallback=count > 1 and threads is None and (per_thread or 0) < _cores(),
+                   instance_seed_scale=thread_slowdown(_cores(), per_thread) if count > 1 and threads is None else 1.0)
 
 
 def _cores() -> int:
@@ -520,6 +530,15 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
+
+
+def thread_slowdown(cores: int, threads: int | None) -> float:
+    """How much longer a run with ``threads`` intra-op threads takes than one with ``cores``: ``(cores /
+    threads) ** 0.64``, fitted on MiniLM fp32 at batch 1 on a 2-core host (10.3 ms on 1 thread, 6.6 ms on 2:
+    1.56×). Only the start: the bundle's figures are rescaled by this machine's measurements once there are any."""
+    if not threads or threads >= cores:
+        return 1.0
+    return (cores / threads) ** 0.64
 
 
 def auto_instances(backend: Any, instances: int | None, threads: int | None) -> tuple[int, int | None]:

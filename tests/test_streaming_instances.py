@@ -57,7 +57,7 @@ def test_load_with_instances_serves_on_each_backend_and_answers_like_run(tmp_pat
     rng = np.random.default_rng(1)
     reqs = [text_request(rng, int(s)) for s in rng.integers(4, 30, size=40)]
     with dsedge.load(bundle, instances=2) as s:
-        lanes = s._core().lanes
+        lanes = [l for l in s._core().lanes if not l.fallback]
         assert [l.instance for l in lanes] == [0, 1] and len({id(l.run) for l in lanes}) == 2
         runs = {id(getattr(l.run, "__self__", None)) for l in lanes}
         assert id(s._backend) not in runs  # run() keeps its own backend, with ORT's default threads
@@ -86,3 +86,41 @@ def test_auto_instances_on_the_cpu_provider_splits_the_cores(monkeypatch):
     assert auto_instances(Gpu(), None, None) == (1, None)  # one engine per device
     n, t = auto_instances(Cpu(), None, None)
     assert n * t <= 8 and n >= 1
+
+
+def test_a_request_too_tight_for_the_instances_alone_goes_to_the_fallback_backend(backend):
+    layout = BatchLayout.of(*TEXT_IO)
+    slow = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    slow.set(1, 8, 40.0, 0.0)  # an instance (fewer threads): 40 ms alone
+    fast = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    fast.set(1, 8, 5.0, 0.0)  # the fallback backend (all the threads): 5 ms
+    metrics = StreamMetrics()
+
+    def slow_run(feed):  # what the seeds say, measured too
+        time.sleep(0.04)
+        return backend.run(feed)
+
+    first = Lane("fp32", slow_run, slow, layout, metrics, max_batch=1, inline_ms=0.0)
+    second = Lane("fp32", slow_run, slow, layout, metrics, max_batch=1, inline_ms=0.0,
+                  calibration=first.calibration, instance=1)
+    spare = Lane("fp32", backend.run, fast, layout, metrics, max_batch=1, inline_ms=0.0, fallback=True)
+    sched = BudgetScheduler([first, second, spare], layout, metrics)
+    rng = np.random.default_rng(2)
+    roomy = sched.submit(text_request(rng, 8), 10_000).result(10)  # the instances can: the fallback is not offered it
+    tight = sched.submit(text_request(rng, 8), 20).result(10)  # 40 ms alone on an instance > 20: the fallback serves
+    assert roomy.ok and tight.ok
+    assert (first.batches, second.batches, spare.batches) == (1, 0, 1)
+    assert metrics.snapshot()["cascaded"] == {}
+    sched.close()
+
+
+def test_load_with_default_instances_adds_the_fallback_lane_on_the_sessions_own_backend(tmp_path, monkeypatch):
+    monkeypatch.setattr("dsedge.session._cores", lambda: 2)
+    bundle = text_bundle(tmp_path / "b")
+    with dsedge.load(bundle) as s:
+        lanes = s._core().lanes
+        assert [(l.instance, l.fallback) for l in lanes] == [(0, False), (1, False), (0, True)]
+        assert lanes[2].run.__self__ is s._backend and lanes[2].profile is not lanes[0].profile
+        assert s._core().lane_stats()["fp32"]["instances"] == 2
+    with dsedge.load(bundle, threads=1) as s:  # threads alone: one backend, as asked
+        assert len(s._core().lanes) == 1
