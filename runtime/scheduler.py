@@ -39,7 +39,7 @@ cheaper variants — the cascade):
     standardized residuals of admitted requests planned as many batches deep, its level steered to the miss rate
     seen (normalized, adaptive, Mondrian conformal prediction). It is admitted only if that meets its deadline
     and no request queued before it loses its place.
-A variant may run on several instances (Triton's instance group): consecutive lanes of one name, each a backend
+A variant may run on several instances (Triton's instance group): consecutive lanes sharing one profile, each a backend
 with its own queue and worker, sharing the variant's profile and calibration; admission plans the request on each
 and queues it on the one whose plan completes earliest (ties: the first), and a refusal names that best plan. A
 request the instances cannot meet even alone (each has fewer intra-op threads) goes to the variant's ``fallback``
@@ -202,8 +202,8 @@ class Lane:
         self.probes = 0
         self.inline = 0
         self.max_depth = 0
-        self._thread = threading.Thread(target=self._loop, name=f"dsedge-lane-{name}" + (f"-{instance}" if instance else ""),
-                                        daemon=True)
+        label = f"dsedge-lane-{name}" + (f"-{instance}" if instance else "") + ("-fallback" if fallback else "")
+        self._thread = threading.Thread(target=self._loop, name=label, daemon=True)
         self._thread.start()
 
     # -- prediction -------------------------------------------------------------------------------------------
