@@ -138,11 +138,13 @@ class Session:
                                  "with, lengths within its context)") from e
 
     def describe(self) -> dict[str, Any]:
-        """A JSON-able summary: bundle, target, variant, backend and providers in use."""
+        """A JSON-able summary: bundle, target, variant, backend and providers in use, and how many backends
+        streaming runs the variant on (``instances``)."""
         return {
             "bundle": str(self.path), "name": self.manifest.name, "target": self.target,
             "variant": self.variant.name, "precision": self.variant.precision,
             "backend": self.backend_name, "providers": self.providers,
+            "instances": len(self._open_instances()) if self._open_instances is not None else 1,
         }
 
     # -- streaming with latency budgets -----------------------------------------------------------------------

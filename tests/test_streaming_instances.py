@@ -121,6 +121,6 @@ def test_load_with_default_instances_adds_the_fallback_lane_on_the_sessions_own_
         lanes = s._core().lanes
         assert [(l.instance, l.fallback) for l in lanes] == [(0, False), (1, False), (0, True)]
         assert lanes[2].run.__self__ is s._backend and lanes[2].profile is not lanes[0].profile
-        assert s._core().lane_stats()["fp32"]["instances"] == 2
+        assert s._core().lane_stats()["fp32"]["instances"] == 2 and s.describe()["instances"] == 2
     with dsedge.load(bundle, threads=1) as s:  # threads alone: one backend, as asked
         assert len(s._core().lanes) == 1
