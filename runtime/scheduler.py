@@ -41,7 +41,8 @@ cheaper variants — the cascade):
     and no request queued before it loses its place.
 A variant may run on several instances (Triton's instance group): consecutive lanes sharing one profile, each a backend
 with its own queue and worker, sharing the variant's profile and calibration; admission plans the request on each
-and queues it on the one whose plan completes earliest (ties: the first), and a refusal names that best plan. A
+and queues it on the least loaded one whose plan meets its deadline (join the shortest queue, the running batch
+counted; ties: the first), and a refusal names the best plan seen. A
 request the instances cannot meet even alone (each has fewer intra-op threads) goes to the variant's ``fallback``
 lane, the backend with all of them, when one is there.
 An idle primary lane runs a request expected to take at most ``inline_ms`` (1 ms) on the caller's thread when
@@ -347,16 +348,27 @@ class Lane:
 
     def _closed_form(self, req: Request, queued: list[Request], now: float, mid_s: float, var_s: float,
                      z: Callable[[int], float]) -> "Plan":
-        rows_ahead = sum(r.rows for r in queued if r.deadline <= req.deadline)
-        b = max(1, self.profile.max_batch_within(req.budget_ms, req.seq, self.max_batch))
-        full, rest = divmod(rows_ahead + req.rows, b)
-        if rest == 0:
-            full, rest = full - 1, b
-        m_b, m_r = self.predict(b, req.seq, k_dev=0.0) / 1e3, self.predict(rest, req.seq, k_dev=0.0) / 1e3
-        d_b = max(self.predict(b, req.seq) / 1e3 - m_b, 0.0)
-        d_r = max(self.predict(rest, req.seq) / 1e3 - m_r, 0.0)
-        expected = mid_s + full * m_b + m_r
-        spread = self._spread(var_s + full * d_b * d_b, d_r, expected)
+        # the rows due before ``req`` (EDF order) and ``req`` itself, in batches of the largest size whose time at
+        # their longest length fits the budget; each batch timed at its own longest row (the worker pads to it: a
+        # short request behind long ones waits for long batches, and timing them at its own length put a burst
+        # of mixed lengths 2-5x too early)
+        order = [r for r in queued if r.deadline <= req.deadline] + [req]
+        longest = max((r.seq or 0) for r in order) or None
+        b = max(1, self.profile.max_batch_within(req.budget_ms, longest, self.max_batch))
+        expected, var, full = mid_s, var_s, 0
+        rows, seq = 0, 0
+        last_m = last_d = 0.0
+        for i, r in enumerate(order):
+            if rows and rows + r.rows > b:
+                m = self.predict(rows, seq or None, k_dev=0.0) / 1e3
+                d = max(self.predict(rows, seq or None) / 1e3 - m, 0.0)
+                expected, var, full = expected + m, var + d * d, full + 1
+                rows, seq = 0, 0
+            rows, seq = rows + r.rows, max(seq, r.seq or 0)
+        last_m = self.predict(rows, seq or None, k_dev=0.0) / 1e3
+        last_d = max(self.predict(rows, seq or None) / 1e3 - last_m, 0.0)
+        expected += last_m
+        spread = self._spread(var, last_d, expected)
         ahead = full + (1 if (mid_s > 0.0 or var_s > 0.0) else 0)
         return Plan(now + expected + z(ahead) * spread + self.margin_s, now + expected, spread, ahead=ahead)
 
@@ -406,6 +418,11 @@ class Lane:
     @property
     def depth(self) -> int:
         return len(self._queue)
+
+    @property
+    def outstanding(self) -> int:
+        """Requests queued plus one for a batch on the backend (the instances' join-shortest-queue key)."""
+        return len(self._queue) + (1 if self._running else 0)
 
     # -- worker -----------------------------------------------------------------------------------------------
     def _answer(self, req: Request, answer: Result | Rejected) -> None:
@@ -686,13 +703,19 @@ class BudgetScheduler:
                     continue
                 if lane is first and lane.try_inline(req):
                     return req.future
-                # each instance's plan; the one that completes earliest takes it (ties: the first instance, so
-                # light load stays on one and its batches fill)
+                # join the shortest queue (requests queued plus the running batch; ties: the first instance, so
+                # light load stays on one and its batches fill) whose plan meets the deadline. Not the earliest
+                # planned completion: beyond ``plan_limit`` a plan is a closed-form estimate, optimistic when
+                # lengths differ, and a burst of 300 mixed-length requests all went to the one instance whose
+                # long queue that estimate flattered (98 of its 180 then dropped at their deadline)
                 best = None
-                for inst in room:
+                for inst in sorted(room, key=lambda l: l.outstanding):
                     p = inst.plan(req, now, functools.partial(inst.calibration.z, now))
                     if best is None or p.done < best[1].done:
                         best = (inst, p)
+                    if p.done <= req.deadline:
+                        best = (inst, p)
+                        break
                 inst, plan = best
                 done = plan.done
                 if done > req.deadline:

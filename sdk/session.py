@@ -512,6 +512,10 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             and list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]):
         log.warning("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
                  manifest.target.get("name"))
+    if instances is not None and int(instances) > 4 * _cores():
+        raise InputError(f"instances={instances} is more than 4 per core ({_cores()} cores here): each instance is "
+                         f"a whole backend (its own copy of the model in memory)",
+                         f"pass instances={min(2, _cores())} (the default here), or up to {4 * _cores()}")
     count, per_thread = auto_instances(backend, instances, threads)
     open_instances = None
     if count > 1:  # opened here, side by side (ORT builds sessions off the GIL): the first submit must not wait

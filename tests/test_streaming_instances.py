@@ -70,6 +70,8 @@ def test_load_with_instances_serves_on_each_backend_and_answers_like_run(tmp_pat
         assert stats["instances"] == 2 and stats["batches"] + stats["inline"] >= 1
     with pytest.raises(InputError, match="instances"):
         dsedge.load(bundle, instances=0)
+    with pytest.raises(InputError, match="per core"):  # each one a whole backend: refused before any is opened
+        dsedge.load(bundle, instances=10_000)
 
 
 def test_auto_instances_on_the_cpu_provider_splits_the_cores(monkeypatch):
@@ -124,3 +126,39 @@ def test_load_with_default_instances_adds_the_fallback_lane_on_the_sessions_own_
         assert s._core().lane_stats()["fp32"]["instances"] == 2 and s.describe()["instances"] == 2
     with dsedge.load(bundle, threads=1) as s:  # threads alone: one backend, as asked
         assert len(s._core().lanes) == 1
+
+
+def test_a_long_queue_estimate_times_each_batch_at_its_longest_row(backend):
+    """Beyond ``plan_limit`` the plan is estimated in closed form: a short request behind long ones must be timed
+    at the long ones' length (the worker pads a batch to its longest row), close to the played-forward plan."""
+    layout = BatchLayout.of(*TEXT_IO)
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    for b in (1, 2, 4, 8, 16, 32):
+        prof.set(b, 8, 1.0 * b, 0.0)  # 1 ms per row at 8 tokens
+        prof.set(b, 64, 10.0 * b, 0.0)  # 10 ms per row at 64 tokens
+    gate = threading.Event()
+
+    def held(feed):
+        gate.wait(20)
+        return backend.run(feed)
+
+    lane = Lane("fp32", held, prof, layout, StreamMetrics(), max_batch=8, inline_ms=0.0)
+    sched = BudgetScheduler([lane], layout, lane.metrics)
+    rng = np.random.default_rng(3)
+    futs = [sched.submit(text_request(rng, 8), 600_000, id="blocker")]
+    while lane._busy_until == 0.0:
+        time.sleep(0.001)
+    futs += [sched.submit(text_request(rng, 64 if i % 2 else 8), 600_000, id=i) for i in range(40)]
+    assert lane.depth == 40
+    short = dsedge.runtime.scheduler.Request("short", text_request(rng, 8), 1, 8, layout.group_key(
+        text_request(rng, 8)), 600_000, 0, time.perf_counter(), time.perf_counter() + 600.0)
+    now = time.perf_counter()
+    lane.plan_limit = 16
+    estimated = lane.plan(short, now).expected - now
+    lane.plan_limit = 1000
+    played = lane.plan(short, now).expected - now
+    # 41 rows in batches of 8, each padded to 64 tokens: ≈ 6 × 80 ms (+ the running one), not ≈ 41 × 1 ms
+    assert played > 0.3 and 0.8 * played <= estimated <= 1.25 * played
+    gate.set()
+    assert all(isinstance(f.result(30), Result) for f in futs)
+    sched.close()
