@@ -12,7 +12,6 @@ from dsedge.runtime.batching import BatchLayout
 from dsedge.runtime.errors import InputError
 from dsedge.runtime.latency_profile import LatencyProfile
 from dsedge.runtime.metrics import StreamMetrics
-from dsedge.runtime.plan_calibration import PlanCalibration
 from dsedge.runtime.results import Result
 from dsedge.runtime.scheduler import BudgetScheduler, Lane
 from dsedge.session import auto_instances
@@ -21,25 +20,34 @@ from streaming_models import text_bundle, text_request
 from test_streaming_parts import TEXT_IO, backend  # noqa: F401  (the module's tiny real ORT text model)
 
 
+def _gated(backend, gate: threading.Event):
+    """``backend.run`` that waits for ``gate`` first (at most 20 s)."""
+    def run(feed):
+        gate.wait(20)
+        return backend.run(feed)
+    return run
+
+
+def _running_blocker(sched: BudgetScheduler, lane: Lane, rng):
+    """Submit one long-budget request and wait until ``lane`` has it on its backend; its future."""
+    fut = sched.submit(text_request(rng, 8), 600_000, id="blocker")
+    while lane._busy_until == 0.0:
+        time.sleep(0.001)
+    return fut
+
+
 def test_a_request_the_busy_instance_cannot_meet_goes_to_the_idle_one(backend):
     layout = BatchLayout.of(*TEXT_IO)
     prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
     prof.set(1, 8, 100.0, 0.0)  # 100 ms per request, on either instance
     gate = threading.Event()
-
-    def held(feed):
-        gate.wait(20)
-        return backend.run(feed)
-
-    metrics, cal = StreamMetrics(), PlanCalibration()
-    first = Lane("fp32", held, prof, layout, metrics, max_batch=1, inline_ms=0.0)
+    metrics = StreamMetrics()
+    first = Lane("fp32", _gated(backend, gate), prof, layout, metrics, max_batch=1, inline_ms=0.0)
     second = Lane("fp32", backend.run, prof, layout, metrics, max_batch=1, inline_ms=0.0, calibration=first.calibration,
                   instance=1)
     sched = BudgetScheduler([first, second], layout, metrics)
     rng = np.random.default_rng(0)
-    blocker = sched.submit(text_request(rng, 8), 60_000, id="blocker")
-    while first._busy_until == 0.0:  # the blocker runs on the first instance, held at the gate
-        time.sleep(0.001)
+    blocker = _running_blocker(sched, first, rng)  # on the first instance, held at the gate
     # behind the blocker (≈ 100 ms left) a 150 ms budget cannot hold on the first instance; the second is idle
     got = sched.submit(text_request(rng, 8), 150, id="next").result(10)
     assert isinstance(got, Result) and got.ok and got.variant == "fp32"
@@ -137,17 +145,10 @@ def test_a_long_queue_estimate_times_each_batch_at_its_longest_row(backend):
         prof.set(b, 8, 1.0 * b, 0.0)  # 1 ms per row at 8 tokens
         prof.set(b, 64, 10.0 * b, 0.0)  # 10 ms per row at 64 tokens
     gate = threading.Event()
-
-    def held(feed):
-        gate.wait(20)
-        return backend.run(feed)
-
-    lane = Lane("fp32", held, prof, layout, StreamMetrics(), max_batch=8, inline_ms=0.0)
+    lane = Lane("fp32", _gated(backend, gate), prof, layout, StreamMetrics(), max_batch=8, inline_ms=0.0)
     sched = BudgetScheduler([lane], layout, lane.metrics)
     rng = np.random.default_rng(3)
-    futs = [sched.submit(text_request(rng, 8), 600_000, id="blocker")]
-    while lane._busy_until == 0.0:
-        time.sleep(0.001)
+    futs = [_running_blocker(sched, lane, rng)]
     futs += [sched.submit(text_request(rng, 64 if i % 2 else 8), 600_000, id=i) for i in range(40)]
     assert lane.depth == 40
     short = dsedge.runtime.scheduler.Request("short", text_request(rng, 8), 1, 8, layout.group_key(
