@@ -650,6 +650,7 @@ class BudgetScheduler:
         if not lanes:
             raise ValueError("BudgetScheduler needs at least one lane")
         self.lanes = list(lanes)
+        self._groups = _instance_groups(self.lanes)  # built once per lane set: submit is a hot path
         self.layout = layout
         self.metrics = metrics
         self._ids = itertools.count()
@@ -657,7 +658,8 @@ class BudgetScheduler:
 
     def set_lanes(self, lanes: Sequence[Lane]) -> None:
         """Replace the lanes (the primary stays first); submitters see the new list at their next request."""
-        self.lanes = list(lanes)
+        lanes = list(lanes)
+        self._groups, self.lanes = _instance_groups(lanes), lanes
 
     def submit(self, feed: dict[str, np.ndarray], budget_ms: float, priority: int = 0, id: Any = None) -> Future:
         """Admit or reject one validated request; returns a Future resolving to ``Result`` or ``Rejected``.
@@ -673,10 +675,10 @@ class BudgetScheduler:
         rows, seq = layout.rows(feed), layout.seq_len(feed)
         req = Request(rid, feed, rows, seq, layout.group_key(feed), budget_ms, priority, now, now + budget_ms / 1e3)
         self.metrics.on_submit()
-        lanes = self.lanes
-        first = lanes[0]
+        groups = self._groups
+        first = groups[0][0]
         reasons = []
-        for group in _instance_groups(lanes):
+        for group in groups:
             lane = group[0]  # the instances of one variant share its profile and calibration
             if lane.fallback and not (reasons and reasons[-1][0] == BUDGET):
                 continue  # the variant's fallback backend takes only what its instances are too slow for alone
@@ -714,7 +716,6 @@ class BudgetScheduler:
                     if best is None or p.done < best[1].done:
                         best = (inst, p)
                     if p.done <= req.deadline:
-                        best = (inst, p)
                         break
                 inst, plan = best
                 done = plan.done

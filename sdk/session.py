@@ -512,11 +512,13 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             and list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]):
         log.warning("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
                  manifest.target.get("name"))
-    if instances is not None and int(instances) > 4 * _cores():
-        raise InputError(f"instances={instances} is more than 4 per core ({_cores()} cores here): each instance is "
+    cores = _cores()
+    if instances is not None and int(instances) > 4 * cores:
+        raise InputError(f"instances={instances} is more than 4 per core ({cores} cores here): each instance is "
                          f"a whole backend (its own copy of the model in memory)",
-                         f"pass instances={min(2, _cores())} (the default here), or up to {4 * _cores()}")
+                         f"pass instances={min(2, cores)} (the default here), or up to {4 * cores}")
     count, per_thread = auto_instances(backend, instances, threads)
+    slower = thread_slowdown(cores, per_thread) if count > 1 and threads is None else 1.0  # instances' fewer threads
     open_instances = None
     if count > 1:  # opened here, side by side (ORT builds sessions off the GIL): the first submit must not wait
         prefs = Preferences(providers, per_thread)
@@ -527,8 +529,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     return Session(path, manifest, v, backend, budget_ms=budget_ms, cascade=cascade, max_batch=max_batch,
                    max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile, open_variant=open_variant,
                    batch_variant_ok=batch_variant_ok, open_instances=open_instances,
-                   fallback=count > 1 and threads is None and (per_thread or 0) < _cores(),
-                   instance_seed_scale=thread_slowdown(_cores(), per_thread) if count > 1 and threads is None else 1.0)
+                   fallback=slower > 1.0, instance_seed_scale=slower)
 
 
 def _cores() -> int:
