@@ -130,13 +130,13 @@ PROFILE_SOURCES = ("auto", "measure", "bundle")
 
 def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = None, max_queue: Any = 1024,
                           max_delay_ms: Any = None, profile: Any = "auto", threads: Any = None,
-                          window: Any = None, instances: Any = None) -> None:
+                          window: Any = None, instances: Any = None, worker_nice: Any = 0) -> None:
     """Check ``dsedge.load``'s options (and ``stream``'s ``window``) before anything is opened.
 
     ``path`` is a str or ``os.PathLike``; ``budget_ms``/``max_delay_ms`` None or a finite number > 0 (ms; a
     ``max_delay_ms`` of 0 holds no batch open); ``max_batch``/``threads``/``window``/``instances`` None or an integer
     ≥ 1;
-    ``max_queue`` an integer ≥ 1; ``profile`` one of ``PROFILE_SOURCES``.
+    ``max_queue`` an integer ≥ 1; ``worker_nice`` an integer in 0…19; ``profile`` one of ``PROFILE_SOURCES``.
 
     Raises:
         InputError: naming the first bad option.
@@ -158,6 +158,9 @@ def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = 
     integer("threads", threads, 1)
     integer("window", window, 1)
     integer("instances", instances, 1)
+    if not is_integer(worker_nice) or not 0 <= int(worker_nice) <= 19:
+        raise InputError(f"worker_nice must be an integer in 0..19, got {worker_nice!r}",
+                         "pass worker_nice=5 (workers yield to the threads that submit and answer), or 0")
     for name, value, low_open in (("budget_ms", budget_ms, True), ("max_delay_ms", max_delay_ms, False)):
         if value is None:
             continue

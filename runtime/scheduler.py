@@ -71,6 +71,7 @@ from .latency_profile import LatencyProfile, seq_bucket
 from .metrics import StreamMetrics
 from .plan_calibration import PlanCalibration
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
+from .thread_priority import lower_current_thread
 
 _clock = time.perf_counter
 
@@ -154,6 +155,8 @@ class Lane:
         instance: this lane's index among its variant's instances (0: the first).
         fallback: this lane is the variant's backend of more intra-op threads beside its instances: admission
             offers it only requests the instances refused for their budget (too slow for it even alone).
+        nice: added to the worker thread's nice value (0…19, Linux) so that the threads that admit and answer
+            requests preempt its batches (runtime/thread_priority.py); 0 keeps the caller's priority.
     """
 
     def __init__(self, name: str, run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
@@ -162,7 +165,8 @@ class Lane:
                  tie_ms: float = 1.0, *, warm_feed: Callable[[int, int | None], dict] | None = None,
                  warm_seq: int | None = None, observe_warmup: bool = True, probe_interval_ms: float = 100.0,
                  probe_after_ms: float = 500.0, inline_ms: float = 1.0, plan_limit: int = 16,
-                 calibration: PlanCalibration | None = None, instance: int = 0, fallback: bool = False) -> None:
+                 calibration: PlanCalibration | None = None, instance: int = 0, fallback: bool = False,
+                 nice: int = 0) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -180,6 +184,8 @@ class Lane:
         self.calibration = calibration if calibration is not None else PlanCalibration()
         self.instance = int(instance)
         self.fallback = bool(fallback)
+        self.nice = int(nice)
+        self.niced = False  # the worker's nice value was raised by ``nice``
         self.warm = threading.Event()
         self._warm_feed = warm_feed
         self._warm_seq = warm_seq
@@ -511,6 +517,7 @@ class Lane:
             pass
 
     def _loop(self) -> None:
+        self.niced = lower_current_thread(self.nice)
         self._warm_up()
         while True:
             probe = None

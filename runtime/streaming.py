@@ -131,6 +131,7 @@ class StreamingCore:
             its own profile that takes the requests the instances cannot meet even alone.
         instance_seed_scale: with ``instances``, the factor the bundle's figures take on them until measured here
             (they were measured with more intra-op threads).
+        worker_nice: added to every lane worker thread's nice value (see ``Lane``; 0: unchanged).
     Raises:
         ValueError: an unknown ``profile`` mode.
     """
@@ -140,7 +141,7 @@ class StreamingCore:
                  open_variant: Callable[[str], Any] | None = None, max_batch: int | None = None,
                  max_queue: int = 1024, max_delay_ms: float | None = None, profile: str = "auto",
                  batch_variant_ok: bool = False, instances: Sequence[Callable] = (),
-                 fallback: Callable | None = None, instance_seed_scale: float = 1.0) -> None:
+                 fallback: Callable | None = None, instance_seed_scale: float = 1.0, worker_nice: int = 0) -> None:
         if profile not in PROFILE_MODES:
             raise ValueError(f"profile must be one of {PROFILE_MODES}, got {profile!r}")
         self.manifest = manifest
@@ -151,6 +152,7 @@ class StreamingCore:
         self._max_queue = max_queue
         self._max_delay_ms = max_delay_ms
         self._batch_variant_ok = batch_variant_ok
+        self._worker_nice = int(worker_nice)
         layout = self.layout
         batch_range = manifest.shape_ranges.get(layout.batch_symbol or "", {})
         self.max_batch = 1 if not layout.dynamic else int(max_batch or batch_range.get("max", 32))
@@ -202,7 +204,7 @@ class StreamingCore:
                     warm_feed=lambda b, s: example_feed(layout, b, s), warm_seq=self.warm_seq,
                     observe_warmup=(mode != "bundle" or prof.empty),
                     calibration=None if sibling is None else sibling.calibration, instance=instance,
-                    fallback=fallback)
+                    fallback=fallback, nice=self._worker_nice)
 
     def _open_cascade(self, primary_variant: Variant, open_variant: Callable[[str], Any]) -> None:
         try:

@@ -69,7 +69,7 @@ class Session:
                  max_queue: int = 1024, max_delay_ms: float | None = None, profile: str = "auto",
                  open_variant: Callable[[str], Any] | None = None, batch_variant_ok: bool = False,
                  open_instances: Callable[[], list] | None = None, fallback: bool = False,
-                 instance_seed_scale: float = 1.0) -> None:
+                 instance_seed_scale: float = 1.0, worker_nice: int = 0) -> None:
         self.path = Path(path)
         self.manifest = manifest
         self.variant = variant
@@ -81,7 +81,7 @@ class Session:
         self._default_budget: tuple[float | None, float] | None = None  # (budget_ms it was resolved for, ms)
         self._stream_opts = dict(cascade=cascade, open_variant=open_variant, max_batch=max_batch,
                                  max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile,
-                                 batch_variant_ok=batch_variant_ok)
+                                 batch_variant_ok=batch_variant_ok, worker_nice=worker_nice)
         self._open_instances = open_instances  # () -> the backends the streaming lanes run on (None: self._backend)
         self._instance_backends: list = []
         self._fallback = fallback  # with instances: self._backend (more threads) takes what they are too slow for
@@ -139,12 +139,13 @@ class Session:
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary: bundle, target, variant, backend and providers in use, and how many backends
-        streaming runs the variant on (``instances``)."""
+        streaming runs the variant on (``instances``) and the nice value added to their workers (``worker_nice``)."""
         return {
             "bundle": str(self.path), "name": self.manifest.name, "target": self.target,
             "variant": self.variant.name, "precision": self.variant.precision,
             "backend": self.backend_name, "providers": self.providers,
             "instances": len(self._open_instances()) if self._open_instances is not None else 1,
+            "worker_nice": self._stream_opts["worker_nice"],
         }
 
     # -- streaming with latency budgets -----------------------------------------------------------------------
@@ -446,7 +447,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
          threads: int | None = None, *, budget_ms: float | None = None, cascade: bool = False,
          max_batch: int | None = None, max_queue: int = 1024, max_delay_ms: float | None = None,
          profile: str = "auto", batch_variant_ok: bool = False, check_outputs: bool = False,
-         trusted_keys: Sequence[Any] | None = None, instances: int | None = None) -> Session:
+         trusted_keys: Sequence[Any] | None = None, instances: int | None = None, worker_nice: int = 0) -> Session:
     """Verify a bundle (manifest and every sha256) and open a variant on the best available backend.
 
     Args:
@@ -475,6 +476,10 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             Runtime's CPU provider, 2, each with ``cores // 2`` intra-op threads unless ``threads`` is given;
             else 1). ``run()`` always uses the backend opened here, with ORT's default threads; streaming sends it
             the requests the instances cannot meet even alone (a fallback lane of its own latency profile).
+        worker_nice: 0…19 added to the nice value of the streaming lanes' worker threads (Linux; elsewhere
+            ignored), so that your threads that submit requests and read answers preempt running batches on a busy
+            machine (runtime/thread_priority.py). ``dsedge serve`` uses 5 for its front end; 0 (default) leaves the
+            workers at your process's priority.
     Raises:
         BundleError / BundleIntegrityError: missing, malformed, truncated or tampered bundle.
         BackendUnavailable: a requested provider is not installed.
@@ -484,7 +489,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             the bundle's batch range max, a ``variant`` that is not a str, a flag that is not a bool …).
     """
     check_session_options(path, budget_ms=budget_ms, max_batch=max_batch, max_queue=max_queue,
-                          max_delay_ms=max_delay_ms, profile=profile, threads=threads, instances=instances)
+                          max_delay_ms=max_delay_ms, profile=profile, threads=threads, instances=instances,
+                          worker_nice=worker_nice)
     if isinstance(providers, str):
         providers = [providers]
     if variant is not None and not isinstance(variant, str):
@@ -529,7 +535,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     return Session(path, manifest, v, backend, budget_ms=budget_ms, cascade=cascade, max_batch=max_batch,
                    max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile, open_variant=open_variant,
                    batch_variant_ok=batch_variant_ok, open_instances=open_instances,
-                   fallback=slower > 1.0, instance_seed_scale=slower)
+                   fallback=slower > 1.0, instance_seed_scale=slower, worker_nice=int(worker_nice))
 
 
 def _cores() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import sys
 import time
 
 import grpc
@@ -365,6 +366,22 @@ def test_logs_are_json_lines(server):
     assert all({"ts", "level", "logger"} <= set(r) for r in records)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_batch_workers_run_at_a_higher_nice_value_than_the_front_end(server, client):
+    import os
+    from pathlib import Path
+
+    def nice(tid: int) -> int:  # field 19 of /proc/PID/task/TID/stat
+        return int(Path(f"/proc/{server.pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+    client.infer("mlp-cpu", [_http_input(_x(1))], headers=auth())  # the lanes run
+    tids = [int(t) for t in os.listdir(f"/proc/{server.pid}/task")]
+    loop = nice(server.pid)  # the main thread runs the event loop (HTTP and gRPC front ends)
+    assert sorted(nice(t) - loop for t in tids).count(5) >= 2  # --worker-nice 5: a lane per served model
+    ready = [json.loads(line) for line in server.log().splitlines() if '"model ready"' in line]
+    assert {r["worker_nice"] for r in ready} == {5}
+
+
 def test_each_log_line_is_printed_once(server):
     records = [json.loads(line) for line in server.log().splitlines() if line.strip()]
     started = [r for r in records if r["msg"].startswith("Started server process")]
@@ -441,7 +458,8 @@ def test_bad_numbers_are_refused_before_the_server_starts(tmp_path, capsys):
 
     for args, message in ((["--budget-ms", "nan"], "Invalid value for '--budget-ms': 'nan' is not a finite number"),
                           (["--budget-ms", "inf"], "Invalid value for '--budget-ms': 'inf' is not a finite number"),
-                          (["--drain-timeout", "nan"], "Invalid value for '--drain-timeout': 'nan' is not a finite")):
+                          (["--drain-timeout", "nan"], "Invalid value for '--drain-timeout': 'nan' is not a finite"),
+                          (["--worker-nice", "20"], "Invalid value for '--worker-nice': 20 is not in the range")):
         with pytest.raises(SystemExit) as e:
             main(["serve", str(tmp_path / "never-opened.dse"), "--http-port", "0", "--grpc-port", "0",
                   "--metrics-port", "0", *args])
@@ -455,7 +473,9 @@ def test_bad_numbers_are_refused_before_the_server_starts(tmp_path, capsys):
                             (dict(http_port=70000), "--http-port 70000 is not a port in 0..65535"),
                             (dict(http_port=None, grpc_port=None), "both off: the server would take no requests"),
                             (dict(http_port=18300, grpc_port=18300), "--http-port and --grpc-port are both 18300"),
-                            (dict(body_timeout_s=0.0), "--body-timeout 0.0 is not a finite number of seconds > 0")):
+                            (dict(body_timeout_s=0.0), "--body-timeout 0.0 is not a finite number of seconds > 0"),
+                            (dict(worker_nice=20), "--worker-nice 20 is not an integer in 0..19"),
+                            (dict(worker_nice=-1), "--worker-nice -1 is not an integer >= 0")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             ServeConfig(bundles=["never-opened.dse"], **kwargs)
     assert ServeConfig(bundles=["b.dse"], budget_ms=15, http_port=None).budget_ms == 15

@@ -39,6 +39,9 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads per variant.")
 @click.option("--instances", type=click.IntRange(min=1), default=None,
               help="Backends each model's variant runs on side by side (default: 2 on a CPU of 2+ cores, else 1).")
+@click.option("--worker-nice", type=click.IntRange(0, 19), default=5, show_default=True,
+              help="Nice value added to the batch workers (Linux), so that admitting and answering requests preempts "
+                   "running batches; 0 = same priority.")
 @click.option("--max-inflight", type=click.IntRange(min=1), default=None,
               help="Requests per model inside its scheduler at once (default: 2 batches per variant); more wait in "
                    "the priority queue.")
@@ -67,7 +70,8 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
               show_default=True)
 def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port: int | None,
           metrics_port: int | None, variant: str | None, cascade: bool, budget_ms: float | None,
-          max_batch: int | None, threads: int | None, instances: int | None, max_inflight: int | None, max_queue: int,
+          max_batch: int | None, threads: int | None, instances: int | None, worker_nice: int,
+          max_inflight: int | None, max_queue: int,
           max_body_bytes: int, max_connections: int, priority_levels: int, default_priority: int,
           drain_timeout: float, body_timeout: float, auth_token_file: str | None, tls_cert: str | None, tls_key: str | None,
           http_impl: str, log_format: str, log_level: str) -> None:
@@ -83,7 +87,8 @@ def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port:
                           "pip install 'dsedge[serve]'") from None
     cfg = ServeConfig(bundles=bundles, host=host, http_port=http_port, grpc_port=grpc_port,
                       metrics_port=metrics_port, variant=variant, cascade=cascade, budget_ms=budget_ms,
-                      max_batch=max_batch, threads=threads, instances=instances, max_inflight=max_inflight, max_queue=max_queue,
+                      max_batch=max_batch, threads=threads, instances=instances, worker_nice=worker_nice,
+                      max_inflight=max_inflight, max_queue=max_queue,
                       max_body_bytes=max_body_bytes, max_connections=max_connections,
                       priority_levels=priority_levels, default_priority=default_priority,
                       drain_timeout_s=drain_timeout, body_timeout_s=body_timeout, auth_token_file=auth_token_file, tls_cert=tls_cert,

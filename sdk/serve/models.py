@@ -237,13 +237,14 @@ class Repository:
     def __init__(self, bundles: Sequence[str], metrics: ServeMetrics, *, variant: str | None = None,
                  cascade: bool = False, budget_ms: float | None = None, max_batch: int | None = None,
                  threads: int | None = None, providers: Sequence[str] | None = None, max_inflight: int | None = None,
-                 instances: int | None = None,
-                 max_queue: int = 1024, levels: PriorityLevels | None = None) -> None:
+                 instances: int | None = None, max_queue: int = 1024, levels: PriorityLevels | None = None,
+                 worker_nice: int = 0) -> None:
         self.metrics = metrics
         self.models: dict[str, ServedModel] = {}
         self._specs = _name_bundles(bundles)
         self._opts = dict(variant=variant, cascade=cascade, budget_ms=budget_ms, max_batch=max_batch,
-                          threads=threads, providers=providers, instances=instances)
+                          threads=threads, providers=providers, instances=instances,
+                          worker_nice=worker_nice)
         self._max_inflight = max_inflight
         self._max_queue = max_queue
         self.levels = levels or PriorityLevels()
@@ -263,7 +264,8 @@ class Repository:
             s = dsedge.load(path, variant=self._opts["variant"], providers=self._opts["providers"],
                             threads=self._opts["threads"], budget_ms=self._opts["budget_ms"],
                             cascade=self._opts["cascade"], max_batch=self._opts["max_batch"],
-                            max_queue=self._max_queue, instances=self._opts["instances"])
+                            max_queue=self._max_queue, instances=self._opts["instances"],
+                            worker_nice=self._opts["worker_nice"])
             try:
                 lanes = warm_up(s)  # latency profiles measured here: admission control is usable from now on
             except DsedgeError:

@@ -48,6 +48,7 @@ class ServeConfig:
     max_batch: int | None = None
     threads: int | None = None
     instances: int | None = None
+    worker_nice: int = 5  # added to the batch workers' nice value: the event loop preempts them (runtime/thread_priority.py)
     max_inflight: int | None = None
     max_queue: int = 1024
     max_body_bytes: int = 64 * 1024 * 1024
@@ -76,6 +77,7 @@ class ServeConfig:
             raise bad("--body-timeout", self.body_timeout_s, "a finite number of seconds > 0", "30")
         for option, value, least in (("--max-batch", self.max_batch, 1), ("--threads", self.threads, 1),
                                      ("--instances", self.instances, 1),
+                                     ("--worker-nice", self.worker_nice, 0),
                                      ("--max-inflight", self.max_inflight, 1), ("--max-queue", self.max_queue, 0),
                                      ("--max-body-bytes", self.max_body_bytes, 1024),
                                      ("--max-connections", self.max_connections, 1),
@@ -83,6 +85,8 @@ class ServeConfig:
                                      ("--default-priority", self.default_priority, 1)):
             if value is not None and not (is_integer(value) and value >= least):
                 raise bad(option, value, f"an integer >= {least}", str(max(least, 2)))
+        if not (is_integer(self.worker_nice) and self.worker_nice <= 19):
+            raise bad("--worker-nice", self.worker_nice, "an integer in 0..19", "5")
         taken: dict[int, str] = {}
         for option, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
                              ("--metrics-port", self.metrics_port)):
@@ -245,7 +249,7 @@ async def serve(cfg: ServeConfig) -> int:
     metrics = ServeMetrics()
     repo = Repository(cfg.bundles, metrics, variant=cfg.variant, cascade=cfg.cascade, budget_ms=cfg.budget_ms,
                       max_batch=cfg.max_batch, threads=cfg.threads, instances=cfg.instances, max_inflight=cfg.max_inflight,
-                      max_queue=cfg.max_queue, levels=levels)
+                      max_queue=cfg.max_queue, levels=levels, worker_nice=cfg.worker_nice)
     state = ServerState(stopping=asyncio.get_running_loop().create_future())
     extensions = ["binary_tensor_data"]
 
