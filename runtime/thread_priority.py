@@ -12,7 +12,7 @@ priority: only the worker's own share of each batch is lowered.
 
 Measured with ``dsedge serve --instances 2 --threads 1`` (MiniLM fp32, 2 cores, 50 ms budget, the open-loop bursty
 load of benchmarks/triton_baseline.py at 3x the batch-1 capacity, client on the same machine): in budget of admitted
-80 % at nice 0 and 95 % at nice 5, goodput 95 and 129 answers/s (docs/serve.md).
+79 % before and 96 % after in the full benchmark; interleaved pairs on a noisy host were mixed (docs/serve.md).
 """
 from __future__ import annotations
 
