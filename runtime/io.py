@@ -147,20 +147,19 @@ def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = 
         raise InputError(f"bundle path must be a str or pathlib.Path, got {type(path).__name__}",
                          "pass the NAME-TARGET.dse directory, e.g. dsedge.load('out/model-cpu.dse')")
 
-    def integer(name: str, value: Any, low: int, optional: bool = True) -> None:
+    def integer(name: str, value: Any, low: int, optional: bool = True, high: int | None = None) -> None:
         if value is None and optional:
             return
-        if not is_integer(value) or not low <= int(value) <= 2**31 - 1:
-            raise InputError(f"{name} must be an integer >= {low}, got {value!r}", f"pass {name}={max(low, 1)} or more")
+        if not is_integer(value) or not low <= int(value) <= (2**31 - 1 if high is None else high):
+            wanted = f">= {low}" if high is None else f"in {low}..{high}"
+            raise InputError(f"{name} must be an integer {wanted}, got {value!r}", f"pass {name}={max(low, 1)} or more")
 
     integer("max_batch", max_batch, 1)
     integer("max_queue", max_queue, 1, optional=False)
     integer("threads", threads, 1)
     integer("window", window, 1)
     integer("instances", instances, 1)
-    if not is_integer(worker_nice) or not 0 <= int(worker_nice) <= 19:
-        raise InputError(f"worker_nice must be an integer in 0..19, got {worker_nice!r}",
-                         "pass worker_nice=5 (workers yield to the threads that submit and answer), or 0")
+    integer("worker_nice", worker_nice, 0, optional=False, high=19)
     for name, value, low_open in (("budget_ms", budget_ms, True), ("max_delay_ms", max_delay_ms, False)):
         if value is None:
             continue

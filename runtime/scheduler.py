@@ -363,8 +363,7 @@ class Lane:
         b = max(1, self.profile.max_batch_within(req.budget_ms, longest, self.max_batch))
         expected, var, full = mid_s, var_s, 0
         rows, seq = 0, 0
-        last_m = last_d = 0.0
-        for i, r in enumerate(order):
+        for r in order:
             if rows and rows + r.rows > b:
                 m = self.predict(rows, seq or None, k_dev=0.0) / 1e3
                 d = max(self.predict(rows, seq or None) / 1e3 - m, 0.0)
@@ -698,7 +697,7 @@ class BudgetScheduler:
                                             f"{lane.margin_s * 1e3:g} ms on {lane.name}"))
                     continue
                 cold = lane.max_queue
-                lane = min(group, key=lambda l: l.depth)
+                lane = min(group, key=lambda l: l.outstanding)
             elif alone + lane.margin_s * 1e3 > budget_ms:
                 lane.refused(req)
                 margin = f" + {lane.margin_s * 1e3:g} ms margin" if lane.margin_s else ""

@@ -126,7 +126,7 @@ class StreamingCore:
         batch_variant_ok: batch variants the manifest marks ``batch_invariant: false`` (default: batch 1).
         instances: ``run`` callables of more backends of the primary variant (Triton's instance group): each
             becomes one more lane with its own queue and worker, sharing the primary's latency profile and
-            calibration; admission gives a request to the instance whose plan completes earliest.
+            calibration; admission queues a request on the least loaded one whose plan meets its deadline.
         fallback: with ``instances``, the ``run`` of the variant's backend with more intra-op threads: a lane of
             its own profile that takes the requests the instances cannot meet even alone.
         instance_seed_scale: with ``instances``, the factor the bundle's figures take on them until measured here
