@@ -15,6 +15,8 @@ Servers:
   * ``dsedge``: ``dsedge serve`` over the same tritonclient gRPC client and the same ``timeout`` parameter when the
     CLI has ``serve`` (--dsedge serve); else ``Session.submit`` in this process (--dsedge inprocess: no network or
     protocol cost, which favours dsedge — the table header says which ran).
+  ``--worker-nice 0,5,0,5`` runs ``dsedge serve`` once per value, in that order (rows ``dsedge-niceN``): the
+  batch workers' priority measured side by side in one run.
 Both run the same ORT settings (--threads). Reported per load: goodput (answers within budget per second of the
 arrival window), in-budget share of admitted, rejections, the misses split into answered late and timed out
 (refused at the deadline or past the gRPC deadline), p99 of answered (client-side), for dsedge serve how many of
@@ -268,7 +270,8 @@ def server_view(before: dict[str, float], after: dict[str, float]) -> dict:
     return {"server_counts": d, "server_admitted_within_budget": round(ok / (ok + missed), 4) if ok + missed else None}
 
 
-def start_dsedge_serve(bundle, name: str, args, budget: float, log: Path) -> tuple[subprocess.Popen, str, str]:
+def start_dsedge_serve(bundle, name: str, args, budget: float, log: Path,
+                       worker_nice: int | None = None) -> tuple[subprocess.Popen, str, str]:
     grpc_port, metrics_port = free_port(), free_port()
     while metrics_port == grpc_port:
         metrics_port = free_port()
@@ -278,6 +281,8 @@ def start_dsedge_serve(bundle, name: str, args, budget: float, log: Path) -> tup
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     cmd += ["--instances", str(args.instances)]
+    if worker_nice is not None:
+        cmd += ["--worker-nice", str(worker_nice)]
     out = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
@@ -325,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, default=1,
                     help="backends per model on both servers: Triton's instance_group count, dsedge serve --instances")
     ap.add_argument("--dsedge", choices=("auto", "serve", "inprocess"), default="auto")
+    ap.add_argument("--worker-nice", default="5",
+                    help="dsedge serve --worker-nice values, comma-separated: one server run each, in this order "
+                         "(e.g. 0,5,0,5 interleaves them; rows are labelled dsedge-niceN)")
     ap.add_argument("--stub-env", default=os.path.expanduser("~/.cache/dsedge/triton-stub-env"),
                     help="the Python-backend stub's virtualenv (built here if missing)")
     ap.add_argument("--seed", type=int, default=0)
@@ -441,30 +449,40 @@ def main(argv: list[str] | None = None) -> int:
         admin.close()
         server.stop()
 
-        if mode == "serve":
-            serve_proc, url, metrics_url = start_dsedge_serve(bundle, model, args, budget, work / "serve.log")
-            ours = GrpcDriver(url, model)
-            overhead["dsedge_serve_b1_p50_ms"] = round(ours.serial_p50_ms(pool[0], 30), 3)
-            if ours.serial_errors:
-                print(f"# dsedge serve serial errors: {len(ours.serial_errors)}, first: {ours.serial_errors[0]}")
-        else:
-            session.warmup()
-            ours = DsedgeServer(session)
-        for load, sched in schedules.items():
-            before = server_outcomes(metrics_url) if mode == "serve" else None
-            row = drive(ours, sched, pool, budget)
-            if before is not None:
-                time.sleep(0.2)  # the last answers' counters
-                row.update(server_view(before, server_outcomes(metrics_url)))
-            row.update(load=load, server="dsedge")
-            results.append(row)
-            print(json.dumps(row), flush=True)
-        if stall is not None:
-            row = drive(ours, stall_sched, pool, budget, stall=stall)
-            row.update(load=args.stall_load, server="dsedge", scenario="stall")
-            results.append(row)
-            print(json.dumps(row), flush=True)
-        ours.close()
+        nices = [int(x) for x in args.worker_nice.split(",") if x.strip()] if mode == "serve" else [None]
+        for k, nice in enumerate(nices):
+            # one `dsedge serve` per --worker-nice value, in the order given (repeat values to interleave them)
+            label = "dsedge" if len(nices) == 1 else f"dsedge-nice{nice}" + (f"-r{nices[:k].count(nice) + 1}"
+                                                                              if nices.count(nice) > 1 else "")
+            if mode == "serve":
+                serve_proc, url, metrics_url = start_dsedge_serve(bundle, model, args, budget, work / "serve.log",
+                                                                  nice)
+                ours = GrpcDriver(url, model)
+                overhead.setdefault("dsedge_serve_b1_p50_ms", round(ours.serial_p50_ms(pool[0], 30), 3))
+                if ours.serial_errors:
+                    print(f"# dsedge serve serial errors: {len(ours.serial_errors)}, first: {ours.serial_errors[0]}")
+            else:
+                session.warmup()
+                ours = DsedgeServer(session)
+            for load, sched in schedules.items():
+                before = server_outcomes(metrics_url) if mode == "serve" else None
+                row = drive(ours, sched, pool, budget)
+                if before is not None:
+                    time.sleep(0.2)  # the last answers' counters
+                    row.update(server_view(before, server_outcomes(metrics_url)))
+                row.update(load=load, server=label)
+                results.append(row)
+                print(json.dumps(row), flush=True)
+            if stall is not None:
+                row = drive(ours, stall_sched, pool, budget, stall=stall)
+                row.update(load=args.stall_load, server=label, scenario="stall")
+                results.append(row)
+                print(json.dumps(row), flush=True)
+            ours.close()
+            if serve_proc is not None:
+                serve_proc.terminate()
+                serve_proc.wait(30)
+                serve_proc = None
     finally:
         server.stop()
         if serve_proc is not None:
@@ -489,11 +507,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{pct(r['admitted_within_budget']):>24}"
                   + (f"  ({r['late_in_budget_at_server']} of {r['answered_late']}); by the server's clock "
                      f"{pct(r.get('server_admitted_within_budget'))} % of admitted in budget "
-                     f"{r.get('server_counts')}" if r["server"] == "dsedge" and mode == "serve" else ""))
+                     f"{r.get('server_counts')}" if r["server"].startswith("dsedge") and mode == "serve" else ""))
         tri = max((r for r in rows if r["server"].startswith("triton")), key=lambda r: r["goodput_per_s"])
-        ours_row = next(r for r in rows if r["server"] == "dsedge")
-        ratio = ours_row["goodput_per_s"] / tri["goodput_per_s"] if tri["goodput_per_s"] else float("inf")
-        print(f"{'':>5} dsedge / best real Triton ({tri['server']}) goodput = {ratio:.2f}x")
+        for ours_row in (r for r in rows if r["server"].startswith("dsedge")):
+            ratio = ours_row["goodput_per_s"] / tri["goodput_per_s"] if tri["goodput_per_s"] else float("inf")
+            print(f"{'':>5} {ours_row['server']} / best real Triton ({tri['server']}) goodput = {ratio:.2f}x")
     for r in (x for x in results if x.get("scenario") == "stall"):
         rec = r.get("stall_recovery_s")
         print(f"# stall ({os.cpu_count()} CPU burners {args.stall_s:g} s at {args.stall_load:g}x): {r['server']:<14} "
