@@ -10,9 +10,9 @@ own nice value needs no privilege (``setpriority(2)``; lowering it back does). W
 backend, ONNX Runtime's pool threads (created when the session was opened, on another thread) keep the process's
 priority: only the worker's own share of each batch is lowered.
 
-Measured with ``dsedge serve --instances 2 --threads 1`` (MiniLM fp32, 2 cores, 50 ms budget, the open-loop bursty
-load of benchmarks/triton_baseline.py at 3x the batch-1 capacity, client on the same machine): in budget of admitted
-79 % before and 96 % after in the full benchmark; interleaved pairs on a noisy host were mixed (docs/serve.md).
+Opt-in (default 0 everywhere): side by side in one run of benchmarks/triton_baseline.py (``--worker-nice
+0,5,0,5``, MiniLM fp32 on a shared 2-core VM) nice 5 answered less within budget at every load than nice 0; runs
+minutes apart had pointed the other way. Figures in docs/serve.md.
 """
 from __future__ import annotations
 

@@ -478,8 +478,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             the requests the instances cannot meet even alone (a fallback lane of its own latency profile).
         worker_nice: 0…19 added to the nice value of the streaming lanes' worker threads (Linux; elsewhere
             ignored), so that your threads that submit requests and read answers preempt running batches on a busy
-            machine (runtime/thread_priority.py). ``dsedge serve`` uses 5 for its front end; 0 (default) leaves the
-            workers at your process's priority.
+            machine (runtime/thread_priority.py; ``dsedge serve --worker-nice``). 0 (default) leaves the workers at
+            your process's priority; docs/serve.md has what it measured.
     Raises:
         BundleError / BundleIntegrityError: missing, malformed, truncated or tampered bundle.
         BackendUnavailable: a requested provider is not installed.

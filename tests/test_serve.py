@@ -44,7 +44,8 @@ def server(tmp_path_factory):
     t4 = mlp_bundle(tmp / "mlp-t4.dse", tmp, "t4")
     (tmp / "token").write_text(TOKEN + "\n")
     proc = ServeProcess([cpu, t4], ["--auth-token-file", str(tmp / "token"), "--log-format", "json",
-                                    "--max-body-bytes", str(CAP), "--threads", "1"], tmp / "serve.log")
+                                    "--max-body-bytes", str(CAP), "--threads", "1", "--worker-nice", "5"],
+                       tmp / "serve.log")
     proc.bundle = cpu
     yield proc
     code, _ = proc.terminate()
@@ -377,7 +378,7 @@ def test_batch_workers_run_at_a_higher_nice_value_than_the_front_end(server, cli
     client.infer("mlp-cpu", [_http_input(_x(1))], headers=auth())  # the lanes run
     tids = [int(t) for t in os.listdir(f"/proc/{server.pid}/task")]
     loop = nice(server.pid)  # the main thread runs the event loop (HTTP and gRPC front ends)
-    assert sorted(nice(t) - loop for t in tids).count(5) >= 2  # --worker-nice 5: a lane per served model
+    assert sorted(nice(t) - loop for t in tids).count(5) >= 2  # the fixture's --worker-nice 5: a lane per model
     ready = [json.loads(line) for line in server.log().splitlines() if '"model ready"' in line]
     assert {r["worker_nice"] for r in ready} == {5}
 

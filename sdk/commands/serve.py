@@ -39,9 +39,9 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads per variant.")
 @click.option("--instances", type=click.IntRange(min=1), default=None,
               help="Backends each model's variant runs on side by side (default: 2 on a CPU of 2+ cores, else 1).")
-@click.option("--worker-nice", type=click.IntRange(0, 19), default=5, show_default=True,
+@click.option("--worker-nice", type=click.IntRange(0, 19), default=0, show_default=True,
               help="Nice value added to the batch workers (Linux), so that admitting and answering requests preempts "
-                   "running batches; 0 = same priority.")
+                   "running batches (measured worse side by side on a shared 2-core VM: docs/serve.md).")
 @click.option("--max-inflight", type=click.IntRange(min=1), default=None,
               help="Requests per model inside its scheduler at once (default: 2 batches per variant); more wait in "
                    "the priority queue.")

@@ -48,7 +48,7 @@ class ServeConfig:
     max_batch: int | None = None
     threads: int | None = None
     instances: int | None = None
-    worker_nice: int = 5  # added to the batch workers' nice value: the event loop preempts them (runtime/thread_priority.py)
+    worker_nice: int = 0  # added to the batch workers' nice value (runtime/thread_priority.py); opt-in, see docs/serve.md
     max_inflight: int | None = None
     max_queue: int = 1024
     max_body_bytes: int = 64 * 1024 * 1024
