@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, default=1,
                     help="backends per model on both servers: Triton's instance_group count, dsedge serve --instances")
     ap.add_argument("--dsedge", choices=("auto", "serve", "inprocess"), default="auto")
-    ap.add_argument("--worker-nice", default="5",
+    ap.add_argument("--worker-nice", default="0",
                     help="dsedge serve --worker-nice values, comma-separated: one server run each, in this order "
                          "(e.g. 0,5,0,5 interleaves them; rows are labelled dsedge-niceN)")
     ap.add_argument("--stub-env", default=os.path.expanduser("~/.cache/dsedge/triton-stub-env"),

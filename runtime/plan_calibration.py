@@ -39,7 +39,13 @@ profile's tail already is (a sliding-window quantile of exactly that service tim
 it is planned at the profile's tail (``default_z``), always. A request planned behind other batches is also off
 by their errors, and those are correlated (a slow second slows every batch in it): its standardized residuals run
 2–3× larger, and strata 1 and 2+ each take their own quantile (with fewer than ``min_scores`` recent scores of
-its own, a stratum takes that of strata 1 and 2+ together, then that of all). One pooled z made every idle-lane
+its own, a stratum takes that of strata 1 and 2+ together, then ``default_z``). Never the quantile of all strata:
+at light load nearly every score is an idle-lane plan's, whose spread is mostly the 20 % floor, so the same
+absolute noise scores 2–4× higher there. Borrowed for the rare request queued behind one batch, it planned that
+request at z = 3.4–3.9 (predicted 52–87 ms where 15–19 ms was expected) and refused 1.1–2.0 % of a 0.5× load
+through ``dsedge serve`` (MiniLM fp32, 2 × 1-thread instances, 50 ms budget); with ``default_z``, 0–0.6 %, in
+budget of offered 98.9–100 % against 98.0–98.9 %, of admitted 99.3–100 % against 99.8–100 % (three interleaved
+pairs of 10 s runs). One pooled z made every idle-lane
 plan pay for the queue's correlation, and froze there while nothing was admitted: measured on a 2-core host
 (MiniLM fp32, b1 p50 6 ms, budget 18 ms, 0.5× load), the pooled z reached 2–3, an idle lane refused every
 request for up to 4 s, and in one run 12 % of the offered load was answered within budget.
@@ -113,15 +119,17 @@ class PlanCalibration:
 
     def z(self, now: float | None = None, stratum: int | None = None) -> float:
         """The multiplier of a plan's spread for a request with ``stratum`` batches planned ahead of its own
-        (None: the pooled one): ``default_z`` for stratum 0, always; for the others their own quantile, else
-        that of strata 1 and 2+ together, else the pooled one, else ``default_z`` (see the module doc)."""
+        (None: the pooled one, reported only): ``default_z`` for stratum 0, always; for the others their own
+        quantile, else that of strata 1 and 2+ together, else ``default_z`` (see the module doc)."""
         t = _clock() if now is None else now
         if t - self._t_z >= self.refresh_s:
             with self._lock:
                 pooled = self._quantile(self._recent(t))
                 pooled = self.default_z if pooled is None else pooled
                 queued = self._quantile(self._recent(t, queued=True))
-                queued = pooled if queued is None else queued
+                # not the pooled one: idle-lane plans' spreads are mostly the 20 % floor, so the same absolute
+                # noise scores 2-4x higher there than behind a batch (see the module doc)
+                queued = self.default_z if queued is None else queued
                 own = [self._quantile(self._recent(t, k)) for k in range(1, STRATA)]
                 self._z = [self.default_z] + [queued if q is None else q for q in own] + [pooled]
                 self._t_z = t

@@ -598,3 +598,69 @@ def test_a_call_cancelled_while_it_waits_is_counted(tmp_path):
     count = lambda reason: metrics.registry.get_sample_value(  # noqa: E731
         "dsedge_requests_total", {"model": "mlp", "protocol": "grpc", "outcome": "rejected", "reason": reason})
     assert count("cancelled") == 1.0
+
+
+def test_grpc_way_back_is_timed_to_the_end_of_the_call(tmp_path):
+    """Over gRPC the way-back reserve is timed from the backend's answer to the call's end (gRPC's done callback,
+    after the response and status went to the transport), once per answered call, not to the handler resuming."""
+    import asyncio
+
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    from dsedge.serve.grpc_service import build_server
+    from dsedge.serve.metrics import ServeMetrics
+    from dsedge.serve.models import Repository
+    from dsedge.serve.server import ServerState
+
+    metrics = ServeMetrics()
+    repo = Repository([mlp_bundle(tmp_path / "mlp-cpu.dse", tmp_path, "cpu")], metrics, threads=1)
+    repo.load()
+    model = repo.get("mlp")
+    resumed: list[float] = []
+    real_infer = model.infer
+
+    answered_at: list[float | None] = []
+
+    async def infer(*a, **k):  # when the handler has its answer back (the old end of the way back)
+        out = await real_infer(*a, **k)
+        resumed.append(time.perf_counter())
+        answered_at.append(out.answered_at)
+        return out
+
+    model.infer = infer
+    state = ServerState()
+    x = _x(2)
+
+    async def main() -> list[float]:
+        server = build_server(repo, state, max_message=1 << 24, max_rpcs=None, interceptors=[],
+                              server_metadata=lambda: {})
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = pb_grpc.GRPCInferenceServiceStub(ch)
+                req = pb.ModelInferRequest(model_name="mlp", inputs=[pb.ModelInferRequest.InferInputTensor(
+                    name="x", datatype="FP32", shape=list(x.shape))], raw_input_contents=[x.tobytes()])
+                for _ in range(4):
+                    resp = await stub.ModelInfer(req, timeout=30)
+                    assert resp.outputs and resp.raw_output_contents
+                    await asyncio.sleep(0.05)  # the done callback runs on the server's loop after the call
+        finally:
+            await server.stop(None)
+        return resumed
+
+    before = len(model.way_back._times)
+    try:
+        asyncio.run(main())
+    finally:
+        repo.close(5.0)
+    samples = list(model.way_back._times)[before:]
+    by_backend = [(t, r) for t, r in zip(answered_at, resumed) if t is not None]
+    assert len(resumed) == 4 and by_backend
+    # one sample per call the backend answered, each taken after that call's handler had its answer back (the
+    # call's end comes later) and covering at least answer -> resume
+    assert len(samples) == len(by_backend)
+    for (t_added, ms), (t_answer, t_resumed) in zip(samples, by_backend):
+        assert t_added >= t_resumed
+        assert ms >= (t_resumed - t_answer) * 1e3

@@ -224,6 +224,12 @@ def test_calibration_strata_an_idle_lane_plan_keeps_the_profile_tail_and_queued_
     for i in range(10):
         live.score(10.0, 10.0 + 3 * i, 1.0, stratum=1)
     assert live.to_dict()["z_by_ahead"] == [1.0, 24.0, 24.0]
+    idle = PlanCalibration(quantile=0.9, min_scores=10, refresh_s=0.0, z_max=50.0)
+    for i in range(10):
+        idle.score(10.0, 10.0 + i, 1.0, now=0.0, stratum=0)  # only idle-lane plans scored (a light load)
+    assert idle.z(now=0.0) == 8.0  # their own p90, reported as the pooled z
+    # a queued plan does not borrow it: idle-lane spreads are the 20 % floor, their z-scores run 2-4x higher
+    assert idle.z(now=0.0, stratum=1) == 1.0 and idle.z(now=0.0, stratum=2) == 1.0
 
 
 def test_a_plan_counts_the_batches_ahead_and_an_idle_lane_admits_at_the_profile_tail(backend):

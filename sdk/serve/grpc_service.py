@@ -12,7 +12,8 @@ call, which counts when an overloaded server refuses most calls).
 
 A call's gRPC deadline (the client's ``timeout``/``client_timeout``) caps its budget: the server learns from it how
 long the call waited in gRPC's own queue before this handler ran, which no server-side clock sees (see
-``ServedModel.infer``).
+``ServedModel.infer``). The way-back reserve is timed from the backend's answer to the call's end (the RPC's done
+callback), so it includes sending the response.
 """
 from __future__ import annotations
 
@@ -136,13 +137,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         raise invalid("the classification extension is not supported")
                 names = [o.name for o in request.outputs] or None
                 answer = await m.infer(inputs, params, names, "grpc", received=received,
-                                       transport_deadline=None if remaining is None else received + remaining)
+                                       transport_deadline=None if remaining is None else received + remaining,
+                                       way_back_sent=True)
             except ServeError as e:
                 if m is not None:
                     m.count_failure("grpc", e)
                 log.debug("infer refused", extra={"fields": {"model": request.model_name, "code": e.code,
                                                              "reason": e.reason, "error": e.message}})
                 return self._refuse(context, e)
+        if answer.answered_at is not None:
+            # the answer's way back, to the call's end (response and status handed to the transport), for the
+            # reserve taken out of later budgets
+            t_answer, way_back = answer.answered_at, m.way_back
+            context.add_done_callback(lambda _: way_back.add((time.perf_counter() - t_answer) * 1e3))
         resp = pb.ModelInferResponse(model_name=m.name, model_version=VERSION, id=request.id)
         for k, v in answer.parameters.items():
             _set_param(resp.parameters[k], v)

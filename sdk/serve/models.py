@@ -38,14 +38,16 @@ class InferAnswer:
 
     outputs: dict[str, np.ndarray]
     parameters: dict[str, Any]
+    answered_at: float | None = None  # perf_counter when the backend answered (None: answered at admission)
 
 
 _SERVED_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 class WayBack:
-    """The time from an answer's completion on the backend thread to its coroutine running again, ms: the
-    ``quantile`` of the answers of the last ``horizon_s`` (at most ``window`` of them), reserved out of each
+    """An answer's way back, ms: from its completion on the backend thread to the end of the call over gRPC
+    (gRPC's done callback: response and status handed to the transport), to its coroutine running again over HTTP;
+    the ``quantile`` of the answers of the last ``horizon_s`` (at most ``window`` of them), reserved out of each
     budget. ``initial_ms`` while fewer than ``min_samples`` are that recent, so the reserve a burst left behind
     cannot keep refusing tight budgets once nothing is being answered: it ages out. Refreshed every ``every``
     answers and at least every ``horizon_s / 8`` when read.
@@ -53,7 +55,9 @@ class WayBack:
     p99 by default, the in-budget share a budgeted server aims at: with the p90, one answer in ten whose way back
     was slower than that went out late. Measured with benchmarks/triton_baseline.py's load (MiniLM int8, 50 ms,
     2 cores, two interleaved rounds): in budget of admitted 99.2 / 95–98 % at 0.5× / 1.5× with the p99 against
-    96.6–97.0 / 93–96 % with the p90, the same goodput within noise."""
+    96.6–97.0 / 93–96 % with the p90, the same goodput within noise. Timed only to the handler running again,
+    gRPC's way back missed the response's own send: at 3× that load (MiniLM fp32, 2 × 1-thread instances) its
+    p50/p90/p99 were 0.5/2.6/6.1 ms against 2.2/6.2/10.3 ms to the call's end."""
 
     def __init__(self, window: int = 256, every: int = 32, initial_ms: float = 1.0, quantile: float = 99.0,
                  horizon_s: float = 2.0, min_samples: int = 8) -> None:
@@ -138,7 +142,7 @@ class ServedModel:
     # -- inference --------------------------------------------------------------------------------------------
     async def infer(self, inputs: Mapping[str, np.ndarray], params: Mapping[str, Any],
                     outputs: Sequence[str] | None, protocol: str, *, received: float | None = None,
-                    transport_deadline: float | None = None) -> InferAnswer:
+                    transport_deadline: float | None = None, way_back_sent: bool = False) -> InferAnswer:
         """Admit, queue and run one request; raises ServeError for every way it can end without an answer (the
         front end counts those with ``count_failure``, as it does its own refusals before this).
 
@@ -149,12 +153,15 @@ class ServedModel:
                 When it comes before ``received + budget`` it is the deadline, and the budget's source is
                 ``"grpc_deadline"``: the client's clock started when it sent the call, so this is the one bound
                 that includes the time the call queued inside gRPC before its handler ran.
+            way_back_sent: the front end reports when the answer left (``way_back.add`` from the backend's
+                answer to the call's end, as gRPC's done callback sees it) instead of this method timing it to
+                the handler running again.
         The scheduler gets the budget less what is already spent and less ``way_back.at(now)`` (the recent p99 of
-        answer → handler running again, so the answer still leaves in time).
+        the answer's way back, so it still leaves in time).
         """
         t_arrive = time.perf_counter() if received is None else received
         try:
-            answer = await self._infer(inputs, params, outputs, t_arrive, transport_deadline)
+            answer = await self._infer(inputs, params, outputs, t_arrive, transport_deadline, way_back_sent)
         except asyncio.CancelledError:  # the client went away or its gRPC deadline passed while it waited
             self.metrics.failed(self.name, protocol, "rejected", "deadline" if transport_deadline is not None
                                 and time.perf_counter() >= transport_deadline else "cancelled")
@@ -165,7 +172,8 @@ class ServedModel:
         return answer
 
     async def _infer(self, inputs: Mapping[str, np.ndarray], params: Mapping[str, Any],
-                     outputs: Sequence[str] | None, t_arrive: float, transport_deadline: float | None) -> InferAnswer:
+                     outputs: Sequence[str] | None, t_arrive: float, transport_deadline: float | None,
+                     way_back_sent: bool = False) -> InferAnswer:
         s = self.session
         if self.draining:
             raise rejection("shutdown", "the server is shutting down")
@@ -204,13 +212,14 @@ class ServedModel:
                 raise rejection("shutdown", "the server is shutting down") from None
             except DsedgeError as e:
                 raise invalid(str(e)) from None
+            done_at: list[float] = []
             if fut.done():  # refused at admission: no round trip through the event loop's wake-up pipe
                 res = fut.result()
             else:
-                done_at: list[float] = []
                 fut.add_done_callback(lambda _: done_at.append(time.perf_counter()))
                 res = await asyncio.wrap_future(fut)
-                self.way_back.add((time.perf_counter() - done_at[0]) * 1e3)
+                if not way_back_sent:
+                    self.way_back.add((time.perf_counter() - done_at[0]) * 1e3)
         finally:
             self.metrics.inflight.labels(self.name).dec()
             self.gate.leave()
@@ -228,6 +237,7 @@ class ServedModel:
             parameters={"variant": res.variant, "latency_ms": round(latency_ms, 3),
                         "queue_ms": round(waited_ms + res.queue_ms, 3), "batch_size": int(res.batch_size),
                         "budget_ms": round(dl.budget_ms, 3), "budget_source": dl.source, "priority_level": level},
+            answered_at=done_at[0] if done_at else None,
         )
 
 
