@@ -16,14 +16,19 @@ quantile per batch size and length bucket, fed only by measured service times, n
 Nothing multiplies them, so no run of late answers can lock a lane. What keeps an over-estimate from sticking
 when a lane rejects everything (so nothing runs that would correct it): the request last refused (for its budget
 or its plan) is kept, and the idle worker runs it again as a probe, at most every ``probe_interval_ms``, unless a
-real batch of its kind (batch size, length bucket) ran within ``probe_after_ms``: then real batches are measuring it
-already, and under overload a probe is a run nobody asked for, which new arrivals queue behind (at 3× load through
-``dsedge serve``, probing every 100 ms regardless took a third of the backend's busy time). Probes do not count as
-such runs, so a lane that refuses everything (after a stall) keeps probing every ``probe_interval_ms`` and its
-stale estimate is replaced within about a second.
+real batch of its kind (batch size, length bucket) ran within ``probe_after_ms`` and the lane took a request within
+the last ``probe_interval_ms``: then real batches are measuring it already, and under overload a probe is a run
+nobody asked for, which new arrivals queue behind (at 3× load through ``dsedge serve``, probing every 100 ms
+regardless took a third of the backend's busy time). Probes do not count as such runs, so a lane that refuses
+everything (after a stall, or a cold start whose first samples were slow) keeps probing every
+``probe_interval_ms`` and its stale estimate is replaced within about a second. (Waiting ``probe_after_ms`` after
+the last real batch even when nothing was taken since refused every request of a cold start's first half second
+in 6 of 17 runs: MiniLM fp32, 0.5× load, 20 ms budget; none in 6 runs since.)
 
 Cold start: a lane starts with whatever its profile was seeded with (the bundle's build-time figures, scaled once
-this machine measured something) and its worker's first act is a warm-up run off the caller's thread. Until
+this machine measured something) and its worker's first act is a warm-up run off the caller's thread (untimed: it
+allocates), then one timed run, alone: not while another lane of the session is in its first run or timing
+(``WarmUpGate``). Until
 anything is known at all, requests are admitted (up to ``max_queue``) and queued with their own deadlines; EDF
 then serves them in deadline order and drops, as counted misses, those that can no longer make it.
 
@@ -55,6 +60,7 @@ A batch the backend fails on is run again request by request, so one bad request
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import itertools
 import math
@@ -62,7 +68,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -127,6 +133,57 @@ class Request:
         return (int(self.deadline / tie_s), -self.priority, order)
 
 
+class WarmUpGate:
+    """The lanes of one session warming up at once: a lane's timed warm-up run waits until no lane is in its first
+    (untimed, allocating) run and no other lane is timing, so each backend is timed alone, not against another's
+    allocation or run.
+
+    Measured on a 2-core host (MiniLM fp32, two 1-thread instances and the 2-thread fallback starting together):
+    first runs took 10–31 ms, and timed runs that overlapped them took 17.1 and 21.6 ms against about 10 ms alone.
+    With two such samples the profile's tail was 29.4 ms (median + 3 robust deviations), over a 20 ms budget, and
+    every request of the first half second was refused. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._first = 0  # lanes in their first run now
+        self._timing = False  # a lane's timed warm-up run is on now
+
+    @contextlib.contextmanager
+    def first_run(self) -> Iterator[None]:
+        """Around a lane's first (untimed) run."""
+        with self._cond:
+            self._first += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._first -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def timed_run(self, timeout_s: float, abort: Callable[[], bool], poll_s: float = 0.005) -> Iterator[bool]:
+        """Around a lane's timed warm-up run: waits until no lane is in its first run and no other is timing, and
+        yields True, or False (run nothing) when ``abort()`` turned true or ``timeout_s`` passed first."""
+        end = _clock() + timeout_s
+        with self._cond:
+            while self._first or self._timing:
+                left = end - _clock()
+                if left <= 0 or abort():
+                    break
+                self._cond.wait(min(left, poll_s))
+            ok = not (self._first or self._timing) and not abort()
+            if ok:
+                self._timing = True
+        try:
+            yield ok
+        finally:
+            if ok:
+                with self._cond:
+                    self._timing = False
+                    self._cond.notify_all()
+
+
 class Lane:
     """One variant's backend, latency profile, EDF queue and worker thread.
 
@@ -157,6 +214,9 @@ class Lane:
             offers it only requests the instances refused for their budget (too slow for it even alone).
         nice: added to the worker thread's nice value (0…19, Linux) so that the threads that admit and answer
             requests preempt its batches (runtime/thread_priority.py); 0 keeps the caller's priority.
+        warm_gate: the ``WarmUpGate`` of the lanes warming up beside this one (a session's lanes share one); the
+            timed warm-up run waits, at most ``warm_quiet_ms``, until none of them is in its first run or timing,
+            and is skipped when a request arrives meanwhile (that request's run measures instead).
     """
 
     def __init__(self, name: str, run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
@@ -166,7 +226,7 @@ class Lane:
                  warm_seq: int | None = None, observe_warmup: bool = True, probe_interval_ms: float = 100.0,
                  probe_after_ms: float = 500.0, inline_ms: float = 1.0, plan_limit: int = 16,
                  calibration: PlanCalibration | None = None, instance: int = 0, fallback: bool = False,
-                 nice: int = 0) -> None:
+                 nice: int = 0, warm_gate: WarmUpGate | None = None, warm_quiet_ms: float = 500.0) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -187,6 +247,8 @@ class Lane:
         self.nice = int(nice)
         self.niced = False  # the worker's nice value was raised by ``nice``
         self.warm = threading.Event()
+        self._warm_gate = warm_gate if warm_gate is not None else WarmUpGate()
+        self._warm_quiet_s = warm_quiet_ms / 1e3
         self._warm_feed = warm_feed
         self._warm_seq = warm_seq
         self._observe_warmup = observe_warmup
@@ -201,6 +263,7 @@ class Lane:
         self._run_dev = 0.0
         self._gap_s: float | None = None  # moving mean gap between arrivals
         self._last_arrival: float | None = None
+        self._t_admit = -math.inf  # when this lane last took a request (queued or run inline)
         self._refused: Request | None = None  # the latest request refused for its budget: the next probe
         self._last_future: Future | None = None  # of the latest request offered to try_inline
         self._t_probe = 0.0
@@ -387,7 +450,7 @@ class Lane:
             if self._last_arrival is not None:
                 gap = now - self._last_arrival
                 self._gap_s = gap if self._gap_s is None else self._gap_s + 0.1 * (gap - self._gap_s)
-            self._last_arrival = now
+            self._last_arrival = self._t_admit = now
             item = (req.sort_key(next(self._order), self.tie_s), req)
             bisect.insort(self._queue, item, key=lambda x: x[0])
             self.max_depth = max(self.max_depth, len(self._queue))
@@ -408,6 +471,7 @@ class Lane:
             if self._running or self._queue or self._closing:
                 return False
             self._running = True
+            self._t_admit = _clock()
             self._mark_running(req.t_submit, req.rows, req.seq)
         try:
             self._execute([req])
@@ -416,8 +480,7 @@ class Lane:
                 self._running = False
                 self._busy_until = self._run_mid = self._run_dev = 0.0
                 self.inline += 1
-                if self._queue:
-                    self._cond.notify_all()
+                self._cond.notify_all()  # the worker: a queued request, or a probe that waited for the backend
         return True
 
     @property
@@ -493,14 +556,21 @@ class Lane:
         try:
             if self._warm_feed is not None:
                 feed = self._warm_feed(1, self._warm_seq)
-                self.run(feed)  # ORT's first run of a shape allocates: untimed
+                with self._warm_gate.first_run():
+                    self.run(feed)  # ORT's first run of a shape allocates: untimed
                 with self._cond:
                     if self._queue or self._closing:
                         return  # a real request is waiting: it is the probe now
-                t0 = _clock()
-                self.run(feed)
+                # timed alone: not against another lane's first run or timed run (see WarmUpGate); a request
+                # arriving meanwhile is served at once and measures instead
+                with self._warm_gate.timed_run(self._warm_quiet_s, lambda: bool(self._queue) or self._closing) as ok:
+                    if not ok:
+                        return
+                    t0 = _clock()
+                    self.run(feed)
+                    ms = (_clock() - t0) * 1e3
                 if self._observe_warmup:
-                    self.profile.observe(1, self._warm_seq, (_clock() - t0) * 1e3)
+                    self.profile.observe(1, self._warm_seq, ms)
         except Exception:  # a warm-up that cannot run says nothing about serving: real requests will tell
             pass
         finally:
@@ -525,11 +595,18 @@ class Lane:
                     if not self._running and self._refused is not None and not self._closing:
                         r = self._refused
                         seen = self._served.get((r.rows, seq_bucket(r.seq)), -math.inf)
-                        due = max(self._t_probe + self.probe_interval_s, seen + self.probe_after_s) - _clock()
+                        # real batches measure its kind only while this lane still takes requests: one that took
+                        # none for a probe interval is probed then, whatever ran before (a cold start's first
+                        # samples, or a stall's, can put the tail over every budget, and nothing admitted means
+                        # nothing measured)
+                        now = _clock()
+                        taking = now - self._t_admit < self.probe_interval_s
+                        after = seen + self.probe_after_s if taking else -math.inf
+                        due = max(self._t_probe + self.probe_interval_s, after) - now
                         if due <= 0:
                             probe, self._refused = self._refused, None
                             break
-                        self._cond.wait(timeout=due)
+                        self._cond.wait(timeout=min(due, self.probe_interval_s))
                     else:
                         self._cond.wait()
                 if probe is not None:

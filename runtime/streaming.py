@@ -27,7 +27,7 @@ from .batching import BatchLayout, example_feed
 from .bundle import Manifest, Variant
 from .latency_profile import LatencyProfile, measure
 from .metrics import StreamMetrics
-from .scheduler import BudgetScheduler, Lane
+from .scheduler import BudgetScheduler, Lane, WarmUpGate
 
 _WARM_SEQ = 32
 _MEASURE_SEQS = (16, 64)
@@ -153,6 +153,7 @@ class StreamingCore:
         self._max_delay_ms = max_delay_ms
         self._batch_variant_ok = batch_variant_ok
         self._worker_nice = int(worker_nice)
+        self._warm_gate = WarmUpGate()  # the lanes warm up together: none is timed against another's first run
         layout = self.layout
         batch_range = manifest.shape_ranges.get(layout.batch_symbol or "", {})
         self.max_batch = 1 if not layout.dynamic else int(max_batch or batch_range.get("max", 32))
@@ -204,7 +205,7 @@ class StreamingCore:
                     warm_feed=lambda b, s: example_feed(layout, b, s), warm_seq=self.warm_seq,
                     observe_warmup=(mode != "bundle" or prof.empty),
                     calibration=None if sibling is None else sibling.calibration, instance=instance,
-                    fallback=fallback, nice=self._worker_nice)
+                    fallback=fallback, nice=self._worker_nice, warm_gate=self._warm_gate)
 
     def _open_cascade(self, primary_variant: Variant, open_variant: Callable[[str], Any]) -> None:
         try:

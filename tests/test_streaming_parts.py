@@ -280,9 +280,37 @@ def test_a_key_that_real_batches_measure_is_not_probed(backend):
     assert kinds and set(kinds) == {"Result"}
     assert lane.probes == 0  # idle gaps of 20 ms, each past probe_interval_ms … but the key was just measured
     t_last = time.perf_counter()
-    while lane.probes == 0 and time.perf_counter() - t_last < 5.0:  # nothing of that kind has run for longer
-        time.sleep(0.01)  # than probe_after_ms: now it is re-measured, once
-    assert lane.probes == 1 and time.perf_counter() - t_last >= 0.45
+    while lane.probes == 0 and time.perf_counter() - t_last < 5.0:  # the lane takes nothing any more: real
+        time.sleep(0.01)  # batches no longer measure, so it is re-measured once, without waiting probe_after_ms
+    assert lane.probes == 1 and time.perf_counter() - t_last < 0.45
+    sched.close()
+
+
+def test_a_lane_that_takes_nothing_is_probed_at_the_probe_interval(backend):
+    """A kind measured by a real batch moments ago is still probed once the lane takes no request: after a cold
+    start whose first samples were slow (timed against other backends' first runs) the tail sat over every budget,
+    nothing was admitted, and waiting probe_after_ms since that batch refused everything for half a second."""
+    layout = BatchLayout.of(*TEXT_IO)
+    lane = Lane("fp32", backend.run, LatencyProfile("fp32", refresh_s=0.0), layout, StreamMetrics(), max_batch=8,
+                warm_feed=lambda b, s: example_feed(layout, b, s), warm_seq=8, probe_interval_ms=50.0,
+                probe_after_ms=3000.0, inline_ms=0.0)
+    assert lane.warm.wait(10)
+    sched = BudgetScheduler([lane], layout, lane.metrics)
+    rng = np.random.default_rng(0)
+    assert isinstance(sched.submit(text_request(rng, 8), 5000).result(10), Result)  # a real batch of the kind
+    for _ in range(5):
+        lane.profile.observe(1, 8, 200.0)  # then its figures look slow
+    t0 = time.perf_counter()
+    answered = None
+    while time.perf_counter() - t0 < 6.0:
+        r = sched.submit(text_request(rng, 8), 50).result(10)
+        if isinstance(r, Result):
+            answered = time.perf_counter() - t0
+            break
+        assert r.reason == "budget"
+        time.sleep(0.01)
+    assert answered is not None and answered < 1.5, (answered, lane.probes)  # not after probe_after_ms (3 s)
+    assert lane.probes >= 1, (answered, lane.profile.to_dict())
     sched.close()
 
 
@@ -342,3 +370,37 @@ def test_misses_are_counted_and_lateness_from_queueing_moves_no_estimate(backend
     assert m2["answered_late"] == 1 and m2["budget_missed"] == 1 and m2["budget_miss_rate"] == 1.0
     sched.close()
     sched2.close()
+
+
+def test_a_timed_warm_up_run_is_not_timed_against_another_lanes_first_run(backend):
+    """Lanes of one session warm up together: each timed warm-up run waits until no lane is in its first
+    (allocating) run and no other is timing, so the first samples are each backend's own."""
+    from dsedge.runtime.scheduler import WarmUpGate
+
+    layout = BatchLayout.of(*TEXT_IO)
+    calls: dict[str, list[tuple[float, float]]] = {"slow": [], "fast": []}
+    lock = threading.Lock()
+
+    def recorded(name: str, first_extra_s: float):
+        def run(feed):
+            t0 = time.perf_counter()
+            if first_extra_s and not calls[name]:
+                time.sleep(first_extra_s)  # a first run that allocates for a while
+            out = backend.run(feed)
+            with lock:
+                calls[name].append((t0, time.perf_counter()))
+            return out
+        return run
+
+    gate = WarmUpGate()
+    lanes = [Lane("fp32", recorded(name, extra), LatencyProfile("fp32"), layout, StreamMetrics(), max_batch=8,
+                  warm_feed=lambda b, s: example_feed(layout, b, s), warm_seq=8, warm_gate=gate)
+             for name, extra in (("slow", 0.3), ("fast", 0.0))]
+    assert all(lane.warm.wait(10) for lane in lanes)
+    (slow_first, slow_timed), (fast_first, fast_timed) = calls["slow"], calls["fast"]
+    assert fast_first[1] < slow_first[1]  # the fast lane's first run ended well before the slow one's …
+    assert fast_timed[0] >= slow_first[1]  # … and its timed run waited for it
+    assert fast_timed[0] >= slow_timed[1] or slow_timed[0] >= fast_timed[1]  # one timed run at a time
+    assert all(lane.profile.to_dict()["points"] for lane in lanes)  # both were timed
+    for lane in lanes:
+        lane.close()
