@@ -23,7 +23,7 @@ regardless took a third of the backend's busy time). Probes do not count as such
 everything (after a stall, or a cold start whose first samples were slow) keeps probing every
 ``probe_interval_ms`` and its stale estimate is replaced within about a second. (Waiting ``probe_after_ms`` after
 the last real batch even when nothing was taken since refused every request of a cold start's first half second
-in 6 of 17 runs: MiniLM fp32, 0.5× load, 20 ms budget; none in 6 runs since.)
+in 6 of 19 runs: MiniLM fp32, 0.5× load, 20 ms budget; none in 6 runs since.)
 
 Cold start: a lane starts with whatever its profile was seeded with (the bundle's build-time figures, scaled once
 this machine measured something) and its worker's first act is a warm-up run off the caller's thread (untimed: it
