@@ -152,7 +152,8 @@ def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = 
             return
         if not is_integer(value) or not low <= int(value) <= (2**31 - 1 if high is None else high):
             wanted = f">= {low}" if high is None else f"in {low}..{high}"
-            raise InputError(f"{name} must be an integer {wanted}, got {value!r}", f"pass {name}={max(low, 1)} or more")
+            hint = f"pass {name}={max(low, 1)} or more" if high is None else f"pass {name} between {low} and {high}"
+            raise InputError(f"{name} must be an integer {wanted}, got {value!r}", hint)
 
     integer("max_batch", max_batch, 1)
     integer("max_queue", max_queue, 1, optional=False)

@@ -558,11 +558,8 @@ class Lane:
                 feed = self._warm_feed(1, self._warm_seq)
                 with self._warm_gate.first_run():
                     self.run(feed)  # ORT's first run of a shape allocates: untimed
-                with self._cond:
-                    if self._queue or self._closing:
-                        return  # a real request is waiting: it is the probe now
                 # timed alone: not against another lane's first run or timed run (see WarmUpGate); a request
-                # arriving meanwhile is served at once and measures instead
+                # waiting now, or arriving meanwhile, is served at once and measures instead
                 with self._warm_gate.timed_run(self._warm_quiet_s, lambda: bool(self._queue) or self._closing) as ok:
                     if not ok:
                         return
