@@ -155,6 +155,23 @@ def test_calibration_level_follows_the_miss_rate_seen_within_bounds():
     assert cal.alpha == cal.alpha_max and cal.z(now=0.0) == 49.0  # and bottoms out at the median
 
 
+def test_calibration_default_target_keeps_the_level_at_its_floor_between_sparse_misses():
+    """The default ACI target (0.1 % of planned requests): one miss in 300 (0.33 %, over the target) holds α at
+    its floor between misses. With a 0.5 % target α climbed by 0.075 in the 300 hits after each miss, so clustered
+    misses met a lax quantile (more admitted, 1.9 % of them late at 3x load, docs/streaming.md)."""
+    cal = PlanCalibration()
+    for _ in range(5):
+        cal.outcome(True)
+        for _ in range(299):
+            cal.outcome(False)
+        assert cal.alpha <= cal.alpha_min + 0.016  # 299 hits: +0.05 * 0.001 each
+    old = PlanCalibration(target_miss=0.005)
+    old.outcome(True)
+    for _ in range(299):
+        old.outcome(False)
+    assert old.alpha > cal.alpha + 0.05
+
+
 def test_a_lane_refusing_by_plan_re_measures_and_admits_again(backend):
     """An estimate of 25 ms on a backend that takes ~1 ms: alone it fits a 28 ms budget, its plan (with the spread)
     does not, so every request is refused for overload and none runs to correct the estimate — unless the idle lane
