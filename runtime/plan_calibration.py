@@ -21,9 +21,9 @@ The target is 0.1 %, under the 1 % a budgeted server aims at: misses come in clu
 host), and between clusters each hit raises α by ``γ · target_miss``, so with 0.5 % α had climbed to 0.03–0.07
 (a quantile near the 95th) by the time the next cluster came; and α clipped at its floor forgets the misses
 beyond it. Measured in process (MiniLM fp32, 2 × 1-thread instances, 50 ms budget, open-loop bursty arrivals, 10 s
-runs; benchmarks/streaming.py's schedule), in budget of admitted at 3× the batch-1 capacity: 97.5–98.7 % with 0.5 %
-(six runs) against 98.1–99.7 % with 0.1 % (five), goodput 169–188 against 154–164/s; at 1.5×, 98.9–99.3 % against
-99.4–100 %, goodput within noise. Through ``dsedge serve`` at 3× (three interleaved pairs): 92.1–96.3 % against
+runs; benchmarks/streaming.py's schedule), in budget of admitted at 3× the batch-1 capacity: 97.2–99.1 %, median
+98.1 %, with 0.5 % (19 runs) against 98.1–99.7 %, median 99.3 %, with 0.1 % (11 runs), goodput 169–188 against
+154–205/s; at 1.5×, 98.6–99.6 % against 99.2–100 %, goodput within noise. Through ``dsedge serve`` at 3× (three interleaved pairs): 92.1–96.3 % against
 95.9–97.8 %, the server's own `deadline` drops 30–67 against 13–31.
 
 This is split conformal prediction (Vovk, Gammerman & Shafer, *Algorithmic Learning in a Random World*, 2005) with
