@@ -23,8 +23,8 @@ host), and between clusters each hit raises α by ``γ · target_miss``, so with
 beyond it. Measured in process (MiniLM fp32, 2 × 1-thread instances, 50 ms budget, open-loop bursty arrivals, 10 s
 runs; benchmarks/streaming.py's schedule), in budget of admitted at 3× the batch-1 capacity: 97.2–99.1 %, median
 98.1 %, with 0.5 % (19 runs) against 98.1–99.7 %, median 99.3 %, with 0.1 % (11 runs), goodput 169–188 against
-154–205/s; at 1.5×, 98.6–99.6 % against 99.2–100 %, goodput within noise. Through ``dsedge serve`` at 3× (three interleaved pairs): 92.1–96.3 % against
-95.9–97.8 %, the server's own `deadline` drops 30–67 against 13–31.
+154–205/s; at 1.5×, 98.6–99.6 % against 99.2–100 %, goodput within noise. Through ``dsedge serve`` at 3× (three
+interleaved pairs): 92.1–96.3 % against 95.9–97.8 %, the server's own `deadline` drops 30–67 against 13–31.
 
 This is split conformal prediction (Vovk, Gammerman & Shafer, *Algorithmic Learning in a Random World*, 2005) with
 normalized nonconformity scores (Papadopoulos, Gammerman & Vovk, 2008; the locally weighted residuals of Lei et
@@ -106,7 +106,7 @@ class PlanCalibration:
         self.alpha = min(max(1.0 - float(quantile), self.alpha_min), self.alpha_max)
         self._scores: collections.deque = collections.deque(maxlen=int(window))
         self._lock = threading.Lock()
-        self._z = [self.default_z] * (STRATA + 1)  # per stratum, then pooled
+        self._z = [self.default_z] * STRATA  # per stratum
         self._t_z = -math.inf
 
     def score(self, expected_ms: float, actual_ms: float, spread_ms: float, now: float | None = None,
@@ -131,18 +131,20 @@ class PlanCalibration:
         (None: the pooled one, reported only): ``default_z`` for stratum 0, always; for the others their own
         quantile, else that of strata 1 and 2+ together, else ``default_z`` (see the module doc)."""
         t = _clock() if now is None else now
-        if t - self._t_z >= self.refresh_s:
+        if stratum is None:  # reports only: not on admission's path
             with self._lock:
                 pooled = self._quantile(self._recent(t))
-                pooled = self.default_z if pooled is None else pooled
+            return self.default_z if pooled is None else pooled
+        if t - self._t_z >= self.refresh_s:
+            with self._lock:
                 queued = self._quantile(self._recent(t, queued=True))
                 # not the pooled one: idle-lane plans' spreads are mostly the 20 % floor, so the same absolute
                 # noise scores 2-4x higher there than behind a batch (see the module doc)
                 queued = self.default_z if queued is None else queued
                 own = [self._quantile(self._recent(t, k)) for k in range(1, STRATA)]
-                self._z = [self.default_z] + [queued if q is None else q for q in own] + [pooled]
+                self._z = [self.default_z] + [queued if q is None else q for q in own]
                 self._t_z = t
-        return self._z[STRATA if stratum is None else min(max(int(stratum), 0), STRATA - 1)]
+        return self._z[min(max(int(stratum), 0), STRATA - 1)]
 
     def _quantile(self, recent: list[float]) -> float | None:
         n = len(recent)
