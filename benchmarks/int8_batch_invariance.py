@@ -136,12 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     r, t = p50["int8-rowwise"], p50["int8-per-tensor"]
     fastest_inv = min((n for n in sessions if invariance[n] <= 1e-5 and n != "int8-rowwise"),
                       key=lambda n: p50[n]["1x32"] + p50[n]["32x64"] / 32)
-    print(f"# int8-rowwise (the cpu target's INT8) vs per-tensor: b1x32 {r['1x32'] / t['1x32']:.2f}x, b32x64 {r['32x64'] / t['32x64']:.2f}x "
-          f"the time; vs the fastest other batch-invariant form ({fastest_inv}): b1x32 "
+    print(f"# int8-rowwise (the cpu target's INT8) vs per-tensor: b1x32 {r['1x32'] / t['1x32']:.2f}x, b32x64 "
+          f"{r['32x64'] / t['32x64']:.2f}x the time; vs the fastest other batch-invariant form ({fastest_inv}): b1x32 "
           f"{r['1x32'] / p50[fastest_inv]['1x32']:.2f}x, b32x64 {r['32x64'] / p50[fastest_inv]['32x64']:.2f}x")
     if "torch-eager" in p50:
         e = p50["torch-eager"]
-        for n in ("int8-rowwise", "fp32-fused"):  # the cpu build's auto ships one of them (or int4): docs/compression.md
+        for n in ("int8-rowwise", "fp32-fused"):  # what the cpu build's auto picks from (toolchain/stages/auto.py)
             print(f"# {n} vs PyTorch eager: b1x32 {e['1x32'] / p50[n]['1x32']:.1f}x faster, b32x64 "
                   f"{e['32x64'] / p50[n]['32x64']:.1f}x faster")
     shutil.rmtree(work, ignore_errors=True)
