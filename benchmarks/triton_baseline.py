@@ -24,12 +24,16 @@ its late answers were within budget by the server's own clock (the rest of their
 transport, which no server-side policy sees) and its own counts per level (``dsedge_requests_total`` scraped from
 its metrics port before and after: in budget of admitted by the server's clock), and Triton's own
 per-request overhead (an identity Python-backend model, serial round trips) beside the model's own b1 run time.
+The load generator (this process) runs each arrival window with its garbage collector off (``gc.collect()`` before,
+``gc.enable()`` after): its full collections, over the window's futures and tritonclient's call objects, paused it
+28-101 ms mid-window and answers of both servers then arrived late together (measured on a 2-core host at 3×).
 Arrivals, request pool and capacity come from benchmarks/streaming.py. Timings on a shared machine are noisy:
 compare ratios inside one run.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -92,9 +96,15 @@ def drive(server, schedule: np.ndarray, pool, budget_ms: float, stall: tuple[flo
     """Submit ``pool[i % len(pool)]`` at ``schedule[i]`` (open loop) and tally the outcomes. ``stall``: (start,
     length) s of one CPU burner process per core inside the window (a noisy neighbour); the row then says how long
     after its end answers were back in budget."""
-    futures = open_loop(schedule, lambda i: server.submit(pool[i % len(pool)], budget_ms), stall, os.cpu_count() or 2)
+    gc.collect()
+    gc.disable()  # the generator's own pauses stay out of both servers' latencies (see the module doc)
+    try:
+        futures = open_loop(schedule, lambda i: server.submit(pool[i % len(pool)], budget_ms), stall,
+                            os.cpu_count() or 2)
+        outcomes = [f.result(timeout=120) for f in futures]
+    finally:
+        gc.enable()
     window = max(float(schedule[-1]) if len(schedule) else 0.0, 1e-9)
-    outcomes = [f.result(timeout=120) for f in futures]
     extra = {}
     if stall is not None:
         ok = np.array([o[0] == "answered" and o[1] <= budget_ms for o in outcomes])
@@ -409,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = [(int(mb), d) for mb in args.triton_max_batch.split(",") if mb.strip() for d in delays]
     server = TritonServer(repo, stub / "bin", work / "triton", extra_args=("--model-control-mode=explicit",
                                                                            "--load-model=identity"))
-    results, overhead = [], {}
+    # crashes: Triton settings whose server died mid-run (its 2.51 build segfaulted once at 3x here)
+    results, overhead, crashes = [], {}, []
     serve_proc = None
     try:
         server.start(timeout_s=120)
@@ -424,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
 
         admin = grpcclient.InferenceServerClient(server.grpc_url)
         for mb, d in settings:
+            label = f"triton-b{mb}-{d:g}ms"
+            if server.proc is None or server.proc.poll() is not None:  # it crashed during the setting before
+                server.stop()
+                server.start(timeout_s=120)
             preferred = sorted({min(1 << i, mb) for i in range(mb.bit_length())})[-4:]
             set_batching(repo / model / "config.pbtxt", int(d * 1000), preferred, mb, args.max_queue,
                          int(budget * 1000))
@@ -433,18 +448,23 @@ def main(argv: list[str] | None = None) -> int:
                 overhead["triton_model_b1_p50_ms"] = round(drv.serial_p50_ms(pool[0], 30), 3)
                 if drv.serial_errors:
                     print(f"# triton serial errors: {len(drv.serial_errors)}, first: {drv.serial_errors[0]}")
-            for load, sched in schedules.items():
-                row = drive(drv, sched, pool, budget)
-                row.update(load=load, server=f"triton-b{mb}-{d:g}ms")
+            runs = [(load, sched, None) for load, sched in schedules.items()]
+            runs += [(args.stall_load, stall_sched, stall)] if stall is not None else []
+            for load, sched, stalled in runs:
+                row = drive(drv, sched, pool, budget, stall=stalled)
+                row.update(load=load, server=label, **({"scenario": "stall"} if stalled else {}))
+                crashed = server.proc.poll() is not None
+                if crashed:  # its row is not a baseline: the rest of this setting is skipped, the server restarted
+                    signal_line = next((ln for ln in server.log_tail(60).splitlines() if "Signal" in ln), "")
+                    row["server_crashed"] = f"exit {server.proc.returncode} {signal_line}".strip()
+                    crashes.append(f"{label} at {load:g}x{' (stall)' if stalled else ''}: {row['server_crashed']}")
                 results.append(row)
                 print(json.dumps(row), flush=True)
-            if stall is not None:
-                row = drive(drv, stall_sched, pool, budget, stall=stall)
-                row.update(load=args.stall_load, server=f"triton-b{mb}-{d:g}ms", scenario="stall")
-                results.append(row)
-                print(json.dumps(row), flush=True)
+                if crashed:
+                    break
             drv.close()
-            admin.unload_model(model)
+            if server.proc.poll() is None:
+                admin.unload_model(model)
             time.sleep(1.0)
         admin.close()
         server.stop()
@@ -505,14 +525,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['p99_ms'] if r['p99_ms'] is not None else '-':>8} {pct(r['rejection_rate']):>9} "
                   f"{pct(r['miss_rate']):>7} {r['answered_late']:>5} {r['timed_out']:>5} "
                   f"{pct(r['admitted_within_budget']):>24}"
+                  + ("  (Triton crashed in this run: not a baseline)" if r.get("server_crashed") else "")
                   + (f"  ({r['late_in_budget_at_server']} of {r['answered_late']}); by the server's clock "
                      f"{pct(r.get('server_admitted_within_budget'))} % of admitted in budget "
                      f"{r.get('server_counts')}" if r["server"].startswith("dsedge") and mode == "serve" else ""))
-        tri = max((r for r in rows if r["server"].startswith("triton")), key=lambda r: r["goodput_per_s"])
+        tri = max((r for r in rows if r["server"].startswith("triton") and not r.get("server_crashed")),
+                  key=lambda r: r["goodput_per_s"], default=None)
+        if tri is None:
+            continue
         for ours_row in (r for r in rows if r["server"].startswith("dsedge")):
             ratio = ours_row["goodput_per_s"] / tri["goodput_per_s"] if tri["goodput_per_s"] else float("inf")
             print(f"{'':>5} {ours_row['server']} / best real Triton ({tri['server']}) goodput = {ratio:.2f}x")
-    for r in (x for x in results if x.get("scenario") == "stall"):
+    for c in crashes:
+        print(f"# tritonserver crashed: {c}; restarted for the next setting")
+    for r in (x for x in results if x.get("scenario") == "stall" and not x.get("server_crashed")):
         rec = r.get("stall_recovery_s")
         print(f"# stall ({os.cpu_count()} CPU burners {args.stall_s:g} s at {args.stall_load:g}x): {r['server']:<14} "
               f"goodput {r['goodput_per_s']:.1f}/s, in budget of admitted {pct(r['admitted_within_budget'])} %, "
@@ -521,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"budget_ms": budget, "capacity_rows_per_s": cap,
                                                "reference_rows_per_s": ref, "capacity": args.capacity,
                                                "dsedge_via": mode,
-                                               "overhead": overhead, "results": results}, indent=2) + "\n")
+                                               "overhead": overhead, "triton_crashes": crashes,
+                                               "results": results}, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
