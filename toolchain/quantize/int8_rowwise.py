@@ -145,9 +145,9 @@ def quantize_int8_rowwise(model: onnx.ModelProto, *, fuse: str | None = "bert", 
     """Batch-invariant dynamic INT8 for ORT CPU (see the module doc); optional transformer fusion first.
 
     Weights per output channel (``quantize_dynamic``; ``weight_type`` "int7" (default), "uint8" or "int8": see the
-    module doc),
-    embedding tables (Gather) likewise, activations 8-bit per row at run time. Returns (model, report) with the same keys as ``quantize_int8_dynamic`` plus
-    ``"batch_invariant": True`` and ``"activation_scales": "per-row"``. Raises QuantizationError on NaN/Inf weights.
+    module doc), embedding tables (Gather) likewise, activations 8-bit per row at run time. Returns (model, report)
+    with the same keys as ``quantize_int8_dynamic`` plus ``"batch_invariant": True`` and ``"activation_scales":
+    "per-row"``. Raises QuantizationError on NaN/Inf weights.
     """
     from .int8 import quantize_int8_dynamic
 
