@@ -24,6 +24,10 @@ its late answers were within budget by the server's own clock (the rest of their
 transport, which no server-side policy sees) and its own counts per level (``dsedge_requests_total`` scraped from
 its metrics port before and after: in budget of admitted by the server's clock), and Triton's own
 per-request overhead (an identity Python-backend model, serial round trips) beside the model's own b1 run time.
+Every window starts cold, as a user first meets a server: Triton loads the model for it (new instances and
+stubs, with the config's own ``model_warmup``) and ``dsedge serve`` is started for it (its load measures the
+latency profile, dsedge's start); nothing is sent before the window's first arrival. Serial round-trip overheads
+are measured after a window. ``--dsedge inprocess`` is the exception: one session, warmed up.
 The load generator (this process) runs each arrival window with its garbage collector off (``gc.collect()`` before,
 ``gc.enable()`` after): its full collections, over the window's futures and tritonclient's call objects, paused it
 28-101 ms mid-window and answers of both servers then arrived late together (measured on a 2-core host at 3×).
@@ -424,48 +428,52 @@ def main(argv: list[str] | None = None) -> int:
     serve_proc = None
     try:
         server.start(timeout_s=120)
-        ident = GrpcDriver(server.grpc_url, "identity")
-        overhead["identity_p50_ms"] = round(ident.serial_p50_ms({"x": np.zeros(1, np.float32)}, 200), 3)
-        ident.close()
         schedules = {load: arrivals(load * ref, args.duration_s, np.random.default_rng(args.seed + int(load * 100)))
                      for load in [float(x) for x in args.loads.split(",")]}
         stall = (args.stall_at_s, args.stall_s) if args.stall_s > 0 else None
         stall_sched = arrivals(args.stall_load * ref, args.duration_s, np.random.default_rng(args.seed + 999))
+        runs = [(load, sched, None) for load, sched in schedules.items()]
+        runs += [(args.stall_load, stall_sched, stall)] if stall is not None else []
         import tritonclient.grpc as grpcclient
 
         admin = grpcclient.InferenceServerClient(server.grpc_url)
         for mb, d in settings:
             label = f"triton-b{mb}-{d:g}ms"
-            if server.proc is None or server.proc.poll() is not None:  # it crashed during the setting before
-                server.stop()
-                server.start(timeout_s=120)
             preferred = sorted({min(1 << i, mb) for i in range(mb.bit_length())})[-4:]
             set_batching(repo / model / "config.pbtxt", int(d * 1000), preferred, mb, args.max_queue,
                          int(budget * 1000))
-            admin.load_model(model)
-            drv = GrpcDriver(server.grpc_url, model)
-            if "triton_model_b1_p50_ms" not in overhead:
-                overhead["triton_model_b1_p50_ms"] = round(drv.serial_p50_ms(pool[0], 30), 3)
-                if drv.serial_errors:
-                    print(f"# triton serial errors: {len(drv.serial_errors)}, first: {drv.serial_errors[0]}")
-            runs = [(load, sched, None) for load, sched in schedules.items()]
-            runs += [(args.stall_load, stall_sched, stall)] if stall is not None else []
             for load, sched, stalled in runs:
+                if server.proc is None or server.proc.poll() is not None:  # it crashed in the window before
+                    server.stop()
+                    server.start(timeout_s=120)
+                # every window starts cold: the model is loaded now (new instances and stubs, its config's own
+                # model_warmup, which is Triton's start) and nothing is sent before the window's first arrival
+                admin.load_model(model)
+                drv = GrpcDriver(server.grpc_url, model)
                 row = drive(drv, sched, pool, budget, stall=stalled)
                 row.update(load=load, server=label, **({"scenario": "stall"} if stalled else {}))
                 crashed = server.proc.poll() is not None
-                if crashed:  # its row is not a baseline: the rest of this setting is skipped, the server restarted
+                if crashed:  # its row is not a baseline; the rest of this setting is skipped
                     signal_line = next((ln for ln in server.log_tail(60).splitlines() if "Signal" in ln), "")
                     row["server_crashed"] = f"exit {server.proc.returncode} {signal_line}".strip()
                     crashes.append(f"{label} at {load:g}x{' (stall)' if stalled else ''}: {row['server_crashed']}")
+                elif "triton_model_b1_p50_ms" not in overhead:  # serial round trips: after the window, warm
+                    overhead["triton_model_b1_p50_ms"] = round(drv.serial_p50_ms(pool[0], 30), 3)
+                    if drv.serial_errors:
+                        print(f"# triton serial errors: {len(drv.serial_errors)}, first: {drv.serial_errors[0]}")
                 results.append(row)
                 print(json.dumps(row), flush=True)
+                drv.close()
                 if crashed:
                     break
-            drv.close()
-            if server.proc.poll() is None:
                 admin.unload_model(model)
-            time.sleep(1.0)
+                time.sleep(1.0)
+        if server.proc is None or server.proc.poll() is not None:
+            server.stop()
+            server.start(timeout_s=120)
+        ident = GrpcDriver(server.grpc_url, "identity")
+        overhead["identity_p50_ms"] = round(ident.serial_p50_ms({"x": np.zeros(1, np.float32)}, 200), 3)
+        ident.close()
         admin.close()
         server.stop()
 
@@ -474,35 +482,34 @@ def main(argv: list[str] | None = None) -> int:
             # one `dsedge serve` per --worker-nice value, in the order given (repeat values to interleave them)
             label = "dsedge" if len(nices) == 1 else f"dsedge-nice{nice}" + (f"-r{nices[:k].count(nice) + 1}"
                                                                               if nices.count(nice) > 1 else "")
-            if mode == "serve":
-                serve_proc, url, metrics_url = start_dsedge_serve(bundle, model, args, budget, work / "serve.log",
-                                                                  nice)
-                ours = GrpcDriver(url, model)
-                overhead.setdefault("dsedge_serve_b1_p50_ms", round(ours.serial_p50_ms(pool[0], 30), 3))
-                if ours.serial_errors:
-                    print(f"# dsedge serve serial errors: {len(ours.serial_errors)}, first: {ours.serial_errors[0]}")
-            else:
+            if mode != "serve":
                 session.warmup()
                 ours = DsedgeServer(session)
-            for load, sched in schedules.items():
+            for load, sched, stalled in runs:
+                if mode == "serve":  # every window starts cold: a new server (its load is dsedge's start)
+                    serve_proc, url, metrics_url = start_dsedge_serve(bundle, model, args, budget,
+                                                                      work / "serve.log", nice)
+                    ours = GrpcDriver(url, model)
                 before = server_outcomes(metrics_url) if mode == "serve" else None
-                row = drive(ours, sched, pool, budget)
+                row = drive(ours, sched, pool, budget, stall=stalled)
                 if before is not None:
                     time.sleep(0.2)  # the last answers' counters
                     row.update(server_view(before, server_outcomes(metrics_url)))
-                row.update(load=load, server=label)
+                row.update(load=load, server=label, **({"scenario": "stall"} if stalled else {}))
                 results.append(row)
                 print(json.dumps(row), flush=True)
-            if stall is not None:
-                row = drive(ours, stall_sched, pool, budget, stall=stall)
-                row.update(load=args.stall_load, server=label, scenario="stall")
-                results.append(row)
-                print(json.dumps(row), flush=True)
-            ours.close()
-            if serve_proc is not None:
-                serve_proc.terminate()
-                serve_proc.wait(30)
-                serve_proc = None
+                if mode == "serve":
+                    if "dsedge_serve_b1_p50_ms" not in overhead:  # serial round trips: after the window, warm
+                        overhead["dsedge_serve_b1_p50_ms"] = round(ours.serial_p50_ms(pool[0], 30), 3)
+                        if ours.serial_errors:
+                            print(f"# dsedge serve serial errors: {len(ours.serial_errors)}, first: "
+                                  f"{ours.serial_errors[0]}")
+                    ours.close()
+                    serve_proc.terminate()
+                    serve_proc.wait(30)
+                    serve_proc = None
+            if mode != "serve":
+                ours.close()
     finally:
         server.stop()
         if serve_proc is not None:
