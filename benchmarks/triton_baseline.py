@@ -221,6 +221,13 @@ class GrpcDriver:
         self.client.close()
 
 
+def restart_if_dead(server: TritonServer) -> None:
+    """Start ``server`` again when its process has exited (Triton 2.51 segfaulted once mid-window here)."""
+    if server.proc is None or server.proc.poll() is not None:
+        server.stop()
+        server.start(timeout_s=120)
+
+
 def identity_model(repo: Path) -> None:
     d = repo / "identity" / "1"
     d.mkdir(parents=True)
@@ -443,9 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             set_batching(repo / model / "config.pbtxt", int(d * 1000), preferred, mb, args.max_queue,
                          int(budget * 1000))
             for load, sched, stalled in runs:
-                if server.proc is None or server.proc.poll() is not None:  # it crashed in the window before
-                    server.stop()
-                    server.start(timeout_s=120)
+                restart_if_dead(server)  # it crashed in the window before
                 # every window starts cold: the model is loaded now (new instances and stubs, its config's own
                 # model_warmup, which is Triton's start) and nothing is sent before the window's first arrival
                 admin.load_model(model)
@@ -468,9 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 admin.unload_model(model)
                 time.sleep(1.0)
-        if server.proc is None or server.proc.poll() is not None:
-            server.stop()
-            server.start(timeout_s=120)
+        restart_if_dead(server)
         ident = GrpcDriver(server.grpc_url, "identity")
         overhead["identity_p50_ms"] = round(ident.serial_p50_ms({"x": np.zeros(1, np.float32)}, 200), 3)
         ident.close()
