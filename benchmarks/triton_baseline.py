@@ -57,7 +57,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 
 import dsedge  # noqa: E402
 from dsedge.runtime.batching import BatchLayout  # noqa: E402
-from streaming import arrivals, batch_latency_ms, make_requests, open_loop, recovery_s  # noqa: E402
+from streaming import arrivals, batch_latency_ms, make_requests, open_loop, recovery_s, steal_ms  # noqa: E402
 from triton_server import TritonServer, build_stub_env, free_port  # noqa: E402
 
 _clock = time.perf_counter
@@ -102,12 +102,14 @@ def drive(server, schedule: np.ndarray, pool, budget_ms: float, stall: tuple[flo
     after its end answers were back in budget."""
     gc.collect()
     gc.disable()  # the generator's own pauses stay out of both servers' latencies (see the module doc)
+    steal0 = steal_ms()
     try:
         futures = open_loop(schedule, lambda i: server.submit(pool[i % len(pool)], budget_ms), stall,
                             os.cpu_count() or 2)
         outcomes = [f.result(timeout=120) for f in futures]
     finally:
         gc.enable()
+    steal1 = steal_ms()
     window = max(float(schedule[-1]) if len(schedule) else 0.0, 1e-9)
     extra = {}
     if stall is not None:
@@ -132,6 +134,8 @@ def drive(server, schedule: np.ndarray, pool, budget_ms: float, stall: tuple[flo
         "rejection_rate": round(rejected / n, 4) if n else 0.0,
         "miss_rate": round((admitted - within) / admitted, 4) if admitted else 0.0,
         "admitted_within_budget": round(within / admitted, 4) if admitted else None,
+        # CPU the hypervisor took from this VM during the window, ms (benchmarks/streaming.py's steal_ms)
+        "steal_ms": None if steal0 is None or steal1 is None else round(steal1 - steal0),
         **extra,
     }
 
@@ -526,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
           + (f", via dsedge serve {overhead['dsedge_serve_b1_p50_ms']} ms" if "dsedge_serve_b1_p50_ms" in overhead
              else ""))
     print(f"{'load':>5} {'server':<14} {'sent':>6} {'goodput/s':>10} {'p99 ms':>8} {'reject %':>9} {'miss %':>7} "
-          f"{'late':>5} {'t/o':>5} {'in-budget % of admitted':>24}  (late: of which in budget by the server's clock)")
+          f"{'late':>5} {'t/o':>5} {'steal ms':>8} {'in-budget % of admitted':>24}  (late: of which in budget by the "
+          f"server's clock; steal: CPU the hypervisor took from this VM in the window)")
     pct = (lambda x: f"{100 * x:.2f}" if x is not None else "-")
     for load in schedules:
         rows = [r for r in results if r["load"] == load and "scenario" not in r]
@@ -534,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{load:>5g} {r['server']:<14} {r['submitted']:>6} {r['goodput_per_s']:>10.1f} "
                   f"{r['p99_ms'] if r['p99_ms'] is not None else '-':>8} {pct(r['rejection_rate']):>9} "
                   f"{pct(r['miss_rate']):>7} {r['answered_late']:>5} {r['timed_out']:>5} "
+                  f"{r['steal_ms'] if r.get('steal_ms') is not None else '-':>8} "
                   f"{pct(r['admitted_within_budget']):>24}"
                   + ("  (Triton crashed in this run: not a baseline)" if r.get("server_crashed") else "")
                   + (f"  ({r['late_in_budget_at_server']} of {r['answered_late']}); by the server's clock "

@@ -367,6 +367,14 @@ def test_logs_are_json_lines(server):
     assert all({"ts", "level", "logger"} <= set(r) for r in records)
 
 
+def test_startup_heap_is_frozen_before_ready(server):
+    # the loaded heap (modules, ORT sessions, web frameworks) leaves the collector's view before traffic: a full
+    # collection under load then walks only what requests created (sdk/serve/server.py freeze_startup_heap)
+    records = [json.loads(line) for line in server.log().splitlines() if line.strip()]
+    ready = [r for r in records if r["msg"] == "ready"]
+    assert len(ready) == 1 and ready[0]["gc_frozen"] > 20_000, ready
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 def test_batch_workers_run_at_a_higher_nice_value_than_the_front_end(server, client):
     import os

@@ -3,7 +3,8 @@
 
 Lifecycle:
   1. bind every port (live from here; ``/v2/health/ready`` says 503),
-  2. load and profile every bundle off the loop, then print the ready line on stdout::
+  2. load and profile every bundle off the loop, move the heap built so far out of the garbage collector's view
+     (``freeze_startup_heap``), then print the ready line on stdout::
 
          dsedge serve ready http=127.0.0.1:8000 grpc=127.0.0.1:8001 metrics=127.0.0.1:8002 models=a,b
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import gc
 import json
 import logging
 import math
@@ -215,6 +217,21 @@ def _fmt(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def freeze_startup_heap() -> int:
+    """Collect once, then move every object alive after loading (modules, ONNX Runtime wrappers, the bundles'
+    manifests, the web frameworks' tables: about 60,000 objects) into the permanent generation with
+    ``gc.freeze()`` (Python docs, ``gc`` module: "freeze all the objects tracked by the garbage collector; move them
+    to a permanent generation and ignore them in all the future collections"). Returns how many were frozen.
+
+    Why: without it, the first full (generation-2) collection under traffic walks that whole heap while holding the
+    GIL. Measured on the 2-core development VM through ``dsedge serve`` at 3x the batch-1 rate: one such
+    collection per 8 s window, 31-56 ms wall each, i.e. a whole 50 ms budget for every request in flight; with the
+    heap frozen the same collections took about 1 ms. Objects created later are collected as usual."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def serve(cfg: ServeConfig) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code. Raises DsedgeError for a bad configuration."""
     import uvicorn
@@ -324,8 +341,9 @@ async def serve(cfg: ServeConfig) -> int:
     if load.done() and load.exception() is None:
         parts = " ".join(f"{k}={listening[k]}" for k in ("http", "grpc", "metrics") if k in listening)
         line = f"dsedge serve ready {parts} models={','.join(repo.names)}"
+        frozen = freeze_startup_heap()
         log.info("ready", extra={"fields": {"load_s": round(time.perf_counter() - t0, 3), "tls": tls is not None,
-                                            "auth": auth is not None}})
+                                            "auth": auth is not None, "gc_frozen": frozen}})
         print(line, flush=True)
         await waiter
     elif load.done():
