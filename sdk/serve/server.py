@@ -226,7 +226,9 @@ def freeze_startup_heap() -> int:
     Why: without it, the first full (generation-2) collection under traffic walks that whole heap while holding the
     GIL. Measured on the 2-core development VM through ``dsedge serve`` at 3x the batch-1 rate: one such
     collection per 8 s window, 31-56 ms wall each, i.e. a whole 50 ms budget for every request in flight; with the
-    heap frozen the same collections took about 1 ms. Objects created later are collected as usual."""
+    heap frozen the same collections took about 1 ms. Objects created later are collected as usual. Frozen objects
+    are never freed: fine here, because the server loads its models once and never unloads one (a model control
+    API that did would have to ``gc.unfreeze()`` first)."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
