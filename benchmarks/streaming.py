@@ -284,7 +284,7 @@ def drive(server, schedule: np.ndarray, pool, budget_ms: float, stall: tuple[flo
     t_end = _clock() + 120
     while any(k is None for k in kinds) and _clock() < t_end:
         time.sleep(0.01)
-    steal1 = steal_ms()
+    steal = steal_since(steal0)
     window = max(float(schedule[-1]) if n else 0.0, 1e-9)
     lat = (done_at - schedule) * 1e3
     answered = np.array([k is not None and k[0] == "answered" for k in kinds])
@@ -305,8 +305,7 @@ def drive(server, schedule: np.ndarray, pool, budget_ms: float, stall: tuple[flo
         "goodput_per_s": round(within.sum() / window, 1),
         "p99_answered_ms": round(float(np.percentile(lat[answered], 99)), 1) if answered.any() else None,
         "first_second_rejection_rate": round(first_rej / first.sum(), 4) if first.any() else None,
-        # CPU the hypervisor took from this VM during the window (both cores together), ms: see steal_ms()
-        "steal_ms": None if steal0 is None or steal1 is None else round(steal1 - steal0),
+        "steal_ms": steal,  # CPU the hypervisor took from this VM during the window, ms: see steal_ms()
     }
     if stall is not None:
         row["stall_recovery_s"] = recovery_s(schedule, within, stall[0] + stall[1], window)
@@ -336,6 +335,12 @@ def steal_ms() -> float | None:
         return 1000.0 * int(fields[8]) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return None
+
+
+def steal_since(start: float | None) -> int | None:
+    """``steal_ms()`` now less ``start`` (a ``steal_ms()`` reading), rounded ms; None where either is unknown."""
+    now = steal_ms()
+    return None if start is None or now is None else round(now - start)
 
 
 def cpu_line() -> str:

@@ -57,7 +57,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 
 import dsedge  # noqa: E402
 from dsedge.runtime.batching import BatchLayout  # noqa: E402
-from streaming import arrivals, batch_latency_ms, make_requests, open_loop, recovery_s, steal_ms  # noqa: E402
+from streaming import (arrivals, batch_latency_ms, make_requests, open_loop, recovery_s, steal_ms,  # noqa: E402
+                       steal_since)
 from triton_server import TritonServer, build_stub_env, free_port  # noqa: E402
 
 _clock = time.perf_counter
@@ -109,7 +110,7 @@ def drive(server, schedule: np.ndarray, pool, budget_ms: float, stall: tuple[flo
         outcomes = [f.result(timeout=120) for f in futures]
     finally:
         gc.enable()
-    steal1 = steal_ms()
+    steal = steal_since(steal0)
     window = max(float(schedule[-1]) if len(schedule) else 0.0, 1e-9)
     extra = {}
     if stall is not None:
@@ -134,8 +135,7 @@ def drive(server, schedule: np.ndarray, pool, budget_ms: float, stall: tuple[flo
         "rejection_rate": round(rejected / n, 4) if n else 0.0,
         "miss_rate": round((admitted - within) / admitted, 4) if admitted else 0.0,
         "admitted_within_budget": round(within / admitted, 4) if admitted else None,
-        # CPU the hypervisor took from this VM during the window, ms (benchmarks/streaming.py's steal_ms)
-        "steal_ms": None if steal0 is None or steal1 is None else round(steal1 - steal0),
+        "steal_ms": steal,  # CPU the hypervisor took from this VM during the window, ms (streaming.steal_ms)
         **extra,
     }
 
