@@ -25,7 +25,9 @@ Beside them, per level, the ``exact-knowledge`` row: what a noise-free server th
 (this run's batch p50s) answers within budget on the same schedule (benchmarks/schedule_bound.py): some shares of
 offered are out of any scheduler's reach when a burst meets one backend.
 "Done when" checks are printed at the end. Timings on a shared machine are noisy: compare ratios in one run; the
-``steal ms`` column says how much CPU the hypervisor took from this VM during each window (``steal_ms``).
+``steal ms`` column says how much CPU the hypervisor took from this VM during each window (``steal_ms``). A window
+that lost more than 5 % of its CPU that way is run again once (``--steal-reruns``, not the stall scenario's): the
+first stays in the table, marked, and out of the checks.
 """
 from __future__ import annotations
 
@@ -337,6 +339,20 @@ def steal_ms() -> float | None:
         return None
 
 
+STEAL_RERUN_SHARE = 0.05  # of a window's CPU (cores x seconds) taken by the hypervisor: that window is run again
+
+
+def steal_hit(row: dict, window_s: float, cores: int | None = None) -> bool:
+    """True when ``row["steal_ms"]`` (CPU the hypervisor took during a window of ``window_s`` s) exceeds
+    ``STEAL_RERUN_SHARE`` of the window's CPU time on ``cores`` (default: this machine's): such a window measured
+    the VM's neighbours, not the server. On the 2-core development VM, 3x windows through ``dsedge serve`` that lost
+    2.5 s of 16 kept 60 % of admitted in budget where the same server's other windows kept 89-99 %."""
+    steal = row.get("steal_ms")
+    if steal is None:
+        return False
+    return steal > STEAL_RERUN_SHARE * window_s * 1000.0 * (cores or os.cpu_count() or 1)
+
+
 def steal_since(start: float | None) -> int | None:
     """``steal_ms()`` now less ``start`` (a ``steal_ms()`` reading), rounded ms; None where either is unknown."""
     now = steal_ms()
@@ -377,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--servers", default=None,
                     help="comma-separated server names (or prefixes) to run, e.g. dsedge,triton (default: all)")
+    ap.add_argument("--steal-reruns", type=int, default=1,
+                    help="run a window again (up to this many times) when the hypervisor took more than "
+                         f"{100 * STEAL_RERUN_SHARE:g} %% of its CPU (steal); 0: never")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -456,13 +475,19 @@ def main(argv: list[str] | None = None) -> int:
             for name, make in servers(budget, load):
                 if wanted and not any(name == w or name.startswith(w + "-") for w in wanted):
                     continue
-                server = make()
-                row = drive(server, schedule, pool, budget)
-                server.close()
-                row.update(load=load, budget_ms=round(budget, 2), server=name,
-                           best_batched_rows_per_s=round(best_batched(budget), 1))
-                results.append(row)
-                print(_fmt(row), flush=True)
+                for attempt in range(1 + args.steal_reruns):
+                    server = make()
+                    row = drive(server, schedule, pool, budget)
+                    server.close()
+                    row.update(load=load, budget_ms=round(budget, 2), server=name,
+                               best_batched_rows_per_s=round(best_batched(budget), 1))
+                    rerun = attempt < args.steal_reruns and steal_hit(row, args.duration_s)
+                    if rerun:  # the hypervisor took this window: kept in the table, out of every comparison
+                        row["superseded"] = "steal"
+                    results.append(row)
+                    print(_fmt(row), flush=True)
+                    if not rerun:
+                        break
             ref = exact_knowledge(schedule * 1e3, budget, lat_b, max_batch)
             ref.update(load=load, budget_ms=round(budget, 2))
             references.append(ref)
@@ -477,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
               f"load {args.stall_load:g}x, budget {budget:.1f} ms")
         schedule = arrivals(args.stall_load * cap1, args.duration_s, np.random.default_rng(args.seed + 999))
         for name, make in list(servers(budget, args.stall_load, ablations=False))[:3]:
-            server = make()
+            server = make()  # not run again for steal: its CPU burners keep both vCPUs runnable, so any contention on
+            # the host shows up as steal there
             row = drive(server, schedule, pool, budget, stall=(args.stall_at_s, args.stall_s),
                         burner_procs=os.cpu_count() or 2)
             server.close()
@@ -506,13 +532,15 @@ def _fmt(r: dict) -> str:
             f"{pct(r['in_budget_of_admitted']):>9} {r['goodput_per_s']:>9.1f} "
             f"{r['p99_answered_ms'] if r['p99_answered_ms'] is not None else '-':>8} "
             f"{pct(r['first_second_rejection_rate']):>9} "
-            f"{r['steal_ms'] if r.get('steal_ms') is not None else '-':>8}")
+            f"{r['steal_ms'] if r.get('steal_ms') is not None else '-':>8}"
+            + ("  (lost to steal, run again: not compared)" if r.get("superseded") else ""))
 
 
 def done_when(results: list[dict], stall_rows: list[dict], references: list[dict] = ()) -> list[str]:
     """The issue's acceptance lines, PASS/FAIL, from this run's figures; each with what a noise-free scheduler that
     knew every service time could reach on the same schedule (benchmarks/schedule_bound.py)."""
     out = ["# done-when checks (this run)"]
+    results = [x for x in results if not x.get("superseded")]
     for r in (x for x in results if x["server"] == "dsedge"):
         tag = f"load {r['load']:g}x budget {r['budget_ms']:.1f} ms"
         ref = next((x for x in references if x["load"] == r["load"] and x["budget_ms"] == r["budget_ms"]), None)

@@ -17,7 +17,10 @@ Servers:
     protocol cost, which favours dsedge — the table header says which ran).
   ``--worker-nice 0,5,0,5`` runs ``dsedge serve`` once per value, in that order (rows ``dsedge-niceN``): the
   batch workers' priority measured side by side in one run.
-Both run the same ORT settings (--threads). Reported per load: goodput (answers within budget per second of the
+Instance layouts: ``dsedge serve`` runs on its own defaults, as a user meets it (on a 2-core CPU, two 1-thread
+instances); Triton tries both one instance with ORT's default threads (its own default) and that same layout
+(rows ``triton-x2t1-…``), and its best setting of all is the baseline. ``--threads``/``--instances`` give both
+servers one layout instead. Reported per load: goodput (answers within budget per second of the
 arrival window), in-budget share of admitted, rejections, the misses split into answered late and timed out
 (refused at the deadline or past the gRPC deadline), p99 of answered (client-side), for dsedge serve how many of
 its late answers were within budget by the server's own clock (the rest of their time went to the client and the
@@ -26,13 +29,16 @@ its metrics port before and after: in budget of admitted by the server's clock),
 per-request overhead (an identity Python-backend model, serial round trips) beside the model's own b1 run time.
 Every window starts cold, as a user first meets a server: Triton loads the model for it (new instances and
 stubs, with the config's own ``model_warmup``) and ``dsedge serve`` is started for it (its load measures the
-latency profile, dsedge's start); nothing is sent before the window's first arrival. Serial round-trip overheads
-are measured after a window. ``--dsedge inprocess`` is the exception: one session, warmed up.
+latency profile, dsedge's start); nothing is sent before the window's first arrival. Windows run load by load
+(at each load every Triton setting, then ``dsedge serve``), so rows compared with each other are measured minutes
+apart, not the whole run apart. Serial round-trip overheads are measured after a window. ``--dsedge inprocess``
+is the exception: one session, warmed up.
 The load generator (this process) runs each arrival window with its garbage collector off (``gc.collect()`` before,
 ``gc.enable()`` after): its full collections, over the window's futures and tritonclient's call objects, paused it
 28-101 ms mid-window and answers of both servers then arrived late together (measured on a 2-core host at 3×).
 Arrivals, request pool and capacity come from benchmarks/streaming.py. Timings on a shared machine are noisy:
-compare ratios inside one run.
+compare ratios inside one run. A window that lost more than 5 % of its CPU to the hypervisor (steal) is run again
+once (``--steal-reruns``; not the stall scenario's): the first stays in the table, marked, out of the comparison.
 """
 from __future__ import annotations
 
@@ -57,8 +63,9 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 
 import dsedge  # noqa: E402
 from dsedge.runtime.batching import BatchLayout  # noqa: E402
-from streaming import (arrivals, batch_latency_ms, make_requests, open_loop, recovery_s, steal_ms,  # noqa: E402
-                       steal_since)
+from dsedge.session import auto_instances  # noqa: E402
+from streaming import (STEAL_RERUN_SHARE, arrivals, batch_latency_ms, make_requests, open_loop,  # noqa: E402
+                       recovery_s, steal_hit, steal_ms, steal_since)
 from triton_server import TritonServer, build_stub_env, free_port  # noqa: E402
 
 _clock = time.perf_counter
@@ -244,9 +251,16 @@ def identity_model(repo: Path) -> None:
         "'y', pb_utils.get_input_tensor_by_name(r, 'x').as_numpy())]) for r in requests]\n")
 
 
+def _layout(instances: int, threads: int | None) -> str:
+    """A Triton instance layout's label: ``x2t1`` = 2 instances of 1 intra-op thread (``t*``: ORT's default)."""
+    return f"x{instances}t{threads or '*'}"
+
+
 def set_batching(config_path: Path, delay_us: int, preferred: list[int], max_batch: int, max_queue: int,
-                 timeout_us: int) -> None:
-    """Rewrite the exported config.pbtxt's dynamic batcher (parsed and written back with tritonclient's proto)."""
+                 timeout_us: int, instances: int = 1, threads: int | None = None) -> None:
+    """Rewrite the exported config.pbtxt's dynamic batcher and instance layout (``instances`` in its instance
+    group, each with ``threads`` ORT intra-op threads; None: ORT's default) — parsed and written back with
+    tritonclient's proto."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc
 
@@ -261,6 +275,15 @@ def set_batching(config_path: Path, delay_us: int, preferred: list[int], max_bat
     q.default_timeout_microseconds = timeout_us
     q.allow_timeout_override = True
     q.max_queue_size = max_queue
+    cfg.instance_group[0].count = int(instances)
+    # the python platform's model.py reads "threads"; Triton's ORT backend its own session parameters
+    keys = ("threads",) if cfg.backend == "python" else ("intra_op_thread_count", "inter_op_thread_count")
+    for key in keys:
+        if key in cfg.parameters:
+            del cfg.parameters[key]
+    if threads:
+        for key, value in zip(keys, (str(threads), "1")):
+            cfg.parameters[key].string_value = value
     del cfg.model_warmup[1:]  # batch-1 warm-up only: the larger one is sized for the exported preferred batch
     config_path.write_text(text_format.MessageToString(cfg))
 
@@ -303,9 +326,10 @@ def start_dsedge_serve(bundle, name: str, args, budget: float, log: Path,
     cmd = [sys.executable, "-m", "dsedge", "serve", f"{name}={bundle}", "--host", "127.0.0.1", "--http-port", "off",
            "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--budget-ms", f"{budget:g}",
            "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue)]
-    if args.threads:
+    if args.threads:  # else dsedge serve's own choice, as a user meets it
         cmd += ["--threads", str(args.threads)]
-    cmd += ["--instances", str(args.instances)]
+    if args.instances:
+        cmd += ["--instances", str(args.instances)]
     if worker_nice is not None:
         cmd += ["--worker-nice", str(worker_nice)]
     out = open(log, "w")
@@ -351,9 +375,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="Triton max_batch_size values to try (preferred sizes: powers of two up to it)")
     ap.add_argument("--min-seq", type=int, default=8)
     ap.add_argument("--max-seq", type=int, default=48)
-    ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads per instance (both servers)")
-    ap.add_argument("--instances", type=int, default=1,
-                    help="backends per model on both servers: Triton's instance_group count, dsedge serve --instances")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="ORT intra-op threads per instance, both servers (default: dsedge serve's own choice, and "
+                         "Triton tries one instance of ORT's default threads and dsedge's layout)")
+    ap.add_argument("--instances", type=int, default=None,
+                    help="backends per model on both servers: Triton's instance_group count, dsedge serve --instances "
+                         "(default: as --threads)")
     ap.add_argument("--dsedge", choices=("auto", "serve", "inprocess"), default="auto")
     ap.add_argument("--worker-nice", default="0",
                     help="dsedge serve --worker-nice values, comma-separated: one server run each, in this order "
@@ -361,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stub-env", default=os.path.expanduser("~/.cache/dsedge/triton-stub-env"),
                     help="the Python-backend stub's virtualenv (built here if missing)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steal-reruns", type=int, default=1,
+                    help="run a window again (up to this many times) when the hypervisor took more than "
+                         f"{100 * STEAL_RERUN_SHARE:g} %% of its CPU (steal); 0: never")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     # this process is the load generator: its send loop and tritonclient's callback threads share one GIL, and at
@@ -400,7 +430,17 @@ def main(argv: list[str] | None = None) -> int:
     from dsedge.toolchain.triton import export_triton
 
     repo = work / "repo"
-    export = export_triton(bundle, repo, platform="python", threads=args.threads, instances=args.instances)
+    export = export_triton(bundle, repo, platform="python")
+    # Triton's instance layouts: the one given, else one instance with ORT's default threads (Triton's default) and
+    # the layout dsedge serve picks on its own (on a 2-core CPU: two 1-thread instances); the best setting of all
+    # is the baseline
+    if args.threads or args.instances:
+        layouts = [(args.instances or 1, args.threads)]
+    else:
+        layouts = [(1, None)]
+        auto = auto_instances(session._backend, None, None)
+        if auto[0] > 1:
+            layouts.append(auto)
     for m in export.models[1:]:  # only the served variant
         shutil.rmtree(repo / m.name)
     model = export.models[0].name
@@ -427,11 +467,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{cap:.0f} rows/s (batch {cap_b})  b1 p50 {np.median(b1):.2f} ms -> batch-1 capacity "
           f"{1000.0 / float(np.median(b1)):.0f} rows/s; loads are multiples of the {args.capacity} one "
           f"({ref:.0f} rows/s)  seq {args.min_seq}-{args.max_seq}  "
-          f"window {args.duration_s:g} s  threads {args.threads} x instances {args.instances}  dsedge via "
+          f"window {args.duration_s:g} s  Triton layouts {', '.join(_layout(n, t) for n, t in layouts)}  dsedge "
+          f"{'serve --instances %s --threads %s' % (args.instances, args.threads) if args.threads or args.instances else 'on its defaults'} via "
           f"{'dsedge serve (same gRPC client)' if mode == 'serve' else 'Session.submit in-process (no network)'}")
 
     delays = [0.1 * budget if d.strip() == "auto" else float(d) for d in args.triton_delays_ms.split(",") if d.strip()]
-    settings = [(int(mb), d) for mb in args.triton_max_batch.split(",") if mb.strip() for d in delays]
+    settings = [(lay, int(mb), d) for lay in layouts for mb in args.triton_max_batch.split(",") if mb.strip()
+                for d in delays]
     server = TritonServer(repo, stub / "bin", work / "triton", extra_args=("--model-control-mode=explicit",
                                                                            "--load-model=identity"))
     # crashes: Triton settings whose server died mid-run (its 2.51 build segfaulted once at 3x here)
@@ -448,75 +490,105 @@ def main(argv: list[str] | None = None) -> int:
         import tritonclient.grpc as grpcclient
 
         admin = grpcclient.InferenceServerClient(server.grpc_url)
-        for mb, d in settings:
-            label = f"triton-b{mb}-{d:g}ms"
+        crashed_settings: set[str] = set()
+
+        def triton_window(setting, load, sched, stalled) -> dict | None:
+            (n_inst, n_threads), mb, d = setting
+            label = "triton-" + (f"{_layout(n_inst, n_threads)}-" if len(layouts) > 1 else "") + f"b{mb}-{d:g}ms"
+            if label in crashed_settings:
+                return None
             preferred = sorted({min(1 << i, mb) for i in range(mb.bit_length())})[-4:]
             set_batching(repo / model / "config.pbtxt", int(d * 1000), preferred, mb, args.max_queue,
-                         int(budget * 1000))
-            for load, sched, stalled in runs:
-                restart_if_dead(server)  # it crashed in the window before
-                # every window starts cold: the model is loaded now (new instances and stubs, its config's own
-                # model_warmup, which is Triton's start) and nothing is sent before the window's first arrival
-                admin.load_model(model)
-                drv = GrpcDriver(server.grpc_url, model)
-                row = drive(drv, sched, pool, budget, stall=stalled)
-                row.update(load=load, server=label, **({"scenario": "stall"} if stalled else {}))
-                crashed = server.proc.poll() is not None
-                if crashed:  # its row is not a baseline; the rest of this setting is skipped
-                    signal_line = next((ln for ln in server.log_tail(60).splitlines() if "Signal" in ln), "")
-                    row["server_crashed"] = f"exit {server.proc.returncode} {signal_line}".strip()
-                    crashes.append(f"{label} at {load:g}x{' (stall)' if stalled else ''}: {row['server_crashed']}")
-                elif "triton_model_b1_p50_ms" not in overhead:  # serial round trips: after the window, warm
-                    overhead["triton_model_b1_p50_ms"] = round(drv.serial_p50_ms(pool[0], 30), 3)
-                    if drv.serial_errors:
-                        print(f"# triton serial errors: {len(drv.serial_errors)}, first: {drv.serial_errors[0]}")
-                results.append(row)
-                print(json.dumps(row), flush=True)
-                drv.close()
-                if crashed:
-                    break
+                         int(budget * 1000), n_inst, n_threads)
+            restart_if_dead(server)  # it crashed in the window before
+            # every window starts cold: the model is loaded now (new instances and stubs, its config's own
+            # model_warmup, which is Triton's start) and nothing is sent before the window's first arrival
+            admin.load_model(model)
+            drv = GrpcDriver(server.grpc_url, model)
+            row = drive(drv, sched, pool, budget, stall=stalled)
+            row.update(load=load, server=label, **({"scenario": "stall"} if stalled else {}))
+            crashed = server.proc.poll() is not None
+            if crashed:  # its row is not a baseline; the rest of this setting is skipped
+                signal_line = next((ln for ln in server.log_tail(60).splitlines() if "Signal" in ln), "")
+                row["server_crashed"] = f"exit {server.proc.returncode} {signal_line}".strip()
+                crashes.append(f"{label} at {load:g}x{' (stall)' if stalled else ''}: {row['server_crashed']}")
+                crashed_settings.add(label)
+            elif "triton_model_b1_p50_ms" not in overhead:  # serial round trips: after the window, warm
+                overhead["triton_model_b1_p50_ms"] = round(drv.serial_p50_ms(pool[0], 30), 3)
+                if drv.serial_errors:
+                    print(f"# triton serial errors: {len(drv.serial_errors)}, first: {drv.serial_errors[0]}")
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            drv.close()
+            if not crashed:
                 admin.unload_model(model)
                 time.sleep(1.0)
+            return None if crashed else row
+
+        nices = [int(x) for x in args.worker_nice.split(",") if x.strip()] if mode == "serve" else [None]
+        inprocess = None
+        if mode != "serve":
+            session.warmup()
+            inprocess = DsedgeServer(session)
+
+        def dsedge_window(k: int, load, sched, stalled) -> dict:
+            # one `dsedge serve` per --worker-nice value, in the order given (repeat values to interleave them)
+            nonlocal serve_proc
+            nice = nices[k]
+            label = "dsedge" if len(nices) == 1 else f"dsedge-nice{nice}" + (f"-r{nices[:k].count(nice) + 1}"
+                                                                              if nices.count(nice) > 1 else "")
+            ours, metrics_url = inprocess, None
+            if mode == "serve":  # every window starts cold: a new server (its load is dsedge's start)
+                serve_proc, url, metrics_url = start_dsedge_serve(bundle, model, args, budget, work / "serve.log",
+                                                                  nice)
+                ours = GrpcDriver(url, model)
+            before = server_outcomes(metrics_url) if mode == "serve" else None
+            row = drive(ours, sched, pool, budget, stall=stalled)
+            if before is not None:
+                time.sleep(0.2)  # the last answers' counters
+                row.update(server_view(before, server_outcomes(metrics_url)))
+            row.update(load=load, server=label, **({"scenario": "stall"} if stalled else {}))
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            if mode == "serve":
+                if "dsedge_serve_b1_p50_ms" not in overhead:  # serial round trips: after the window, warm
+                    overhead["dsedge_serve_b1_p50_ms"] = round(ours.serial_p50_ms(pool[0], 30), 3)
+                    if ours.serial_errors:
+                        print(f"# dsedge serve serial errors: {len(ours.serial_errors)}, first: "
+                              f"{ours.serial_errors[0]}")
+                ours.close()
+                serve_proc.terminate()
+                serve_proc.wait(30)
+                serve_proc = None
+            return row
+
+        def measured(window, stalled) -> None:
+            # a window that lost more than STEAL_RERUN_SHARE of its CPU to the hypervisor is run again, once; the
+            # first stays in the table, marked, and out of every comparison. Not the stall scenario's: its CPU
+            # burners keep both vCPUs runnable, so any contention on the host shows up as steal there
+            for attempt in range(1 + (0 if stalled else args.steal_reruns)):
+                row = window()
+                if row is None or stalled or not steal_hit(row, args.duration_s) or attempt == args.steal_reruns:
+                    return
+                row["superseded"] = "steal"
+                print(f"# {row['server']} at {row['load']:g}x lost {row['steal_ms']} ms to steal: run again",
+                      flush=True)
+
+        # load by load, every server in turn: the rows compared with each other are measured minutes apart, not
+        # the whole run apart (this host's speed drifts over minutes)
+        for load, sched, stalled in runs:
+            for setting in settings:
+                measured(lambda: triton_window(setting, load, sched, stalled), stalled)
+            for k in range(len(nices)):
+                measured(lambda: dsedge_window(k, load, sched, stalled), stalled)
+        if inprocess is not None:
+            inprocess.close()
         restart_if_dead(server)
         ident = GrpcDriver(server.grpc_url, "identity")
         overhead["identity_p50_ms"] = round(ident.serial_p50_ms({"x": np.zeros(1, np.float32)}, 200), 3)
         ident.close()
         admin.close()
         server.stop()
-
-        nices = [int(x) for x in args.worker_nice.split(",") if x.strip()] if mode == "serve" else [None]
-        for k, nice in enumerate(nices):
-            # one `dsedge serve` per --worker-nice value, in the order given (repeat values to interleave them)
-            label = "dsedge" if len(nices) == 1 else f"dsedge-nice{nice}" + (f"-r{nices[:k].count(nice) + 1}"
-                                                                              if nices.count(nice) > 1 else "")
-            if mode != "serve":
-                session.warmup()
-                ours = DsedgeServer(session)
-            for load, sched, stalled in runs:
-                if mode == "serve":  # every window starts cold: a new server (its load is dsedge's start)
-                    serve_proc, url, metrics_url = start_dsedge_serve(bundle, model, args, budget,
-                                                                      work / "serve.log", nice)
-                    ours = GrpcDriver(url, model)
-                before = server_outcomes(metrics_url) if mode == "serve" else None
-                row = drive(ours, sched, pool, budget, stall=stalled)
-                if before is not None:
-                    time.sleep(0.2)  # the last answers' counters
-                    row.update(server_view(before, server_outcomes(metrics_url)))
-                row.update(load=load, server=label, **({"scenario": "stall"} if stalled else {}))
-                results.append(row)
-                print(json.dumps(row), flush=True)
-                if mode == "serve":
-                    if "dsedge_serve_b1_p50_ms" not in overhead:  # serial round trips: after the window, warm
-                        overhead["dsedge_serve_b1_p50_ms"] = round(ours.serial_p50_ms(pool[0], 30), 3)
-                        if ours.serial_errors:
-                            print(f"# dsedge serve serial errors: {len(ours.serial_errors)}, first: "
-                                  f"{ours.serial_errors[0]}")
-                    ours.close()
-                    serve_proc.terminate()
-                    serve_proc.wait(30)
-                    serve_proc = None
-            if mode != "serve":
-                ours.close()
     finally:
         server.stop()
         if serve_proc is not None:
@@ -529,36 +601,39 @@ def main(argv: list[str] | None = None) -> int:
           f"b1 serial via Triton {overhead.get('triton_model_b1_p50_ms')} ms vs in-process {np.median(b1):.2f} ms"
           + (f", via dsedge serve {overhead['dsedge_serve_b1_p50_ms']} ms" if "dsedge_serve_b1_p50_ms" in overhead
              else ""))
-    print(f"{'load':>5} {'server':<14} {'sent':>6} {'goodput/s':>10} {'p99 ms':>8} {'reject %':>9} {'miss %':>7} "
+    print(f"{'load':>5} {'server':<18} {'sent':>6} {'goodput/s':>10} {'p99 ms':>8} {'reject %':>9} {'miss %':>7} "
           f"{'late':>5} {'t/o':>5} {'steal ms':>8} {'in-budget % of admitted':>24}  (late: of which in budget by the "
           f"server's clock; steal: CPU the hypervisor took from this VM in the window)")
     pct = (lambda x: f"{100 * x:.2f}" if x is not None else "-")
     for load in schedules:
         rows = [r for r in results if r["load"] == load and "scenario" not in r]
         for r in rows:
-            print(f"{load:>5g} {r['server']:<14} {r['submitted']:>6} {r['goodput_per_s']:>10.1f} "
+            print(f"{load:>5g} {r['server']:<18} {r['submitted']:>6} {r['goodput_per_s']:>10.1f} "
                   f"{r['p99_ms'] if r['p99_ms'] is not None else '-':>8} {pct(r['rejection_rate']):>9} "
                   f"{pct(r['miss_rate']):>7} {r['answered_late']:>5} {r['timed_out']:>5} "
                   f"{r['steal_ms'] if r.get('steal_ms') is not None else '-':>8} "
                   f"{pct(r['admitted_within_budget']):>24}"
                   + ("  (Triton crashed in this run: not a baseline)" if r.get("server_crashed") else "")
+                  + ("  (lost to steal, run again: not compared)" if r.get("superseded") else "")
                   + (f"  ({r['late_in_budget_at_server']} of {r['answered_late']}); by the server's clock "
                      f"{pct(r.get('server_admitted_within_budget'))} % of admitted in budget "
                      f"{r.get('server_counts')}" if r["server"].startswith("dsedge") and mode == "serve" else ""))
-        tri = max((r for r in rows if r["server"].startswith("triton") and not r.get("server_crashed")),
+        tri = max((r for r in rows if r["server"].startswith("triton") and not r.get("server_crashed")
+                   and not r.get("superseded")),
                   key=lambda r: r["goodput_per_s"], default=None)
         if tri is None:
             continue
-        for ours_row in (r for r in rows if r["server"].startswith("dsedge")):
+        for ours_row in (r for r in rows if r["server"].startswith("dsedge") and not r.get("superseded")):
             ratio = ours_row["goodput_per_s"] / tri["goodput_per_s"] if tri["goodput_per_s"] else float("inf")
             print(f"{'':>5} {ours_row['server']} / best real Triton ({tri['server']}) goodput = {ratio:.2f}x")
     for c in crashes:
         print(f"# tritonserver crashed: {c}; restarted for the next setting")
     for r in (x for x in results if x.get("scenario") == "stall" and not x.get("server_crashed")):
         rec = r.get("stall_recovery_s")
-        print(f"# stall ({os.cpu_count()} CPU burners {args.stall_s:g} s at {args.stall_load:g}x): {r['server']:<14} "
+        print(f"# stall ({os.cpu_count()} CPU burners {args.stall_s:g} s at {args.stall_load:g}x): {r['server']:<18} "
               f"goodput {r['goodput_per_s']:.1f}/s, in budget of admitted {pct(r['admitted_within_budget'])} %, "
-              f"answers back in budget {rec if rec is not None else 'never'} s after the stall's end")
+              f"answers back in budget {rec if rec is not None else 'never'} s after the stall's end"
+              + (f" (lost {r['steal_ms']} ms to steal, run again: not compared)" if r.get("superseded") else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"budget_ms": budget, "capacity_rows_per_s": cap,
                                                "reference_rows_per_s": ref, "capacity": args.capacity,

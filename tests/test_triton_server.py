@@ -180,14 +180,8 @@ def _pid_from_log(log: Path) -> int:
     raise AssertionError("no pid in the server log")
 
 
-def test_the_baseline_counts_refusals_by_status_and_reason_not_by_words():
-    """benchmarks/triton_baseline.py splits failed calls into refused at admission and admitted-then-missed. dsedge's
-    overload refusal says "no batch meets its deadline": a refusal, not a timeout."""
+def _baseline_module():
     import importlib.util
-
-    from tritonclient.utils import InferenceServerException
-
-    from dsedge.serve.protocol import rejection
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_baseline.py"
     spec = importlib.util.spec_from_file_location("triton_baseline_under_test", path)
@@ -197,6 +191,18 @@ def test_the_baseline_counts_refusals_by_status_and_reason_not_by_words():
         spec.loader.exec_module(bench)  # it puts benchmarks/ and tests/ first on sys.path: undone here
     finally:
         sys.path[:] = saved
+    return bench
+
+
+def test_the_baseline_counts_refusals_by_status_and_reason_not_by_words():
+    """benchmarks/triton_baseline.py splits failed calls into refused at admission and admitted-then-missed. dsedge's
+    overload refusal says "no batch meets its deadline": a refusal, not a timeout."""
+
+    from tritonclient.utils import InferenceServerException
+
+    from dsedge.serve.protocol import rejection
+
+    bench = _baseline_module()
 
     def grpc_error(e):  # as tritonclient.grpc raises a server's status: details() as message, code as status
         return InferenceServerException(msg=e.message, status=f"StatusCode.{e.code}")
@@ -210,3 +216,34 @@ def test_the_baseline_counts_refusals_by_status_and_reason_not_by_words():
     assert bench.outcome_of(InferenceServerException("Request timeout expired", "StatusCode.UNAVAILABLE")) == "timeout"
     assert bench.outcome_of(InferenceServerException("Exceeds maximum queue size", "StatusCode.UNAVAILABLE")) == \
         "rejected"
+
+
+def test_the_baseline_sets_tritons_instance_layout_and_reruns_windows_lost_to_steal(cpu_bundle, tmp_path):
+    """The baseline gives Triton dsedge serve's own layout too (two 1-thread instances on 2 cores): the rewritten
+    config parses field by field, holds that instance count and the ``threads`` parameter the exported model.py
+    reads, and drops it for ORT's default. A window counts as lost to steal above 5 % of its CPU."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from dsedge.toolchain.triton import export_triton
+
+    bench = _baseline_module()
+    export = export_triton(cpu_bundle, tmp_path / "repo", platform="python", threads=2)
+    path = tmp_path / "repo" / export.models[0].name / "config.pbtxt"
+
+    bench.set_batching(path, 1000, [1, 2, 4, 8], 8, 64, 50_000, instances=2, threads=1)
+    cfg = text_format.Parse(path.read_text(), mc.ModelConfig())  # raises on any unknown field
+    assert [g.count for g in cfg.instance_group] == [2]
+    assert cfg.parameters["threads"].string_value == "1"
+    assert cfg.max_batch_size == 8 and list(cfg.dynamic_batching.preferred_batch_size) == [1, 2, 4, 8]
+    assert cfg.dynamic_batching.default_queue_policy.default_timeout_microseconds == 50_000
+
+    bench.set_batching(path, 1000, [1, 2, 4, 8], 8, 64, 50_000, instances=1, threads=None)
+    cfg = text_format.Parse(path.read_text(), mc.ModelConfig())
+    assert [g.count for g in cfg.instance_group] == [1] and "threads" not in cfg.parameters
+    assert cfg.parameters["bundle"].string_value  # the model's other parameters stay
+
+    assert bench._layout(2, 1) == "x2t1" and bench._layout(1, None) == "x1t*"
+    # 2 cores x 8 s = 16 s of CPU: 5 % is 800 ms
+    assert bench.steal_hit({"steal_ms": 801}, 8.0, cores=2) and not bench.steal_hit({"steal_ms": 800}, 8.0, cores=2)
+    assert not bench.steal_hit({"steal_ms": None}, 8.0, cores=2)
