@@ -353,6 +353,23 @@ def steal_hit(row: dict, window_s: float, cores: int | None = None) -> bool:
     return steal > STEAL_RERUN_SHARE * window_s * 1000.0 * (cores or os.cpu_count() or 1)
 
 
+def rerun_for_steal(window: Callable[[], dict | None], window_s: float, reruns: int) -> list[dict]:
+    """Run ``window()`` (one measured window: its row, or None when it has none) and again, up to ``reruns`` more
+    times, while the hypervisor took its window (``steal_hit``). Returns the rows in order; every row but the last
+    is marked ``superseded = "steal"``: kept in the table, out of every comparison."""
+    rows: list[dict] = []
+    for attempt in range(1 + max(0, reruns)):
+        row = window()
+        if row is None:
+            break
+        rows.append(row)
+        if attempt == reruns or not steal_hit(row, window_s):
+            break
+        row["superseded"] = "steal"
+        print(f"# {row['server']} at {row['load']:g}x lost {row['steal_ms']} ms to steal: run again", flush=True)
+    return rows
+
+
 def steal_since(start: float | None) -> int | None:
     """``steal_ms()`` now less ``start`` (a ``steal_ms()`` reading), rounded ms; None where either is unknown."""
     now = steal_ms()
@@ -475,19 +492,17 @@ def main(argv: list[str] | None = None) -> int:
             for name, make in servers(budget, load):
                 if wanted and not any(name == w or name.startswith(w + "-") for w in wanted):
                     continue
-                for attempt in range(1 + args.steal_reruns):
+                def window(name=name, make=make) -> dict:
                     server = make()
                     row = drive(server, schedule, pool, budget)
                     server.close()
                     row.update(load=load, budget_ms=round(budget, 2), server=name,
                                best_batched_rows_per_s=round(best_batched(budget), 1))
-                    rerun = attempt < args.steal_reruns and steal_hit(row, args.duration_s)
-                    if rerun:  # the hypervisor took this window: kept in the table, out of every comparison
-                        row["superseded"] = "steal"
+                    return row
+
+                for row in rerun_for_steal(window, args.duration_s, args.steal_reruns):
                     results.append(row)
                     print(_fmt(row), flush=True)
-                    if not rerun:
-                        break
             ref = exact_knowledge(schedule * 1e3, budget, lat_b, max_batch)
             ref.update(load=load, budget_ms=round(budget, 2))
             references.append(ref)

@@ -65,7 +65,7 @@ import dsedge  # noqa: E402
 from dsedge.runtime.batching import BatchLayout  # noqa: E402
 from dsedge.session import auto_instances  # noqa: E402
 from streaming import (STEAL_RERUN_SHARE, arrivals, batch_latency_ms, make_requests, open_loop,  # noqa: E402
-                       recovery_s, steal_hit, steal_ms, steal_since)
+                       recovery_s, rerun_for_steal, steal_hit, steal_ms, steal_since)
 from triton_server import TritonServer, build_stub_env, free_port  # noqa: E402
 
 _clock = time.perf_counter
@@ -434,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     # Triton's instance layouts: the one given, else one instance with ORT's default threads (Triton's default) and
     # the layout dsedge serve picks on its own (on a 2-core CPU: two 1-thread instances); the best setting of all
     # is the baseline
-    if args.threads or args.instances:
+    fixed = bool(args.threads or args.instances)
+    if fixed:
         layouts = [(args.instances or 1, args.threads)]
     else:
         layouts = [(1, None)]
@@ -468,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{1000.0 / float(np.median(b1)):.0f} rows/s; loads are multiples of the {args.capacity} one "
           f"({ref:.0f} rows/s)  seq {args.min_seq}-{args.max_seq}  "
           f"window {args.duration_s:g} s  Triton layouts {', '.join(_layout(n, t) for n, t in layouts)}  dsedge "
-          f"{'serve --instances %s --threads %s' % (args.instances, args.threads) if args.threads or args.instances else 'on its defaults'} via "
+          f"{'as ' + _layout(*layouts[0]) if fixed else 'on its defaults'} via "
           f"{'dsedge serve (same gRPC client)' if mode == 'serve' else 'Session.submit in-process (no network)'}")
 
     delays = [0.1 * budget if d.strip() == "auto" else float(d) for d in args.triton_delays_ms.split(",") if d.strip()]
@@ -562,25 +563,16 @@ def main(argv: list[str] | None = None) -> int:
                 serve_proc = None
             return row
 
-        def measured(window, stalled) -> None:
-            # a window that lost more than STEAL_RERUN_SHARE of its CPU to the hypervisor is run again, once; the
-            # first stays in the table, marked, and out of every comparison. Not the stall scenario's: its CPU
-            # burners keep both vCPUs runnable, so any contention on the host shows up as steal there
-            for attempt in range(1 + (0 if stalled else args.steal_reruns)):
-                row = window()
-                if row is None or stalled or not steal_hit(row, args.duration_s) or attempt == args.steal_reruns:
-                    return
-                row["superseded"] = "steal"
-                print(f"# {row['server']} at {row['load']:g}x lost {row['steal_ms']} ms to steal: run again",
-                      flush=True)
-
         # load by load, every server in turn: the rows compared with each other are measured minutes apart, not
         # the whole run apart (this host's speed drifts over minutes)
         for load, sched, stalled in runs:
+            # not the stall scenario's windows: its CPU burners keep both vCPUs runnable, so any contention on the
+            # host shows up as steal there
+            reruns = 0 if stalled else args.steal_reruns
             for setting in settings:
-                measured(lambda: triton_window(setting, load, sched, stalled), stalled)
+                rerun_for_steal(lambda: triton_window(setting, load, sched, stalled), args.duration_s, reruns)
             for k in range(len(nices)):
-                measured(lambda: dsedge_window(k, load, sched, stalled), stalled)
+                rerun_for_steal(lambda: dsedge_window(k, load, sched, stalled), args.duration_s, reruns)
         if inprocess is not None:
             inprocess.close()
         restart_if_dead(server)
