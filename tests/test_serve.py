@@ -247,6 +247,45 @@ def test_unmeetable_budget_is_503_and_unavailable(client, gclient):
     assert e.value.status() == "StatusCode.UNAVAILABLE" and e.value.message().startswith("budget:")
 
 
+def test_a_spent_budget_is_refused_before_the_inputs_are_decoded(server):
+    # under overload most refusals are calls whose budget was spent in gRPC's queue: refused before decoding and
+    # validation (the costliest part of a refusal); with budget left, the same malformed call is invalid
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    def call(timeout_us: int) -> grpc.RpcError:
+        req = pb.ModelInferRequest(model_name="mlp-cpu")
+        req.inputs.add(name="x", datatype="FP32", shape=[1, 64])
+        req.raw_input_contents.append(b"\0" * 12)  # 12 bytes for a [1, 64] FP32 input
+        req.parameters["timeout"].int64_param = timeout_us
+        with grpc.insecure_channel(server.grpc) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, metadata=tuple(GRPC_AUTH.items()), timeout=30)
+        return e.value
+
+    spent = call(1)  # 1 µs
+    assert spent.code() == grpc.StatusCode.UNAVAILABLE and spent.details().startswith("budget:"), spent.details()
+    bad = call(30_000_000)
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "12 bytes of data" in bad.details(), bad.details()
+
+
+def test_submit_validated_answers_as_submit_without_copying_or_checking_again(reference):
+    from dsedge.runtime.errors import InputError
+    from dsedge.runtime.io import validate_inputs
+
+    x = _x(2, seed=3)
+    checked = validate_inputs(reference.inputs, {"x": x}, reference.manifest.shape_ranges)
+    assert checked["x"] is x  # validation takes the caller's array as it is
+    got = reference.submit_validated(checked, 5_000.0).result(timeout=30)
+    want = reference.submit({"x": x}, budget_ms=5_000.0).result(timeout=30)
+    assert got.ok and want.ok
+    np.testing.assert_array_equal(got.outputs["logits"], want.outputs["logits"])
+    np.testing.assert_allclose(got.outputs["logits"], reference.run({"x": x})["logits"], rtol=1e-5, atol=1e-6)
+    most = reference._core().scheduler.lanes[0].max_batch
+    with pytest.raises(InputError, match=f"batches at most {most}"):
+        reference.submit_validated({"x": _x(most + 1)}, 5_000.0)
+
+
 def _header(obj: dict) -> bytes:
     return json.dumps(obj).encode()
 

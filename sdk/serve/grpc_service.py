@@ -131,19 +131,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     raise rejection("shutdown", "the server is shutting down")
                 m = self.repo.get(request.model_name, request.model_version)
                 params = {k: _param_value(v) for k, v in request.parameters.items()}
-                inputs = decode_inputs(request)
                 for o in request.outputs:
                     if _param_value(o.parameters["classification"]) if "classification" in o.parameters else False:
                         raise invalid("the classification extension is not supported")
                 names = [o.name for o in request.outputs] or None
-                answer = await m.infer(inputs, params, names, "grpc", received=received,
+                answer = await m.infer(lambda: decode_inputs(request), params, names, "grpc", received=received,
                                        transport_deadline=None if remaining is None else received + remaining,
                                        way_back_sent=True)
             except ServeError as e:
                 if m is not None:
                     m.count_failure("grpc", e)
-                log.debug("infer refused", extra={"fields": {"model": request.model_name, "code": e.code,
-                                                             "reason": e.reason, "error": e.message}})
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("infer refused", extra={"fields": {"model": request.model_name, "code": e.code,
+                                                                 "reason": e.reason, "error": e.message}})
                 return self._refuse(context, e)
         if answer.answered_at is not None:
             # the answer's way back, to the call's end (response and status handed to the transport), for the

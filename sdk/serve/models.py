@@ -16,7 +16,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -103,6 +103,9 @@ class ServedModel:
     way_back: WayBack = field(default_factory=WayBack)
     _ids: Any = field(default_factory=itertools.count)
 
+    def __post_init__(self) -> None:
+        self._inflight = self.metrics.inflight.labels(self.name)  # its child, looked up once
+
     # -- metadata ---------------------------------------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:
         """v2 model metadata: datatypes in v2 spelling, -1 for dynamic dims."""
@@ -140,13 +143,17 @@ class ServedModel:
         self.metrics.failed(self.name, protocol, outcome, e.reason)
 
     # -- inference --------------------------------------------------------------------------------------------
-    async def infer(self, inputs: Mapping[str, np.ndarray], params: Mapping[str, Any],
+    async def infer(self, inputs: Mapping[str, np.ndarray] | Callable[[], Mapping[str, np.ndarray]],
+                    params: Mapping[str, Any],
                     outputs: Sequence[str] | None, protocol: str, *, received: float | None = None,
                     transport_deadline: float | None = None, way_back_sent: bool = False) -> InferAnswer:
         """Admit, queue and run one request; raises ServeError for every way it can end without an answer (the
         front end counts those with ``count_failure``, as it does its own refusals before this).
 
         Args:
+            inputs: the request's arrays by name, or a function that decodes them (raising ServeError): called
+                only once the call is known to have budget left, so a call refused for its spent budget is not
+                decoded.
             received: ``time.perf_counter()`` when the front end got the call (default: now); the budget counts
                 from here.
             transport_deadline: the call's own deadline on that clock (gRPC: receipt + ``time_remaining()``).
@@ -171,9 +178,23 @@ class ServedModel:
                               p["batch_size"], p["latency_ms"] <= p["budget_ms"])
         return answer
 
-    async def _infer(self, inputs: Mapping[str, np.ndarray], params: Mapping[str, Any],
-                     outputs: Sequence[str] | None, t_arrive: float, transport_deadline: float | None,
-                     way_back_sent: bool = False) -> InferAnswer:
+    def _left_ms(self, dl: Deadline, t_arrive: float, waited: bool) -> tuple[float, float, float]:
+        """``(budget left for the scheduler, ms spent since arrival, way-back reserve)``, all ms; raises the
+        ``budget`` or ``deadline`` refusal when nothing is left."""
+        now = time.perf_counter()
+        waited_ms, reserve = (now - t_arrive) * 1e3, self.way_back.at(now)
+        left = dl.budget_ms - waited_ms - reserve
+        if left <= 0 < dl.budget_ms - waited_ms and not waited and dl.source != "grpc_deadline":
+            raise rejection("budget", f"{dl.budget_ms - waited_ms:.3g} ms of the {dl.budget_ms:.3g} ms budget "
+                                      f"left, under the {reserve:.3g} ms the answer needs to get back")
+        if left <= 0:  # spent in gRPC's queue or the priority queue, or a budget under the parsing time
+            raise rejection("deadline" if waited or dl.source == "grpc_deadline" else "budget",
+                            f"budget of {dl.budget_ms:.3g} ms spent before the request reached the scheduler")
+        return left, waited_ms, reserve
+
+    async def _infer(self, inputs: Mapping[str, np.ndarray] | Callable[[], Mapping[str, np.ndarray]],
+                     params: Mapping[str, Any], outputs: Sequence[str] | None, t_arrive: float,
+                     transport_deadline: float | None, way_back_sent: bool = False) -> InferAnswer:
         s = self.session
         if self.draining:
             raise rejection("shutdown", "the server is shutting down")
@@ -189,25 +210,21 @@ class ServedModel:
         for o in wanted:
             if o not in names:
                 raise invalid(f"model {self.name!r} has no output {o!r} (outputs: {', '.join(names)})")
+        # a call whose budget is already spent (in gRPC's queue, by the way-back reserve) is refused before its
+        # inputs are checked: under overload that is most of the calls refused, and validation the costliest part
+        self._left_ms(dl, t_arrive, False)
+        if callable(inputs):
+            inputs = inputs()
         try:
             checked = validate_inputs(s.inputs, inputs, s.manifest.shape_ranges)
         except InputError as e:
             raise invalid(str(e)) from None
         waited = await self.gate.enter(level, dl.budget_ms / 1e3)
-        self.metrics.inflight.labels(self.name).inc()
+        self._inflight.inc()
         try:
-            now = time.perf_counter()
-            waited_ms, reserve = (now - t_arrive) * 1e3, self.way_back.at(now)
-            left = dl.budget_ms - waited_ms - reserve
-            if left <= 0 < dl.budget_ms - waited_ms and not waited and dl.source != "grpc_deadline":
-                raise rejection("budget", f"{dl.budget_ms - waited_ms:.3g} ms of the {dl.budget_ms:.3g} ms budget "
-                                          f"left, under the {reserve:.3g} ms the answer needs to get back")
-            if left <= 0:  # spent in gRPC's queue or the priority queue, or a budget under the parsing time
-                raise rejection("deadline" if waited or dl.source == "grpc_deadline" else "budget",
-                                f"budget of {dl.budget_ms:.3g} ms spent before the request reached the scheduler")
+            left, waited_ms, reserve = self._left_ms(dl, t_arrive, waited)
             try:
-                fut = s.submit(checked, budget_ms=left, priority=self.levels.dsedge_priority(level),
-                               id=next(self._ids))
+                fut = s.submit_validated(checked, left, self.levels.dsedge_priority(level), next(self._ids))
             except SessionClosedError:
                 raise rejection("shutdown", "the server is shutting down") from None
             except DsedgeError as e:
@@ -221,7 +238,7 @@ class ServedModel:
                 if not way_back_sent:
                     self.way_back.add((time.perf_counter() - done_at[0]) * 1e3)
         finally:
-            self.metrics.inflight.labels(self.name).dec()
+            self._inflight.dec()
             self.gate.leave()
         if isinstance(res, Rejected):
             detail = res.detail
