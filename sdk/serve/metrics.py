@@ -41,30 +41,18 @@ class ServeMetrics:
                               registry=r)
         self.queued = Gauge("dsedge_queued_requests", "Requests waiting for a slot", ["model"], registry=r)
         self.ready = Gauge("dsedge_model_ready", "1 once the model is loaded and profiled", ["model"], registry=r)
-        self._answered: dict[tuple, tuple] = {}  # labelled children, by label values (see ``failed``)
-        self._counted: dict[tuple, Any] = {}
         self.loop_lag = Gauge("dsedge_event_loop_lag_seconds", "How late the server's event loop wakes up, seconds "
                               "(time requests wait before their handler runs)", registry=r)
 
     def answered(self, model: str, protocol: str, variant: str, latency_s: float, queue_s: float, batch: int,
                  within: bool) -> None:
-        key = (model, variant)
-        series = self._answered.get(key)
-        if series is None:
-            series = self._answered[key] = (self.latency.labels(model, variant), self.queue.labels(model, variant),
-                                            self.batch.labels(model, variant))
-        series[0].observe(latency_s)
-        series[1].observe(queue_s)
-        series[2].observe(batch)
-        self.failed(model, protocol, "ok" if within else "late", "")
+        self.latency.labels(model, variant).observe(latency_s)
+        self.queue.labels(model, variant).observe(queue_s)
+        self.batch.labels(model, variant).observe(batch)
+        self.requests.labels(model, protocol, "ok" if within else "late", "").inc()
 
     def failed(self, model: str, protocol: str, outcome: str, reason: str) -> None:
-        """Count one request in ``dsedge_requests_total`` (every outcome, "ok" and "late" too)."""
-        key = (model, protocol, outcome, reason)
-        counter = self._counted.get(key)
-        if counter is None:  # labels() looks the child up under a lock: once per series, not per request
-            counter = self._counted[key] = self.requests.labels(model, protocol, outcome, reason)
-        counter.inc()
+        self.requests.labels(model, protocol, outcome, reason).inc()
 
     def asgi_app(self) -> Any:
         from prometheus_client import make_asgi_app
