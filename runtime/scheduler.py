@@ -288,6 +288,16 @@ class Lane:
         """The profile's tail prediction of service time, ms (``k_dev=0``: the expected time)."""
         return self.profile.predict(rows, seq, k_dev)
 
+    def _times(self, memo: dict, rows: int, seq: int | None) -> tuple[float, float]:
+        # (expected s, tail margin s) of a batch, looked up once per plan: a plan asks for the same few batch
+        # shapes many times over, and each lookup takes the profile's lock
+        key = (rows, seq)
+        got = memo.get(key)
+        if got is None:
+            mid, tail = self.profile.times(rows, seq)
+            got = memo[key] = (mid / 1e3, max(tail - mid, 0.0) / 1e3) if math.isfinite(mid) else (math.inf, 0.0)
+        return got
+
     # -- admission --------------------------------------------------------------------------------------------
     def alone_ms(self, req: Request) -> float:
         return self.profile.predict(req.rows, req.seq)
@@ -319,18 +329,19 @@ class Lane:
             run_end_mid, run_dev = self._run_mid, self._run_dev
         rem_mid = max(run_end_mid - now, 0.0)
         rem_var = run_dev * run_dev  # counted while it runs, even past its expected end
+        memo: dict = {}
         if len(queued) > self.plan_limit:
-            return self._closed_form(req, queued, now, rem_mid, rem_var, z)
+            return self._closed_form(req, queued, now, rem_mid, rem_var, z, memo)
         key = (int(req.deadline / self.tie_s), -req.priority)
         pos = next((i for i, r in enumerate(queued) if (int(r.deadline / self.tie_s), -r.priority) > key),
                    len(queued))
-        with_req = self._play(queued[:pos] + [req] + queued[pos:], now, rem_mid, rem_var, z)
+        with_req = self._play(queued[:pos] + [req] + queued[pos:], now, rem_mid, rem_var, z, memo)
         got = with_req.get(id(req))
         if got is None:
             return Plan(math.inf, math.inf, 0.0)
         if pos < len(queued):
             # req goes ahead of others: it must not make an admitted request miss that would have made it
-            without = self._play(queued, now, rem_mid, rem_var, z)
+            without = self._play(queued, now, rem_mid, rem_var, z, memo)
 
             def kept(plans: dict, r: Request) -> bool:
                 return id(r) in plans and plans[id(r)].done <= r.deadline
@@ -340,10 +351,11 @@ class Lane:
         return got._replace(others=tuple((r, with_req[id(r)]) for r in queued if id(r) in with_req))
 
     def _play(self, order: list[Request], now: float, mid_s: float, var_s: float,
-              z: Callable[[int], float]) -> dict[int, "Plan"]:
+              z: Callable[[int], float], memo: dict | None = None) -> dict[int, "Plan"]:
         """``{id(request): Plan}`` for the requests of ``order`` (EDF order) that would be served in time,
         playing the worker's batching forward from ``now`` plus the running batch."""
         out: dict[int, Plan] = {}
+        memo = {} if memo is None else memo
         left = list(order)
         ahead = 1 if (mid_s > 0.0 or var_s > 0.0) else 0  # the running batch
         while left:
@@ -351,16 +363,15 @@ class Lane:
             cands = self._candidates(left)
             start = now + mid_s
             zk = z(ahead)
-            feasible = self._feasible(cands, now, start, var_s, zk)
+            feasible = self._feasible(cands, now, start, var_s, zk, memo)
             if feasible:
                 n, t, m, d = feasible[self._choose(feasible)]
             else:  # as the worker does: the head runs alone if it can still make its deadline at the expected
                 # time (counted as served then), else it is dropped and takes no time
-                m = self.predict(head.rows, head.seq, k_dev=0.0) / 1e3
+                m, d = self._times(memo, head.rows, head.seq)
                 if math.isinf(m) or start + m > head.deadline:
                     left.pop(0)
                     continue
-                d = max(self.predict(head.rows, head.seq) / 1e3 - m, 0.0)
                 n, t = 1, start + m + zk * self._spread(var_s, d, start - now + m) + self.margin_s
             chosen = cands[:n]
             plan = Plan(t, start + m, self._spread(var_s, d, start - now + m), ahead=ahead)
@@ -391,16 +402,16 @@ class Lane:
         return cands
 
     def _feasible(self, cands: list[Request], now: float, start: float, var_s: float,
-                  z: float = 1.0) -> list[tuple[int, float, float, float]]:
+                  z: float = 1.0, memo: dict | None = None) -> list[tuple[int, float, float, float]]:
         """``(rows taken, predicted completion s, expected s, tail margin s)`` for each prefix of ``cands`` that,
         started at ``start`` after work whose tail margins' squares sum to ``var_s``, meets every member's deadline,
         completions planned at expected + z · spread."""
         out, rows, seq, dl = [], 0, 0, math.inf
+        memo = {} if memo is None else memo
         for i, r in enumerate(cands):
             rows, seq = rows + r.rows, max(seq, r.seq or 0)
             dl = min(dl, r.deadline)
-            m = self.predict(rows, seq or None, k_dev=0.0) / 1e3
-            d = max(self.predict(rows, seq or None) / 1e3 - m, 0.0)
+            m, d = self._times(memo, rows, seq or None)
             t = start + m + z * self._spread(var_s, d, start - now + m) + self.margin_s
             if t > dl:
                 break
@@ -416,25 +427,24 @@ class Lane:
         return max(i for i in range(len(feasible)) if round(rate[i], 6) >= 0.95 * top)
 
     def _closed_form(self, req: Request, queued: list[Request], now: float, mid_s: float, var_s: float,
-                     z: Callable[[int], float]) -> "Plan":
+                     z: Callable[[int], float], memo: dict | None = None) -> "Plan":
         # the rows due before ``req`` (EDF order) and ``req`` itself, in batches of the largest size whose time at
         # their longest length fits the budget; each batch timed at its own longest row (the worker pads to it: a
         # short request behind long ones waits for long batches, and timing them at its own length put a burst
         # of mixed lengths 2-5x too early)
         order = [r for r in queued if r.deadline <= req.deadline] + [req]
         longest = max((r.seq or 0) for r in order) or None
+        memo = {} if memo is None else memo
         b = max(1, self.profile.max_batch_within(req.budget_ms, longest, self.max_batch))
         expected, var, full = mid_s, var_s, 0
         rows, seq = 0, 0
         for r in order:
             if rows and rows + r.rows > b:
-                m = self.predict(rows, seq or None, k_dev=0.0) / 1e3
-                d = max(self.predict(rows, seq or None) / 1e3 - m, 0.0)
+                m, d = self._times(memo, rows, seq or None)
                 expected, var, full = expected + m, var + d * d, full + 1
                 rows, seq = 0, 0
             rows, seq = rows + r.rows, max(seq, r.seq or 0)
-        last_m = self.predict(rows, seq or None, k_dev=0.0) / 1e3
-        last_d = max(self.predict(rows, seq or None) / 1e3 - last_m, 0.0)
+        last_m, last_d = self._times(memo, rows, seq or None)
         expected += last_m
         spread = self._spread(var, last_d, expected)
         ahead = full + (1 if (mid_s > 0.0 or var_s > 0.0) else 0)

@@ -69,6 +69,20 @@ def test_profile_interpolates_seeds_and_scales_them_by_this_machine():
     assert p2.max_batch_within(3.0, 16, limit=32) == 3
 
 
+def test_profile_times_is_predicts_expected_and_tail_in_one_lookup():
+    p = LatencyProfile("fp32", quantile=0.9, window=20, refresh_s=0.0)
+    assert p.times(1, 32) == (math.inf, math.inf)  # nothing known
+    p.set(8, 32, 30.0, 2.0)  # a seed, then measured batch-1 samples that rescale it
+    for i in range(20):
+        p.observe(1, 32, 5.0 + (i % 10) * 0.1)
+    for b, seq in ((1, 32), (3, 32), (8, 32), (16, 32), (2, 128)):  # measured, interpolated, seeded, beyond, fitted
+        assert p.times(b, seq) == (p.predict(b, seq, k_dev=0.0), p.predict(b, seq))
+    assert p.times(1, 32) == (pytest.approx(5.45), pytest.approx(5.8))
+    for _ in range(3):  # the window's top 3 of 20: its p90 now, capped by the 8-row seed's tail (30 + 3 · 2 ms)
+        p.observe(1, 32, 50.0)
+    assert p.times(1, 32) == (pytest.approx(5.6), pytest.approx(36.0))  # not a stale cached pair
+
+
 def test_profile_window_quantile_converges_from_either_side_and_forgets_stalls():
     p = LatencyProfile("fp32", quantile=0.9, window=20, horizon_s=1.0, min_samples=3, refresh_s=0.0)
     t = time.perf_counter()
