@@ -95,6 +95,18 @@ def make_requests(inputs, n: int, rng: np.random.Generator, vocab: int, seq: int
     return out
 
 
+def host_b1_ms(run, pool, n: int = 30) -> float:
+    """Batch-1 p50 (ms) of ``run`` over ``n`` requests of ``pool``, now: measured before every window, so each row
+    shows how fast this host was then (a shared host drifts by tens of % within minutes, and the budgets and loads
+    come from the b1 p50 measured once at the start)."""
+    times = []
+    for i in range(n):
+        t0 = _clock()
+        run(pool[i % len(pool)])
+        times.append((_clock() - t0) * 1e3)
+    return round(float(np.median(times)), 2)
+
+
 def batch_latency_ms(run, layout: BatchLayout, pool, sizes, repeats: int) -> dict[int, float]:
     """Median ms of ``run`` per batch size on ``pool`` requests (one untimed run first per size)."""
     out = {}
@@ -433,11 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     max_batch = args.max_batch if layout.dynamic else 1
     pool = make_requests(probe.inputs, 256, np.random.default_rng(args.seed), vocab, args.seq)
     sizes = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
-    ref = OrtBackend(model_path, threads=args.threads)
-    lat_b = batch_latency_ms(ref.run, layout, pool, sizes, repeats=15)
+    ref_backend = OrtBackend(model_path, threads=args.threads)
+    lat_b = batch_latency_ms(ref_backend.run, layout, pool, sizes, repeats=15)
     b1 = lat_b[1]
     cap1 = 1000.0 / b1
-    n_inst, inst_threads = auto_instances(ref, None, args.threads)
+    n_inst, inst_threads = auto_instances(ref_backend, None, args.threads)
     import onnxruntime
 
     print(f"# streaming benchmark (hard case)  python {platform.python_version()}  onnxruntime "
@@ -483,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
 
     header = (f"{'load':>4} {'budget':>7} {'server':<18} {'offered':>7} {'in-budget':>9} {'late':>5} "
               f"{'rejected':>16} {'dropped':>7} {'%offered':>8} {'%admitted':>9} {'goodput/s':>9} {'p99 ms':>8} "
-              f"{'1st-s rej':>9} {'steal ms':>8}")
+              f"{'1st-s rej':>9} {'steal ms':>8} {'b1 now':>6}")
     print(header)
     results, references = [], []
     for bi, budget in enumerate(budgets):
@@ -493,8 +505,10 @@ def main(argv: list[str] | None = None) -> int:
                 if wanted and not any(name == w or name.startswith(w + "-") for w in wanted):
                     continue
                 def window(name=name, make=make) -> dict:
+                    b1_now = host_b1_ms(ref_backend.run, pool)  # this host's speed now, beside the start's b1
                     server = make()
                     row = drive(server, schedule, pool, budget)
+                    row["b1_now_ms"] = b1_now
                     server.close()
                     row.update(load=load, budget_ms=round(budget, 2), server=name,
                                best_batched_rows_per_s=round(best_batched(budget), 1))
@@ -517,12 +531,14 @@ def main(argv: list[str] | None = None) -> int:
               f"load {args.stall_load:g}x, budget {budget:.1f} ms")
         schedule = arrivals(args.stall_load * cap1, args.duration_s, np.random.default_rng(args.seed + 999))
         for name, make in list(servers(budget, args.stall_load, ablations=False))[:3]:
+            b1_now = host_b1_ms(ref_backend.run, pool)
             server = make()  # not run again for steal: its CPU burners keep both vCPUs runnable, so any contention on
             # the host shows up as steal there
             row = drive(server, schedule, pool, budget, stall=(args.stall_at_s, args.stall_s),
                         burner_procs=os.cpu_count() or 2)
             server.close()
-            row.update(load=args.stall_load, budget_ms=round(budget, 2), server=name, scenario="stall")
+            row.update(load=args.stall_load, budget_ms=round(budget, 2), server=name, scenario="stall",
+                       b1_now_ms=b1_now)
             stall_rows.append(row)
             print(_fmt(row) + f"  recovery {row['stall_recovery_s']} s", flush=True)
     print()
@@ -547,7 +563,8 @@ def _fmt(r: dict) -> str:
             f"{pct(r['in_budget_of_admitted']):>9} {r['goodput_per_s']:>9.1f} "
             f"{r['p99_answered_ms'] if r['p99_answered_ms'] is not None else '-':>8} "
             f"{pct(r['first_second_rejection_rate']):>9} "
-            f"{r['steal_ms'] if r.get('steal_ms') is not None else '-':>8}"
+            f"{r['steal_ms'] if r.get('steal_ms') is not None else '-':>8} "
+            f"{r['b1_now_ms'] if r.get('b1_now_ms') is not None else '-':>6}"
             + ("  (lost to steal, run again: not compared)" if r.get("superseded") else ""))
 
 

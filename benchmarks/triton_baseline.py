@@ -64,7 +64,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 import dsedge  # noqa: E402
 from dsedge.runtime.batching import BatchLayout  # noqa: E402
 from dsedge.session import auto_instances  # noqa: E402
-from streaming import (STEAL_RERUN_SHARE, arrivals, batch_latency_ms, make_requests, open_loop,  # noqa: E402
+from streaming import (STEAL_RERUN_SHARE, arrivals, batch_latency_ms, host_b1_ms, make_requests, open_loop,  # noqa: E402
                        recovery_s, rerun_for_steal, steal_hit, steal_ms, steal_since)
 from triton_server import TritonServer, build_stub_env, free_port  # noqa: E402
 
@@ -504,9 +504,11 @@ def main(argv: list[str] | None = None) -> int:
             restart_if_dead(server)  # it crashed in the window before
             # every window starts cold: the model is loaded now (new instances and stubs, its config's own
             # model_warmup, which is Triton's start) and nothing is sent before the window's first arrival
+            b1_now = host_b1_ms(run, pool)  # before the model loads: this host's speed now
             admin.load_model(model)
             drv = GrpcDriver(server.grpc_url, model)
             row = drive(drv, sched, pool, budget, stall=stalled)
+            row["b1_now_ms"] = b1_now
             row.update(load=load, server=label, **({"scenario": "stall"} if stalled else {}))
             crashed = server.proc.poll() is not None
             if crashed:  # its row is not a baseline; the rest of this setting is skipped
@@ -539,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             label = "dsedge" if len(nices) == 1 else f"dsedge-nice{nice}" + (f"-r{nices[:k].count(nice) + 1}"
                                                                               if nices.count(nice) > 1 else "")
             ours, metrics_url = inprocess, None
+            b1_now = host_b1_ms(run, pool)  # before the server starts: this host's speed now
             if mode == "serve":  # every window starts cold: a new server (its load is dsedge's start)
                 serve_proc, url, metrics_url = start_dsedge_serve(bundle, model, args, budget, work / "serve.log",
                                                                   nice)
@@ -548,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             if before is not None:
                 time.sleep(0.2)  # the last answers' counters
                 row.update(server_view(before, server_outcomes(metrics_url)))
-            row.update(load=load, server=label, **({"scenario": "stall"} if stalled else {}))
+            row.update(load=load, server=label, b1_now_ms=b1_now, **({"scenario": "stall"} if stalled else {}))
             results.append(row)
             print(json.dumps(row), flush=True)
             if mode == "serve":
@@ -594,8 +597,9 @@ def main(argv: list[str] | None = None) -> int:
           + (f", via dsedge serve {overhead['dsedge_serve_b1_p50_ms']} ms" if "dsedge_serve_b1_p50_ms" in overhead
              else ""))
     print(f"{'load':>5} {'server':<18} {'sent':>6} {'goodput/s':>10} {'p99 ms':>8} {'reject %':>9} {'miss %':>7} "
-          f"{'late':>5} {'t/o':>5} {'steal ms':>8} {'in-budget % of admitted':>24}  (late: of which in budget by the "
-          f"server's clock; steal: CPU the hypervisor took from this VM in the window)")
+          f"{'late':>5} {'t/o':>5} {'steal ms':>8} {'b1 now':>6} {'in-budget % of admitted':>24}  (late: of which in "
+          f"budget by the server's clock; steal: CPU the hypervisor took from this VM in the window; b1 now: the "
+          f"batch-1 p50 in ms measured in process just before the window, against {np.median(b1):.2f} at the start)")
     pct = (lambda x: f"{100 * x:.2f}" if x is not None else "-")
     for load in schedules:
         rows = [r for r in results if r["load"] == load and "scenario" not in r]
@@ -604,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['p99_ms'] if r['p99_ms'] is not None else '-':>8} {pct(r['rejection_rate']):>9} "
                   f"{pct(r['miss_rate']):>7} {r['answered_late']:>5} {r['timed_out']:>5} "
                   f"{r['steal_ms'] if r.get('steal_ms') is not None else '-':>8} "
+                  f"{r['b1_now_ms'] if r.get('b1_now_ms') is not None else '-':>6} "
                   f"{pct(r['admitted_within_budget']):>24}"
                   + ("  (Triton crashed in this run: not a baseline)" if r.get("server_crashed") else "")
                   + ("  (lost to steal, run again: not compared)" if r.get("superseded") else "")
