@@ -10,7 +10,10 @@ The hard case, as a user first meets it:
   * open-loop arrivals: Poisson, plus every 0.5 s a burst of 20 % extra load packed into 50 ms; the same pre-drawn
     schedule for every server; a request's latency counts from its scheduled arrival (no coordinated omission);
   * loads 0.5×, 0.9×, 1.5× and 3× the **batch-1** capacity (1000 / batch-1 p50 rows/s), single sentences of
-    ``--seq`` tokens; budgets 3× and 8× the batch-1 p50;
+    ``--seq`` tokens; budgets 3× and 8× the batch-1 p50. That p50, and every batch size's p50 that the budget
+    bars and the exact-knowledge row use, are measured again just before each level (``--rebase``, on by default):
+    a shared host's speed drifts by tens of % within minutes, and a budget of 3× a p50 measured at a fast moment is
+    2× one measured at a slow one. Each window's row also shows the p50 measured just before it (``b1 now``);
   * a stall scenario: a CPU burner (one busy process per core) starts mid-run and stops 2 s later.
 Servers: ``dsedge`` (``Session.submit`` as ``dsedge.load`` opens it: EDF, budget-aware batching, admission control,
 on its default instances); ``dsedge-1-instance`` (the same on one backend, where the default has more: what the
@@ -426,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run a window again (up to this many times) when the hypervisor took more than "
                          f"{100 * STEAL_RERUN_SHARE:g} %% of its CPU (steal); 0: never")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--no-rebase", dest="rebase", action="store_false",
+                    help="keep the budgets, loads and batch p50s measured once at the start for every level")
     args = ap.parse_args(argv)
 
     tmp = None
@@ -498,9 +503,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{'1st-s rej':>9} {'steal ms':>8} {'b1 now':>6}")
     print(header)
     results, references = [], []
-    for bi, budget in enumerate(budgets):
+    budgets_x = [float(x) for x in args.budgets_x.split(",")]
+    for bi, budget_x in enumerate(budgets_x):
         for load in loads:
-            schedule = arrivals(load * cap1, args.duration_s, np.random.default_rng(args.seed + int(load * 100) + bi))
+            if args.rebase:  # this host's speed now: the level's budget, load, bars and exact-knowledge row
+                lat_b = batch_latency_ms(ref_backend.run, layout, pool, sizes, repeats=9)
+            budget, cap_now = budget_x * lat_b[1], 1000.0 / lat_b[1]
+            if args.rebase:
+                print(f"# level {load:g}x, budget {budget_x:g}x: batch-1 p50 now {lat_b[1]:.2f} ms (budget "
+                      f"{budget:.1f} ms, {load * cap_now:.0f} requests/s); batch p50 ms: "
+                      + ", ".join(f"{b}: {ms:.1f}" for b, ms in lat_b.items()), flush=True)
+            schedule = arrivals(load * cap_now, args.duration_s,
+                                np.random.default_rng(args.seed + int(load * 100) + bi))
             for name, make in servers(budget, load):
                 if wanted and not any(name == w or name.startswith(w + "-") for w in wanted):
                     continue
@@ -510,8 +524,8 @@ def main(argv: list[str] | None = None) -> int:
                     row = drive(server, schedule, pool, budget)
                     row["b1_now_ms"] = b1_now
                     server.close()
-                    row.update(load=load, budget_ms=round(budget, 2), server=name,
-                               best_batched_rows_per_s=round(best_batched(budget), 1))
+                    row.update(load=load, budget_ms=round(budget, 2), server=name, budget_x=budget_x,
+                               b1_level_ms=round(lat_b[1], 2), best_batched_rows_per_s=round(best_batched(budget), 1))
                     return row
 
                 for row in rerun_for_steal(window, args.duration_s, args.steal_reruns):
@@ -526,7 +540,9 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     stall_rows = []
     if args.stall_s > 0:
-        budget = budgets[-1]
+        if args.rebase:
+            lat_b = batch_latency_ms(ref_backend.run, layout, pool, sizes, repeats=9)
+        budget, cap1 = budgets_x[-1] * lat_b[1], 1000.0 / lat_b[1]
         print(f"# stall: {os.cpu_count()} CPU burner processes from {args.stall_at_s:g} s for {args.stall_s:g} s; "
               f"load {args.stall_load:g}x, budget {budget:.1f} ms")
         schedule = arrivals(args.stall_load * cap1, args.duration_s, np.random.default_rng(args.seed + 999))

@@ -36,7 +36,9 @@ is the exception: one session, warmed up.
 The load generator (this process) runs each arrival window with its garbage collector off (``gc.collect()`` before,
 ``gc.enable()`` after): its full collections, over the window's futures and tritonclient's call objects, paused it
 28-101 ms mid-window and answers of both servers then arrived late together (measured on a 2-core host at 3×).
-Arrivals, request pool and capacity come from benchmarks/streaming.py. Timings on a shared machine are noisy:
+Arrivals, request pool and capacity come from benchmarks/streaming.py. Each level's arrival rate is re-based on
+the batch-1 p50 measured in process just before it (``--no-rebase`` keeps the start's), and each window's row
+shows the p50 measured just before that window (``b1 now``). Timings on a shared machine are noisy:
 compare ratios inside one run. A window that lost more than 5 % of its CPU to the hypervisor (steal) is run again
 once (``--steal-reruns``; not the stall scenario's): the first stays in the table, marked, out of the comparison.
 """
@@ -388,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stub-env", default=os.path.expanduser("~/.cache/dsedge/triton-stub-env"),
                     help="the Python-backend stub's virtualenv (built here if missing)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-rebase", dest="rebase", action="store_false",
+                    help="keep the batch-1 p50 measured at the start for every level's arrival rate (default: "
+                         "measured again before each level)")
     ap.add_argument("--steal-reruns", type=int, default=1,
                     help="run a window again (up to this many times) when the hypervisor took more than "
                          f"{100 * STEAL_RERUN_SHARE:g} %% of its CPU (steal); 0: never")
@@ -482,12 +487,11 @@ def main(argv: list[str] | None = None) -> int:
     serve_proc = None
     try:
         server.start(timeout_s=120)
-        schedules = {load: arrivals(load * ref, args.duration_s, np.random.default_rng(args.seed + int(load * 100)))
-                     for load in [float(x) for x in args.loads.split(",")]}
         stall = (args.stall_at_s, args.stall_s) if args.stall_s > 0 else None
-        stall_sched = arrivals(args.stall_load * ref, args.duration_s, np.random.default_rng(args.seed + 999))
-        runs = [(load, sched, None) for load, sched in schedules.items()]
-        runs += [(args.stall_load, stall_sched, stall)] if stall is not None else []
+        levels = [(load, args.seed + int(load * 100), None) for load in [float(x) for x in args.loads.split(",")]]
+        levels += [(args.stall_load, args.seed + 999, stall)] if stall is not None else []
+        b1_start = float(np.median(b1))
+        schedules: dict[float, np.ndarray] = {}
         import tritonclient.grpc as grpcclient
 
         admin = grpcclient.InferenceServerClient(server.grpc_url)
@@ -568,7 +572,17 @@ def main(argv: list[str] | None = None) -> int:
 
         # load by load, every server in turn: the rows compared with each other are measured minutes apart, not
         # the whole run apart (this host's speed drifts over minutes)
-        for load, sched, stalled in runs:
+        for load, seed, stalled in levels:
+            # the level's rate from this host's speed now (``--no-rebase``: the start's): a shared host drifts by
+            # tens of % within minutes, and a load named 1.5x of a capacity measured at a fast moment is 2x of it at
+            # a slow one
+            b1_level = host_b1_ms(run, pool) if args.rebase else b1_start
+            rate = ref * b1_start / b1_level
+            sched = arrivals(load * rate, args.duration_s, np.random.default_rng(seed))
+            if not stalled:
+                schedules[load] = sched
+            print(f"# level {load:g}x{' (stall)' if stalled else ''}: batch-1 p50 now {b1_level:.2f} ms against "
+                  f"{b1_start:.2f} at the start: {load * rate:.0f} requests/s", flush=True)
             # not the stall scenario's windows: its CPU burners keep both vCPUs runnable, so any contention on the
             # host shows up as steal there
             reruns = 0 if stalled else args.steal_reruns
