@@ -326,22 +326,25 @@ class Lane:
         """
         with self._cond:
             queued = [r for _, r in self._queue]
-            run_end_mid, run_dev = self._run_mid, self._run_dev
+            run_end_mid, run_dev, running = self._run_mid, self._run_dev, self._running
         rem_mid = max(run_end_mid - now, 0.0)
         rem_var = run_dev * run_dev  # counted while it runs, even past its expected end
+        # a batch on the backend is one batch ahead, even past its expected end with no tail margin left to count
+        # (a zero-spread seed, or a slow run): the request's stratum is then 1, not an idle lane's 0
+        ahead0 = 1 if running or rem_mid > 0.0 or rem_var > 0.0 else 0
         memo: dict = {}
         if len(queued) > self.plan_limit:
-            return self._closed_form(req, queued, now, rem_mid, rem_var, z, memo)
+            return self._closed_form(req, queued, now, rem_mid, rem_var, z, memo, ahead0)
         key = (int(req.deadline / self.tie_s), -req.priority)
         pos = next((i for i, r in enumerate(queued) if (int(r.deadline / self.tie_s), -r.priority) > key),
                    len(queued))
-        with_req = self._play(queued[:pos] + [req] + queued[pos:], now, rem_mid, rem_var, z, memo)
+        with_req = self._play(queued[:pos] + [req] + queued[pos:], now, rem_mid, rem_var, z, memo, ahead0)
         got = with_req.get(id(req))
         if got is None:
             return Plan(math.inf, math.inf, 0.0)
         if pos < len(queued):
             # req goes ahead of others: it must not make an admitted request miss that would have made it
-            without = self._play(queued, now, rem_mid, rem_var, z, memo)
+            without = self._play(queued, now, rem_mid, rem_var, z, memo, ahead0)
 
             def kept(plans: dict, r: Request) -> bool:
                 return id(r) in plans and plans[id(r)].done <= r.deadline
@@ -351,13 +354,11 @@ class Lane:
         return got._replace(others=tuple((r, with_req[id(r)]) for r in queued if id(r) in with_req))
 
     def _play(self, order: list[Request], now: float, mid_s: float, var_s: float,
-              z: Callable[[int], float], memo: dict | None = None) -> dict[int, "Plan"]:
+              z: Callable[[int], float], memo: dict, ahead: int) -> dict[int, "Plan"]:
         """``{id(request): Plan}`` for the requests of ``order`` (EDF order) that would be served in time,
-        playing the worker's batching forward from ``now`` plus the running batch."""
+        playing the worker's batching forward from ``now`` plus the running batch (``ahead``: 1 when one runs)."""
         out: dict[int, Plan] = {}
-        memo = {} if memo is None else memo
         left = list(order)
-        ahead = 1 if (mid_s > 0.0 or var_s > 0.0) else 0  # the running batch
         while left:
             head = left[0]
             cands = self._candidates(left)
@@ -427,14 +428,13 @@ class Lane:
         return max(i for i in range(len(feasible)) if round(rate[i], 6) >= 0.95 * top)
 
     def _closed_form(self, req: Request, queued: list[Request], now: float, mid_s: float, var_s: float,
-                     z: Callable[[int], float], memo: dict | None = None) -> "Plan":
+                     z: Callable[[int], float], memo: dict, ahead0: int) -> "Plan":
         # the rows due before ``req`` (EDF order) and ``req`` itself, in batches of the largest size whose time at
         # their longest length fits the budget; each batch timed at its own longest row (the worker pads to it: a
         # short request behind long ones waits for long batches, and timing them at its own length put a burst
         # of mixed lengths 2-5x too early)
         order = [r for r in queued if r.deadline <= req.deadline] + [req]
         longest = max((r.seq or 0) for r in order) or None
-        memo = {} if memo is None else memo
         b = max(1, self.profile.max_batch_within(req.budget_ms, longest, self.max_batch))
         expected, var, full = mid_s, var_s, 0
         rows, seq = 0, 0
@@ -447,7 +447,7 @@ class Lane:
         last_m, last_d = self._times(memo, rows, seq or None)
         expected += last_m
         spread = self._spread(var, last_d, expected)
-        ahead = full + (1 if (mid_s > 0.0 or var_s > 0.0) else 0)
+        ahead = full + ahead0
         return Plan(now + expected + z(ahead) * spread + self.margin_s, now + expected, spread, ahead=ahead)
 
     def enqueue(self, req: Request, cold_limit: int | None = None) -> bool:

@@ -273,6 +273,7 @@ def test_a_plan_counts_the_batches_ahead_and_an_idle_lane_admits_at_the_profile_
     deadline = time.perf_counter() + 5
     while lane.depth and time.perf_counter() < deadline:  # the worker took it: it runs (held at the gate)
         time.sleep(0.001)
+    time.sleep(0.03)  # and runs past its expected end (10 ms), the profile's tail margin 0: still a batch ahead
     feed = text_request(rng, 8)
     probe = Request(0, feed, 1, 8, layout.group_key(feed), 100.0, 0, time.perf_counter(), time.perf_counter() + 0.1)
     plan = lane.plan(probe, time.perf_counter(), z)
