@@ -1,7 +1,7 @@
 """Streaming with latency budgets under the hard case, side by side in one run: dsedge ``submit`` vs a plain FIFO
 at batch 1 vs a Triton-style dynamic batcher, all over the same ONNX model, each started cold.
 
-    python benchmarks/streaming.py --bundle out/all-minilm-l6-v2-cpu.dse          # ~5-6 min
+    python benchmarks/streaming.py --bundle out/all-minilm-l6-v2-cpu.dse          # ~10 min on 2 cores
     python benchmarks/streaming.py --small --duration-s 3 --loads 0.5,3           # a tiny model built here
 
 The hard case, as a user first meets it:
