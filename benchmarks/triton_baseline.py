@@ -66,8 +66,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 import dsedge  # noqa: E402
 from dsedge.runtime.batching import BatchLayout  # noqa: E402
 from dsedge.session import auto_instances  # noqa: E402
-from streaming import (STEAL_RERUN_SHARE, arrivals, batch_latency_ms, host_b1_ms, make_requests, open_loop,  # noqa: E402
-                       recovery_s, rerun_for_steal, steal_hit, steal_ms, steal_since)
+from streaming import (STEAL_RERUN_SHARE, arrivals, batch_latency_ms, host_b1_ms, make_requests,  # noqa: E402
+                       open_loop, recovery_s, rerun_for_steal, steal_hit, steal_ms, steal_since)
 from triton_server import TritonServer, build_stub_env, free_port  # noqa: E402
 
 _clock = time.perf_counter

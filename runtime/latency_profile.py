@@ -215,22 +215,10 @@ class LatencyProfile:
         return out
 
     def times(self, batch: int, seq: int | None = None) -> tuple[float, float]:
-        """``(expected, tail)`` ms for ``batch`` rows at ``seq`` tokens in one lookup: ``predict(batch, seq,
-        k_dev=0)`` and ``predict(batch, seq)`` (``(inf, inf)`` when nothing is known). Admission asks for both for
-        every batch it plans, so this is the cheap form."""
-        b, s = int(batch), seq_bucket(seq)
-        now = _clock()
-        with self._lock:
-            pts = self._points(now)
-            key = (b, s, None)
-            hit = self._cache.get(key)
-            if hit is not None:
-                return hit
-        out = (self.predict(b, seq, k_dev=0.0), self.predict(b, seq))
-        with self._lock:
-            if self._pts is pts:  # not refreshed meanwhile
-                self._cache[key] = out
-        return out
+        """``(expected, tail)`` ms for ``batch`` rows at ``seq`` tokens: ``predict(batch, seq, k_dev=0)`` and
+        ``predict(batch, seq)`` (``(inf, inf)`` when nothing is known); admission takes both for every batch it
+        plans."""
+        return self.predict(batch, seq, k_dev=0.0), self.predict(batch, seq)
 
     def _interp(self, pts: dict, b: int, s: int) -> tuple[float, float]:
         if (b, s) in pts:
