@@ -139,6 +139,14 @@ class LatencyProfile:
         win = self._win.get((int(batch), seq_bucket(seq)))
         return len(win) if win else 0
 
+    def recent_samples(self, batch: int, seq: int | None = None, now: float | None = None) -> int:
+        """Samples of the key of ``batch`` rows at ``seq`` tokens from the last ``horizon_s``: with fewer than
+        ``min_samples``, its estimate still rests on older ones (or on seeds and interpolation, with none)."""
+        t = _clock() if now is None else now
+        with self._lock:
+            win = self._win.get((int(batch), seq_bucket(seq)))
+            return sum(1 for ts, _ in win if t - ts <= self.horizon_s) if win else 0
+
     def last_observed(self, batch: int, seq: int | None = None) -> float | None:
         """``time.perf_counter()`` of the key's newest sample, or None."""
         win = self._win.get((int(batch), seq_bucket(seq)))

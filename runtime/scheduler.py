@@ -5,7 +5,12 @@ When the worker is free it takes the earliest deadline in its queue (priority, t
 a batch of compatible requests, in deadline order, whose predicted completion still meets the earliest deadline
 in it (the EDF rule, Liu & Layland 1973, applied to batches as in Clipper, Crankshaw et al., NSDI 2017): the
 largest such batch, unless a smaller one serves clearly more rows per ms (>5 %; padding short rows to the longest
-one can make a big batch slower per row than a small one). It holds the batch open only while arrivals outpace
+one can make a big batch slower per row than a small one). Only sizes that run get measured, so a size measured
+slow once and never picked again would stay slow in the profile: when the next size up was measured here but
+has fewer than ``min_samples`` samples within the profile's horizon, the worker runs it instead, at most every ``explore_interval_ms`` and only when it
+meets every member's deadline at its (stale) tail (exploration as in the epsilon-greedy bandit policy, Sutton &
+Barto, *Reinforcement Learning*, 2nd ed., 2018, §2.2, here triggered by staleness, not chance). It holds the batch
+open only while arrivals outpace
 what that batch size can serve *and* one more row still fits the deadline; it dispatches at once when waiting
 would break a deadline. A queued request whose deadline cannot be met alone even at the *expected* service time
 is dropped with ``Rejected("deadline")`` (a budget miss: it was admitted) instead of running late; one that fits
@@ -217,6 +222,9 @@ class Lane:
         warm_gate: the ``WarmUpGate`` of the lanes warming up beside this one (a session's lanes share one); the
             timed warm-up run waits, at most ``warm_quiet_ms``, until none of them is in its first run or timing,
             and is skipped when a request arrives meanwhile (that request's run measures instead).
+        explore_interval_ms: shortest gap between batches run one request bigger than the best rows per ms the
+            profile predicts, to re-measure a batch size whose estimate rests on old samples or none (see
+            ``_pick``), ms; ``math.inf``: never.
     """
 
     def __init__(self, name: str, run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
@@ -226,7 +234,8 @@ class Lane:
                  warm_seq: int | None = None, observe_warmup: bool = True, probe_interval_ms: float = 100.0,
                  probe_after_ms: float = 500.0, inline_ms: float = 1.0, plan_limit: int = 16,
                  calibration: PlanCalibration | None = None, instance: int = 0, fallback: bool = False,
-                 nice: int = 0, warm_gate: WarmUpGate | None = None, warm_quiet_ms: float = 500.0) -> None:
+                 nice: int = 0, warm_gate: WarmUpGate | None = None, warm_quiet_ms: float = 500.0,
+                 explore_interval_ms: float = 250.0) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -239,6 +248,8 @@ class Lane:
         self.tie_s = max(tie_ms, 1e-3) / 1e3
         self.probe_interval_s = probe_interval_ms / 1e3
         self.probe_after_s = probe_after_ms / 1e3
+        self.explore_interval_s = explore_interval_ms / 1e3
+        self._t_explore = -math.inf
         self.inline_ms = float(inline_ms)
         self.plan_limit = int(plan_limit)
         self.calibration = calibration if calibration is not None else PlanCalibration()
@@ -535,7 +546,21 @@ class Lane:
             if math.isinf(expected) or now + expected / 1e3 <= head.deadline:
                 return [head], 0.0  # nothing known yet, or it can still make it at the expected time: run alone
             return [head], -1.0
-        best = feasible[self._choose(feasible)][0]
+        pick = self._choose(feasible)
+        if (pick + 1 < len(feasible) and self.explore_interval_s < math.inf
+                and now - self._t_explore >= self.explore_interval_s):
+            # one request more than the best predicted rows per ms, when that batch size was measured here but its
+            # estimate rests on samples older than the profile's horizon (seeds stand in until measured): the
+            # choice rests on estimates and only chosen sizes are measured, so a size measured slow once (its
+            # first run on ORT allocates, or it ran in a slow second) was never chosen, never measured again,
+            # and the lane was locked at a smaller size (at 3x load: 1-thread batches of 1 forever, batch 2
+            # estimated at 23 ms where it took 11-15). It still meets every member's deadline at its tail.
+            nxt = cands[:feasible[pick + 1][0]]
+            rows, seq = sum(r.rows for r in nxt), max(r.seq or 0 for r in nxt) or None
+            recent = self.profile.recent_samples(rows, seq, now)
+            if recent < self.profile.min_samples and self.profile.samples(rows, seq) > 0:
+                pick, self._t_explore = pick + 1, now
+        best = feasible[pick][0]
         batch = cands[:best]
         rows, seq = sum(r.rows for r in batch), max(r.seq or 0 for r in batch)
         dl = min(r.deadline for r in batch)

@@ -182,6 +182,39 @@ def _blocked(lane: Lane, rng) -> tuple[BudgetScheduler, Future]:
     return sched, blocker
 
 
+def test_a_batch_size_measured_slow_long_ago_is_tried_again(backend):
+    """The worker picks the batch size of the best predicted rows per ms, and only picked sizes get measured: a size
+    whose estimate rests on old samples is run once more (one request bigger than the pick) when it still meets
+    every member's deadline, at most once per ``explore_interval_ms``; without that a lane stayed at batch 1."""
+
+    def batches(explore_ms: float) -> list[int]:
+        gate = threading.Event()
+        prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+        now = time.perf_counter()
+        for _ in range(3):
+            prof.observe(1, 8, 1.0, now)  # batch 1: fresh
+            prof.observe(2, 8, 10.0, now - 5.0)  # batch 2: measured slow, 5 s ago (beyond the 1 s horizon)
+        assert prof.recent_samples(1, 8) == 3 and prof.recent_samples(2, 8) == 0
+
+        def run(feed):
+            gate.wait(10)
+            return backend.run(feed)
+
+        lane = Lane("fp32", run, prof, BatchLayout.of(*TEXT_IO), StreamMetrics(), inline_ms=0.0,
+                    explore_interval_ms=explore_ms)
+        sched, blocker = _blocked(lane, np.random.default_rng(3))
+        rng = np.random.default_rng(4)
+        futs = [sched.submit(text_request(rng, 8), 10_000, id=i) for i in range(4)]
+        gate.set()
+        answers = [f.result(10) for f in futs]
+        sched.close()
+        assert blocker.result(10).ok and all(a.ok for a in answers)
+        return [a.batch_size for a in answers]
+
+    assert batches(60_000.0) == [2, 2, 1, 1]  # tried once; its estimate then still rests on old samples
+    assert batches(math.inf) == [1, 1, 1, 1]
+
+
 def test_edf_order_then_priority_on_ties(backend):
     gate = threading.Event()
     lane = _lane(backend, gate, max_batch=1, tie_ms=1e9)  # every deadline ties: priority then arrival decide
