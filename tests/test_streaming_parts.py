@@ -184,10 +184,11 @@ def _blocked(lane: Lane, rng) -> tuple[BudgetScheduler, Future]:
 
 def test_a_batch_size_measured_slow_long_ago_is_tried_again(backend):
     """The worker picks the batch size of the best predicted rows per ms, and only picked sizes get measured: a size
-    whose estimate rests on old samples is run once more (one request bigger than the pick) when it still meets
-    every member's deadline, at most once per ``explore_interval_ms``; without that a lane stayed at batch 1."""
+    whose estimate rests on old samples is run once more (one request bigger than the pick) when it meets every
+    member's deadline and takes the whole queue, at most once per ``explore_interval_ms``; without that a lane
+    stayed at batch 1."""
 
-    def batches(explore_ms: float) -> list[int]:
+    def batches(n: int, explore_ms: float) -> list[int]:
         gate = threading.Event()
         prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
         now = time.perf_counter()
@@ -204,15 +205,17 @@ def test_a_batch_size_measured_slow_long_ago_is_tried_again(backend):
                     explore_interval_ms=explore_ms)
         sched, blocker = _blocked(lane, np.random.default_rng(3))
         rng = np.random.default_rng(4)
-        futs = [sched.submit(text_request(rng, 8), 10_000, id=i) for i in range(4)]
+        futs = [sched.submit(text_request(rng, 8), 10_000, id=i) for i in range(n)]
         gate.set()
         answers = [f.result(10) for f in futs]
         sched.close()
         assert blocker.result(10).ok and all(a.ok for a in answers)
         return [a.batch_size for a in answers]
 
-    assert batches(60_000.0) == [2, 2, 1, 1]  # tried once; its estimate then still rests on old samples
-    assert batches(math.inf) == [1, 1, 1, 1]
+    assert batches(2, 60_000.0) == [2, 2]
+    # with three queued, a batch of 2 would leave one behind a batch its plan did not count on: first 1, then 2
+    assert batches(3, 60_000.0) == [1, 2, 2]
+    assert batches(2, math.inf) == [1, 1]
 
 
 def test_edf_order_then_priority_on_ties(backend):
