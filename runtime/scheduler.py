@@ -223,7 +223,7 @@ class Lane:
             timed warm-up run waits, at most ``warm_quiet_ms``, until none of them is in its first run or timing,
             and is skipped when a request arrives meanwhile (that request's run measures instead).
         explore_interval_ms: shortest gap between batches run one request bigger than the best rows per ms the
-            profile predicts, to re-measure a batch size whose estimate rests on old samples or none (see
+            profile predicts, to re-measure a batch size measured here whose estimate rests on old samples (see
             ``_pick``), ms; ``math.inf``: never.
     """
 
@@ -556,8 +556,8 @@ class Lane:
             # and the lane was locked at a smaller size (at 3x load: 1-thread batches of 1 forever, batch 2
             # estimated at 23 ms where it took 11-15). It still meets every member's deadline at its tail, and it
             # takes the whole queue: no admitted request waits behind a batch its plan did not count on (exploring
-            # with requests left behind cost dsedge serve at 3x load in budget of admitted, median 88.5 % against
-            # 93.6 % over nine interleaved pairs of 8 s windows).
+            # with requests left behind kept a median 88.5 % of admitted in budget through dsedge serve at 3x load,
+            # against 93.6 % unchanged, over nine noisy interleaved pairs of 8 s windows).
             nxt = cands[:feasible[pick + 1][0]]
             rows, seq = sum(r.rows for r in nxt), max(r.seq or 0 for r in nxt) or None
             recent = self.profile.recent_samples(rows, seq, now)
