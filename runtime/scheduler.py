@@ -341,8 +341,9 @@ class Lane:
         rem_mid = max(run_end_mid - now, 0.0)
         rem_var = run_dev * run_dev  # counted while it runs, even past its expected end
         # a batch on the backend is one batch ahead, even past its expected end with no tail margin left to count
-        # (a zero-spread seed, or a slow run): the request's stratum is then 1, not an idle lane's 0
-        ahead0 = 1 if running or rem_mid > 0.0 or rem_var > 0.0 else 0
+        # (a zero-spread seed, or a slow run): the request's stratum is then 1, not an idle lane's 0 (the running
+        # batch's expected end and margin are set and cleared with the running flag, so the flag says it all)
+        ahead0 = 1 if running else 0
         memo: dict = {}
         if len(queued) > self.plan_limit:
             return self._closed_form(req, queued, now, rem_mid, rem_var, z, memo, ahead0)
@@ -560,8 +561,8 @@ class Lane:
             # against 93.6 % unchanged, over nine noisy interleaved pairs of 8 s windows).
             nxt = cands[:feasible[pick + 1][0]]
             rows, seq = sum(r.rows for r in nxt), max(r.seq or 0 for r in nxt) or None
-            recent = self.profile.recent_samples(rows, seq, now)
-            if recent < self.profile.min_samples and self.profile.samples(rows, seq) > 0:
+            if (self.profile.samples(rows, seq) > 0  # measured here (else seeds stand in), and not lately
+                    and self.profile.recent_samples(rows, seq, now) < self.profile.min_samples):
                 pick, explore = pick + 1, True
         best = feasible[pick][0]
         batch = cands[:best]
