@@ -107,8 +107,9 @@ class LatencyProfile:
             self._invalidate()
 
     def scale_seed_figures(self, factor: float) -> None:
-        """Multiply every seed (mean and deviation) by ``factor``: figures measured with more intra-op threads than
-        this backend has. Measurements here rescale seeds anyway (``scale_seeds``); this is the start."""
+        """Multiply every seed (mean and deviation) by ``factor``: figures measured with another intra-op thread
+        count than this backend has (``runtime/instances.thread_scale``; > 1 when they had more). Measurements here
+        rescale seeds anyway (``scale_seeds``); this is the start."""
         with self._lock:
             self._seed = {k: (m * factor, d * factor) for k, (m, d) in self._seed.items()}
             self._invalidate()

@@ -130,7 +130,9 @@ class StreamingCore:
         fallback: with ``instances``, the ``run`` of the variant's backend with more intra-op threads: a lane of
             its own profile that takes the requests the instances cannot meet even alone.
         instance_seed_scale: with ``instances``, the factor the bundle's figures take on them until measured here
-            (they were measured with more intra-op threads).
+            (``runtime/instances.thread_scale``: the figures were measured with another intra-op thread count).
+        seed_scale: the same factor for the lanes on ``run``'s own thread count (the primary without
+            ``instances``, the fallback, the cascade's variants).
         worker_nice: added to every lane worker thread's nice value (see ``Lane``; 0: unchanged).
     Raises:
         ValueError: an unknown ``profile`` mode.
@@ -141,7 +143,8 @@ class StreamingCore:
                  open_variant: Callable[[str], Any] | None = None, max_batch: int | None = None,
                  max_queue: int = 1024, max_delay_ms: float | None = None, profile: str = "auto",
                  batch_variant_ok: bool = False, instances: Sequence[Callable] = (),
-                 fallback: Callable | None = None, instance_seed_scale: float = 1.0, worker_nice: int = 0) -> None:
+                 fallback: Callable | None = None, instance_seed_scale: float = 1.0, seed_scale: float = 1.0,
+                 worker_nice: int = 0) -> None:
         if profile not in PROFILE_MODES:
             raise ValueError(f"profile must be one of {PROFILE_MODES}, got {profile!r}")
         self.manifest = manifest
@@ -153,6 +156,7 @@ class StreamingCore:
         self._max_delay_ms = max_delay_ms
         self._batch_variant_ok = batch_variant_ok
         self._worker_nice = int(worker_nice)
+        self._seed_scale = seed_scale
         self._warm_gate = WarmUpGate()  # the lanes warm up together: none is timed against another's first run
         layout = self.layout
         batch_range = manifest.shape_ranges.get(layout.batch_symbol or "", {})
@@ -160,12 +164,10 @@ class StreamingCore:
         seq_range = manifest.shape_ranges.get(layout.seq_symbol or "", {})
         self._seq_range = (int(seq_range.get("min", 1)), int(seq_range.get("max", 1 << 30)))
         self.warm_seq = self._clip_seq(_WARM_SEQ) if layout.seq_symbol else None
-        primary = self._make_lane(variant, run)
-        if instances and instance_seed_scale != 1.0:
-            primary.profile.scale_seed_figures(instance_seed_scale)
+        primary = self._make_lane(variant, run, seed_scale=instance_seed_scale if instances else seed_scale)
         more = [self._make_lane(variant, r, primary, i + 1) for i, r in enumerate(instances)]
         if fallback is not None:
-            more.append(self._make_lane(variant, fallback, fallback=True))
+            more.append(self._make_lane(variant, fallback, fallback=True, seed_scale=seed_scale))
         self.scheduler = BudgetScheduler([primary] + more, layout, metrics)
         self.cascade_ready = threading.Event()
         self._closed = False
@@ -190,7 +192,7 @@ class StreamingCore:
         return self.max_batch
 
     def _make_lane(self, variant: Variant, run: Callable, sibling: Lane | None = None, instance: int = 0,
-                   fallback: bool = False) -> Lane:
+                   fallback: bool = False, seed_scale: float | None = None) -> Lane:
         # ``sibling``: the variant's first instance, whose profile and calibration this one shares
         mode = self._profile_mode
         if sibling is not None:
@@ -199,6 +201,9 @@ class StreamingCore:
             prof = LatencyProfile(variant.name)
         else:
             prof = LatencyProfile.from_variant(variant, scale_seeds=(mode == "auto"))
+            scale = self._seed_scale if seed_scale is None else seed_scale
+            if scale != 1.0:  # the bundle's figures were timed on another intra-op thread count
+                prof.scale_seed_figures(scale)
         layout = self.layout
         return Lane(variant.name, run, prof, layout, self.metrics, max_batch=self.lane_max_batch(variant),
                     max_queue=self._max_queue, max_delay_ms=self._max_delay_ms,

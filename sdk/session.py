@@ -20,6 +20,7 @@ from .runtime.budget import FALLBACK_BUDGET_MS, resolve_budget
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import DsedgeError, InferenceError, InputError, SessionClosedError
 from .runtime.golden import check_backend
+from .runtime.instances import cpu_layout, host_cores, recorded_threads, thread_scale
 from .runtime.signing import check_signature
 from .runtime.io import (check_request_options, check_session_options, check_stream_inputs, is_real,
                          validate_inputs)
@@ -70,7 +71,7 @@ class Session:
                  max_queue: int = 1024, max_delay_ms: float | None = None, profile: str = "auto",
                  open_variant: Callable[[str], Any] | None = None, batch_variant_ok: bool = False,
                  open_instances: Callable[[], list] | None = None, fallback: bool = False,
-                 instance_seed_scale: float = 1.0, worker_nice: int = 0) -> None:
+                 instance_seed_scale: float = 1.0, seed_scale: float = 1.0, worker_nice: int = 0) -> None:
         self.path = Path(path)
         self.manifest = manifest
         self.variant = variant
@@ -87,6 +88,7 @@ class Session:
         self._instance_backends: list = []
         self._fallback = fallback  # with instances: self._backend (more threads) takes what they are too slow for
         self._instance_seed_scale = instance_seed_scale
+        self._seed_scale = seed_scale
         self._max_batch = max_batch
         self._max_queue = max_queue
         self._metrics = StreamMetrics()
@@ -206,7 +208,7 @@ class Session:
                                                  fallback=(self._backend.run if self._fallback and len(runs) > 1
                                                            else None),
                                                  instance_seed_scale=self._instance_seed_scale,
-                                                 **self._stream_opts)
+                                                 seed_scale=self._seed_scale, **self._stream_opts)
                     self._close_when_collected(self._stream.close)
                     self._threads_pid = os.getpid()
                 core = self._stream
@@ -549,7 +551,12 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
                          f"a whole backend (its own copy of the model in memory)",
                          f"pass instances={min(2, cores)} (the default here), or up to {4 * cores}")
     count, per_thread = auto_instances(backend, instances, threads)
-    slower = thread_slowdown(cores, per_thread) if count > 1 and threads is None else 1.0  # instances' fewer threads
+    # the bundle's latency figures were timed with ``measured`` intra-op threads (the build host's serving layout;
+    # ORT's default, one per core here, for a bundle that does not say): seeds for lanes on other thread counts
+    # (thread counts above the cores here count as the cores: no more of them run at once)
+    measured = min(recorded_threads(v.latency_ms) or cores, cores)
+    instance_scale = thread_scale(measured, min(per_thread or cores, cores)) if count > 1 else 1.0
+    default_scale = thread_scale(measured, min(threads or cores, cores))
     open_instances = None
     if count > 1:  # opened here, side by side (ORT builds sessions off the GIL): the first submit must not wait
         prefs = Preferences(providers, per_thread)
@@ -560,7 +567,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     session = Session(path, manifest, v, backend, budget_ms=budget_ms, cascade=cascade, max_batch=max_batch,
                       max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile, open_variant=open_variant,
                       batch_variant_ok=batch_variant_ok, open_instances=open_instances,
-                      fallback=slower > 1.0, instance_seed_scale=slower, worker_nice=int(worker_nice))
+                      fallback=count > 1 and threads is None and (per_thread or cores) < cores,
+                      instance_seed_scale=instance_scale, seed_scale=default_scale, worker_nice=int(worker_nice))
     # the full collection that opening a bundle makes due (its objects count as the old generation's pending ones)
     # runs here rather than in the first seconds of serving, where it held the interpreter lock for 16-33 ms
     # and 4-11 requests of a 3x load around it missed their budget (about a fifth of that window's misses)
@@ -569,19 +577,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
 
 
 def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
-def thread_slowdown(cores: int, threads: int | None) -> float:
-    """How much longer a run with ``threads`` intra-op threads takes than one with ``cores``: ``(cores /
-    threads) ** 0.64``, fitted on MiniLM fp32 at batch 1 on a 2-core host (10.3 ms on 1 thread, 6.6 ms on 2:
-    1.56×). Only the start: the bundle's figures are rescaled by this machine's measurements once there are any."""
-    if not threads or threads >= cores:
-        return 1.0
-    return (cores / threads) ** 0.64
+    return host_cores()
 
 
 def auto_instances(backend: Any, instances: int | None, threads: int | None) -> tuple[int, int | None]:
@@ -595,11 +591,6 @@ def auto_instances(backend: Any, instances: int | None, threads: int | None) -> 
     (200 vs 142 rows/s) with a lower tail at full load (p98 11.0 vs 16.5 ms with two callers on the one session),
     at 10 ms per request instead of 7; see docs/streaming.md for what that does to goodput within budget.
     """
-    cpu = list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]
-    cores = _cores()
-    if instances is None:
-        instances = 2 if (cpu and threads is None and cores >= 2) else 1
-    n = int(instances)
-    if threads is None and cpu and n > 1:
-        return n, max(1, cores // n)
-    return n, threads
+    if list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]:
+        return cpu_layout(instances, threads, _cores())
+    return (1 if instances is None else int(instances)), threads

@@ -236,3 +236,8 @@ def test_cpu_auto_measures_each_precision_and_keeps_the_fastest_accurate_one(tmp
     assert "by measured latency" in r.report["notes"][0]
     chosen = next(v for v in r.report["variants"] if v["name"] == choice["chosen"])
     assert chosen["latency_ms"]["1"]["p50"] == next(c for c in measured if c["precision"] == choice["chosen"])["b1_p50_ms"]
+    # timed as the runtime serves here (one of its instances' thread count), and the record says so
+    from dsedge.runtime.instances import serving_threads
+
+    assert all(v["latency_ms"]["1"]["threads"] == serving_threads() for v in r.report["variants"])
+    assert "one serving instance's here" in choice["why"]

@@ -136,6 +136,35 @@ def test_load_with_default_instances_adds_the_fallback_lane_on_the_sessions_own_
         assert len(s._core().lanes) == 1
 
 
+@pytest.mark.parametrize("recorded, instance_ms, fallback_ms", [
+    (1, 10.0, 10.0 * 0.5 ** 0.64),  # timed on one instance's thread (dsedge build now): the fallback has 2
+    (None, 10.0 * 2 ** 0.64, 10.0),  # a bundle that does not say: timed with ORT's default, a thread per core
+])
+def test_the_bundles_figures_seed_each_lane_at_its_own_thread_count(tmp_path, monkeypatch, recorded, instance_ms,
+                                                                   fallback_ms):
+    monkeypatch.setattr("dsedge.session._cores", lambda: 2)
+    rec = {"p50": 10.0, "p99": 10.0, **({"threads": recorded} if recorded else {})}
+    bundle = text_bundle(tmp_path / "b", latency_ms={"fp32": {"1": rec}})
+    with dsedge.load(bundle, profile="bundle") as s:  # "bundle": the seeds as they are, never rescaled here
+        first, second, fallback = s._core().lanes
+        assert first.profile.predict(1, k_dev=0.0) == pytest.approx(instance_ms)
+        assert second.profile is first.profile and fallback.fallback
+        assert fallback.profile.predict(1, k_dev=0.0) == pytest.approx(fallback_ms)
+
+
+def test_cpu_layout_and_thread_scale():
+    from dsedge.runtime.instances import cpu_layout, recorded_threads, serving_threads, thread_scale
+
+    assert cpu_layout(None, None, 2) == (2, 1) and cpu_layout(None, None, 8) == (2, 4)
+    assert cpu_layout(None, None, 1) == (1, None) and cpu_layout(None, 3, 8) == (1, 3)
+    assert serving_threads(2) == 1 and serving_threads(8) == 4 and serving_threads(1) == 1
+    assert thread_scale(2, 1) == pytest.approx(2 ** 0.64) and thread_scale(1, 2) == pytest.approx(0.5 ** 0.64)
+    assert thread_scale(None, 2) == thread_scale(2, None) == thread_scale(4, 4) == 1.0
+    assert recorded_threads({"1": {"p50": 3.0, "threads": 2}}) == 2
+    assert recorded_threads({"1": 3.0}) is None and recorded_threads({"1": {"threads": True}}) is None
+    assert recorded_threads(None) is None
+
+
 def test_a_long_queue_estimate_times_each_batch_at_its_longest_row(backend):
     """Beyond ``plan_limit`` the plan is estimated in closed form: a short request behind long ones must be timed
     at the long ones' length (the worker pads a batch to its longest row), close to the played-forward plan."""

@@ -16,7 +16,7 @@ from ..gates import AUTO_MIN_COSINE, build_gates, qualifies
 from .compressors import COMPRESSORS
 from ..sources import Source
 from .fit import fit_target
-from .measure import measure_latency, measure_latency_side_by_side
+from .measure import latency_threads, measure_latency, measure_latency_side_by_side
 
 AUTO_MIN_SPEEDUP = 1.10  # ... and, choosing by latency, only compressed variants ≥ 10 % faster than fp32 at b1 p50
 
@@ -27,7 +27,8 @@ def choose_auto(plan: BuildPlan, exported: Exported, reference_onnx: Path, work:
     """``--precision auto``: walk the target's precision order (this version's compressors, then fp32), building and
     validating each candidate. A candidate is accurate when it passes ``--accuracy-gate`` or, without one, when its
     cosine mean vs fp32 on held-out inputs is at least ``AUTO_MIN_COSINE`` (fp32 always is). Targets with ``auto_by_latency`` (ORT CPU) build every candidate, time all
-    of them side by side (interleaved, batch 1, ``measure_latency_side_by_side``) and keep the fastest accurate one,
+    of them side by side (interleaved, batch 1, on one serving instance's intra-op threads here:
+    ``measure_latency_side_by_side``) and keep the fastest accurate one,
     a compressed one only when it is at least ``AUTO_MIN_SPEEDUP`` × faster than fp32 (within measurement noise the
     exact model wins; e.g. INT8 Q/DQ Conv3d runs slower than fp32 on ORT CPU, so a 3-D CNN stays fp32). Other
     targets keep the first accurate one in their order. A candidate whose compressor refuses the model is skipped
@@ -102,6 +103,8 @@ def _auto_why(chosen: str, candidates: list[dict[str, Any]], target: Target, thr
     parts = [f"{c['precision']} {c['b1_p50_ms']:.2f} ms" + ("" if c["qualifies"] else
              f" (cosine {c['cosine_mean']} < {AUTO_MIN_COSINE}: not accurate)") for c in timed]
     skipped = [f"{c['precision']} not built: {c['skipped']}" for c in candidates if "skipped" in c]
-    how = (f"b1 p50 on ORT CPU, {threads or 'default'} threads, timed side by side here" if target.auto_by_latency
+    n = latency_threads(threads)
+    on = f"{n} thread{'s' if n > 1 else ''}" + ("" if threads else " (one serving instance's here)")
+    how = (f"b1 p50 on ORT CPU, {on}, timed side by side here" if target.auto_by_latency
            else "b1 p50 on ORT CPU here; chosen as the first accurate precision in the target's order")
     return f"auto: {chosen} ({', '.join(parts)}; {how})" + (f"; {'; '.join(skipped)}" if skipped else "")

@@ -1,0 +1,64 @@
+"""The CPU serving layout: how many backends of one variant (Triton's instance group) serve it on ONNX Runtime's CPU
+provider, with how many intra-op threads each, and how a latency measured with one thread count stands for another.
+
+Shared by ``dsedge.load`` (which opens the instances) and ``dsedge build`` (which times the candidate precisions
+and records the variants' latency in the layout the runtime will serve them in on the build host).
+"""
+from __future__ import annotations
+
+import os
+
+# (threads_a / threads_b) ** THREAD_EXPONENT: how much longer a run on threads_b intra-op threads takes than on
+# threads_a, fitted on MiniLM fp32 at batch 1 on a 2-core host (10.3 ms on 1 thread, 6.6 ms on 2: 1.56x). A seed
+# only: the runtime rescales a bundle's figures by this machine's own measurements as soon as there are any.
+THREAD_EXPONENT = 0.64
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_layout(instances: int | None, threads: int | None, cores: int) -> tuple[int, int | None]:
+    """``(instances, intra-op threads each)`` on ONNX Runtime's CPU provider with ``cores`` cores.
+
+    Given ``instances``, that many, each with ``threads`` (None: ``cores // instances`` when more than one).
+    None: 2 instances of ``cores // 2`` threads each when ``threads`` is not given and there are 2 cores or more,
+    else 1 (with ``threads``, or ORT's default when None). Measured on a 2-core host (MiniLM fp32, batch 1): two
+    1-thread sessions side by side serve 1.41x the rows/s of one 2-thread session (200 vs 142 rows/s), with a lower
+    tail at full load (p98 11.0 vs 16.5 ms with two callers on the one session); see docs/streaming.md.
+    """
+    if instances is None:
+        instances = 2 if (threads is None and cores >= 2) else 1
+    n = int(instances)
+    if threads is None and n > 1:
+        return n, max(1, cores // n)
+    return n, threads
+
+
+def serving_threads(cores: int | None = None) -> int:
+    """Intra-op threads of one instance in the default CPU layout here (``cpu_layout(None, None, cores)``): what a
+    build times its variants with, so that the figures and the choice between precisions are those of serving."""
+    cores = host_cores() if cores is None else int(cores)
+    return cpu_layout(None, None, cores)[1] or cores
+
+
+def thread_scale(measured_threads: int | None, threads: int | None) -> float:
+    """The factor a latency measured on ``measured_threads`` intra-op threads takes on ``threads``:
+    ``(measured_threads / threads) ** THREAD_EXPONENT`` (> 1 on fewer threads, < 1 on more); 1.0 when either is
+    unknown (None or 0)."""
+    if not measured_threads or not threads:
+        return 1.0
+    return (float(measured_threads) / float(threads)) ** THREAD_EXPONENT
+
+
+def recorded_threads(latency_ms: dict | None) -> int | None:
+    """The intra-op threads a bundle variant's build-time ``latency_ms`` was measured with (``"threads"`` of its
+    batch-1 record, written by ``dsedge build`` since it times in the serving layout), or None for a bundle that
+    does not say (those were timed with ORT's default: one thread per core of the build host)."""
+    rec = (latency_ms or {}).get("1")
+    t = rec.get("threads") if isinstance(rec, dict) else None
+    return int(t) if isinstance(t, int) and not isinstance(t, bool) and t > 0 else None
