@@ -25,6 +25,7 @@ from typing import Any
 
 from ...runtime.batching import BatchLayout
 from ...runtime.bundle import Manifest, Variant
+from ...runtime.instances import recorded_threads
 from ...runtime.latency_profile import LatencyProfile
 
 PRIORITY_LEVELS = 2
@@ -126,7 +127,9 @@ def derive_policy(manifest: Manifest, variant: Variant, gpu: bool) -> BatchingPo
     delay_ms = min(budget - run_p50 - run_p99, budget / 4)
     timeout_ms = budget - run_p50
     queue = max(top, math.floor(budget / max(run_p50, 1e-3)) * top)
-    notes += [f"measured latency (build machine, {seq} tokens): batch {top} p50 {run_p50:.2f} ms / p99 "
+    threads = recorded_threads(variant.latency_ms)
+    on = f"{threads} intra-op thread{'s' if threads > 1 else ''}, " if threads else ""
+    notes += [f"measured latency (build machine, {on}{seq} tokens): batch {top} p50 {run_p50:.2f} ms / p99 "
               f"{run_p99:.2f} ms; in flight + own p99 + delay ≤ budget",
               f"max_queue_delay {delay_ms:.2f} ms: the budget left (at most a quarter of it)",
               f"queue timeout {timeout_ms:.2f} ms (budget − p50 of batch {top}: the latest start that can finish "
