@@ -39,6 +39,17 @@ def cpu_layout(instances: int | None, threads: int | None, cores: int) -> tuple[
     return n, threads
 
 
+def reserved_layout(instances: int | None, threads: int | None, cores: int, reserve: int) -> tuple[int, int | None]:
+    """``cpu_layout`` over the cores left after ``reserve`` of them (at least one) are kept for the caller's own
+    threads (``dsedge serve``: its event loop, which parses, admits and answers every call). Then a single instance
+    gets those cores' count of threads rather than ORT's default (every core). ``reserve`` 0: ``cpu_layout``."""
+    if reserve <= 0:
+        return cpu_layout(instances, threads, cores)
+    usable = max(1, cores - int(reserve))
+    n, t = cpu_layout(instances, threads, usable)
+    return n, (usable if t is None else t)
+
+
 def serving_threads(cores: int | None = None) -> int:
     """Intra-op threads of one instance in the default CPU layout here (``cpu_layout(None, None, cores)``): what a
     build times its variants with, so that the figures and the choice between precisions are those of serving."""

@@ -130,13 +130,15 @@ PROFILE_SOURCES = ("auto", "measure", "bundle")
 
 def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = None, max_queue: Any = 1024,
                           max_delay_ms: Any = None, profile: Any = "auto", threads: Any = None,
-                          window: Any = None, instances: Any = None, worker_nice: Any = 0) -> None:
+                          window: Any = None, instances: Any = None, worker_nice: Any = 0,
+                          reserve_cores: Any = 0) -> None:
     """Check ``dsedge.load``'s options (and ``stream``'s ``window``) before anything is opened.
 
     ``path`` is a str or ``os.PathLike``; ``budget_ms``/``max_delay_ms`` None or a finite number > 0 (ms; a
     ``max_delay_ms`` of 0 holds no batch open); ``max_batch``/``threads``/``window``/``instances`` None or an integer
     ≥ 1;
-    ``max_queue`` an integer ≥ 1; ``worker_nice`` an integer in 0…19; ``profile`` one of ``PROFILE_SOURCES``.
+    ``max_queue`` an integer ≥ 1; ``worker_nice`` an integer in 0…19; ``reserve_cores`` an integer ≥ 0; ``profile``
+    one of ``PROFILE_SOURCES``.
 
     Raises:
         InputError: naming the first bad option.
@@ -161,6 +163,7 @@ def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = 
     integer("window", window, 1)
     integer("instances", instances, 1)
     integer("worker_nice", worker_nice, 0, optional=False, high=19)
+    integer("reserve_cores", reserve_cores, 0, optional=False)
     for name, value, low_open in (("budget_ms", budget_ms, True), ("max_delay_ms", max_delay_ms, False)):
         if value is None:
             continue

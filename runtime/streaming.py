@@ -129,10 +129,10 @@ class StreamingCore:
             calibration; admission queues a request on the least loaded one whose plan meets its deadline.
         fallback: with ``instances``, the ``run`` of the variant's backend with more intra-op threads: a lane of
             its own profile that takes the requests the instances cannot meet even alone.
-        instance_seed_scale: with ``instances``, the factor the bundle's figures take on them until measured here
-            (``runtime/instances.thread_scale``: the figures were measured with another intra-op thread count).
-        seed_scale: the same factor for the lanes on ``run``'s own thread count (the primary without
-            ``instances``, the fallback, the cascade's variants).
+        instance_seed_scale: the factor the bundle's figures take on the lanes of ``run`` and ``instances`` until
+            measured here (``runtime/instances.thread_scale``: the figures were timed on another intra-op thread
+            count).
+        seed_scale: the same factor for the fallback's and the cascade's lanes (the session's own thread count).
         worker_nice: added to every lane worker thread's nice value (see ``Lane``; 0: unchanged).
     Raises:
         ValueError: an unknown ``profile`` mode.
@@ -164,7 +164,7 @@ class StreamingCore:
         seq_range = manifest.shape_ranges.get(layout.seq_symbol or "", {})
         self._seq_range = (int(seq_range.get("min", 1)), int(seq_range.get("max", 1 << 30)))
         self.warm_seq = self._clip_seq(_WARM_SEQ) if layout.seq_symbol else None
-        primary = self._make_lane(variant, run, seed_scale=instance_seed_scale if instances else seed_scale)
+        primary = self._make_lane(variant, run, seed_scale=instance_seed_scale)
         more = [self._make_lane(variant, r, primary, i + 1) for i, r in enumerate(instances)]
         if fallback is not None:
             more.append(self._make_lane(variant, fallback, fallback=True, seed_scale=seed_scale))

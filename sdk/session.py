@@ -20,7 +20,7 @@ from .runtime.budget import FALLBACK_BUDGET_MS, resolve_budget
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import DsedgeError, InferenceError, InputError, SessionClosedError
 from .runtime.golden import check_backend
-from .runtime.instances import cpu_layout, host_cores, recorded_threads, thread_scale
+from .runtime.instances import host_cores, recorded_threads, reserved_layout, thread_scale
 from .runtime.signing import check_signature
 from .runtime.io import (check_request_options, check_session_options, check_stream_inputs, is_real,
                          validate_inputs)
@@ -472,7 +472,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
          threads: int | None = None, *, budget_ms: float | None = None, cascade: bool = False,
          max_batch: int | None = None, max_queue: int = 1024, max_delay_ms: float | None = None,
          profile: str = "auto", batch_variant_ok: bool = False, check_outputs: bool = False,
-         trusted_keys: Sequence[Any] | None = None, instances: int | None = None, worker_nice: int = 0) -> Session:
+         trusted_keys: Sequence[Any] | None = None, instances: int | None = None, worker_nice: int = 0,
+         reserve_cores: int = 0) -> Session:
     """Verify a bundle (manifest and every sha256) and open a variant on the best available backend.
 
     Args:
@@ -505,6 +506,10 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             ignored), so that your threads that submit requests and read answers preempt running batches on a busy
             machine (runtime/thread_priority.py; ``dsedge serve --worker-nice``). 0 (default) leaves the workers at
             your process's priority; docs/serve.md has what it measured.
+        reserve_cores: on ONNX Runtime's CPU provider, cores kept free of the streaming lanes for your own threads:
+            the default layout (``instances``/``threads`` None) spreads the instances over the other cores (at
+            least one; 2 cores, 1 reserved: one instance of 1 thread), and no fallback lane is added. ``dsedge
+            serve`` reserves 1 for its event loop (``--reserve-cores``; docs/serve.md has what it measured).
     ``load`` ends with one full garbage collection (``gc.collect()``, 5-30 ms), so that the one opening the bundle
     made due does not pause the first seconds of serving.
     Raises:
@@ -517,7 +522,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     """
     check_session_options(path, budget_ms=budget_ms, max_batch=max_batch, max_queue=max_queue,
                           max_delay_ms=max_delay_ms, profile=profile, threads=threads, instances=instances,
-                          worker_nice=worker_nice)
+                          worker_nice=worker_nice, reserve_cores=reserve_cores)
     if isinstance(providers, str):
         providers = [providers]
     if variant is not None and not isinstance(variant, str):
@@ -550,15 +555,17 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         raise InputError(f"instances={instances} is more than 4 per core ({cores} cores here): each instance is "
                          f"a whole backend (its own copy of the model in memory)",
                          f"pass instances={min(2, cores)} (the default here), or up to {4 * cores}")
-    count, per_thread = auto_instances(backend, instances, threads)
+    count, per_thread = auto_instances(backend, instances, threads, int(reserve_cores))
+    # the streaming lanes run on backends of their own: several instances, or one on fewer threads than ``backend``
+    own = count > 1 or (threads is None and per_thread is not None and per_thread < cores)
     # the bundle's latency figures were timed with ``measured`` intra-op threads (the build host's serving layout;
     # ORT's default, one per core here, for a bundle that does not say): seeds for lanes on other thread counts
     # (thread counts above the cores here count as the cores: no more of them run at once)
     measured = min(recorded_threads(v.latency_ms) or cores, cores)
-    instance_scale = thread_scale(measured, min(per_thread or cores, cores)) if count > 1 else 1.0
     default_scale = thread_scale(measured, min(threads or cores, cores))
+    instance_scale = thread_scale(measured, min(per_thread or cores, cores)) if own else default_scale
     open_instances = None
-    if count > 1:  # opened here, side by side (ORT builds sessions off the GIL): the first submit must not wait
+    if own:  # opened here, side by side (ORT builds sessions off the GIL): the first submit must not wait
         prefs = Preferences(providers, per_thread)
         with ThreadPoolExecutor(count, thread_name_prefix="dsedge-open") as pool:
             opened = list(pool.map(lambda _: open_backend(VariantFiles(Path(path), manifest, v), prefs),
@@ -567,7 +574,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     session = Session(path, manifest, v, backend, budget_ms=budget_ms, cascade=cascade, max_batch=max_batch,
                       max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile, open_variant=open_variant,
                       batch_variant_ok=batch_variant_ok, open_instances=open_instances,
-                      fallback=count > 1 and threads is None and (per_thread or cores) < cores,
+                      fallback=(count > 1 and threads is None and not reserve_cores
+                                and (per_thread or cores) < cores),
                       instance_seed_scale=instance_scale, seed_scale=default_scale, worker_nice=int(worker_nice))
     # the full collection that opening a bundle makes due (its objects count as the old generation's pending ones)
     # runs here rather than in the first seconds of serving, where it held the interpreter lock for 16-33 ms
@@ -580,8 +588,12 @@ def _cores() -> int:
     return host_cores()
 
 
-def auto_instances(backend: Any, instances: int | None, threads: int | None) -> tuple[int, int | None]:
+def auto_instances(backend: Any, instances: int | None, threads: int | None,
+                   reserve_cores: int = 0) -> tuple[int, int | None]:
     """``(instances, intra-op threads each)`` for the streaming lanes of ``backend``.
+
+    ``reserve_cores``: on the CPU provider, lay the instances out over the cores left after that many (at least
+    one) are kept for the caller's own threads (``runtime/instances.reserved_layout``).
 
     Given ``instances``, that many, each with ``threads`` (None: ``cores // instances`` on ONNX Runtime's CPU
     provider, else the backend's default). None: on the CPU provider without ``threads``, 2 instances of
@@ -592,5 +604,5 @@ def auto_instances(backend: Any, instances: int | None, threads: int | None) -> 
     at 10 ms per request instead of 7; see docs/streaming.md for what that does to goodput within budget.
     """
     if list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]:
-        return cpu_layout(instances, threads, _cores())
+        return reserved_layout(instances, threads, _cores(), reserve_cores)
     return (1 if instances is None else int(instances)), threads

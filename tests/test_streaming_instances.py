@@ -152,8 +152,32 @@ def test_the_bundles_figures_seed_each_lane_at_its_own_thread_count(tmp_path, mo
         assert fallback.profile.predict(1, k_dev=0.0) == pytest.approx(fallback_ms)
 
 
+def test_reserve_cores_leaves_cores_to_the_caller(tmp_path, monkeypatch):
+    class Cpu:
+        providers = ["CPUExecutionProvider"]
+
+    monkeypatch.setattr("dsedge.session._cores", lambda: 2)
+    assert auto_instances(Cpu(), None, None, 1) == (1, 1)  # one core left: one instance on one thread
+    assert auto_instances(Cpu(), None, 2, 1) == (1, 2)  # given threads are kept
+    monkeypatch.setattr("dsedge.session._cores", lambda: 8)
+    assert auto_instances(Cpu(), None, None, 1) == (2, 3) and auto_instances(Cpu(), 3, None, 2) == (3, 2)
+    monkeypatch.setattr("dsedge.session._cores", lambda: 2)
+    bundle = text_bundle(tmp_path / "b", latency_ms={"fp32": {"1": {"p50": 10.0, "p99": 10.0, "threads": 1}}})
+    with dsedge.load(bundle, reserve_cores=1, profile="bundle") as s:
+        (lane,) = s._core().lanes  # no second instance, no fallback lane on every core
+        assert lane.run.__self__ is not s._backend and not lane.fallback
+        assert lane.profile.predict(1, k_dev=0.0) == pytest.approx(10.0)  # timed on 1 thread, served on 1
+        assert s.describe()["instances"] == 1
+        assert s.submit(text_request(np.random.default_rng(0), 8), budget_ms=10_000).result(30).ok
+    with pytest.raises(InputError, match="reserve_cores must be an integer >= 0"):
+        dsedge.load(bundle, reserve_cores=-1)
+
+
 def test_cpu_layout_and_thread_scale():
-    from dsedge.runtime.instances import cpu_layout, recorded_threads, serving_threads, thread_scale
+    from dsedge.runtime.instances import cpu_layout, recorded_threads, reserved_layout, serving_threads, thread_scale
+
+    assert reserved_layout(None, None, 2, 1) == (1, 1) and reserved_layout(None, None, 2, 0) == (2, 1)
+    assert reserved_layout(None, None, 1, 1) == (1, 1) and reserved_layout(2, None, 4, 1) == (2, 1)
 
     assert cpu_layout(None, None, 2) == (2, 1) and cpu_layout(None, None, 8) == (2, 4)
     assert cpu_layout(None, None, 1) == (1, None) and cpu_layout(None, 3, 8) == (1, 3)

@@ -50,6 +50,7 @@ class ServeConfig:
     max_batch: int | None = None
     threads: int | None = None
     instances: int | None = None
+    reserve_cores: int = 1  # cores the default instance layout leaves to the event loop (dsedge.load's reserve_cores)
     worker_nice: int = 0  # added to the batch workers' nice value (runtime/thread_priority.py); opt-in, see docs/serve.md
     max_inflight: int | None = None
     max_queue: int = 1024
@@ -79,6 +80,7 @@ class ServeConfig:
             raise bad("--body-timeout", self.body_timeout_s, "a finite number of seconds > 0", "30")
         for option, value, least in (("--max-batch", self.max_batch, 1), ("--threads", self.threads, 1),
                                      ("--instances", self.instances, 1),
+                                     ("--reserve-cores", self.reserve_cores, 0),
                                      ("--worker-nice", self.worker_nice, 0),
                                      ("--max-inflight", self.max_inflight, 1), ("--max-queue", self.max_queue, 0),
                                      ("--max-body-bytes", self.max_body_bytes, 1024),
@@ -268,7 +270,8 @@ async def serve(cfg: ServeConfig) -> int:
     metrics = ServeMetrics()
     repo = Repository(cfg.bundles, metrics, variant=cfg.variant, cascade=cfg.cascade, budget_ms=cfg.budget_ms,
                       max_batch=cfg.max_batch, threads=cfg.threads, instances=cfg.instances, max_inflight=cfg.max_inflight,
-                      max_queue=cfg.max_queue, levels=levels, worker_nice=cfg.worker_nice)
+                      max_queue=cfg.max_queue, levels=levels, worker_nice=cfg.worker_nice,
+                      reserve_cores=cfg.reserve_cores)
     state = ServerState(stopping=asyncio.get_running_loop().create_future())
     extensions = ["binary_tensor_data"]
 
