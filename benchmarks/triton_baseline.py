@@ -18,8 +18,10 @@ Servers:
   ``--worker-nice 0,5,0,5`` runs ``dsedge serve`` once per value, in that order (rows ``dsedge-niceN``): the
   batch workers' priority measured side by side in one run.
 Instance layouts: ``dsedge serve`` runs on its own defaults, as a user meets it (on a 2-core CPU, two 1-thread
-instances); Triton tries both one instance with ORT's default threads (its own default) and that same layout
-(rows ``triton-x2t1-…``), and its best setting of all is the baseline. ``--threads``/``--instances`` give both
+instances, the second paused while the front end is busy: ``--spare-pause-cores``); Triton tries one instance with
+ORT's default threads (its own default), dsedge's layout (rows ``triton-x2t1-…``: two 1-thread instances) and one
+1-thread instance with a core left to the front end (``triton-x1t1-…``, dsedge serve's ``--reserve-cores 1``), and
+its best setting of all is the baseline. ``--threads``/``--instances`` give both
 servers one layout instead. Reported per load: goodput (answers within budget per second of the
 arrival window), in-budget share of admitted, rejections, the misses split into answered late and timed out
 (refused at the deadline or past the gRPC deadline), p99 of answered (client-side), for dsedge serve how many of
@@ -436,17 +438,17 @@ def main(argv: list[str] | None = None) -> int:
 
     repo = work / "repo"
     export = export_triton(bundle, repo, platform="python")
-    # Triton's instance layouts: the one given, else one instance with ORT's default threads (Triton's default) and
-    # the layout dsedge serve picks on its own (on a 2-core CPU: two 1-thread instances); the best setting of all
-    # is the baseline
+    # Triton's instance layouts: the one given, else one instance with ORT's default threads (Triton's default),
+    # dsedge's layout (on a 2-core CPU: two 1-thread instances) and dsedge serve's --reserve-cores 1 (a core left to
+    # the front end: on 2 cores one 1-thread instance); the best setting of all is the baseline
     fixed = bool(args.threads or args.instances)
     if fixed:
         layouts = [(args.instances or 1, args.threads)]
     else:
         layouts = [(1, None)]
-        auto = auto_instances(session._backend, None, None)
-        if auto[0] > 1:
-            layouts.append(auto)
+        for auto in (auto_instances(session._backend, None, None), auto_instances(session._backend, None, None, 1)):
+            if auto not in layouts and auto != (1, None):
+                layouts.append(auto)
     for m in export.models[1:]:  # only the served variant
         shutil.rmtree(repo / m.name)
     model = export.models[0].name

@@ -40,14 +40,16 @@ def cpu_layout(instances: int | None, threads: int | None, cores: int) -> tuple[
 
 
 def reserved_layout(instances: int | None, threads: int | None, cores: int, reserve: int) -> tuple[int, int | None]:
-    """``cpu_layout`` over the cores left after ``reserve`` of them (at least one) are kept for the caller's own
-    threads (``dsedge serve``: its event loop, which parses, admits and answers every call). Then a single instance
-    gets those cores' count of threads rather than ORT's default (every core). ``reserve`` 0: ``cpu_layout``."""
+    """The layout over the cores left after ``reserve`` of them (at least one) are kept for the caller's own
+    threads (``dsedge serve``: its event loop, which parses, admits and answers every call). ``reserve`` 0:
+    ``cpu_layout``. Else ``instances`` (None: one 1-thread instance per usable core up to 3, then 2) with
+    ``threads`` each (None: the usable cores split between them, at least 1), so that no lane thread takes the
+    reserved core: 2 cores -> one 1-thread instance, 4 -> three, 8 -> two of 3 threads."""
     if reserve <= 0:
         return cpu_layout(instances, threads, cores)
     usable = max(1, cores - int(reserve))
-    n, t = cpu_layout(instances, threads, usable)
-    return n, (usable if t is None else t)
+    n = int(instances) if instances is not None else (usable if usable <= 3 else 2)
+    return n, (threads if threads is not None else max(1, usable // n))
 
 
 def serving_threads(cores: int | None = None) -> int:

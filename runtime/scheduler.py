@@ -255,6 +255,9 @@ class Lane:
         self.calibration = calibration if calibration is not None else PlanCalibration()
         self.instance = int(instance)
         self.fallback = bool(fallback)
+        # no new requests while True (dsedge serve pauses a variant's spare lanes while its front end needs the
+        # core they would take); what the lane has queued still runs
+        self.paused = False
         self.nice = int(nice)
         self.niced = False  # the worker's nice value was raised by ``nice``
         self.warm = threading.Event()
@@ -286,6 +289,16 @@ class Lane:
         label = f"dsedge-lane-{name}" + (f"-{instance}" if instance else "") + ("-fallback" if fallback else "")
         self._thread = threading.Thread(target=self._loop, name=label, daemon=True)
         self._thread.start()
+
+    def cpu_s(self) -> float:
+        """CPU time the lane's worker thread has used, s (0.0 where the platform cannot say)."""
+        clock = getattr(self, "_cpu_clock", None)
+        if clock is None:
+            return 0.0
+        try:
+            return time.clock_gettime(clock)
+        except OSError:  # the thread has exited
+            return 0.0
 
     # -- prediction -------------------------------------------------------------------------------------------
     def _mark_running(self, t0: float, rows: int, seq: int | None) -> None:
@@ -625,6 +638,10 @@ class Lane:
             pass
 
     def _loop(self) -> None:
+        try:  # its CPU clock, taken by the thread itself: never ask pthread about a thread that may have exited
+            self._cpu_clock: int | None = time.pthread_getcpuclockid(threading.get_ident())
+        except (AttributeError, OSError):  # not POSIX
+            self._cpu_clock = None
         self.niced = lower_current_thread(self.nice)
         self._warm_up()
         while True:
@@ -804,6 +821,9 @@ class BudgetScheduler:
             lane = group[0]  # the instances of one variant share its profile and calibration
             if lane.fallback and not (reasons and reasons[-1][0] == BUDGET):
                 continue  # the variant's fallback backend takes only what its instances are too slow for alone
+            if lane.paused:  # the first lane of a group pauses only when the whole group does (a fallback)
+                continue
+            open_lanes = [l for l in group if not l.paused]
             alone = lane.alone_ms(req)
             cold = None
             plan = None
@@ -813,7 +833,7 @@ class BudgetScheduler:
                                             f"{lane.margin_s * 1e3:g} ms on {lane.name}"))
                     continue
                 cold = lane.max_queue
-                lane = min(group, key=lambda l: l.outstanding)
+                lane = min(open_lanes, key=lambda l: l.outstanding)
             elif alone + lane.margin_s * 1e3 > budget_ms:
                 lane.refused(req)
                 margin = f" + {lane.margin_s * 1e3:g} ms margin" if lane.margin_s else ""
@@ -821,7 +841,7 @@ class BudgetScheduler:
                                         f"{budget_ms:.4g} ms"))
                 continue
             else:
-                room = [l for l in group if l.depth < l.max_queue]
+                room = [l for l in open_lanes if l.depth < l.max_queue]
                 if not room:
                     reasons.append((OVERLOAD, f"queue of {lane.name} full ({lane.max_queue} requests)"))
                     continue

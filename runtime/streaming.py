@@ -363,6 +363,18 @@ class StreamingCore:
             gone.set()
             task.cancel()
 
+    # -- spare lanes ------------------------------------------------------------------------------------------
+    def pause_spares(self, paused: bool) -> None:
+        """Stop (or resume) offering new requests to the variants' spare lanes: every instance but the first,
+        and the fallback. What they have queued still runs."""
+        for l in self.lanes:
+            if l.instance > 0 or l.fallback:
+                l.paused = bool(paused)
+
+    def workers_cpu_s(self) -> float:
+        """CPU time all lane workers have used, s."""
+        return sum(l.cpu_s() for l in self.lanes)
+
     # -- reporting and shutdown -------------------------------------------------------------------------------
     def lane_stats(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}

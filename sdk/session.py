@@ -387,6 +387,17 @@ class Session:
         except RuntimeError:
             raise SessionClosedError("this session is closed", "call dsedge.load() again") from None
 
+    def pause_spare_instances(self, paused: bool) -> None:
+        """Stop (or resume) offering new requests to the spare lanes (every instance but the first, and the
+        fallback lane); what they have queued still runs. ``dsedge serve`` pauses them while its front end needs the
+        core they would take (docs/serve.md). No-op before streaming has started."""
+        if self._stream is not None:
+            self._stream.pause_spares(paused)
+
+    def workers_cpu_s(self) -> float:
+        """CPU time the streaming lanes' worker threads have used, s (0.0 before streaming has started)."""
+        return self._stream.workers_cpu_s() if self._stream is not None else 0.0
+
     def metrics(self) -> dict[str, Any]:
         """Counts, p50/p90/p99 latency (ms), goodput (answers within budget per s), rejection and budget-miss
         rates for everything sent through ``submit``/``stream``/``infer_async``/``stream_async`` (not ``run``; see
@@ -507,9 +518,9 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             machine (runtime/thread_priority.py; ``dsedge serve --worker-nice``). 0 (default) leaves the workers at
             your process's priority; docs/serve.md has what it measured.
         reserve_cores: on ONNX Runtime's CPU provider, cores kept free of the streaming lanes for your own threads:
-            the default layout (``instances``/``threads`` None) spreads the instances over the other cores (at
-            least one; 2 cores, 1 reserved: one instance of 1 thread), and no fallback lane is added. ``dsedge
-            serve`` reserves 1 for its event loop (``--reserve-cores``; docs/serve.md has what it measured).
+            unless ``threads`` is given, the instances are spread over the other cores (at least one; 2 cores, 1
+            reserved: one instance of 1 thread; ``runtime/instances.reserved_layout``), and no fallback lane is
+            added. ``dsedge serve --reserve-cores`` (default 0) passes it; docs/serve.md has what it measured.
     ``load`` ends with one full garbage collection (``gc.collect()``, 5-30 ms), so that the one opening the bundle
     made due does not pause the first seconds of serving.
     Raises:

@@ -178,6 +178,8 @@ def test_cpu_layout_and_thread_scale():
 
     assert reserved_layout(None, None, 2, 1) == (1, 1) and reserved_layout(None, None, 2, 0) == (2, 1)
     assert reserved_layout(None, None, 1, 1) == (1, 1) and reserved_layout(2, None, 4, 1) == (2, 1)
+    assert reserved_layout(None, None, 4, 1) == (3, 1) and reserved_layout(None, None, 8, 1) == (2, 3)
+    assert reserved_layout(None, 2, 2, 1) == (1, 2)  # given threads are kept
 
     assert cpu_layout(None, None, 2) == (2, 1) and cpu_layout(None, None, 8) == (2, 4)
     assert cpu_layout(None, None, 1) == (1, None) and cpu_layout(None, 3, 8) == (1, 3)
@@ -216,3 +218,41 @@ def test_a_long_queue_estimate_times_each_batch_at_its_longest_row(backend):
     gate.set()
     assert all(isinstance(f.result(30), Result) for f in futs)
     sched.close()
+
+
+def test_a_paused_spare_instance_takes_no_new_requests(tmp_path, monkeypatch):
+    monkeypatch.setattr("dsedge.session._cores", lambda: 2)
+    bundle = text_bundle(tmp_path / "b")
+    rng = np.random.default_rng(0)
+    with dsedge.load(bundle) as s:
+        first, second, fallback = s._core().lanes
+        s.pause_spare_instances(True)
+        assert second.paused and fallback.paused and not first.paused
+        before = (second.batches, fallback.batches)
+        futs = [s.submit(text_request(rng, 8), budget_ms=10_000) for _ in range(40)]  # a burst: JSQ would split it
+        assert all(f.result(30).ok for f in futs)
+        assert (second.batches, fallback.batches) == before and first.batches > 0
+        assert s.workers_cpu_s() > 0.0
+        s.pause_spare_instances(False)
+        assert not second.paused and not fallback.paused
+
+
+def test_the_spare_governor_pauses_while_the_front_end_is_busy_and_resumes_after():
+    from dsedge.serve.spares import SpareGovernor
+
+    class Fake:
+        paused = None
+
+        def pause_spare_instances(self, p):
+            self.paused = p
+
+        def workers_cpu_s(self):
+            return 0.0
+
+    s = Fake()
+    g = SpareGovernor(lambda: [s], pause_above=0.3, resume_below=0.15, decay=0.5)
+    assert g.step(0.1) is False and s.paused is None  # light front end: the spares stay on
+    assert g.step(0.8) is True and s.paused is True  # rises at once
+    assert g.step(0.2) is True  # 0.5 after decay: still busy
+    assert g.step(0.0) is True and g.step(0.0) is False and s.paused is False  # 0.25, then 0.125 < 0.15
+    assert g.pauses == 1

@@ -38,12 +38,15 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
 @click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Most rows per batch.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads per variant.")
 @click.option("--instances", type=click.IntRange(min=1), default=None,
-              help="Backends each model's variant runs on side by side (default on a CPU: 2 over the cores left "
-                   "after --reserve-cores when 2+ are left, else 1).")
-@click.option("--reserve-cores", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Backends each model's variant runs on side by side (default on a CPU: one 1-thread instance "
+                   "per core left after --reserve-cores up to 3, then 2 sharing them; else 1).")
+@click.option("--reserve-cores", type=click.IntRange(min=0), default=0, show_default=True,
               help="CPU cores kept free of the batch workers for the server's event loop (parsing, admission, "
-                   "answers): the default instance layout uses the rest (2 cores: one 1-thread instance). 0: every "
-                   "core, as dsedge.load does (docs/serve.md has both measured).")
+                   "answers): the default instance layout uses the rest (2 cores, 1 reserved: one 1-thread "
+                   "instance). 0: every core, as dsedge.load does (docs/serve.md has both measured).")
+@click.option("--spare-pause-cores", type=FiniteFloat(min=0), default=0.3, show_default=True,
+              help="While the front end uses more CPU than this (cores), the spare instances (all but the first, "
+                   "and the fallback lane) take no new requests; 0: never pause them (docs/serve.md).")
 @click.option("--worker-nice", type=click.IntRange(0, 19), default=0, show_default=True,
               help="Nice value added to the batch workers (Linux), so that admitting and answering requests preempts "
                    "running batches (measured worse side by side on a shared 2-core VM: docs/serve.md).")
@@ -75,7 +78,8 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
               show_default=True)
 def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port: int | None,
           metrics_port: int | None, variant: str | None, cascade: bool, budget_ms: float | None,
-          max_batch: int | None, threads: int | None, instances: int | None, reserve_cores: int, worker_nice: int,
+          max_batch: int | None, threads: int | None, instances: int | None, reserve_cores: int, spare_pause_cores: float,
+          worker_nice: int,
           max_inflight: int | None, max_queue: int,
           max_body_bytes: int, max_connections: int, priority_levels: int, default_priority: int,
           drain_timeout: float, body_timeout: float, auth_token_file: str | None, tls_cert: str | None, tls_key: str | None,
@@ -93,7 +97,7 @@ def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port:
     cfg = ServeConfig(bundles=bundles, host=host, http_port=http_port, grpc_port=grpc_port,
                       metrics_port=metrics_port, variant=variant, cascade=cascade, budget_ms=budget_ms,
                       max_batch=max_batch, threads=threads, instances=instances, reserve_cores=reserve_cores,
-                      worker_nice=worker_nice, max_inflight=max_inflight, max_queue=max_queue,
+                      spare_pause_cores=spare_pause_cores, worker_nice=worker_nice, max_inflight=max_inflight, max_queue=max_queue,
                       max_body_bytes=max_body_bytes, max_connections=max_connections,
                       priority_levels=priority_levels, default_priority=default_priority,
                       drain_timeout_s=drain_timeout, body_timeout_s=body_timeout, auth_token_file=auth_token_file, tls_cert=tls_cert,

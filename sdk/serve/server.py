@@ -50,7 +50,8 @@ class ServeConfig:
     max_batch: int | None = None
     threads: int | None = None
     instances: int | None = None
-    reserve_cores: int = 1  # cores the default instance layout leaves to the event loop (dsedge.load's reserve_cores)
+    reserve_cores: int = 0  # cores the default instance layout leaves to the event loop (dsedge.load's reserve_cores)
+    spare_pause_cores: float = 0.3  # pause the spare instances while the front end uses more CPU than this (0: never)
     worker_nice: int = 0  # added to the batch workers' nice value (runtime/thread_priority.py); opt-in, see docs/serve.md
     max_inflight: int | None = None
     max_queue: int = 1024
@@ -76,6 +77,8 @@ class ServeConfig:
             raise bad("--budget-ms", self.budget_ms, "a finite number of milliseconds > 0", "15")
         if not (_finite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
             raise bad("--drain-timeout", self.drain_timeout_s, "a finite number of seconds >= 0", "10")
+        if not (_finite(self.spare_pause_cores) and self.spare_pause_cores >= 0):
+            raise bad("--spare-pause-cores", self.spare_pause_cores, "a finite number of cores >= 0", "0.3")
         if not (_finite(self.body_timeout_s) and self.body_timeout_s > 0):
             raise bad("--body-timeout", self.body_timeout_s, "a finite number of seconds > 0", "30")
         for option, value, least in (("--max-batch", self.max_batch, 1), ("--threads", self.threads, 1),
@@ -285,6 +288,12 @@ async def serve(cfg: ServeConfig) -> int:
 
     metrics.loop_lag.set_function(lambda: state.lag_ms / 1e3)
     watcher = asyncio.ensure_future(state.watch_loop())
+    governor = None
+    if cfg.spare_pause_cores > 0:
+        from .spares import SpareGovernor
+
+        governor = asyncio.ensure_future(SpareGovernor(lambda: [m.session for m in repo.models.values()],
+                                                       cfg.spare_pause_cores, cfg.spare_pause_cores / 2).run())
     servers: list[tuple[Any, asyncio.Task]] = []
     listening: dict[str, str] = {}  # kind → host:port, for the ready line
     stop = asyncio.Event()
@@ -365,6 +374,8 @@ async def serve(cfg: ServeConfig) -> int:
     # -- drain ------------------------------------------------------------------------------------------------
     t_drain = time.perf_counter()
     state.drain()
+    if governor is not None:  # the lanes close next
+        governor.cancel()
     repo.stop_admitting()
     log.info("draining", extra={"fields": {"active": state.active, "timeout_s": cfg.drain_timeout_s}})
     await asyncio.to_thread(repo.close, cfg.drain_timeout_s)
@@ -377,6 +388,8 @@ async def serve(cfg: ServeConfig) -> int:
         await grpc_server.stop(grace=1.0)
     await asyncio.gather(*(t for _, t in servers), return_exceptions=True)
     watcher.cancel()
+    if governor is not None:
+        governor.cancel()
     log.info("stopped", extra={"fields": {"drain_s": round(time.perf_counter() - t_drain, 3),
                                           "unanswered": state.active}})
     return code
