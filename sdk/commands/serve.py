@@ -38,15 +38,16 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
 @click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Most rows per batch.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads per variant.")
 @click.option("--instances", type=click.IntRange(min=1), default=None,
-              help="Backends each model's variant runs on side by side (default on a CPU: one 1-thread instance "
-                   "per core left after --reserve-cores up to 3, then 2 sharing them; else 1).")
+              help="Backends each model's variant runs on side by side (default on a CPU: 2, the cores split "
+                   "between them; with --reserve-cores R, one 1-thread instance per remaining core when 3 or fewer "
+                   "remain, else 2 splitting them; on a GPU: 1).")
 @click.option("--reserve-cores", type=click.IntRange(min=0), default=0, show_default=True,
               help="CPU cores kept free of the batch workers for the server's event loop (parsing, admission, "
-                   "answers): the default instance layout uses the rest (2 cores, 1 reserved: one 1-thread "
-                   "instance). 0: every core, as dsedge.load does (docs/serve.md has both measured).")
+                   "answers): the default instance layout uses the rest (e.g. 2 cores with 1 reserved: one "
+                   "1-thread instance). 0: every core, as dsedge.load does (docs/serve.md has both measured).")
 @click.option("--spare-pause-cores", type=FiniteFloat(min=0), default=0.3, show_default=True,
-              help="While the front end uses more CPU than this (cores), the spare instances (all but the first, "
-                   "and the fallback lane) take no new requests; 0: never pause them (docs/serve.md).")
+              help="While the front end uses more CPU than this (cores), the spare lanes take no new requests: "
+                   "every instance but the first, and the fallback lane too. 0: never pause them (docs/serve.md).")
 @click.option("--worker-nice", type=click.IntRange(0, 19), default=0, show_default=True,
               help="Nice value added to the batch workers (Linux), so that admitting and answering requests preempts "
                    "running batches (measured worse side by side on a shared 2-core VM: docs/serve.md).")

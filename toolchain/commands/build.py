@@ -40,7 +40,7 @@ from ...runtime.params import OptionalValueCommand
                    "until it passes on held-out data.")
 @click.option("--no-embeddings", is_flag=True, help="Keep embedding tables in fp32 (INT4 only).")
 @click.option("--no-fp32", is_flag=True, help="Do not ship the fp32 variant beside the compressed one.")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads for the build-time latency measurement (default: one serving instance's here, e.g. 1 on 2 cores, where the runtime serves on 2 x 1-thread instances).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads for the build-time latency measurement (default: the thread count of one serving instance on this machine, e.g. 1 on 2 cores, where the runtime serves on 2 x 1-thread instances).")
 @click.option("--dla", "dla_core", type=int, default=None,
               help="Use this DLA core in the engine recipe (targets with DLA; falls back to GPU where DLA cannot run).")
 @click.option("--engine", is_flag=True,
