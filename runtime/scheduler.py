@@ -290,16 +290,6 @@ class Lane:
         self._thread = threading.Thread(target=self._loop, name=label, daemon=True)
         self._thread.start()
 
-    def cpu_s(self) -> float:
-        """CPU time the lane's worker thread has used, s (0.0 where the platform cannot say)."""
-        clock = getattr(self, "_cpu_clock", None)
-        if clock is None:
-            return 0.0
-        try:
-            return time.clock_gettime(clock)
-        except OSError:  # the thread has exited
-            return 0.0
-
     # -- prediction -------------------------------------------------------------------------------------------
     def _mark_running(self, t0: float, rows: int, seq: int | None) -> None:
         # under self._cond: the running batch's predicted end (tail) and expected end, for admission
@@ -638,10 +628,6 @@ class Lane:
             pass
 
     def _loop(self) -> None:
-        try:  # its CPU clock, taken by the thread itself: never ask pthread about a thread that may have exited
-            self._cpu_clock: int | None = time.pthread_getcpuclockid(threading.get_ident())
-        except (AttributeError, OSError):  # not POSIX
-            self._cpu_clock = None
         self.niced = lower_current_thread(self.nice)
         self._warm_up()
         while True:
@@ -823,7 +809,6 @@ class BudgetScheduler:
                 continue  # the variant's fallback backend takes only what its instances are too slow for alone
             if lane.paused:  # the first lane of a group pauses only when the whole group does (a fallback)
                 continue
-            open_lanes = [l for l in group if not l.paused]
             alone = lane.alone_ms(req)
             cold = None
             plan = None
@@ -833,7 +818,7 @@ class BudgetScheduler:
                                             f"{lane.margin_s * 1e3:g} ms on {lane.name}"))
                     continue
                 cold = lane.max_queue
-                lane = min(open_lanes, key=lambda l: l.outstanding)
+                lane = min((l for l in group if not l.paused), key=lambda l: l.outstanding)
             elif alone + lane.margin_s * 1e3 > budget_ms:
                 lane.refused(req)
                 margin = f" + {lane.margin_s * 1e3:g} ms margin" if lane.margin_s else ""
@@ -841,7 +826,7 @@ class BudgetScheduler:
                                         f"{budget_ms:.4g} ms"))
                 continue
             else:
-                room = [l for l in open_lanes if l.depth < l.max_queue]
+                room = [l for l in group if l.depth < l.max_queue and not l.paused]
                 if not room:
                     reasons.append((OVERLOAD, f"queue of {lane.name} full ({lane.max_queue} requests)"))
                     continue

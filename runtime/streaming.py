@@ -371,10 +371,6 @@ class StreamingCore:
             if l.instance > 0 or l.fallback:
                 l.paused = bool(paused)
 
-    def workers_cpu_s(self) -> float:
-        """CPU time all lane workers have used, s."""
-        return sum(l.cpu_s() for l in self.lanes)
-
     # -- reporting and shutdown -------------------------------------------------------------------------------
     def lane_stats(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}

@@ -394,10 +394,6 @@ class Session:
         if self._stream is not None:
             self._stream.pause_spares(paused)
 
-    def workers_cpu_s(self) -> float:
-        """CPU time the streaming lanes' worker threads have used, s (0.0 before streaming has started)."""
-        return self._stream.workers_cpu_s() if self._stream is not None else 0.0
-
     def metrics(self) -> dict[str, Any]:
         """Counts, p50/p90/p99 latency (ms), goodput (answers within budget per s), rejection and budget-miss
         rates for everything sent through ``submit``/``stream``/``infer_async``/``stream_async`` (not ``run``; see

@@ -374,8 +374,6 @@ async def serve(cfg: ServeConfig) -> int:
     # -- drain ------------------------------------------------------------------------------------------------
     t_drain = time.perf_counter()
     state.drain()
-    if governor is not None:  # the lanes close next
-        governor.cancel()
     repo.stop_admitting()
     log.info("draining", extra={"fields": {"active": state.active, "timeout_s": cfg.drain_timeout_s}})
     await asyncio.to_thread(repo.close, cfg.drain_timeout_s)

@@ -3,8 +3,10 @@
 ``dsedge serve`` runs each model's variant on several instances (on 2 cores: two 1-thread instances, and a 2-thread
 fallback lane). The front end is one Python event loop (plus gRPC's poller thread) that costs 0.6–1 ms of CPU per
 call (docs/triton.md). At light load the instances can have every core; under load, calls' budgets run out in
-gRPC's queue while the loop waits behind the batches. ``SpareGovernor`` measures the front end's CPU share every
-``interval_s`` (process CPU time less the lane workers' own), and while it is above ``pause_above`` (cores) it
+gRPC's queue while the loop waits behind the batches. ``SpareGovernor`` runs on that loop and measures the loop
+thread's own CPU share every ``interval_s`` (``time.thread_time``: the batch workers' and ONNX Runtime's pool
+threads are not in it; gRPC's poller thread, a few % of it, is left out), and while it is above ``pause_above``
+(cores) it
 pauses every model's spare lanes (``Session.pause_spare_instances``: every instance but the first, and the
 fallback); they resume once it falls under ``resume_below``. The share rises at once and decays over a few
 intervals, so a burst pauses the spares quickly and a lull does not flip them back and forth.
@@ -31,9 +33,6 @@ class SpareGovernor:
         self.paused = False
         self.pauses = 0
 
-    def _workers(self) -> float:
-        return sum(s.workers_cpu_s() for s in self._sessions())
-
     def step(self, front_cores: float) -> bool:
         """Feed one interval's front-end CPU share (cores); returns whether the spares are paused now."""
         self.share = front_cores if front_cores > self.share else self.share + self.decay * (front_cores - self.share)
@@ -53,10 +52,10 @@ class SpareGovernor:
                       extra={"fields": {"front_end_cores": round(self.share, 3)}})
 
     async def run(self) -> None:
-        t, proc, work = time.perf_counter(), time.process_time(), self._workers()
+        """Measure and step every ``interval_s``, forever; run it as a task on the front end's event loop."""
+        t, cpu = time.perf_counter(), time.thread_time()
         while True:
             await asyncio.sleep(self.interval_s)
-            t1, proc1, work1 = time.perf_counter(), time.process_time(), self._workers()
-            dt = max(t1 - t, 1e-6)
-            self.step(max(0.0, (proc1 - proc) - (work1 - work)) / dt)
-            t, proc, work = t1, proc1, work1
+            t1, cpu1 = time.perf_counter(), time.thread_time()
+            self.step((cpu1 - cpu) / max(t1 - t, 1e-6))
+            t, cpu = t1, cpu1
