@@ -21,6 +21,13 @@ or keep a batch small so that the next one starts sooner. Under overload that ma
 with whatever is queued the moment the backend frees, and dsedge, which holds a batch open while arrivals outpace
 it, answered more within budget than this row at 3× load with an 8× p50 budget. Read it below capacity. Holding (Triton-style: dispatch at P queued or after D ms) was tried on the benchmark's schedules and
 never beat dispatching at once.
+
+``servers=c`` replays the same rules on ``c`` identical backends sharing one queue (an instance group such as
+dsedge's default two 1-thread instances on two cores; give the batch times measured with all ``c`` running side by
+side, which is slower per backend than alone): the backend that frees first takes the next batch, and admission
+plays the queue forward over every backend's free time. With one request at a time and one budget this is still
+the order-preserving, earliest-free rule that the ``P | r_j, p_j = p | Σ U_j`` problem's list schedules use; it is
+not proved optimal for ``c > 1``, so read it as what exact knowledge reaches with this layout, not a bound.
 """
 from __future__ import annotations
 
@@ -52,56 +59,67 @@ def _batch(queue: Sequence[float], start: float, budget_ms: float, t_ms: Mapping
     return k
 
 
-def _fits(queue: Sequence[float], free_at: float, budget_ms: float, t_ms: Mapping[int, float],
+def _fits(queue: Sequence[float], free_at: Sequence[float], budget_ms: float, t_ms: Mapping[int, float],
           max_batch: int) -> bool:
-    # does every request of ``queue`` finish within budget if served from ``free_at`` with nothing arriving later?
-    t, left = free_at, list(queue)
+    # does every request of ``queue`` finish within budget if served by backends free from ``free_at`` (one time
+    # per backend), the first to free taking the next batch, with nothing arriving later?
+    free, left = list(free_at), list(queue)
     while left:
-        t = max(t, left[0])
+        i = min(range(len(free)), key=free.__getitem__)
+        t = max(free[i], left[0])
         k = _batch(left, t, budget_ms, t_ms, max_batch)
-        t += service_ms(t_ms, k)
-        if any(t > a + budget_ms for a in left[:k]):
+        free[i] = t + service_ms(t_ms, k)
+        if any(free[i] > a + budget_ms for a in left[:k]):
             return False
         left = left[k:]
     return True
 
 
 def exact_knowledge(arrivals_ms: Sequence[float], budget_ms: float, t_ms: Mapping[int, float],
-                    max_batch: int = 32) -> dict:
+                    max_batch: int = 32, servers: int = 1) -> dict:
     """Replay ``arrivals_ms`` (one-row requests, ms, ascending) through the exact-knowledge server above.
 
     Args:
         arrivals_ms: arrival times, ms.
         budget_ms: every request's latency budget, ms.
-        t_ms: service ms per batch size (at least batch 1), e.g. the run's measured batch p50s.
+        t_ms: service ms per batch size (at least batch 1) of one backend, e.g. the run's measured batch p50s.
         max_batch: most rows per batch.
+        servers: identical backends sharing the queue (see the module doc).
     Returns:
         ``{"offered", "within_budget", "rejected", "in_budget_of_offered", "goodput_per_s"}`` (goodput over the
         arrival window, like the benchmarks).
     Raises:
-        ValueError: ``t_ms`` has no batch size 1, or a budget under ``t(1)`` (nothing could ever be answered).
+        ValueError: ``t_ms`` has no batch size 1, a budget under ``t(1)`` (nothing could ever be answered), or
+            ``servers`` < 1.
     """
     if 1 not in t_ms:
         raise ValueError("t_ms needs the batch-1 service time")
     if budget_ms < t_ms[1]:
         raise ValueError(f"budget {budget_ms} ms is under the batch-1 time {t_ms[1]} ms")
+    if servers < 1:
+        raise ValueError(f"servers must be >= 1, got {servers}")
     queue: list[float] = []
-    free_at, within, rejected = 0.0, 0, 0
+    free = [0.0] * int(servers)
+    within, rejected = 0, 0
 
     def dispatch_until(now: float) -> None:
-        # run every batch that starts no later than ``now`` (only requests already queued can join it)
-        nonlocal free_at, within, queue
-        while queue and max(free_at, queue[0]) <= now:
-            start = max(free_at, queue[0])
+        # run every batch that starts no later than ``now`` (only requests already queued can join it), each on
+        # the backend that frees first
+        nonlocal within, queue
+        while queue:
+            i = min(range(len(free)), key=free.__getitem__)
+            start = max(free[i], queue[0])
+            if start > now:
+                return
             ready = [a for a in queue if a <= start]
             k = _batch(ready, start, budget_ms, t_ms, max_batch)
-            free_at = start + service_ms(t_ms, k)
-            within += sum(1 for a in ready[:k] if free_at <= a + budget_ms)
+            free[i] = start + service_ms(t_ms, k)
+            within += sum(1 for a in ready[:k] if free[i] <= a + budget_ms)
             queue = queue[k:]
 
     for a in arrivals_ms:
         dispatch_until(a)
-        if _fits(queue + [a], max(free_at, a), budget_ms, t_ms, max_batch):
+        if _fits(queue + [a], [max(f, a) for f in free], budget_ms, t_ms, max_batch):
             queue.append(a)
         else:
             rejected += 1

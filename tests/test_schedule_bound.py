@@ -13,13 +13,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from schedule_bound import exact_knowledge, service_ms  # noqa: E402
 
 
-def _most_on_time(arrivals: np.ndarray, p: float, budget: float) -> int:
-    # exhaustive: the largest subset that a FIFO single server (service p each) finishes within budget
+def _most_on_time(arrivals: np.ndarray, p: float, budget: float, servers: int = 1) -> int:
+    # exhaustive: the largest subset that FIFO on the first-free of ``servers`` backends (service p each) finishes
+    # within budget (with equal service times and one budget, arrival order is deadline order)
     def feasible(subset) -> bool:
-        t = 0.0
+        free = [0.0] * servers
         for i in subset:
-            t = max(t, arrivals[i]) + p
-            if t > arrivals[i] + budget + 1e-9:
+            j = min(range(servers), key=free.__getitem__)
+            free[j] = max(free[j], arrivals[i]) + p
+            if free[j] > arrivals[i] + budget + 1e-9:
                 return False
         return True
 
@@ -35,6 +37,23 @@ def test_one_at_a_time_it_answers_as_many_on_time_as_exhaustive_search():
         got = exact_knowledge(arrivals, 30.0, {1: 10.0}, max_batch=1)
         assert got["within_budget"] == _most_on_time(arrivals, 10.0, 30.0)
         assert got["within_budget"] + got["rejected"] == n  # nothing admitted is late: the plan is exact
+
+
+def test_two_backends_one_at_a_time_match_exhaustive_search_and_beat_one():
+    rng = np.random.default_rng(1)
+    gained = 0
+    for _ in range(60):
+        n = 9
+        arrivals = np.sort(rng.uniform(0.0, n * 5.0 * rng.uniform(0.3, 1.2), n))
+        got = exact_knowledge(arrivals, 18.0, {1: 10.0}, max_batch=1, servers=2)
+        assert got["within_budget"] == _most_on_time(arrivals, 10.0, 18.0, servers=2)
+        assert got["within_budget"] + got["rejected"] == n
+        one = exact_knowledge(arrivals, 18.0, {1: 10.0}, max_batch=1)
+        assert got["within_budget"] >= one["within_budget"]
+        gained += got["within_budget"] > one["within_budget"]
+    assert gained > 30  # a second backend takes what one had to refuse
+    with pytest.raises(ValueError, match="servers"):
+        exact_knowledge(np.zeros(2), 30.0, {1: 10.0}, servers=0)
 
 
 def test_a_burst_is_partly_out_of_reach_and_batching_recovers_it():
