@@ -82,7 +82,7 @@ from .latency_profile import LatencyProfile, seq_bucket
 from .metrics import StreamMetrics
 from .plan_calibration import PlanCalibration
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
-from .thread_priority import lower_current_thread
+from .thread_priority import lower_current_thread, pin_current_thread
 
 _clock = time.perf_counter
 
@@ -225,6 +225,7 @@ class Lane:
         explore_interval_ms: shortest gap between batches run one request bigger than the best rows per ms the
             profile predicts, to re-measure a batch size measured here whose estimate rests on old samples (see
             ``_pick``), ms; ``math.inf``: never.
+        cpus: cores the worker thread is pinned to (Linux; runtime/thread_priority.py), None: the process's.
     """
 
     def __init__(self, name: str, run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
@@ -235,7 +236,7 @@ class Lane:
                  probe_after_ms: float = 500.0, inline_ms: float = 1.0, plan_limit: int = 16,
                  calibration: PlanCalibration | None = None, instance: int = 0, fallback: bool = False,
                  nice: int = 0, warm_gate: WarmUpGate | None = None, warm_quiet_ms: float = 500.0,
-                 explore_interval_ms: float = 250.0) -> None:
+                 explore_interval_ms: float = 250.0, cpus: frozenset[int] | None = None) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -260,6 +261,8 @@ class Lane:
         self.paused = False
         self.nice = int(nice)
         self.niced = False  # the worker's nice value was raised by ``nice``
+        self.cpus = frozenset(cpus) if cpus else None
+        self.pinned = False  # the worker runs on ``cpus`` only
         self.warm = threading.Event()
         self._warm_gate = warm_gate if warm_gate is not None else WarmUpGate()
         self._warm_quiet_s = warm_quiet_ms / 1e3
@@ -629,6 +632,7 @@ class Lane:
 
     def _loop(self) -> None:
         self.niced = lower_current_thread(self.nice)
+        self.pinned = pin_current_thread(self.cpus) if self.cpus else False
         self._warm_up()
         while True:
             probe = None

@@ -134,6 +134,8 @@ class StreamingCore:
             count).
         seed_scale: the same factor for the fallback's and the cascade's lanes (the session's own thread count).
         worker_nice: added to every lane worker thread's nice value (see ``Lane``; 0: unchanged).
+        instance_cpus: cores to pin the worker of ``run``'s lane and of each of ``instances``' lanes to, in that
+            order (``runtime/instances.instance_cpus``; empty: none pinned).
     Raises:
         ValueError: an unknown ``profile`` mode.
     """
@@ -144,7 +146,7 @@ class StreamingCore:
                  max_queue: int = 1024, max_delay_ms: float | None = None, profile: str = "auto",
                  batch_variant_ok: bool = False, instances: Sequence[Callable] = (),
                  fallback: Callable | None = None, instance_seed_scale: float = 1.0, seed_scale: float = 1.0,
-                 worker_nice: int = 0) -> None:
+                 worker_nice: int = 0, instance_cpus: Sequence[frozenset[int] | None] = ()) -> None:
         if profile not in PROFILE_MODES:
             raise ValueError(f"profile must be one of {PROFILE_MODES}, got {profile!r}")
         self.manifest = manifest
@@ -164,8 +166,10 @@ class StreamingCore:
         seq_range = manifest.shape_ranges.get(layout.seq_symbol or "", {})
         self._seq_range = (int(seq_range.get("min", 1)), int(seq_range.get("max", 1 << 30)))
         self.warm_seq = self._clip_seq(_WARM_SEQ) if layout.seq_symbol else None
-        primary = self._make_lane(variant, run, seed_scale=instance_seed_scale)
-        more = [self._make_lane(variant, r, primary, i + 1) for i, r in enumerate(instances)]
+        cpus = list(instance_cpus or ())
+        cpus += [None] * (1 + len(instances) - len(cpus))
+        primary = self._make_lane(variant, run, seed_scale=instance_seed_scale, cpus=cpus[0])
+        more = [self._make_lane(variant, r, primary, i + 1, cpus=cpus[i + 1]) for i, r in enumerate(instances)]
         if fallback is not None:
             more.append(self._make_lane(variant, fallback, fallback=True, seed_scale=seed_scale))
         self.scheduler = BudgetScheduler([primary] + more, layout, metrics)
@@ -192,7 +196,8 @@ class StreamingCore:
         return self.max_batch
 
     def _make_lane(self, variant: Variant, run: Callable, sibling: Lane | None = None, instance: int = 0,
-                   fallback: bool = False, seed_scale: float | None = None) -> Lane:
+                   fallback: bool = False, seed_scale: float | None = None,
+                   cpus: frozenset[int] | None = None) -> Lane:
         # ``sibling``: the variant's first instance, whose profile and calibration this one shares
         mode = self._profile_mode
         if sibling is not None:
@@ -210,7 +215,7 @@ class StreamingCore:
                     warm_feed=lambda b, s: example_feed(layout, b, s), warm_seq=self.warm_seq,
                     observe_warmup=(mode != "bundle" or prof.empty),
                     calibration=None if sibling is None else sibling.calibration, instance=instance,
-                    fallback=fallback, nice=self._worker_nice, warm_gate=self._warm_gate)
+                    fallback=fallback, nice=self._worker_nice, warm_gate=self._warm_gate, cpus=cpus)
 
     def _open_cascade(self, primary_variant: Variant, open_variant: Callable[[str], Any]) -> None:
         try:

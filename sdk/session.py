@@ -20,7 +20,7 @@ from .runtime.budget import FALLBACK_BUDGET_MS, resolve_budget
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import DsedgeError, InferenceError, InputError, SessionClosedError
 from .runtime.golden import check_backend
-from .runtime.instances import host_cores, recorded_threads, reserved_layout, thread_scale
+from .runtime.instances import host_cores, instance_cpus, recorded_threads, reserved_layout, thread_scale
 from .runtime.signing import check_signature
 from .runtime.io import (check_request_options, check_session_options, check_stream_inputs, is_real,
                          validate_inputs)
@@ -71,7 +71,8 @@ class Session:
                  max_queue: int = 1024, max_delay_ms: float | None = None, profile: str = "auto",
                  open_variant: Callable[[str], Any] | None = None, batch_variant_ok: bool = False,
                  open_instances: Callable[[], list] | None = None, fallback: bool = False,
-                 instance_seed_scale: float = 1.0, seed_scale: float = 1.0, worker_nice: int = 0) -> None:
+                 instance_seed_scale: float = 1.0, seed_scale: float = 1.0, worker_nice: int = 0,
+                 instance_cpus: Sequence[frozenset[int]] | None = None) -> None:
         self.path = Path(path)
         self.manifest = manifest
         self.variant = variant
@@ -83,7 +84,8 @@ class Session:
         self._default_budget: tuple[float | None, float] | None = None  # (budget_ms it was resolved for, ms)
         self._stream_opts = dict(cascade=cascade, open_variant=open_variant, max_batch=max_batch,
                                  max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile,
-                                 batch_variant_ok=batch_variant_ok, worker_nice=worker_nice)
+                                 batch_variant_ok=batch_variant_ok, worker_nice=worker_nice,
+                                 instance_cpus=tuple(instance_cpus or ()))
         self._open_instances = open_instances  # () -> the backends the streaming lanes run on (None: self._backend)
         self._instance_backends: list = []
         self._fallback = fallback  # with instances: self._backend (more threads) takes what they are too slow for
@@ -142,13 +144,15 @@ class Session:
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary: bundle, target, variant, backend and providers in use, and how many backends
-        streaming runs the variant on (``instances``) and the nice value added to their workers (``worker_nice``)."""
+        streaming runs the variant on (``instances``), the nice value added to their workers (``worker_nice``) and
+        the core each instance's worker is pinned to (``instance_cpus``, a list of core ids; empty when none is)."""
         return {
             "bundle": str(self.path), "name": self.manifest.name, "target": self.target,
             "variant": self.variant.name, "precision": self.variant.precision,
             "backend": self.backend_name, "providers": self.providers,
             "instances": len(self._open_instances()) if self._open_instances is not None else 1,
             "worker_nice": self._stream_opts["worker_nice"],
+            "instance_cpus": [sorted(c)[0] if len(c) == 1 else sorted(c) for c in self._stream_opts["instance_cpus"]],
         }
 
     # -- streaming with latency budgets -----------------------------------------------------------------------
@@ -480,7 +484,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
          max_batch: int | None = None, max_queue: int = 1024, max_delay_ms: float | None = None,
          profile: str = "auto", batch_variant_ok: bool = False, check_outputs: bool = False,
          trusted_keys: Sequence[Any] | None = None, instances: int | None = None, worker_nice: int = 0,
-         reserve_cores: int = 0) -> Session:
+         reserve_cores: int = 0, pin_instances: bool = True) -> Session:
     """Verify a bundle (manifest and every sha256) and open a variant on the best available backend.
 
     Args:
@@ -517,6 +521,10 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             unless ``threads`` is given, the instances are spread over the other cores (at least one; 2 cores, 1
             reserved: one instance of 1 thread; ``runtime/instances.reserved_layout``), and no fallback lane is
             added. ``dsedge serve --reserve-cores`` (default 0) passes it; docs/serve.md has what it measured.
+        pin_instances: on ONNX Runtime's CPU provider, pin the worker thread of each 1-thread instance to a core of
+            its own when there are as many cores (``runtime/instances.instance_cpus``; Linux). Woken by your
+            submitting thread, unpinned workers were often placed on its core, two instances on one core while the
+            other idled (runtime/thread_priority.py has the figures). False leaves them to the OS scheduler.
     ``load`` ends with one full garbage collection (``gc.collect()``, 5-30 ms), so that the one opening the bundle
     made due does not pause the first seconds of serving.
     Raises:
@@ -535,7 +543,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     if variant is not None and not isinstance(variant, str):
         raise InputError(f"variant must be a variant name (str) or None, got {type(variant).__name__} {variant!r}",
                          "pass variant='int8' (`dsedge inspect BUNDLE` lists them), or None for the default")
-    for name, flag in (("cascade", cascade), ("batch_variant_ok", batch_variant_ok), ("check_outputs", check_outputs)):
+    for name, flag in (("cascade", cascade), ("batch_variant_ok", batch_variant_ok), ("check_outputs", check_outputs),
+                       ("pin_instances", pin_instances)):
         if not isinstance(flag, (bool, np.bool_)):
             raise InputError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}", f"pass {name}=True")
     check_signature(path, trusted_keys)
@@ -572,6 +581,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     default_scale = thread_scale(measured, min(threads or cores, cores))
     instance_scale = thread_scale(measured, min(per_thread or cores, cores)) if own else default_scale
     open_instances = None
+    cpus = (instance_cpus(count, per_thread) if own and pin_instances
+            and list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"] else None)
     if own:  # opened here, side by side (ORT builds sessions off the GIL): the first submit must not wait
         prefs = Preferences(providers, per_thread)
         with ThreadPoolExecutor(count, thread_name_prefix="dsedge-open") as pool:
@@ -583,7 +594,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
                       batch_variant_ok=batch_variant_ok, open_instances=open_instances,
                       fallback=(count > 1 and threads is None and not reserve_cores
                                 and (per_thread or cores) < cores),
-                      instance_seed_scale=instance_scale, seed_scale=default_scale, worker_nice=int(worker_nice))
+                      instance_seed_scale=instance_scale, seed_scale=default_scale, worker_nice=int(worker_nice),
+                      instance_cpus=cpus)
     # the full collection that opening a bundle makes due (its objects count as the old generation's pending ones)
     # runs here rather than in the first seconds of serving, where it held the interpreter lock for 16-33 ms
     # and 4-11 requests of a 3x load around it missed their budget (about a fifth of that window's misses)

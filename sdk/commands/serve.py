@@ -48,6 +48,10 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
 @click.option("--spare-pause-cores", type=FiniteFloat(min=0), default=0.3, show_default=True,
               help="While the front end uses more CPU than this (cores), the spare lanes take no new requests: "
                    "every instance but the first, and the fallback lane too. 0: never pause them (docs/serve.md).")
+@click.option("--pin-instances/--no-pin-instances", default=True, show_default=True,
+              help="Pin each 1-thread instance's batch worker to a CPU core of its own (Linux; the front end's "
+                   "threads stay free to run anywhere). Unpinned workers woken by the front end were often put on "
+                   "one core together (runtime/thread_priority.py).")
 @click.option("--worker-nice", type=click.IntRange(0, 19), default=0, show_default=True,
               help="Nice value added to the batch workers (Linux), so that admitting and answering requests preempts "
                    "running batches (measured worse side by side on a shared 2-core VM: docs/serve.md).")
@@ -80,7 +84,7 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
 def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port: int | None,
           metrics_port: int | None, variant: str | None, cascade: bool, budget_ms: float | None,
           max_batch: int | None, threads: int | None, instances: int | None, reserve_cores: int, spare_pause_cores: float,
-          worker_nice: int,
+          pin_instances: bool, worker_nice: int,
           max_inflight: int | None, max_queue: int,
           max_body_bytes: int, max_connections: int, priority_levels: int, default_priority: int,
           drain_timeout: float, body_timeout: float, auth_token_file: str | None, tls_cert: str | None, tls_key: str | None,
@@ -98,7 +102,7 @@ def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port:
     cfg = ServeConfig(bundles=bundles, host=host, http_port=http_port, grpc_port=grpc_port,
                       metrics_port=metrics_port, variant=variant, cascade=cascade, budget_ms=budget_ms,
                       max_batch=max_batch, threads=threads, instances=instances, reserve_cores=reserve_cores,
-                      spare_pause_cores=spare_pause_cores, worker_nice=worker_nice, max_inflight=max_inflight, max_queue=max_queue,
+                      spare_pause_cores=spare_pause_cores, pin_instances=pin_instances, worker_nice=worker_nice, max_inflight=max_inflight, max_queue=max_queue,
                       max_body_bytes=max_body_bytes, max_connections=max_connections,
                       priority_levels=priority_levels, default_priority=default_priority,
                       drain_timeout_s=drain_timeout, body_timeout_s=body_timeout, auth_token_file=auth_token_file, tls_cert=tls_cert,
