@@ -28,6 +28,13 @@ def _in_thread(fn):
     return got
 
 
+def _answers_like_run(s, reqs) -> None:
+    answers = [f.result(30) for f in [s.submit(r, budget_ms=10_000) for r in reqs]]
+    for r, a in zip(reqs, answers):
+        assert isinstance(a, Result) and a.ok
+        np.testing.assert_allclose(a.outputs["sentence_embedding"], s.run(r)["sentence_embedding"], rtol=0, atol=1e-5)
+
+
 def test_lower_current_thread_raises_only_the_calling_threads_nice_value():
     base = thread_nice()
     got = _in_thread(lambda: lower_current_thread(3))
@@ -45,11 +52,7 @@ def test_load_with_worker_nice_lowers_every_lane_worker_and_answers_like_run(tmp
     reqs = [text_request(rng, int(n)) for n in rng.integers(4, 30, size=12)]
     base = thread_nice()
     with dsedge.load(bundle, instances=2, threads=1, worker_nice=5) as s:
-        answers = [f.result(30) for f in [s.submit(r, budget_ms=10_000) for r in reqs]]
-        for r, a in zip(reqs, answers):
-            assert isinstance(a, Result) and a.ok
-            np.testing.assert_allclose(a.outputs["sentence_embedding"], s.run(r)["sentence_embedding"], rtol=0,
-                                       atol=1e-5)
+        _answers_like_run(s, reqs)
         lanes = s._core().lanes
         assert len(lanes) == 2 and all(l.niced for l in lanes)
         assert {os.getpriority(os.PRIO_PROCESS, l._thread.native_id) for l in lanes} == {min(base + 5, 19)}
@@ -100,11 +103,7 @@ def test_load_pins_each_1_thread_instance_to_a_core_of_its_own_and_answers_like_
     reqs = [text_request(rng, int(n)) for n in rng.integers(4, 30, size=12)]
     allowed = sorted(os.sched_getaffinity(0))
     with dsedge.load(bundle, instances=2, threads=1) as s:
-        answers = [f.result(30) for f in [s.submit(r, budget_ms=10_000) for r in reqs]]
-        for r, a in zip(reqs, answers):
-            assert isinstance(a, Result) and a.ok
-            np.testing.assert_allclose(a.outputs["sentence_embedding"], s.run(r)["sentence_embedding"], rtol=0,
-                                       atol=1e-5)
+        _answers_like_run(s, reqs)
         lanes = s._core().lanes
         assert len(lanes) == 2 and all(l.pinned for l in lanes)
         got = [os.sched_getaffinity(l._thread.native_id) for l in lanes]
