@@ -77,7 +77,8 @@ def recorded_threads(latency_ms: dict | None) -> int | None:
     return int(t) if isinstance(t, int) and not isinstance(t, bool) and t > 0 else None
 
 
-def instance_cpus(count: int, threads: int | None, allowed: "list[int] | None" = None) -> list[frozenset[int]] | None:
+def instance_cpus(count: int, threads: int | None,
+                  allowed: list[int] | None = None) -> list[frozenset[int]] | None:
     """Cores for each of ``count`` instances of ``threads`` intra-op threads: one core of ``allowed`` (default: this
     process's affinity, in order) each when every instance has one thread and there are at least as many cores as
     instances, else None (no pinning: an instance of more threads runs most of its work on ONNX Runtime's own pool
