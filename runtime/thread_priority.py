@@ -18,11 +18,13 @@ Pinning (``pin_current_thread``, on by default for 1-thread CPU instances: ``dse
 to the OS scheduler, two 1-thread instances' workers (started by one thread, woken by the one that admits requests)
 were often kept on one core together while the other idled. Measured on a 2-core VM (MiniLM int8, batch 1, two
 sessions started together and run back to back): both runs took 8.5-9.4 ms instead of 5.3-6.0 in 3 of 6 starts, for
-every run of those starts (29 of 60 runs over 8 ms); pinned to a core each, 0 of 60. Served in process (benchmarks/streaming.py's schedule, MiniLM
-int8, two 1-thread instances, a fixed budget and rate per pair, three interleaved pairs of 10 s windows), pinned
-against not: 90.2-92.4 % of offered in budget against 84.9-90.1 % at 0.5x the batch-1 capacity and 78.1-84.1 against
-75.0-81.8 % at 0.9x (13.5 ms budget); at 3x, goodput 331.7 / 350.0 against 287.3 / 302.2 per s (36 ms budget) and
-262.2 / 274.7 against 189.8 / 266.6 (13.5 ms). In budget of admitted moved within 98.2-99.6 % either way.
+every run of those starts (29 of 60 runs over 8 ms); pinned to a core each, 0 of 60.
+
+Served in process (benchmarks/streaming.py's schedule, MiniLM int8, two 1-thread instances, a fixed budget and rate
+per pair, three interleaved pairs of 10 s windows), pinned against not: 90.2-92.4 % of offered in budget against
+84.9-90.1 % at 0.5x the batch-1 capacity and 78.1-84.1 against 75.0-81.8 % at 0.9x (13.5 ms budget); at 3x, goodput
+331.7 / 350.0 against 287.3 / 302.2 per s (36 ms budget) and 262.2 / 274.7 against 189.8 / 266.6 (13.5 ms). In
+budget of admitted moved within 98.2-99.6 % either way.
 """
 from __future__ import annotations
 
