@@ -152,7 +152,7 @@ class Session:
             "backend": self.backend_name, "providers": self.providers,
             "instances": len(self._open_instances()) if self._open_instances is not None else 1,
             "worker_nice": self._stream_opts["worker_nice"],
-            "instance_cpus": [sorted(c)[0] if len(c) == 1 else sorted(c) for c in self._stream_opts["instance_cpus"]],
+            "instance_cpus": [min(c) for c in self._stream_opts["instance_cpus"]],  # one core each
         }
 
     # -- streaming with latency budgets -----------------------------------------------------------------------
@@ -522,9 +522,9 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             reserved: one instance of 1 thread; ``runtime/instances.reserved_layout``), and no fallback lane is
             added. ``dsedge serve --reserve-cores`` (default 0) passes it; docs/serve.md has what it measured.
         pin_instances: on ONNX Runtime's CPU provider, pin the worker thread of each 1-thread instance to a core of
-            its own when there are as many cores (``runtime/instances.instance_cpus``; Linux). Woken by your
-            submitting thread, unpinned workers were often placed on its core, two instances on one core while the
-            other idled (runtime/thread_priority.py has the figures). False leaves them to the OS scheduler.
+            its own when there are as many cores (``runtime/instances.instance_cpus``; Linux). Left to the OS
+            scheduler, two instances' workers were often kept on one core while the other idled
+            (runtime/thread_priority.py has the figures). False leaves them to the OS scheduler.
     ``load`` ends with one full garbage collection (``gc.collect()``, 5-30 ms), so that the one opening the bundle
     made due does not pause the first seconds of serving.
     Raises:
@@ -563,7 +563,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     if check_outputs:
         check_backend(path, manifest, v, backend)
     if (manifest.target.get("backend") == "tensorrt"
-            and list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]):
+            and _on_ort_cpu(backend)):
         log.warning("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
                  manifest.target.get("name"))
     cores = _cores()
@@ -581,8 +581,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     default_scale = thread_scale(measured, min(threads or cores, cores))
     instance_scale = thread_scale(measured, min(per_thread or cores, cores)) if own else default_scale
     open_instances = None
-    cpus = (instance_cpus(count, per_thread) if own and pin_instances
-            and list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"] else None)
+    cpus = instance_cpus(count, per_thread) if own and pin_instances and _on_ort_cpu(backend) else None
     if own:  # opened here, side by side (ORT builds sessions off the GIL): the first submit must not wait
         prefs = Preferences(providers, per_thread)
         with ThreadPoolExecutor(count, thread_name_prefix="dsedge-open") as pool:
@@ -607,6 +606,11 @@ def _cores() -> int:
     return host_cores()
 
 
+def _on_ort_cpu(backend: Any) -> bool:
+    """``backend`` runs on ONNX Runtime's CPU provider (its first provider in use)."""
+    return list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]
+
+
 def auto_instances(backend: Any, instances: int | None, threads: int | None,
                    reserve_cores: int = 0) -> tuple[int, int | None]:
     """``(instances, intra-op threads each)`` for the streaming lanes of ``backend``.
@@ -622,6 +626,6 @@ def auto_instances(backend: Any, instances: int | None, threads: int | None,
     (200 vs 142 rows/s) with a lower tail at full load (p98 11.0 vs 16.5 ms with two callers on the one session),
     at 10 ms per request instead of 7; see docs/streaming.md for what that does to goodput within budget.
     """
-    if list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]:
+    if _on_ort_cpu(backend):
         return reserved_layout(instances, threads, _cores(), reserve_cores)
     return (1 if instances is None else int(instances)), threads
