@@ -17,10 +17,11 @@ The hard case, as a user first meets it:
   * a stall scenario: a CPU burner (one busy process per core) starts mid-run and stops 2 s later.
 Servers: ``dsedge`` (``Session.submit`` as ``dsedge.load`` opens it: EDF, budget-aware batching, admission control,
 on its default instances); ``dsedge-1-instance`` (the same on one backend, where the default has more: what the
-instances buy); ``fifo`` (one request per run, dropped at dispatch once its deadline passed); ``triton-pP-dD``
-(Triton's dynamic batcher: dispatch when P requests are queued or the oldest waited D ms, max batch 32, timeout
-reject at the budget, bounded queue), and ``…-xN`` the same with N instances taking batches off its queue (an
-instance group as large as dsedge's default).
+instances buy); ``dsedge-no-standby`` (``standby=False``: a request refused for overload is answered at once
+instead of waiting for an instance that frees in time, runtime/standby.py); ``fifo`` (one request per run, dropped
+at dispatch once its deadline passed); ``triton-pP-dD`` (Triton's dynamic batcher: dispatch when P requests are
+queued or the oldest waited D ms, max batch 32, timeout reject at the budget, bounded queue), and ``…-xN`` the same
+with N instances taking batches off its queue (an instance group as large as dsedge's default).
 Reported per server and level: offered, answered within budget, answered late, rejected at admission by reason,
 dropped at the deadline, in-budget share of offered and of admitted, goodput (in-budget answers/s), p99 of answered,
 the rejection rate of the first second; for the stall, the time from its end until answers are back in budget.
@@ -220,9 +221,10 @@ class QueueBatcher:
 class DsedgeServer:
     """``dsedge.load`` then ``Session.submit`` straight away (no warm-up)."""
 
-    def __init__(self, bundle, threads, max_batch: int, max_queue: int, instances: int | None = None) -> None:
+    def __init__(self, bundle, threads, max_batch: int, max_queue: int, instances: int | None = None,
+                 standby: bool = True) -> None:
         self.session = dsedge.load(bundle, threads=threads, max_batch=max_batch, max_queue=max_queue,
-                                   instances=instances)
+                                   instances=instances, standby=standby)
 
     def submit(self, feed, budget_ms: float) -> Future:
         out: Future = Future()
@@ -518,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
         yield "dsedge", lambda: DsedgeServer(bundle, args.threads, max_batch, args.max_queue)
         if ablations and n_inst > 1:  # the same scheduler on one backend: what the instances buy, side by side
             yield "dsedge-1-instance", lambda: DsedgeServer(bundle, args.threads, max_batch, args.max_queue, 1)
+        if ablations:  # refused at once instead of waiting for an instance that frees in time (runtime/standby.py)
+            yield "dsedge-no-standby", lambda: DsedgeServer(bundle, args.threads, max_batch, args.max_queue,
+                                                            standby=False)
         yield "fifo", lambda: QueueBatcher(OrtBackend(model_path, threads=args.threads).run, layout, 1, 0.0,
                                            args.max_queue)
         for p, d in triton_settings(budget, load > 1.0):

@@ -40,7 +40,9 @@ then serves them in deadline order and drops, as counted misses, those that can 
 Admission (``BudgetScheduler.submit``), against predicted latency, in the order of lanes (primary first, then
 cheaper variants — the cascade):
   * alone the request cannot meet its budget → next lane, else ``Rejected("budget")``;
-  * the queue is full, or its plan misses the deadline → next lane, else ``Rejected("overload")``. The plan
+  * the queue is full, or its plan misses the deadline → next lane, else ``Rejected("overload")`` — at once, or,
+    when only what runs ahead of it broke the plan, after waiting unadmitted on the variant's standby list for an
+    instance that frees in time (it is admitted then; runtime/standby.py). The plan
     (``Lane.plan``) plays the queue forward with the request inserted in deadline order, batch by batch as the
     worker will form them (a schedulability test by simulation, as admission control for EDF does): expected
     times add, tail margins add in quadrature into the plan's spread, and the request is planned to complete at
@@ -82,6 +84,7 @@ from .latency_profile import LatencyProfile, seq_bucket
 from .metrics import StreamMetrics
 from .plan_calibration import PlanCalibration
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
+from .standby import Standby
 from .thread_priority import lower_current_thread, pin_current_thread
 
 _clock = time.perf_counter
@@ -285,6 +288,8 @@ class Lane:
         self._last_future: Future | None = None  # of the latest request offered to try_inline
         self._t_probe = 0.0
         self._served: dict[tuple[int, int], float] = {}  # (rows, length bucket) -> end of its latest real batch
+        self.standby: Standby | None = None  # the variant's standby list (set by BudgetScheduler; runtime/standby.py)
+        self.from_standby = 0
         self.batches = 0
         self.probes = 0
         self.inline = 0
@@ -318,6 +323,52 @@ class Lane:
     # -- admission --------------------------------------------------------------------------------------------
     def alone_ms(self, req: Request) -> float:
         return self.profile.predict(req.rows, req.seq)
+
+    def last_start(self, req: Request) -> float:
+        """The latest ``time.perf_counter()`` (s) at which an idle lane could start ``req`` alone and still meet
+        its deadline as an idle lane's plan does (expected + the profile's tail margin + ``margin_ms``);
+        ``-inf`` when nothing is known."""
+        m, d = self._times({}, req.rows, req.seq)
+        if math.isinf(m):
+            return -math.inf
+        return req.deadline - (m + self._spread(0.0, d, m) + self.margin_s)
+
+    def _standby_pick(self, now: float, entries: list[Request]) -> tuple[list[Request], list[Request]]:
+        # (the batch an idle lane runs now, the entries it cannot start in time any more), from the standby list
+        # (most recent first): the first entry that fits alone heads the batch, with the following ones of its
+        # shape group, the prefix serving the most rows per ms that meets every member's deadline (an idle lane's
+        # plan); the entries before it fit no batch now, nor later (a plan only ages): they expire
+        dead = []
+        for i, head in enumerate(entries):
+            cands, rows = [], 0
+            for r in entries[i:]:
+                if r.group != head.group:
+                    continue
+                if cands and rows + r.rows > self.max_batch:
+                    break
+                cands.append(r)
+                rows += r.rows
+            feasible = self._feasible(cands, now, now, 0.0)
+            if feasible:
+                return cands[:feasible[self._choose(feasible)][0]], dead
+            dead.append(head)
+        return [], dead
+
+    def _take_standby(self) -> list[tuple[Request, str]]:
+        # under self._cond, the lane idle with an empty queue: queue the standby batch that fits now (admitted
+        # now); returns the expired entries for the caller to reject outside the lock
+        now = _clock()
+        taken, expired = self.standby.take(now, functools.partial(self._standby_pick, now))
+        for r in taken:
+            r.plan_ms = r.spread_ms = 0.0  # admitted without a plan of its own (not scored)
+            r.ahead = 0
+            bisect.insort(self._queue, (r.sort_key(next(self._order), self.tie_s), r), key=lambda x: x[0])
+        if taken:
+            self._t_admit = now
+            self.from_standby += len(taken)
+            if any(r is self._refused for r in taken):
+                self._refused = None  # it runs for real: no probe of it
+        return expired
 
     def refused(self, req: Request) -> None:
         """``req`` was refused here (its budget, or its plan): keep it as the next re-measuring probe."""
@@ -534,6 +585,13 @@ class Lane:
                 _answering.on = False
         self.metrics.on_answer(answer)
 
+    def _reject_standby(self, expired: Sequence[tuple[Request, str]]) -> None:
+        # standby entries no idle instance can start in time any more: refused now (never admitted)
+        now = _clock()
+        for req, detail in expired:
+            waited = (now - req.t_submit) * 1e3
+            self._reject(req, OVERLOAD, f"{detail}; no instance free in time (on standby {waited:.1f} ms)")
+
     def _reject(self, req: Request, reason: str, detail: str) -> None:
         now = _clock()
         self._answer(req, Rejected(req.id, reason, detail, req.budget_ms, (now - req.t_submit) * 1e3))
@@ -635,9 +693,20 @@ class Lane:
         self.pinned = pin_current_thread(self.cpus) if self.cpus else False
         self._warm_up()
         while True:
-            probe = None
+            probe, expired = None, []
             with self._cond:
+                if (not self._running and not self._queue and self.standby is not None and not self._closing
+                        and not self.paused):
+                    expired = self._take_standby()
+            if expired:
+                self._reject_standby(expired)
+                continue
+            with self._cond:
+                standby = False
                 while self._running or (not self._queue and not self._closing):
+                    if not self._running and self.standby is not None and len(self.standby) and not self.paused:
+                        standby = True  # take from it (at the top of the loop)
+                        break
                     if not self._running and self._refused is not None and not self._closing:
                         r = self._refused
                         seen = self._served.get((r.rows, seq_bucket(r.seq)), -math.inf)
@@ -655,6 +724,8 @@ class Lane:
                         self._cond.wait(timeout=min(due, self.probe_interval_s))
                     else:
                         self._cond.wait()
+                if standby:
+                    continue
                 if probe is not None:
                     self._running = True
                     self._mark_running(_clock(), probe.rows, probe.seq)
@@ -745,14 +816,22 @@ class Lane:
             self._thread.join()
 
 
-def _instance_groups(lanes: Sequence[Lane]) -> list[list[Lane]]:
-    """``lanes`` split into runs of one variant's instances (consecutive lanes sharing a profile), in order."""
+def _instance_groups(lanes: Sequence[Lane], standby: bool = True) -> list[list[Lane]]:
+    """``lanes`` split into runs of one variant's instances (consecutive lanes sharing a profile), in order; with
+    ``standby``, each run but a fallback's shares one standby list (runtime/standby.py), kept if it had one."""
     groups: list[list[Lane]] = []
     for lane in lanes:
         if groups and groups[-1][0].profile is lane.profile:
             groups[-1].append(lane)
         else:
             groups.append([lane])
+    for group in groups:
+        shared = None
+        if standby and not group[0].fallback:
+            shared = next((l.standby for l in group if l.standby is not None), None)
+            shared = Standby(group[0].max_queue) if shared is None else shared
+        for lane in group:
+            lane.standby = shared
     return groups
 
 
@@ -775,11 +854,13 @@ class BudgetScheduler:
         metrics: where every request's fate is counted.
     """
 
-    def __init__(self, lanes: Sequence[Lane], layout: BatchLayout, metrics: StreamMetrics) -> None:
+    def __init__(self, lanes: Sequence[Lane], layout: BatchLayout, metrics: StreamMetrics,
+                 standby: bool = True) -> None:
         if not lanes:
             raise ValueError("BudgetScheduler needs at least one lane")
         self.lanes = list(lanes)
-        self._groups = _instance_groups(self.lanes)  # built once per lane set: submit is a hot path
+        self.standby = bool(standby)
+        self._groups = _instance_groups(self.lanes, self.standby)  # built once per lane set: submit is a hot path
         self.layout = layout
         self.metrics = metrics
         self._ids = itertools.count()
@@ -788,7 +869,7 @@ class BudgetScheduler:
     def set_lanes(self, lanes: Sequence[Lane]) -> None:
         """Replace the lanes (the primary stays first); submitters see the new list at their next request."""
         lanes = list(lanes)
-        self._groups, self.lanes = _instance_groups(lanes), lanes
+        self._groups, self.lanes = _instance_groups(lanes, self.standby), lanes
 
     def submit(self, feed: dict[str, np.ndarray], budget_ms: float, priority: int = 0, id: Any = None) -> Future:
         """Admit or reject one validated request; returns a Future resolving to ``Result`` or ``Rejected``.
@@ -807,6 +888,11 @@ class BudgetScheduler:
         groups = self._groups
         first = groups[0][0]
         reasons = []
+        wait_on = None  # (lane, last start s): the standby list to wait on if every lane refuses for overload
+        if first.standby is not None and len(first.standby):
+            gone = first.standby.sweep(now)
+            if gone:
+                first._reject_standby(gone)
         for group in groups:
             lane = group[0]  # the instances of one variant share its profile and calibration
             if lane.fallback and not (reasons and reasons[-1][0] == BUDGET):
@@ -857,6 +943,8 @@ class BudgetScheduler:
                             else "no batch meets its deadline and those queued before it")
                     reasons.append((OVERLOAD, f"{said} with {inst.depth} queued on {lane.name} > budget "
                                               f"{budget_ms:g} ms"))
+                    if wait_on is None and lane.standby is not None:
+                        wait_on = (lane, lane.last_start(req))
                     continue
                 if inst.profile.measured or not inst.profile.scale_seeds:
                     # a plan on seeds still waiting to be scaled to this machine says nothing about the profile's
@@ -877,6 +965,20 @@ class BudgetScheduler:
             reasons.append((OVERLOAD, f"queue of {lane.name} full" + (" while it warms up" if cold else "")))
         # the reason the caller can act on: "budget" only when no lane could meet it even alone
         reason, _ = next(((r, d) for r, d in reasons if r in (OVERLOAD, SHUTDOWN)), reasons[0])
+        if reason == OVERLOAD and wait_on is not None and wait_on[1] > _clock() and not self._closed:
+            # refused only for what runs ahead of it: it waits, unadmitted, for an instance that frees in time
+            lane = wait_on[0]
+            pushed = lane.standby.add(req, wait_on[1], "; ".join(d for _, d in reasons))
+            if pushed:
+                lane._reject_standby(pushed)
+            if self._closed:  # close() drained the list meanwhile
+                for r, _ in lane.standby.drain():
+                    lane._reject(r, SHUTDOWN, "session closed before this request ran (on standby)")
+            for inst in next(g for g in groups if g[0] is lane):
+                if not inst._running:  # it may have gone idle since its plan: it takes from the list
+                    with inst._cond:
+                        inst._cond.notify()
+            return req.future
         rej = Rejected(rid, reason, "; ".join(d for _, d in reasons), req.budget_ms, (_clock() - now) * 1e3)
         req.future.set_running_or_notify_cancel()
         req.future.set_result(rej)
@@ -886,6 +988,10 @@ class BudgetScheduler:
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop admitting, then drain or reject each lane's queue (see ``Lane.close``)."""
         self._closed = True
+        for group in self._groups:
+            if group[0].standby is not None:
+                for req, _ in group[0].standby.drain():
+                    group[0]._reject(req, SHUTDOWN, "session closed before this request ran (on standby)")
         deadline = None if timeout_s is None else _clock() + timeout_s
         for lane in self.lanes:
             left = None if deadline is None else max(0.0, deadline - _clock())

@@ -136,6 +136,8 @@ class StreamingCore:
         worker_nice: added to every lane worker thread's nice value (see ``Lane``; 0: unchanged).
         instance_cpus: cores to pin the worker of ``run``'s lane and of each of ``instances``' lanes to, in that
             order (``runtime/instances.instance_cpus``; empty: none pinned).
+        standby: requests refused for overload wait on their variant's standby list for an instance that frees
+            up in time (runtime/standby.py); False: refused at once.
     Raises:
         ValueError: an unknown ``profile`` mode.
     """
@@ -146,7 +148,8 @@ class StreamingCore:
                  max_queue: int = 1024, max_delay_ms: float | None = None, profile: str = "auto",
                  batch_variant_ok: bool = False, instances: Sequence[Callable] = (),
                  fallback: Callable | None = None, instance_seed_scale: float = 1.0, seed_scale: float = 1.0,
-                 worker_nice: int = 0, instance_cpus: Sequence[frozenset[int] | None] = ()) -> None:
+                 worker_nice: int = 0, instance_cpus: Sequence[frozenset[int] | None] = (),
+                 standby: bool = True) -> None:
         if profile not in PROFILE_MODES:
             raise ValueError(f"profile must be one of {PROFILE_MODES}, got {profile!r}")
         self.manifest = manifest
@@ -172,7 +175,7 @@ class StreamingCore:
         more = [self._make_lane(variant, r, primary, i + 1, cpus=cpus[i + 1]) for i, r in enumerate(instances)]
         if fallback is not None:
             more.append(self._make_lane(variant, fallback, fallback=True, seed_scale=seed_scale))
-        self.scheduler = BudgetScheduler([primary] + more, layout, metrics)
+        self.scheduler = BudgetScheduler([primary] + more, layout, metrics, standby=standby)
         self.cascade_ready = threading.Event()
         self._closed = False
         self._cascade_thread: threading.Thread | None = None
@@ -381,12 +384,15 @@ class StreamingCore:
         out: dict[str, dict[str, int]] = {}
         for l in self.lanes:  # a variant's instances add up
             got = out.setdefault(l.name, {"queue_depth": 0, "max_queue_depth": 0, "batches": 0, "inline": 0,
-                                          "probes": 0, "max_batch": l.max_batch, "instances": 0})
+                                          "probes": 0, "max_batch": l.max_batch, "instances": 0,
+                                          "from_standby": 0, "standby_expired": 0})
             got["queue_depth"] += l.depth
             got["max_queue_depth"] = max(got["max_queue_depth"], l.max_depth)
-            for k in ("batches", "inline", "probes"):
+            for k in ("batches", "inline", "probes", "from_standby"):
                 got[k] += getattr(l, k)
             got["instances"] += 0 if l.fallback else 1
+            if l.standby is not None and l.instance == 0 and not l.fallback:  # one list per variant
+                got["standby_expired"] += l.standby.expired
         return out
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:

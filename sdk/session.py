@@ -72,7 +72,7 @@ class Session:
                  open_variant: Callable[[str], Any] | None = None, batch_variant_ok: bool = False,
                  open_instances: Callable[[], list] | None = None, fallback: bool = False,
                  instance_seed_scale: float = 1.0, seed_scale: float = 1.0, worker_nice: int = 0,
-                 instance_cpus: Sequence[frozenset[int]] | None = None) -> None:
+                 instance_cpus: Sequence[frozenset[int]] | None = None, standby: bool = True) -> None:
         self.path = Path(path)
         self.manifest = manifest
         self.variant = variant
@@ -85,7 +85,7 @@ class Session:
         self._stream_opts = dict(cascade=cascade, open_variant=open_variant, max_batch=max_batch,
                                  max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile,
                                  batch_variant_ok=batch_variant_ok, worker_nice=worker_nice,
-                                 instance_cpus=tuple(instance_cpus or ()))
+                                 instance_cpus=tuple(instance_cpus or ()), standby=bool(standby))
         self._open_instances = open_instances  # () -> the backends the streaming lanes run on (None: self._backend)
         self._instance_backends: list = []
         self._fallback = fallback  # with instances: self._backend (more threads) takes what they are too slow for
@@ -484,7 +484,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
          max_batch: int | None = None, max_queue: int = 1024, max_delay_ms: float | None = None,
          profile: str = "auto", batch_variant_ok: bool = False, check_outputs: bool = False,
          trusted_keys: Sequence[Any] | None = None, instances: int | None = None, worker_nice: int = 0,
-         reserve_cores: int = 0, pin_instances: bool = True) -> Session:
+         reserve_cores: int = 0, pin_instances: bool = True, standby: bool = True) -> Session:
     """Verify a bundle (manifest and every sha256) and open a variant on the best available backend.
 
     Args:
@@ -525,6 +525,10 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             its own when there are as many cores (``runtime/instances.instance_cpus``; Linux). Left to the OS
             scheduler, two instances' workers were often kept on one core while the other idled
             (runtime/thread_priority.py has the figures). False leaves them to the OS scheduler.
+        standby: a request refused for overload only because of what runs ahead of it (it fits alone on an idle
+            instance) waits, unadmitted, for an instance that frees up in time, and is admitted then; else it is
+            answered ``Rejected("overload")`` once no instance could start it in time (``latency_ms`` says how
+            long it waited, at most its budget). False: refused at once (runtime/standby.py has what it measured).
     ``load`` ends with one full garbage collection (``gc.collect()``, 5-30 ms), so that the one opening the bundle
     made due does not pause the first seconds of serving.
     Raises:
@@ -544,7 +548,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         raise InputError(f"variant must be a variant name (str) or None, got {type(variant).__name__} {variant!r}",
                          "pass variant='int8' (`dsedge inspect BUNDLE` lists them), or None for the default")
     for name, flag in (("cascade", cascade), ("batch_variant_ok", batch_variant_ok), ("check_outputs", check_outputs),
-                       ("pin_instances", pin_instances)):
+                       ("pin_instances", pin_instances), ("standby", standby)):
         if not isinstance(flag, (bool, np.bool_)):
             raise InputError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}", f"pass {name}=True")
     check_signature(path, trusted_keys)
@@ -594,7 +598,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
                       fallback=(count > 1 and threads is None and not reserve_cores
                                 and (per_thread or cores) < cores),
                       instance_seed_scale=instance_scale, seed_scale=default_scale, worker_nice=int(worker_nice),
-                      instance_cpus=cpus)
+                      instance_cpus=cpus, standby=standby)
     # the full collection that opening a bundle makes due (its objects count as the old generation's pending ones)
     # runs here rather than in the first seconds of serving, where it held the interpreter lock for 16-33 ms
     # and 4-11 requests of a 3x load around it missed their budget (about a fifth of that window's misses)

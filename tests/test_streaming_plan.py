@@ -70,7 +70,8 @@ def _held_lane(backend, gate: threading.Event, ms: float) -> Lane:
 def test_admission_plays_the_queue_forward_and_never_displaces_an_admitted_request(backend):
     gate = threading.Event()
     lane = _held_lane(backend, gate, 200.0)
-    sched = BudgetScheduler([lane], lane.layout, lane.metrics)
+    # refusals answered at once (no standby list: tests/test_streaming_standby.py has what it changes)
+    sched = BudgetScheduler([lane], lane.layout, lane.metrics, standby=False)
     rng = np.random.default_rng(0)
     blocker = sched.submit(text_request(rng, 8), 60_000, id="blocker")
     while lane._busy_until == 0.0:  # the blocker is on the backend, predicted to end 200 ms after it started

@@ -1,0 +1,101 @@
+"""Standby: requests refused for overload wait, unadmitted, for an instance that frees up in time.
+
+Admission plans a request behind the batches already running and queued (runtime/scheduler.py), and behind a
+running batch its plan must cover that batch's remaining time *and* its noise: on a shared 2-core host (MiniLM
+int8, two 1-thread instances, b1 p50 6.2 ms and p98 about 9 ms, budget 13.5 ms, 3× the batch-1 capacity) a
+request was admitted behind a running batch only in the last ~1 ms before that batch's expected end. Half the
+batches then ended with nothing queued, and each instance idled 15–25 % of a 10 s window of overload while
+arrivals every 1.5 ms on average were refused.
+
+A refused request whose plan failed only for what runs ahead of it (it fits alone on an idle instance) goes on
+its variant's standby list instead of being answered ``Rejected("overload")`` at once. An instance whose queue
+is empty when its batch ends takes from the list, before waiting for new arrivals, the batch of the most recent
+entries that meets every member's deadline planned on the idle instance (the profile's tail: stratum 0 of
+runtime/plan_calibration.py). The request is admitted then, with what it has left of its budget. Entries whose
+deadline no idle instance could meet any more expire: they are answered ``Rejected("overload")`` then (their
+``latency_ms`` says how long they waited), at the next submit or batch end of their variant, at the latest one
+batch time after their last start time. Nothing on the list was ever admitted: an expiry is a refusal, not a
+budget miss.
+
+Most recent first (last in, first out) among the entries that can still make it: under overload the freshest
+request has the most slack, so it is the least likely to miss, and the older ones would expire soon anyway
+(adaptive LIFO under overload: Maurer, "Fail at Scale", ACM Queue 13(8), 2015; deadline-aware load shedding as
+in Clipper, Crankshaw et al., NSDI 2017). Higher ``priority`` first. Thread-safe; the list holds at most
+``capacity`` entries (the oldest expires first when full).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+_clock = time.perf_counter
+
+
+class Standby:
+    """One variant's standby list (its instances share it).
+
+    Args:
+        capacity: most requests waiting; adding one more rejects the entry with the earliest last start.
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = max(1, int(capacity))
+        self._lock = threading.Lock()
+        self._items: list[tuple[float, Any, str]] = []  # (last start s, request, refusal detail)
+        self.taken = 0
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, req: Any, last_start: float, detail: str) -> list[tuple[Any, str]]:
+        """Put ``req`` on the list until ``last_start`` (``time.perf_counter()`` s: the latest time an idle
+        instance could start it and still meet its deadline); returns the entries pushed out by capacity, as
+        ``(request, detail)``, for the caller to reject."""
+        with self._lock:
+            self._items.append((last_start, req, detail))
+            out = []
+            if len(self._items) > self.capacity:
+                self._items.sort(key=lambda it: it[0])
+                out = [(r, d) for _, r, d in self._items[:len(self._items) - self.capacity]]
+                del self._items[:len(self._items) - self.capacity]
+                self.expired += len(out)
+            return out
+
+    def sweep(self, now: float) -> list[tuple[Any, str]]:
+        """Remove and return the entries past their last start, as ``(request, detail)``."""
+        with self._lock:
+            if not self._items or min(it[0] for it in self._items) >= now:
+                return []
+            out = [(r, d) for t, r, d in self._items if t < now]
+            self._items = [it for it in self._items if it[0] >= now]
+            self.expired += len(out)
+            return out
+
+    def take(self, now: float, pick: Callable[[list[Any]], tuple[list[Any], list[Any]]]
+             ) -> tuple[list[Any], list[tuple[Any, str]]]:
+        """The batch an idle instance runs now, and the entries that expired, as ``(request, detail)``.
+
+        ``pick`` gets the live entries, most recent first (higher priority first), and returns ``(run, dead)``:
+        those the instance runs now and those no idle instance can start in time any more (they expire now)."""
+        expired = self.sweep(now)
+        with self._lock:
+            if not self._items:
+                return [], expired
+            order = sorted(self._items, key=lambda it: (-it[1].priority, -it[1].deadline))
+            chosen, dead = pick([r for _, r, _ in order])
+            if chosen or dead:
+                gone = set(map(id, chosen)) | set(map(id, dead))
+                expired += [(r, d) for _, r, d in self._items if id(r) in set(map(id, dead))]
+                self._items = [it for it in self._items if id(it[1]) not in gone]
+                self.taken += len(chosen)
+                self.expired += len(dead)
+            return chosen, expired
+
+    def drain(self) -> list[tuple[Any, str]]:
+        """Remove and return every entry (the session is closing)."""
+        with self._lock:
+            out = [(r, d) for _, r, d in self._items]
+            self._items = []
+            return out

@@ -1,0 +1,164 @@
+"""The standby list (runtime/standby.py): a request refused for what runs ahead of it waits, unadmitted, for an
+instance that frees in time; it is admitted then, or refused ("overload") once no idle instance could meet it."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import dsedge
+from dsedge.runtime.batching import BatchLayout
+from dsedge.runtime.errors import InputError
+from dsedge.runtime.latency_profile import LatencyProfile
+from dsedge.runtime.metrics import StreamMetrics
+from dsedge.runtime.results import Rejected, Result
+from dsedge.runtime.scheduler import BudgetScheduler, Lane
+from dsedge.runtime.standby import Standby
+
+from streaming_models import text_bundle, text_request
+from test_streaming_parts import TEXT_IO, backend  # noqa: F401  (the module's tiny real ORT text model)
+
+
+def _lane(backend, gate: threading.Event, seen: list) -> Lane:
+    """A batch-1 lane predicting 100 ms per request (no spread: plans take the 20 % floor) whose backend waits
+    for ``gate`` and notes each request's first token."""
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(1, 8, 100.0, 0.0)
+
+    def run(feed):
+        gate.wait(20)
+        seen.append(int(feed["input_ids"][0, 0]))
+        return backend.run(feed)
+
+    return Lane("fp32", run, prof, BatchLayout.of(*TEXT_IO), StreamMetrics(), max_batch=1, inline_ms=0.0,
+                observe_warmup=False)
+
+
+def _request(rng, token: int) -> dict:
+    feed = text_request(rng, 8)
+    feed["input_ids"][0, 0] = token
+    return feed
+
+
+def _blocked(backend):
+    """A scheduler over one gated lane with a long-budget blocker on its backend (predicted to end 100 ms after
+    it started); returns (scheduler, lane, gate, seen, blocker future)."""
+    gate, seen = threading.Event(), []
+    lane = _lane(backend, gate, seen)
+    sched = BudgetScheduler([lane], lane.layout, lane.metrics)
+    lane.warm.wait(10)
+    blocker = sched.submit(_request(np.random.default_rng(0), 1), 60_000, id="blocker")
+    while lane._busy_until == 0.0:
+        time.sleep(0.001)
+    return sched, lane, gate, seen, blocker
+
+
+def test_a_request_refused_behind_a_running_batch_waits_and_runs_when_the_lane_frees(backend):
+    sched, lane, gate, seen, blocker = _blocked(backend)
+    rng = np.random.default_rng(1)
+    # behind the blocker: ≈ 100 + 100 ms expected, planned at ≈ 240 ms (20 % spread) > 200 ms: refused by its plan;
+    # alone on an idle lane it fits (100 + 20 + 0.5 ms margin): it waits until ≈ 79 ms after its submit
+    fut = sched.submit(_request(rng, 2), 200, id="waits")
+    # alone it would take 120.5 ms of its 110: no idle lane could ever meet it, refused at once
+    never = sched.submit(_request(rng, 3), 110, id="never")
+    assert never.done() and never.result().reason == "overload" and "standby" not in never.result().detail
+    assert not fut.done() and len(lane.standby) == 1
+    time.sleep(0.02)
+    gate.set()  # the blocker ends (the tiny model runs in well under a ms): the lane takes the waiting request
+    got = fut.result(10)
+    assert isinstance(got, Result) and got.ok and got.latency_ms < 200 and got.queue_ms >= 15
+    assert blocker.result(10).ok and seen == [1, 2]
+    assert lane.from_standby == 1 and lane.standby.taken == 1 and lane.standby.expired == 0
+    snap = lane.metrics.snapshot()
+    assert snap["admitted"] == 2 and snap["within_budget"] == 2 and snap["budget_missed"] == 0
+    assert snap["rejected_at_admission"] == {"overload": 1}
+    sched.close()
+
+
+def test_a_waiting_request_no_lane_frees_for_in_time_is_refused_not_missed(backend):
+    sched, lane, gate, seen, blocker = _blocked(backend)
+    fut = sched.submit(_request(np.random.default_rng(2), 2), 200, id="waits")
+    assert not fut.done()
+    time.sleep(0.15)  # past its last start (≈ 79 ms): the lane frees too late
+    gate.set()
+    got = fut.result(10)
+    assert isinstance(got, Rejected) and got.reason == "overload" and not got.admitted
+    assert "no instance free in time" in got.detail and got.latency_ms >= 79
+    assert blocker.result(10).ok and seen[0] == 1  # (the idle lane may re-measure it as a probe after its answer)
+    snap = lane.metrics.snapshot()
+    assert snap["budget_missed"] == 0 and snap["rejected_at_admission"] == {"overload": 1}
+    assert lane.standby.expired == 1 and lane.from_standby == 0
+    sched.close()
+
+
+def test_the_freshest_waiting_request_runs_first_then_the_older_one_if_it_still_fits(backend):
+    sched, lane, gate, seen, blocker = _blocked(backend)
+    rng = np.random.default_rng(3)
+    older = sched.submit(_request(rng, 2), 200, id="older")  # last start ≈ +79 ms
+    fresher = sched.submit(_request(rng, 3), 230, id="fresher")  # ≈ +109 ms
+    assert not older.done() and not fresher.done() and len(lane.standby) == 2
+    time.sleep(0.01)
+    gate.set()
+    assert fresher.result(10).ok and older.result(10).ok
+    assert seen == [1, 3, 2]  # most recent first (last in, first out under overload); the older one still fit
+    assert lane.from_standby == 2
+    sched.close()
+
+
+def test_closing_refuses_what_waits_with_shutdown(backend):
+    sched, lane, gate, seen, blocker = _blocked(backend)
+    fut = sched.submit(_request(np.random.default_rng(4), 2), 200, id="waits")
+    assert not fut.done()
+    threading.Timer(0.05, gate.set).start()  # the blocker ends while close() drains the lanes
+    sched.close()
+    got = fut.result(10)
+    assert isinstance(got, Rejected) and got.reason == "shutdown" and not got.admitted
+    assert blocker.result(10).ok and seen == [1]
+
+
+def test_without_standby_a_refusal_is_answered_at_once(backend):
+    gate, seen = threading.Event(), []
+    lane = _lane(backend, gate, seen)
+    sched = BudgetScheduler([lane], lane.layout, lane.metrics, standby=False)
+    lane.warm.wait(10)
+    rng = np.random.default_rng(5)
+    blocker = sched.submit(_request(rng, 1), 60_000, id="blocker")
+    while lane._busy_until == 0.0:
+        time.sleep(0.001)
+    got = sched.submit(_request(rng, 2), 200, id="refused")
+    assert got.done() and got.result().reason == "overload" and lane.standby is None
+    gate.set()
+    assert blocker.result(10).ok
+    sched.close()
+
+
+def test_standby_list_capacity_and_order():
+    class R:
+        def __init__(self, deadline, priority=0):
+            self.deadline, self.priority = deadline, priority
+
+    sb = Standby(capacity=2)
+    a, b, c = R(1.0), R(2.0), R(3.0, priority=1)
+    assert sb.add(a, 0.5, "a") == [] and sb.add(b, 1.5, "b") == []
+    assert sb.add(c, 2.5, "c") == [(a, "a")]  # full: the earliest last start goes
+    assert sb.sweep(1.0) == [] and len(sb) == 2
+    seen = []
+    taken, expired = sb.take(1.0, lambda entries: (seen.extend(entries), ([entries[0]], []))[1])
+    assert seen == [c, b] and taken == [c] and expired == []  # higher priority first, then most recent
+    assert sb.sweep(2.0) == [(b, "b")] and len(sb) == 0 and sb.expired == 2 and sb.taken == 1
+
+
+def test_load_standby_option(tmp_path):
+    bundle = text_bundle(tmp_path / "b")
+    with dsedge.load(bundle, standby=False, instances=1) as s:
+        core = s._core()
+        assert core.scheduler.standby is False and all(l.standby is None for l in core.lanes)
+    with dsedge.load(bundle, instances=2) as s:
+        lanes = [l for l in s._core().lanes if not l.fallback]
+        assert lanes[0].standby is not None and lanes[0].standby is lanes[1].standby
+        assert all(l.standby is None for l in s._core().lanes if l.fallback)
+        assert s._core().lane_stats()["fp32"]["from_standby"] == 0
+    with pytest.raises(InputError, match="standby"):
+        dsedge.load(bundle, standby="no")
