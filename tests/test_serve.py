@@ -526,12 +526,13 @@ def test_bad_numbers_are_refused_before_the_server_starts(tmp_path, capsys):
                             (dict(worker_nice=-1), "--worker-nice -1 is not an integer >= 0"),
                             (dict(reserve_cores=-1), "--reserve-cores -1 is not an integer >= 0"),
                             (dict(pin_instances="no"), "--pin-instances 'no' is not True or False"),
+                            (dict(standby=1), "--standby 1 is not True or False"),
                             (dict(spare_pause_cores=float("nan")), "--spare-pause-cores nan is not a finite number")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             ServeConfig(bundles=["never-opened.dse"], **kwargs)
     assert ServeConfig(bundles=["b.dse"], budget_ms=15, http_port=None).budget_ms == 15
     assert ServeConfig(bundles=["b.dse"]).reserve_cores == 0 and ServeConfig(bundles=["b.dse"]).spare_pause_cores == 0.3
-    assert ServeConfig(bundles=["b.dse"]).pin_instances is True
+    assert ServeConfig(bundles=["b.dse"]).pin_instances is True and ServeConfig(bundles=["b.dse"]).standby is True
     assert ServeConfig(bundles=["b.dse"], http_port=0, grpc_port=0, metrics_port=0).http_port == 0  # 0: any port
 
 

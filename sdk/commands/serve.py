@@ -52,6 +52,10 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
               help="Pin each 1-thread instance's batch worker to a CPU core of its own (Linux; the front end's "
                    "threads stay free to run anywhere). Unpinned workers woken by the front end were often put on "
                    "one core together (runtime/thread_priority.py).")
+@click.option("--standby/--no-standby", default=True, show_default=True,
+              help="A request refused for overload only because of what runs ahead of it waits, unadmitted, for an "
+                   "instance that frees in time (admitted then, else 429 once none could start it in time; at most "
+                   "its budget). --no-standby: 429 at once (runtime/standby.py).")
 @click.option("--worker-nice", type=click.IntRange(0, 19), default=0, show_default=True,
               help="Nice value added to the batch workers (Linux), so that admitting and answering requests preempts "
                    "running batches (measured worse side by side on a shared 2-core VM: docs/serve.md).")
@@ -84,7 +88,7 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
 def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port: int | None,
           metrics_port: int | None, variant: str | None, cascade: bool, budget_ms: float | None,
           max_batch: int | None, threads: int | None, instances: int | None, reserve_cores: int, spare_pause_cores: float,
-          pin_instances: bool, worker_nice: int,
+          pin_instances: bool, standby: bool, worker_nice: int,
           max_inflight: int | None, max_queue: int,
           max_body_bytes: int, max_connections: int, priority_levels: int, default_priority: int,
           drain_timeout: float, body_timeout: float, auth_token_file: str | None, tls_cert: str | None, tls_key: str | None,
@@ -102,7 +106,8 @@ def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port:
     cfg = ServeConfig(bundles=bundles, host=host, http_port=http_port, grpc_port=grpc_port,
                       metrics_port=metrics_port, variant=variant, cascade=cascade, budget_ms=budget_ms,
                       max_batch=max_batch, threads=threads, instances=instances, reserve_cores=reserve_cores,
-                      spare_pause_cores=spare_pause_cores, pin_instances=pin_instances, worker_nice=worker_nice,
+                      spare_pause_cores=spare_pause_cores, pin_instances=pin_instances, standby=standby,
+                      worker_nice=worker_nice,
                       max_inflight=max_inflight, max_queue=max_queue,
                       max_body_bytes=max_body_bytes, max_connections=max_connections,
                       priority_levels=priority_levels, default_priority=default_priority,

@@ -265,13 +265,15 @@ class Repository:
                  cascade: bool = False, budget_ms: float | None = None, max_batch: int | None = None,
                  threads: int | None = None, providers: Sequence[str] | None = None, max_inflight: int | None = None,
                  instances: int | None = None, max_queue: int = 1024, levels: PriorityLevels | None = None,
-                 worker_nice: int = 0, reserve_cores: int = 0, pin_instances: bool = True) -> None:
+                 worker_nice: int = 0, reserve_cores: int = 0, pin_instances: bool = True,
+                 standby: bool = True) -> None:
         self.metrics = metrics
         self.models: dict[str, ServedModel] = {}
         self._specs = _name_bundles(bundles)
         self._opts = dict(variant=variant, cascade=cascade, budget_ms=budget_ms, max_batch=max_batch,
                           threads=threads, providers=providers, instances=instances,
-                          worker_nice=worker_nice, reserve_cores=reserve_cores, pin_instances=pin_instances)
+                          worker_nice=worker_nice, reserve_cores=reserve_cores, pin_instances=pin_instances,
+                          standby=standby)
         self._max_inflight = max_inflight
         self._max_queue = max_queue
         self.levels = levels or PriorityLevels()
@@ -293,7 +295,7 @@ class Repository:
                             cascade=self._opts["cascade"], max_batch=self._opts["max_batch"],
                             max_queue=self._max_queue, instances=self._opts["instances"],
                             worker_nice=self._opts["worker_nice"], reserve_cores=self._opts["reserve_cores"],
-                            pin_instances=self._opts["pin_instances"])
+                            pin_instances=self._opts["pin_instances"], standby=self._opts["standby"])
             try:
                 lanes = warm_up(s)  # latency profiles measured here: admission control is usable from now on
             except DsedgeError:

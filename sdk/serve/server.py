@@ -53,6 +53,7 @@ class ServeConfig:
     reserve_cores: int = 0  # cores the default instance layout leaves to the event loop (dsedge.load's reserve_cores)
     spare_pause_cores: float = 0.3  # pause the spare instances while the front end uses more CPU than this (0: never)
     pin_instances: bool = True  # pin each 1-thread instance's worker to a core of its own (dsedge.load's)
+    standby: bool = True  # a request refused for overload waits for an instance that frees in time (dsedge.load's)
     worker_nice: int = 0  # added to the batch workers' nice value (runtime/thread_priority.py); opt-in, see docs/serve.md
     max_inflight: int | None = None
     max_queue: int = 1024
@@ -95,9 +96,9 @@ class ServeConfig:
                 raise bad(option, value, f"an integer >= {least}", str(max(least, 2)))
         if not (is_integer(self.worker_nice) and self.worker_nice <= 19):
             raise bad("--worker-nice", self.worker_nice, "an integer in 0..19", "5")
-        if not isinstance(self.pin_instances, bool):
-            raise ConfigError(f"--pin-instances {self.pin_instances!r} is not True or False",
-                              "pass --pin-instances or --no-pin-instances")
+        for flag, value in (("pin-instances", self.pin_instances), ("standby", self.standby)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"--{flag} {value!r} is not True or False", f"pass --{flag} or --no-{flag}")
         taken: dict[int, str] = {}
         for option, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
                              ("--metrics-port", self.metrics_port)):
@@ -278,7 +279,7 @@ async def serve(cfg: ServeConfig) -> int:
     repo = Repository(cfg.bundles, metrics, variant=cfg.variant, cascade=cfg.cascade, budget_ms=cfg.budget_ms,
                       max_batch=cfg.max_batch, threads=cfg.threads, instances=cfg.instances, max_inflight=cfg.max_inflight,
                       max_queue=cfg.max_queue, levels=levels, worker_nice=cfg.worker_nice,
-                      reserve_cores=cfg.reserve_cores, pin_instances=cfg.pin_instances)
+                      reserve_cores=cfg.reserve_cores, pin_instances=cfg.pin_instances, standby=cfg.standby)
     state = ServerState(stopping=asyncio.get_running_loop().create_future())
     extensions = ["binary_tensor_data"]
 
