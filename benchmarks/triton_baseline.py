@@ -16,7 +16,8 @@ Servers:
     CLI has ``serve`` (--dsedge serve); else ``Session.submit`` in this process (--dsedge inprocess: no network or
     protocol cost, which favours dsedge — the table header says which ran).
   ``--worker-nice 0,5,0,5`` runs ``dsedge serve`` once per value, in that order (rows ``dsedge-niceN``): the
-  batch workers' priority measured side by side in one run.
+  batch workers' priority measured side by side in one run; ``--serve-flags '--standby;--no-standby'`` does the
+  same for any flags (rows ``dsedge[FLAGS]``). ``--triton-max-batch ''`` runs no Triton window.
 Instance layouts: ``dsedge serve`` runs on its own defaults, as a user meets it (on a 2-core CPU, two 1-thread
 instances, the second paused while the front end is busy: ``--spare-pause-cores``); Triton tries one instance with
 ORT's default threads (its own default), dsedge's layout (rows ``triton-x2t1-…``: two 1-thread instances) and one
@@ -59,6 +60,7 @@ import tempfile
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -323,7 +325,7 @@ def server_view(before: dict[str, float], after: dict[str, float]) -> dict:
 
 
 def start_dsedge_serve(bundle, name: str, args, budget: float, log: Path,
-                       worker_nice: int | None = None) -> tuple[subprocess.Popen, str, str]:
+                       extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str, str]:
     grpc_port, metrics_port = free_port(), free_port()
     while metrics_port == grpc_port:
         metrics_port = free_port()
@@ -334,8 +336,7 @@ def start_dsedge_serve(bundle, name: str, args, budget: float, log: Path,
         cmd += ["--threads", str(args.threads)]
     if args.instances:
         cmd += ["--instances", str(args.instances)]
-    if worker_nice is not None:
-        cmd += ["--worker-nice", str(worker_nice)]
+    cmd += list(extra)
     out = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
@@ -389,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-nice", default="0",
                     help="dsedge serve --worker-nice values, comma-separated: one server run each, in this order "
                          "(e.g. 0,5,0,5 interleaves them; rows are labelled dsedge-niceN)")
+    ap.add_argument("--serve-flags", default=None,
+                    help="more `dsedge serve` flags, one server run per ';'-separated group, in this order (e.g. "
+                         "'--standby;--no-standby;--standby;--no-standby' interleaves them; rows are labelled "
+                         "dsedge[FLAGS]); instead of --worker-nice")
     ap.add_argument("--stub-env", default=os.path.expanduser("~/.cache/dsedge/triton-stub-env"),
                     help="the Python-backend stub's virtualenv (built here if missing)")
     ap.add_argument("--seed", type=int, default=0)
@@ -534,23 +539,32 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1.0)
             return None if crashed else row
 
-        nices = [int(x) for x in args.worker_nice.split(",") if x.strip()] if mode == "serve" else [None]
+        # one `dsedge serve` run per variant, in the order given (repeat one to interleave): (label, extra flags)
+        if mode != "serve":
+            variants = [("dsedge", [])]
+        elif args.serve_flags is not None:
+            groups = [g.split() for g in args.serve_flags.split(";")]
+            variants = [("dsedge" if len(groups) == 1 else f"dsedge[{' '.join(g)}]", g) for g in groups]
+        else:
+            nices = [int(x) for x in args.worker_nice.split(",") if x.strip()]
+            variants = [("dsedge" if len(nices) == 1 else f"dsedge-nice{n}", ["--worker-nice", str(n)])
+                        for n in nices]
+        variants = [(label + (f"-r{[v[0] for v in variants[:k]].count(label) + 1}"
+                              if [v[0] for v in variants].count(label) > 1 else ""), flags)
+                    for k, (label, flags) in enumerate(variants)]
         inprocess = None
         if mode != "serve":
             session.warmup()
             inprocess = DsedgeServer(session)
 
         def dsedge_window(k: int, load, sched, stalled) -> dict:
-            # one `dsedge serve` per --worker-nice value, in the order given (repeat values to interleave them)
             nonlocal serve_proc
-            nice = nices[k]
-            label = "dsedge" if len(nices) == 1 else f"dsedge-nice{nice}" + (f"-r{nices[:k].count(nice) + 1}"
-                                                                              if nices.count(nice) > 1 else "")
+            label, flags = variants[k]
             ours, metrics_url = inprocess, None
             b1_now = host_b1_ms(run, pool)  # before the server starts: this host's speed now
             if mode == "serve":  # every window starts cold: a new server (its load is dsedge's start)
                 serve_proc, url, metrics_url = start_dsedge_serve(bundle, model, args, budget, work / "serve.log",
-                                                                  nice)
+                                                                  flags)
                 ours = GrpcDriver(url, model)
             before = server_outcomes(metrics_url) if mode == "serve" else None
             row = drive(ours, sched, pool, budget, stall=stalled)
@@ -590,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
             reruns = 0 if stalled else args.steal_reruns
             for setting in settings:
                 rerun_for_steal(lambda: triton_window(setting, load, sched, stalled), args.duration_s, reruns)
-            for k in range(len(nices)):
+            for k in range(len(variants)):
                 rerun_for_steal(lambda: dsedge_window(k, load, sched, stalled), args.duration_s, reruns)
         if inprocess is not None:
             inprocess.close()

@@ -532,7 +532,7 @@ def test_bad_numbers_are_refused_before_the_server_starts(tmp_path, capsys):
             ServeConfig(bundles=["never-opened.dse"], **kwargs)
     assert ServeConfig(bundles=["b.dse"], budget_ms=15, http_port=None).budget_ms == 15
     assert ServeConfig(bundles=["b.dse"]).reserve_cores == 0 and ServeConfig(bundles=["b.dse"]).spare_pause_cores == 0.3
-    assert ServeConfig(bundles=["b.dse"]).pin_instances is True and ServeConfig(bundles=["b.dse"]).standby is True
+    assert ServeConfig(bundles=["b.dse"]).pin_instances is True and ServeConfig(bundles=["b.dse"]).standby is False
     assert ServeConfig(bundles=["b.dse"], http_port=0, grpc_port=0, metrics_port=0).http_port == 0  # 0: any port
 
 

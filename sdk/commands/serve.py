@@ -52,10 +52,11 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
               help="Pin each 1-thread instance's batch worker to a CPU core of its own (Linux; the front end's "
                    "threads stay free to run anywhere). Unpinned workers woken by the front end were often put on "
                    "one core together (runtime/thread_priority.py).")
-@click.option("--standby/--no-standby", default=True, show_default=True,
+@click.option("--standby/--no-standby", default=False, show_default=True,
               help="A request refused for overload only because of what runs ahead of it waits, unadmitted, for an "
                    "instance that frees in time (admitted then, else 429 once none could start it in time; at most "
-                   "its budget). --no-standby: 429 at once (runtime/standby.py).")
+                   "its budget). Off by default here: through this server on 2 cores it raised goodput but the "
+                   "front end, with more answers to send, missed more budgets (docs/serve.md).")
 @click.option("--worker-nice", type=click.IntRange(0, 19), default=0, show_default=True,
               help="Nice value added to the batch workers (Linux), so that admitting and answering requests preempts "
                    "running batches (measured worse side by side on a shared 2-core VM: docs/serve.md).")

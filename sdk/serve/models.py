@@ -266,7 +266,7 @@ class Repository:
                  threads: int | None = None, providers: Sequence[str] | None = None, max_inflight: int | None = None,
                  instances: int | None = None, max_queue: int = 1024, levels: PriorityLevels | None = None,
                  worker_nice: int = 0, reserve_cores: int = 0, pin_instances: bool = True,
-                 standby: bool = True) -> None:
+                 standby: bool = False) -> None:
         self.metrics = metrics
         self.models: dict[str, ServedModel] = {}
         self._specs = _name_bundles(bundles)

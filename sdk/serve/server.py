@@ -53,7 +53,8 @@ class ServeConfig:
     reserve_cores: int = 0  # cores the default instance layout leaves to the event loop (dsedge.load's reserve_cores)
     spare_pause_cores: float = 0.3  # pause the spare instances while the front end uses more CPU than this (0: never)
     pin_instances: bool = True  # pin each 1-thread instance's worker to a core of its own (dsedge.load's)
-    standby: bool = True  # a request refused for overload waits for an instance that frees in time (dsedge.load's)
+    # a request refused for overload waits for an instance that frees in time (dsedge.load's; off here: docs/serve.md)
+    standby: bool = False
     worker_nice: int = 0  # added to the batch workers' nice value (runtime/thread_priority.py); opt-in, see docs/serve.md
     max_inflight: int | None = None
     max_queue: int = 1024
