@@ -340,14 +340,7 @@ class Lane:
         # plan); the entries before it fit no batch now, nor later (a plan only ages): they expire
         dead = []
         for i, head in enumerate(entries):
-            cands, rows = [], 0
-            for r in entries[i:]:
-                if r.group != head.group:
-                    continue
-                if cands and rows + r.rows > self.max_batch:
-                    break
-                cands.append(r)
-                rows += r.rows
+            cands = self._candidates(entries[i:])
             feasible = self._feasible(cands, now, now, 0.0)
             if feasible:
                 return cands[:feasible[self._choose(feasible)][0]], dead
