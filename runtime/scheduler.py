@@ -42,7 +42,11 @@ cheaper variants — the cascade):
   * alone the request cannot meet its budget → next lane, else ``Rejected("budget")``;
   * the queue is full, or its plan misses the deadline → next lane, else ``Rejected("overload")`` — at once, or,
     when only what runs ahead of it broke the plan, after waiting unadmitted on the variant's standby list for an
-    instance that frees in time (it is admitted then; runtime/standby.py). The plan
+    instance that frees in time (it is admitted then; runtime/standby.py). With the list, a plan behind other
+    batches takes ``standby_guard_z`` (1) more than its calibrated z: such a refusal is not lost (in budget of
+    admitted at 3× load, 36 ms budget, five interleaved pairs of 10 s windows in process: 99.03–99.61 % with it
+    against 97.94–98.76 % without, goodput 305–333 against 296–330/s; at 0.5×, 13.5 ms: 99.32–99.82 % against
+    98.34–99.45 %, 90.8–95.0 % of offered against 88.5–95.4 %). The plan
     (``Lane.plan``) plays the queue forward with the request inserted in deadline order, batch by batch as the
     worker will form them (a schedulability test by simulation, as admission control for EDF does): expected
     times add, tail margins add in quadrature into the plan's spread, and the request is planned to complete at
@@ -845,14 +849,18 @@ class BudgetScheduler:
             tried in order (``add_lanes`` appends more once they are open).
         layout: the model's ``BatchLayout`` (shared by all variants).
         metrics: where every request's fate is counted.
+        standby: each variant's instances share a standby list (runtime/standby.py); False: refusals at once.
+        standby_guard_z: with a standby list, added to the calibrated z of plans behind other batches (see the
+            module doc); 0: none.
     """
 
     def __init__(self, lanes: Sequence[Lane], layout: BatchLayout, metrics: StreamMetrics,
-                 standby: bool = True) -> None:
+                 standby: bool = True, standby_guard_z: float = 1.0) -> None:
         if not lanes:
             raise ValueError("BudgetScheduler needs at least one lane")
         self.lanes = list(lanes)
         self.standby = bool(standby)
+        self.standby_guard_z = float(standby_guard_z)
         self._groups = _instance_groups(self.lanes, self.standby)  # built once per lane set: submit is a hot path
         self.layout = layout
         self.metrics = metrics
@@ -922,7 +930,7 @@ class BudgetScheduler:
                 # long queue that estimate flattered (98 of its 180 then dropped at their deadline)
                 best = None
                 for inst in sorted(room, key=lambda l: l.outstanding):
-                    p = inst.plan(req, now, functools.partial(inst.calibration.z, now))
+                    p = inst.plan(req, now, functools.partial(self._plan_z, inst, now))
                     if best is None or p.done < best[1].done:
                         best = (inst, p)
                     if p.done <= req.deadline:
@@ -977,6 +985,14 @@ class BudgetScheduler:
         req.future.set_result(rej)
         self.metrics.on_answer(rej)
         return req.future
+
+    def _plan_z(self, lane: Lane, now: float, ahead: int) -> float:
+        # the calibrated z of the plan's stratum; behind other batches, with a standby list, ``standby_guard_z``
+        # more: a request the plan refuses is not lost there (it waits for an idle instance, where it is planned
+        # at the profile's own tail), so admission behind running work can be stricter than the calibration's
+        # level, whose misses come in clusters it follows late (module doc)
+        z = lane.calibration.z(now, ahead)
+        return z + self.standby_guard_z if ahead >= 1 and lane.standby is not None else z
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop admitting, then drain or reject each lane's queue (see ``Lane.close``)."""

@@ -162,3 +162,28 @@ def test_load_standby_option(tmp_path):
         assert s._core().lane_stats()["fp32"]["from_standby"] == 0
     with pytest.raises(InputError, match="standby"):
         dsedge.load(bundle, standby="no")
+
+
+def test_with_standby_a_plan_behind_running_work_takes_one_spread_more(backend):
+    # behind the blocker a 250 ms budget is planned at ≈ 200 + z · 40 + 0.5 ms: 240.5 at the calibration's z = 1
+    # (admitted, queued), 280.5 with the standby guard (refused by the plan: it waits on the list instead)
+    sched, lane, gate, seen, blocker = _blocked(backend)
+    fut = sched.submit(_request(np.random.default_rng(6), 2), 250, id="guarded")
+    assert lane.depth == 0 and len(lane.standby) == 1 and not fut.done()
+    gate.set()
+    assert fut.result(10).ok and lane.from_standby == 1
+    sched.close()
+
+    gate, seen = threading.Event(), []
+    plain = _lane(backend, gate, seen)
+    unguarded = BudgetScheduler([plain], plain.layout, plain.metrics, standby_guard_z=0.0)
+    plain.warm.wait(10)
+    rng = np.random.default_rng(7)
+    blocker = unguarded.submit(_request(rng, 1), 60_000, id="blocker")
+    while plain._busy_until == 0.0:
+        time.sleep(0.001)
+    fut = unguarded.submit(_request(rng, 2), 250, id="queued")
+    assert plain.depth == 1 and len(plain.standby) == 0
+    gate.set()
+    assert fut.result(10).ok and blocker.result(10).ok and plain.from_standby == 0
+    unguarded.close()
