@@ -21,11 +21,13 @@ from streaming_models import text_bundle, text_request
 from test_streaming_parts import TEXT_IO, backend  # noqa: F401  (the module's tiny real ORT text model)
 
 
-def _lane(backend, gate: threading.Event, seen: list) -> Lane:
-    """A batch-1 lane predicting 100 ms per request (no spread: plans take the 20 % floor) whose backend waits
-    for ``gate`` and notes each request's first token."""
+def _lane(backend, gate: threading.Event, seen: list, ms: float = 400.0) -> Lane:
+    """A batch-1 lane predicting ``ms`` per request (no spread: plans take the 20 % floor) whose backend waits
+    for ``gate`` and notes each request's first token. (The tiny model itself runs in well under a ms: the
+    predictions are large so that a slow machine's delays before a submit do not change which side of a budget a
+    plan falls on.)"""
     prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
-    prof.set(1, 8, 100.0, 0.0)
+    prof.set(1, 8, ms, 0.0)
 
     def run(feed):
         gate.wait(20)
@@ -42,14 +44,14 @@ def _request(rng, token: int) -> dict:
     return feed
 
 
-def _blocked(backend):
-    """A scheduler over one gated lane with a long-budget blocker on its backend (predicted to end 100 ms after
+def _blocked(backend, ms: float = 400.0):
+    """A scheduler over one gated lane with a long-budget blocker on its backend (predicted to end ``ms`` after
     it started); returns (scheduler, lane, gate, seen, blocker future)."""
     gate, seen = threading.Event(), []
-    lane = _lane(backend, gate, seen)
+    lane = _lane(backend, gate, seen, ms)
     sched = BudgetScheduler([lane], lane.layout, lane.metrics)
     lane.warm.wait(10)
-    blocker = sched.submit(_request(np.random.default_rng(0), 1), 60_000, id="blocker")
+    blocker = sched.submit(_request(np.random.default_rng(0), 1), 600_000, id="blocker")
     while lane._busy_until == 0.0:
         time.sleep(0.001)
     return sched, lane, gate, seen, blocker
@@ -58,17 +60,18 @@ def _blocked(backend):
 def test_a_request_refused_behind_a_running_batch_waits_and_runs_when_the_lane_frees(backend):
     sched, lane, gate, seen, blocker = _blocked(backend)
     rng = np.random.default_rng(1)
-    # behind the blocker: ≈ 100 + 100 ms expected, planned at ≈ 240 ms (20 % spread) > 200 ms: refused by its plan;
-    # alone on an idle lane it fits (100 + 20 + 0.5 ms margin): it waits until ≈ 79 ms after its submit
-    fut = sched.submit(_request(rng, 2), 200, id="waits")
-    # alone it would take 120.5 ms of its 110: no idle lane could ever meet it, refused at once
-    never = sched.submit(_request(rng, 3), 110, id="never")
+    # behind the blocker: ≈ 400 + 400 ms expected, planned at ≈ 1120 ms (z = 1 + the standby guard's 1, times the
+    # 20 % spread) > 800 ms: refused by its plan (still so if this submit came up to 229 ms after the blocker
+    # started); alone on an idle lane it fits (400 + 80 + 0.5 ms margin): it waits until ≈ 319 ms after its submit
+    fut = sched.submit(_request(rng, 2), 800, id="waits")
+    # alone it would take 480.5 ms of its 440: no idle lane could ever meet it, refused at once
+    never = sched.submit(_request(rng, 3), 440, id="never")
     assert never.done() and never.result().reason == "overload" and "standby" not in never.result().detail
     assert not fut.done() and len(lane.standby) == 1
     time.sleep(0.02)
     gate.set()  # the blocker ends (the tiny model runs in well under a ms): the lane takes the waiting request
     got = fut.result(10)
-    assert isinstance(got, Result) and got.ok and got.latency_ms < 200 and got.queue_ms >= 15
+    assert isinstance(got, Result) and got.ok and got.latency_ms < 800 and got.queue_ms >= 15
     assert blocker.result(10).ok and seen == [1, 2]
     assert lane.from_standby == 1 and lane.standby.taken == 1 and lane.standby.expired == 0
     snap = lane.metrics.snapshot()
@@ -79,13 +82,13 @@ def test_a_request_refused_behind_a_running_batch_waits_and_runs_when_the_lane_f
 
 def test_a_waiting_request_no_lane_frees_for_in_time_is_refused_not_missed(backend):
     sched, lane, gate, seen, blocker = _blocked(backend)
-    fut = sched.submit(_request(np.random.default_rng(2), 2), 200, id="waits")
+    fut = sched.submit(_request(np.random.default_rng(2), 2), 800, id="waits")
     assert not fut.done()
-    time.sleep(0.15)  # past its last start (≈ 79 ms): the lane frees too late
+    time.sleep(0.45)  # past its last start (≈ 319 ms): the lane frees too late
     gate.set()
     got = fut.result(10)
     assert isinstance(got, Rejected) and got.reason == "overload" and not got.admitted
-    assert "no instance free in time" in got.detail and got.latency_ms >= 79
+    assert "no instance free in time" in got.detail and got.latency_ms >= 319
     assert blocker.result(10).ok and seen[0] == 1  # (the idle lane may re-measure it as a probe after its answer)
     snap = lane.metrics.snapshot()
     assert snap["budget_missed"] == 0 and snap["rejected_at_admission"] == {"overload": 1}
@@ -96,8 +99,8 @@ def test_a_waiting_request_no_lane_frees_for_in_time_is_refused_not_missed(backe
 def test_the_freshest_waiting_request_runs_first_then_the_older_one_if_it_still_fits(backend):
     sched, lane, gate, seen, blocker = _blocked(backend)
     rng = np.random.default_rng(3)
-    older = sched.submit(_request(rng, 2), 200, id="older")  # last start ≈ +79 ms
-    fresher = sched.submit(_request(rng, 3), 230, id="fresher")  # ≈ +109 ms
+    older = sched.submit(_request(rng, 2), 800, id="older")  # last start ≈ +319 ms
+    fresher = sched.submit(_request(rng, 3), 900, id="fresher")  # ≈ +419 ms
     assert not older.done() and not fresher.done() and len(lane.standby) == 2
     time.sleep(0.01)
     gate.set()
@@ -109,7 +112,7 @@ def test_the_freshest_waiting_request_runs_first_then_the_older_one_if_it_still_
 
 def test_closing_refuses_what_waits_with_shutdown(backend):
     sched, lane, gate, seen, blocker = _blocked(backend)
-    fut = sched.submit(_request(np.random.default_rng(4), 2), 200, id="waits")
+    fut = sched.submit(_request(np.random.default_rng(4), 2), 800, id="waits")
     assert not fut.done()
     threading.Timer(0.05, gate.set).start()  # the blocker ends while close() drains the lanes
     sched.close()
@@ -124,10 +127,10 @@ def test_without_standby_a_refusal_is_answered_at_once(backend):
     sched = BudgetScheduler([lane], lane.layout, lane.metrics, standby=False)
     lane.warm.wait(10)
     rng = np.random.default_rng(5)
-    blocker = sched.submit(_request(rng, 1), 60_000, id="blocker")
+    blocker = sched.submit(_request(rng, 1), 600_000, id="blocker")
     while lane._busy_until == 0.0:
         time.sleep(0.001)
-    got = sched.submit(_request(rng, 2), 200, id="refused")
+    got = sched.submit(_request(rng, 2), 800, id="refused")  # planned at ≈ 960 ms (z = 1, no guard without a list)
     assert got.done() and got.result().reason == "overload" and lane.standby is None
     gate.set()
     assert blocker.result(10).ok
@@ -165,24 +168,25 @@ def test_load_standby_option(tmp_path):
 
 
 def test_with_standby_a_plan_behind_running_work_takes_one_spread_more(backend):
-    # behind the blocker a 250 ms budget is planned at ≈ 200 + z · 40 + 0.5 ms: 240.5 at the calibration's z = 1
-    # (admitted, queued), 280.5 with the standby guard (refused by the plan: it waits on the list instead)
-    sched, lane, gate, seen, blocker = _blocked(backend)
-    fut = sched.submit(_request(np.random.default_rng(6), 2), 250, id="guarded")
+    # behind the blocker (1.5 s predicted) a 3.9 s budget is planned at ≈ 3000 + z · 600 + 0.5 ms: 3600.5 at the
+    # calibration's z = 1 (admitted, queued), 4200.5 with the standby guard (refused by the plan: it waits on the
+    # list instead; still so if this submit came up to 214 ms after the blocker started)
+    sched, lane, gate, seen, blocker = _blocked(backend, 1500.0)
+    fut = sched.submit(_request(np.random.default_rng(6), 2), 3900, id="guarded")
     assert lane.depth == 0 and len(lane.standby) == 1 and not fut.done()
     gate.set()
     assert fut.result(10).ok and lane.from_standby == 1
     sched.close()
 
     gate, seen = threading.Event(), []
-    plain = _lane(backend, gate, seen)
+    plain = _lane(backend, gate, seen, 1500.0)
     unguarded = BudgetScheduler([plain], plain.layout, plain.metrics, standby_guard_z=0.0)
     plain.warm.wait(10)
     rng = np.random.default_rng(7)
-    blocker = unguarded.submit(_request(rng, 1), 60_000, id="blocker")
+    blocker = unguarded.submit(_request(rng, 1), 600_000, id="blocker")
     while plain._busy_until == 0.0:
         time.sleep(0.001)
-    fut = unguarded.submit(_request(rng, 2), 250, id="queued")
+    fut = unguarded.submit(_request(rng, 2), 3900, id="queued")
     assert plain.depth == 1 and len(plain.standby) == 0
     gate.set()
     assert fut.result(10).ok and blocker.result(10).ok and plain.from_standby == 0
