@@ -356,10 +356,8 @@ class Lane:
         # now); returns the expired entries for the caller to reject outside the lock
         now = _clock()
         taken, expired = self.standby.take(now, functools.partial(self._standby_pick, now))
-        for r in taken:
-            r.plan_ms = r.spread_ms = 0.0  # admitted without a plan of its own (not scored)
-            r.ahead = 0
-            bisect.insort(self._queue, (r.sort_key(next(self._order), self.tie_s), r), key=lambda x: x[0])
+        for r in taken:  # admitted without a plan of its own (refused ones carry none): not scored
+            self._insert(r)
         if taken:
             self._t_admit = now
             self.from_standby += len(taken)
@@ -527,11 +525,14 @@ class Lane:
                 gap = now - self._last_arrival
                 self._gap_s = gap if self._gap_s is None else self._gap_s + 0.1 * (gap - self._gap_s)
             self._last_arrival = self._t_admit = now
-            item = (req.sort_key(next(self._order), self.tie_s), req)
-            bisect.insort(self._queue, item, key=lambda x: x[0])
-            self.max_depth = max(self.max_depth, len(self._queue))
+            self._insert(req)
             self._cond.notify()
             return True
+
+    def _insert(self, req: Request) -> None:
+        # under self._cond: into the queue in EDF order (deadline, then priority, then arrival)
+        bisect.insort(self._queue, (req.sort_key(next(self._order), self.tie_s), req), key=lambda x: x[0])
+        self.max_depth = max(self.max_depth, len(self._queue))
 
     def try_inline(self, req: Request) -> bool:
         """Run ``req`` now on the calling thread when the lane is idle, the request is short and the previous

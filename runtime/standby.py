@@ -26,10 +26,7 @@ in Clipper, Crankshaw et al., NSDI 2017). Higher ``priority`` first. Thread-safe
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Callable
-
-_clock = time.perf_counter
 
 
 class Standby:
@@ -86,8 +83,9 @@ class Standby:
             order = sorted(self._items, key=lambda it: (-it[1].priority, -it[1].deadline))
             chosen, dead = pick([r for _, r, _ in order])
             if chosen or dead:
-                gone = set(map(id, chosen)) | set(map(id, dead))
-                expired += [(r, d) for _, r, d in self._items if id(r) in set(map(id, dead))]
+                dead_ids = set(map(id, dead))
+                gone = dead_ids | set(map(id, chosen))
+                expired += [(r, d) for _, r, d in self._items if id(r) in dead_ids]
                 self._items = [it for it in self._items if id(it[1]) not in gone]
                 self.taken += len(chosen)
                 self.expired += len(dead)
