@@ -693,9 +693,9 @@ class Lane:
         while True:
             probe, expired = None, []
             with self._cond:
-                if (not self._running and not self._queue and self.standby is not None and not self._closing
-                        and not self.paused):
-                    expired = self._take_standby()
+                if (not self._running and not self._queue and self.standby is not None
+                        and (not self._closing or self._drain) and not self.paused):
+                    expired = self._take_standby()  # draining, too: what waits there was sent before close()
             if expired:
                 self._reject_standby(expired)
                 continue
@@ -728,6 +728,8 @@ class Lane:
                     self._running = True
                     self._mark_running(_clock(), probe.rows, probe.seq)
                 elif not self._queue:
+                    if self._drain and self.standby is not None and len(self.standby) and not self.paused:
+                        continue  # each entry is taken or expires at the top: the list empties
                     return  # closing and drained
                 elif self._closing and not self._drain:
                     pending = [r for _, r in self._queue]
@@ -799,6 +801,8 @@ class Lane:
     # -- shutdown ---------------------------------------------------------------------------------------------
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop admitting; run (drain) or reject ("shutdown") what is queued; wait for the worker to finish.
+        Draining, the lane also takes from its variant's standby list what can still make its deadline (the rest
+        expires, "overload"), as when open.
 
         After ``timeout_s`` of draining, whatever is still queued is rejected with "shutdown".
         """
@@ -996,16 +1000,22 @@ class BudgetScheduler:
         return z + self.standby_guard_z if ahead >= 1 and lane.standby is not None else z
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
-        """Stop admitting, then drain or reject each lane's queue (see ``Lane.close``)."""
+        """Stop admitting, then drain or reject each lane's queue (see ``Lane.close``); what still waits on a
+        standby list afterwards (or at once, without ``drain``) is rejected "shutdown"."""
         self._closed = True
-        for group in self._groups:
-            if group[0].standby is not None:
-                for req, _ in group[0].standby.drain():
-                    group[0]._reject(req, SHUTDOWN, "session closed before this request ran (on standby)")
+        if not drain:
+            self._drain_standby()
         deadline = None if timeout_s is None else _clock() + timeout_s
         for lane in self.lanes:
             left = None if deadline is None else max(0.0, deadline - _clock())
             lane.close(drain=drain, timeout_s=left)
+        self._drain_standby()  # what no draining instance took or expired (timed out, or only paused ones)
+
+    def _drain_standby(self) -> None:
+        for group in self._groups:
+            if group[0].standby is not None:
+                for req, _ in group[0].standby.drain():
+                    group[0]._reject(req, SHUTDOWN, "session closed before this request ran (on standby)")
 
     @property
     def closed(self) -> bool:

@@ -438,7 +438,9 @@ class Session:
         return exported[key]
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
-        """Stop accepting requests; finish (``drain=True``) or reject with "shutdown" what is queued.
+        """Stop accepting requests; finish (``drain=True``) or reject with "shutdown" what is queued. Draining also
+        gives requests waiting on a standby list (``load(standby=True)``) their chance: each runs if an instance
+        frees in time, else it is refused "overload" as it would have been; without draining they get "shutdown".
 
         After ``timeout_s`` seconds of draining, whatever is still queued is rejected with "shutdown" (a batch
         already running finishes first). Every submitted future is resolved when this returns; called from a

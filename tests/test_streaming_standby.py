@@ -110,15 +110,36 @@ def test_the_freshest_waiting_request_runs_first_then_the_older_one_if_it_still_
     sched.close()
 
 
-def test_closing_refuses_what_waits_with_shutdown(backend):
+def test_closing_without_draining_refuses_what_waits_with_shutdown(backend):
     sched, lane, gate, seen, blocker = _blocked(backend)
     fut = sched.submit(_request(np.random.default_rng(4), 2), 800, id="waits")
     assert not fut.done()
-    threading.Timer(0.05, gate.set).start()  # the blocker ends while close() drains the lanes
-    sched.close()
+    threading.Timer(0.05, gate.set).start()  # the blocker ends while close() waits for the lane
+    sched.close(drain=False)
     got = fut.result(10)
     assert isinstance(got, Rejected) and got.reason == "shutdown" and not got.admitted
     assert blocker.result(10).ok and seen == [1]
+
+
+def test_draining_runs_what_waits_if_the_lane_frees_in_time_else_refuses_it_for_overload(backend):
+    # sent before close(): a drain answers it as the open session would have (a user of close(drain=True) meets
+    # no "shutdown" for a request already in flight)
+    sched, lane, gate, seen, blocker = _blocked(backend)
+    fut = sched.submit(_request(np.random.default_rng(9), 2), 800, id="waits")  # last start ≈ +319 ms
+    assert not fut.done()
+    threading.Timer(0.05, gate.set).start()  # the blocker ends while close() drains the lane
+    sched.close()
+    got = fut.result(0)
+    assert isinstance(got, Result) and got.ok and seen == [1, 2] and blocker.result(0).ok
+
+    sched, lane, gate, seen, blocker = _blocked(backend)
+    late = sched.submit(_request(np.random.default_rng(10), 3), 800, id="too late")
+    assert not late.done()
+    threading.Timer(0.45, gate.set).start()  # frees past its last start
+    sched.close()
+    got = late.result(0)
+    assert isinstance(got, Rejected) and got.reason == "overload" and "no instance free in time" in got.detail
+    assert seen[0] == 1 and 3 not in seen
 
 
 def test_without_standby_a_refusal_is_answered_at_once(backend):
