@@ -28,7 +28,12 @@ regardless took a third of the backend's busy time). Probes do not count as such
 everything (after a stall, or a cold start whose first samples were slow) keeps probing every
 ``probe_interval_ms`` and its stale estimate is replaced within about a second. (Waiting ``probe_after_ms`` after
 the last real batch even when nothing was taken since refused every request of a cold start's first half second
-in 6 of 19 runs: MiniLM fp32, 0.5× load, 20 ms budget; none in 6 runs since.)
+in 6 of 19 runs: MiniLM fp32, 0.5× load, 20 ms budget; none in 6 runs since.) A request expected (the median, not the
+tail) to take more than ``probe_limit`` (4) times its budget alone, and over 10 ms, is not kept as a probe: no plausible over-estimate
+would admit it (the lock-in this corrects predicted 21.7 ms against a 20 ms budget where 6.5 ms was measured), and a
+probe is paid in full by an idle backend: one refused 64 × 512-token MiniLM request (6.5 s predicted, 50 ms budget)
+through ``dsedge serve`` kept a core busy for seconds and grew the server's memory from 0.4 to 2.9 GB (ONNX
+Runtime's arena keeps what a shape took).
 
 Cold start: a lane starts with whatever its profile was seeded with (the bundle's build-time figures, scaled once
 this machine measured something) and its worker's first act is a warm-up run off the caller's thread (untimed: it
@@ -92,6 +97,7 @@ from .standby import Standby
 from .thread_priority import lower_current_thread, pin_current_thread
 
 _clock = time.perf_counter
+_PROBE_FREE_MS = 10.0  # a probe this short is worth running whatever the budget
 
 
 _answering = threading.local()  # set while a lane resolves futures: result() inside a done-callback is no wait
@@ -229,6 +235,8 @@ class Lane:
         warm_gate: the ``WarmUpGate`` of the lanes warming up beside this one (a session's lanes share one); the
             timed warm-up run waits, at most ``warm_quiet_ms``, until none of them is in its first run or timing,
             and is skipped when a request arrives meanwhile (that request's run measures instead).
+        probe_limit: a request refused for its budget is kept as the re-measuring probe only when expected (the
+            profile's median) to take at most this many times its budget alone (or at most 10 ms).
         explore_interval_ms: shortest gap between batches run one request bigger than the best rows per ms the
             profile predicts, to re-measure a batch size measured here whose estimate rests on old samples (see
             ``_pick``), ms; ``math.inf``: never.
@@ -243,7 +251,8 @@ class Lane:
                  probe_after_ms: float = 500.0, inline_ms: float = 1.0, plan_limit: int = 16,
                  calibration: PlanCalibration | None = None, instance: int = 0, fallback: bool = False,
                  nice: int = 0, warm_gate: WarmUpGate | None = None, warm_quiet_ms: float = 500.0,
-                 explore_interval_ms: float = 250.0, cpus: frozenset[int] | None = None) -> None:
+                 explore_interval_ms: float = 250.0, cpus: frozenset[int] | None = None,
+                 probe_limit: float = 4.0) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -256,6 +265,7 @@ class Lane:
         self.tie_s = max(tie_ms, 1e-3) / 1e3
         self.probe_interval_s = probe_interval_ms / 1e3
         self.probe_after_s = probe_after_ms / 1e3
+        self.probe_limit = float(probe_limit)
         self.explore_interval_s = explore_interval_ms / 1e3
         self._t_explore = -math.inf
         self.inline_ms = float(inline_ms)
@@ -366,7 +376,11 @@ class Lane:
         return expired
 
     def refused(self, req: Request) -> None:
-        """``req`` was refused here (its budget, or its plan): keep it as the next re-measuring probe."""
+        """``req`` was refused here (its budget, or its plan): keep it as the next re-measuring probe, unless it is
+        expected to take more than ``probe_limit`` times its budget alone (the profile's median, not its tail: a
+        few slow samples spread the tail widely), and over 10 ms."""
+        if self.predict(req.rows, req.seq, k_dev=0.0) > max(self.probe_limit * req.budget_ms, _PROBE_FREE_MS):
+            return
         with self._cond:
             wake = self._refused is None
             self._refused = req

@@ -366,6 +366,30 @@ def test_a_lane_that_takes_nothing_is_probed_at_the_probe_interval(backend):
     sched.close()
 
 
+def test_a_request_far_over_its_budget_is_not_kept_as_a_probe(backend):
+    """Probing corrects a plausible over-estimate; a request predicted at 8x its budget is refused without one
+    (an idle backend would pay its whole run: a 64 x 512-token MiniLM request took seconds and gigabytes)."""
+    layout = BatchLayout.of(*TEXT_IO)
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(1, 8, 400.0, 0.0)
+    lane = Lane("fp32", backend.run, prof, layout, StreamMetrics(), max_batch=1, inline_ms=0.0,
+                observe_warmup=False, probe_interval_ms=20.0)
+    sched = BudgetScheduler([lane], layout, lane.metrics)
+    assert lane.warm.wait(10)
+    rng = np.random.default_rng(0)
+    far = sched.submit(text_request(rng, 8), 50).result(10)  # 400 ms expected alone: 8x its budget
+    assert isinstance(far, Rejected) and far.reason == "budget"
+    time.sleep(0.3)  # 15 probe intervals
+    assert lane.probes == 0 and lane._refused is None
+    near = sched.submit(text_request(rng, 8), 200).result(10)  # 2x: an over-estimate could explain it
+    assert isinstance(near, Rejected) and near.reason == "budget"
+    t0 = time.perf_counter()
+    while lane.probes == 0 and time.perf_counter() - t0 < 8.0:
+        time.sleep(0.01)
+    assert lane.probes == 1
+    sched.close()
+
+
 def test_first_submit_does_not_wait_for_warm_up(backend):
     """The lane warms up on its own thread; a request arriving meanwhile is queued with its own deadline."""
     layout = BatchLayout.of(*TEXT_IO)
