@@ -222,7 +222,8 @@ def verify_bundle(bundle: str | os.PathLike) -> Manifest:
 
 
 def check_model_io(manifest: Manifest, model_path: Path) -> None:
-    """The ONNX graph's inputs must be the manifest's inputs (names, dtypes, ranks). Raises BundleError.
+    """The ONNX graph's inputs and outputs must be the manifest's (names, dtypes, ranks, and every dim that both
+    give as a number). Raises BundleError.
 
     Reads only the graph's value infos (onnx's protobuf, no weights are interpreted, nothing is executed).
     """
@@ -233,16 +234,28 @@ def check_model_io(manifest: Manifest, model_path: Path) -> None:
         return
     graph = onnx.load(os.fspath(model_path), load_external_data=False).graph
     inits = {t.name for t in graph.initializer}
-    actual = {}
-    for vi in graph.input:
-        if vi.name not in inits:
-            t = vi.type.tensor_type
-            actual[vi.name] = (str(helper.tensor_dtype_to_np_dtype(t.elem_type)), len(t.shape.dim))
-    declared = {s.name: (s.dtype, len(s.shape)) for s in manifest.inputs}
-    if actual != declared:
-        diff = sorted(set(actual.items()) ^ set(declared.items()))
-        raise BundleError(f"manifest inputs do not match {model_path.name} (differ at {diff[0][0]!r})",
-                          "the manifest was edited or belongs to another model: rebuild the bundle")
+
+    def of(values) -> dict[str, tuple[str, tuple]]:
+        out = {}
+        for vi in values:
+            if vi.name not in inits:
+                t = vi.type.tensor_type
+                dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
+                out[vi.name] = (str(helper.tensor_dtype_to_np_dtype(t.elem_type)), dims)
+        return out
+
+    for kind, actual, specs in (("inputs", of(graph.input), manifest.inputs),
+                                ("outputs", of(graph.output), manifest.outputs)):
+        declared = {s.name: (s.dtype, tuple(s.shape)) for s in specs}
+        differ = sorted(set(actual) ^ set(declared))
+        for name in sorted(set(actual) & set(declared)):
+            (a_dtype, a_dims), (d_dtype, d_dims) = actual[name], declared[name]
+            if a_dtype != d_dtype or len(a_dims) != len(d_dims) or any(
+                    isinstance(d, int) and a is not None and a != d for a, d in zip(a_dims, d_dims)):
+                differ.append(name)
+        if differ:
+            raise BundleError(f"manifest {kind} do not match {model_path.name} (differ at {differ[0]!r})",
+                              "the manifest was edited or belongs to another model: rebuild the bundle")
 
 
 def hash_files(root: str | os.PathLike, exclude: tuple[str, ...] = (MANIFEST, SIGNATURE)) -> dict[str, str]:

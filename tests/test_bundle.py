@@ -55,6 +55,10 @@ def test_truncated_and_missing_files_are_refused(bundle):
     (lambda d: d["shape_ranges"]["batch"].update(min="a"), "field shape_ranges.batch.min: 'a' is not of type 'integer'"),
     (lambda d: d["inputs"][0].update(dtype="int64"), "manifest inputs do not match fp32.onnx"),
     (lambda d: d["inputs"][0].update(name="y"), "manifest inputs do not match fp32.onnx"),
+    (lambda d: d["inputs"][0].update(shape=["batch", 7]), "manifest inputs do not match fp32.onnx"),
+    (lambda d: d["outputs"][0].update(shape=["batch", 100]), "manifest outputs do not match fp32.onnx"),
+    (lambda d: d["outputs"][0].update(dtype="float16"), "manifest outputs do not match fp32.onnx"),
+    (lambda d: d["outputs"][0].update(name="probs"), "manifest outputs do not match fp32.onnx"),
 ])
 def test_malformed_manifest_is_refused(bundle, edit, message):
     path = bundle / "manifest.json"
