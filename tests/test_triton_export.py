@@ -206,7 +206,7 @@ def test_cli_export_help_and_quiet(tmp_path, capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert e.value.code == 0 and "-q, --quiet" in help_text and "atomically" not in help_text
     assert "an existing model repository updated in place (each model renamed into place, replacing one of the " \
-           "same name; other models are kept)" in help_text
+           "same name unless dsedge exported that one for another target; other models are kept)" in help_text
     outs = {}
     for args in ([], ["-q"]):  # -q after the subcommand, as every other command takes it
         with pytest.raises(SystemExit) as e:
@@ -322,3 +322,10 @@ def test_export_adds_models_to_a_repository_and_never_replaces_a_users_folder(ta
     export_triton(target_bundles["cpu"], repo, platform="python")  # a re-export replaces its own models
     assert sorted(p.name for p in repo.iterdir()) == ["all-minilm-l6-v2_fp32", "all-minilm-l6-v2_int4", "other_model"]
     assert (repo / "other_model" / "config.pbtxt").read_text() == 'name: "other_model"\n'
+    # the same model for another target: same names, refused (one repository serves one machine), nothing replaced
+    before = {p: p.read_bytes() for p in repo.rglob("config.pbtxt")}
+    gpu = next(t for t in target_bundles if t != "cpu")
+    with pytest.raises(DsedgeError, match=f"holds the cpu export of all-minilm-l6-v2; this bundle's target is {gpu}"):
+        export_triton(target_bundles[gpu], repo)
+    assert {p: p.read_bytes() for p in repo.rglob("config.pbtxt")} == before
+    assert sorted(p.name for p in repo.iterdir()) == ["all-minilm-l6-v2_fp32", "all-minilm-l6-v2_int4", "other_model"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.resources
 
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -236,6 +237,26 @@ def _check_repository(out: Path) -> None:
                           "model folder with config.pbtxt)", "pass a new or empty folder, or a model repository")
 
 
+_EXPORTED = re.compile(r"^# dsedge export of (\S+) \(([^)]*)\)")
+
+
+def _check_targets(out: Path, names: list[str], manifest: Manifest) -> None:
+    """Refuse to replace a model this exporter wrote for another target: model names carry the bundle's name and
+    variant, not its target, and one repository serves one machine (a jetson ``_fp32`` replaced by a cpu one, next
+    to the jetson ``_int4``, mixed the two)."""
+    target = str(manifest.target.get("name"))
+    for name in names:
+        config = out / name / "config.pbtxt"
+        if not config.is_file():
+            continue
+        with open(config, encoding="utf-8", errors="replace") as f:
+            got = _EXPORTED.match(f.readline())
+        if got and got.group(2) != target:
+            raise DsedgeError(f"{str(out / name)!r} holds the {got.group(2)} export of {got.group(1)}; this bundle's "
+                              f"target is {target}: a repository serves one machine",
+                              "export into another --out, or remove that model folder first")
+
+
 class _staged_models:
     """A temporary folder inside the repository; on success each model folder in it replaces the one of the same
     name (renamed aside, then removed), on failure it is removed and the repository is left as it was."""
@@ -269,7 +290,8 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: s
         bundle: a ``NAME-TARGET.dse`` directory (verified: manifest and every sha256).
         out: the repository directory: new, empty, or a Triton model repository (every entry a folder with a
             ``config.pbtxt``). The models are written to a temporary folder inside it, then each is renamed into
-            place; a model of the same name is replaced, every other entry is left as it is.
+            place; a model of the same name is replaced (not one exported for another target: refused), every
+            other entry is left as it is.
         platform: ``onnxruntime``, ``tensorrt`` or ``python`` (default: :func:`default_platform`).
         instances: model instances per device (default 1: on CPU one ORT session uses every core).
         threads: ORT intra-op threads per instance (``python`` and ``onnxruntime``; default: ORT's choice).
@@ -278,7 +300,8 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: s
     Raises:
         BundleError / BundleIntegrityError: the bundle does not verify.
         TargetError: ``tensorrt`` for a bundle whose target has no TensorRT.
-        DsedgeError: unknown platform, ``instances`` < 1, ``out`` holds something that is not a Triton model.
+        DsedgeError: unknown platform, ``instances`` < 1, ``out`` holds something that is not a Triton model, or
+            a model of the same name that dsedge exported for another target.
     """
     bundle = Path(bundle)
     manifest = verify_bundle(bundle)
@@ -296,6 +319,7 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: s
     models: list[TritonModel] = []
     out = Path(out)
     _check_repository(out)
+    _check_targets(out, [model_name(manifest, v) for v in ordered], manifest)
     with _staged_models(out) as tmp:
         for variant in ordered:
             policy = derive_policy(manifest, variant, gpu)
