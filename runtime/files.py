@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -59,6 +60,11 @@ def check_output_file(dest: str | os.PathLike, option: str = "-o/--output", exam
     if dest.is_dir():
         raise StorageError(f"{option} {str(dest)!r}: the path is a directory, where a file was expected",
                            f"give a file path, e.g. {str(dest / example)!r}")
+    bundle = _sealing_bundle(dest)
+    if bundle is not None:
+        raise StorageError(f"{option} {str(dest)!r} is a file of the bundle {str(bundle)!r} (its manifest holds the "
+                           "file's sha256: the bundle would no longer load)",
+                           "write elsewhere, then rebuild the bundle with `dsedge build`")
     for parent in dest.parents:
         if parent.exists():
             if not parent.is_dir():
@@ -67,6 +73,20 @@ def check_output_file(dest: str | os.PathLike, option: str = "-o/--output", exam
                                    "choose a path whose parents are directories")
             break
     return dest
+
+
+def _sealing_bundle(dest: Path) -> Path | None:
+    """The bundle directory whose ``manifest.json`` lists ``dest`` among its hashed files, if any."""
+    path = dest.resolve()
+    for parent in path.parents:
+        manifest = parent / "manifest.json"
+        if manifest.is_file():
+            try:
+                files = json.loads(manifest.read_text(encoding="utf-8")).get("files", {})
+            except (OSError, ValueError, AttributeError):
+                return None
+            return parent if isinstance(files, dict) and path.relative_to(parent).as_posix() in files else None
+    return None
 
 
 def write_bytes_atomic(dest: str | os.PathLike, data: bytes, *, fsync: bool = False) -> Path:

@@ -45,6 +45,21 @@ def test_an_output_path_under_a_file_and_a_report_path_that_is_a_directory_are_r
     assert not (tmp_path / "q.onnx").exists()
 
 
+@pytest.mark.parametrize("command", [["quantize", "--precision", "fp16"], ["prune"]])
+def test_writing_over_a_bundles_model_is_refused_and_the_bundle_still_loads(tmp_path, capsys, command):
+    from dsedge.runtime.bundle import verify_bundle
+    from tiny_models import tiny_bundle
+
+    bundle = tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path)
+    model = bundle / "models" / "fp32.onnx"
+    before = model.read_bytes()
+    code, _, err = run_main([command[0], model, "-o", model, *command[1:]], capsys)
+    _one_line_error(code, err, "is a file of the bundle", "sha256", "dsedge build")
+    assert model.read_bytes() == before and verify_bundle(bundle).variant().name == "fp32"
+    code, _, err = run_main([command[0], model, "-o", tmp_path / "next.onnx", *command[1:]], capsys)
+    assert code == 0, err  # reading a bundle's model to write elsewhere is fine
+
+
 def test_a_failed_rename_names_the_users_destination_not_the_temporary_file(tmp_path):
     from dsedge.runtime.files import atomic_path
     from dsedge.runtime.storage import storage_error
