@@ -442,8 +442,8 @@ class Session:
         gives requests waiting on a standby list (``load(standby=True)``) their chance: each runs if an instance
         frees in time, else it is refused "overload" as it would have been; without draining they get "shutdown".
 
-        After ``timeout_s`` seconds of draining, whatever is still queued is rejected with "shutdown" (a batch
-        already running finishes first). Every submitted future is resolved when this returns; called from a
+        After ``timeout_s`` seconds of draining, whatever is still queued is rejected with "shutdown" at once (a
+        batch already running finishes first, and ``close`` returns after it). Every submitted future is resolved when this returns; called from a
         future's done-callback (the session's own worker thread), the close finishes on a helper thread right
         after the callback. Further ``submit`` calls raise SessionClosedError; ``run`` is no longer available
         either. Closing again does nothing.

@@ -182,6 +182,23 @@ def _blocked(lane: Lane, rng) -> tuple[BudgetScheduler, Future]:
     return sched, blocker
 
 
+def test_a_drain_timeout_refuses_what_is_queued_while_a_batch_still_runs(backend):
+    gate = threading.Event()
+    lane = _lane(backend, gate)
+    sched, blocker = _blocked(lane, np.random.default_rng(0))
+    queued = sched.submit(text_request(np.random.default_rng(1), 8), 600_000, id="queued")
+    assert lane.depth == 1
+    closing = threading.Thread(target=sched.close, kwargs={"timeout_s": 0.2})
+    t0 = time.perf_counter()
+    closing.start()
+    got = queued.result(5)  # while the blocker still holds the backend
+    assert isinstance(got, Rejected) and got.reason == "shutdown" and not blocker.done()
+    assert time.perf_counter() - t0 < 2.0
+    gate.set()
+    closing.join(10)
+    assert not closing.is_alive() and blocker.result(0).ok
+
+
 def test_a_batch_size_measured_slow_long_ago_is_tried_again(backend):
     """The worker picks the batch size of the best predicted rows per ms, and only picked sizes get measured: a size
     whose estimate rests on old samples is run once more (one request bigger than the pick) when it meets every

@@ -176,7 +176,9 @@ def build_server(repo: Repository, state: Any, *, max_message: int, max_rpcs: in
                  server_metadata: Callable[[], dict[str, Any]]) -> Any:
     server = grpc.aio.server(
         interceptors=interceptors, maximum_concurrent_rpcs=max_rpcs,
-        options=[("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message),
+        # requests are capped as HTTP bodies are; responses are not (HTTP's are not either): a capped response
+        # failed the call after the model had run, and the server had counted it "ok"
+        options=[("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", -1),
                  ("grpc.so_reuseport", 0)])
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(repo, state, server_metadata), server)
     return server
