@@ -95,14 +95,16 @@ def _raw_post(server, path: str, body: bytes, headers: dict | None = None) -> tu
     return r.status, json.loads(data)
 
 
-def _requests_total(server) -> float:
+def _requests_total(server, **labels: str) -> float:
+    """``dsedge_requests_total`` summed over the series whose labels include ``labels``."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
     return sum(s.value for f in text_string_to_metric_families(text) if f.name == "dsedge_requests"
-               for s in f.samples if s.name == "dsedge_requests_total")
+               for s in f.samples if s.name == "dsedge_requests_total"
+               and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def test_health_is_open_everything_else_needs_the_token(server, client, gclient):
@@ -122,7 +124,11 @@ def test_health_is_open_everything_else_needs_the_token(server, client, gclient)
     with pytest.raises(InferenceServerException) as e:
         gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers={"authorization": "Bearer " + TOKEN[:-1] + "X"})
     assert e.value.status() == "StatusCode.UNAUTHENTICATED"
-    assert _requests_total(server) == before  # refused before any model saw them
+    # the two inference calls are counted, with no model (refused before one was chosen); metadata calls are not
+    assert _requests_total(server) == before + 2
+    denied = dict(model="", outcome="invalid", reason="unauthenticated")
+    assert _requests_total(server, protocol="http", **denied) >= 1
+    assert _requests_total(server, protocol="grpc", **denied) >= 1
 
 
 def test_server_and_model_metadata(client, gclient):
@@ -330,6 +336,8 @@ def test_malformed_requests_get_4xx_with_a_message(server, body, headers, status
 
 
 def test_unknown_model_version_and_server_keeps_serving(server, client, gclient, reference):
+    unknown = dict(model="", outcome="invalid", reason="not_found")
+    before_http, before_grpc = (_requests_total(server, protocol=p, **unknown) for p in ("http", "grpc"))
     code, err = _raw_post(server, "/v2/models/nope/infer", b"{}")
     assert code == 404 and "unknown model 'nope'" in err["error"] and "mlp-cpu" in err["error"]
     code, err = _raw_post(server, "/v2/models/mlp-cpu/versions/7/infer", b"{}")
@@ -337,6 +345,8 @@ def test_unknown_model_version_and_server_keeps_serving(server, client, gclient,
     with pytest.raises(InferenceServerException) as e:
         gclient.infer("nope", [_grpc_input(_x(1))], headers=gauth())
     assert e.value.status() == "StatusCode.NOT_FOUND"
+    assert _requests_total(server, protocol="http", **unknown) == before_http + 1  # counted, with no model
+    assert _requests_total(server, protocol="grpc", **unknown) == before_grpc + 1
     with pytest.raises(InferenceServerException) as e:  # gRPC's message cap is the HTTP body cap
         gclient.infer("mlp-cpu", [_grpc_input(_x(300))], headers=gauth())
     assert e.value.status() == "StatusCode.RESOURCE_EXHAUSTED"

@@ -3,14 +3,15 @@
 The token is read once from ``--auth-token-file`` (surrounding whitespace stripped) and compared with
 ``hmac.compare_digest`` (constant time in the token's length). A request without a valid token gets 401 /
 UNAUTHENTICATED before any model code runs; health endpoints (HTTP ``/v2/health/*``, gRPC ServerLive/ServerReady)
-stay open so that orchestrators can probe without the secret.
+stay open so that orchestrators can probe without the secret. An inference call refused so is reported to
+``on_denied(protocol)`` (the server counts it in ``dsedge_requests_total`` with ``model=""``).
 """
 from __future__ import annotations
 
 import hmac
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ..runtime.errors import ConfigError
 
@@ -20,6 +21,7 @@ _OPEN_GRPC = ("/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInfe
 class TokenCheck:
     def __init__(self, token: str) -> None:
         self._token = token.encode()
+        self.on_denied: Callable[[str], None] | None = None  # called with "http" or "grpc" for a refused inference
 
     @classmethod
     def from_file(cls, path: str | Path) -> "TokenCheck":
@@ -51,6 +53,8 @@ class TokenCheck:
             if scope["type"] == "http" and not scope["path"].startswith(prefixes):
                 header = next((v for k, v in scope.get("headers", []) if k == b"authorization"), None)
                 if not check.ok(header):
+                    if check.on_denied is not None and scope["path"].endswith("/infer"):
+                        check.on_denied("http")
                     body = json.dumps({"error": "missing or invalid bearer token", "reason": "unauthenticated"})
                     await send({"type": "http.response.start", "status": 401,
                                 "headers": [(b"content-type", b"application/json"),
@@ -68,7 +72,8 @@ class TokenCheck:
         check = self
 
         async def deny(request: Any, context: Any) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token",
+                                (("dsedge-reason", "unauthenticated"),))
 
         denied = grpc.unary_unary_rpc_method_handler(deny)
 
@@ -79,6 +84,8 @@ class TokenCheck:
                 header = next((v for k, v in (details.invocation_metadata or ()) if k == "authorization"), None)
                 if check.ok(header):
                     return await continuation(details)
+                if check.on_denied is not None and details.method.endswith("/ModelInfer"):
+                    check.on_denied("grpc")
                 return denied
 
         return _Interceptor()

@@ -129,7 +129,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             try:
                 if self.state.draining:
                     raise rejection("shutdown", "the server is shutting down")
-                m = self.repo.get(request.model_name, request.model_version)
+                m = self.repo.get(request.model_name)
+                m.check_version(request.model_version)  # counted against the model, once known
                 params = {k: _param_value(v) for k, v in request.parameters.items()}
                 for o in request.outputs:
                     if _param_value(o.parameters["classification"]) if "classification" in o.parameters else False:
@@ -139,8 +140,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                        transport_deadline=None if remaining is None else received + remaining,
                                        way_back_sent=True)
             except ServeError as e:
-                if m is not None:
-                    m.count_failure("grpc", e)
+                (m if m is not None else self.repo).count_failure("grpc", e)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("infer refused", extra={"fields": {"model": request.model_name, "code": e.code,
                                                                  "reason": e.reason, "error": e.message}})

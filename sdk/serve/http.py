@@ -221,7 +221,8 @@ def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck |
             try:
                 if state.draining:
                     raise rejection("shutdown", "the server is shutting down")
-                m = repo.get(name, request.path_params.get("version"))
+                m = repo.get(name)
+                m.check_version(request.path_params.get("version"))  # counted against the model, once known
                 body = await _read_body(request, max_body, body_timeout_s, state.stopping)
                 req, inputs = parse_infer_body(body, request.headers.get(_HEADER_LEN))
                 params = req.get("parameters") or {}
@@ -230,8 +231,7 @@ def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck |
                 names, binary = requested_outputs(req)
                 answer = await m.infer(inputs, params, names, "http")
             except ServeError as e:
-                if m is not None:
-                    m.count_failure("http", e)
+                (m if m is not None else repo).count_failure("http", e)
                 log.debug("infer refused", extra={"fields": {"model": name, "status": e.status, "reason": e.reason,
                                                              "error": e.message}})
                 return _error(e)

@@ -138,9 +138,7 @@ class ServedModel:
     def count_failure(self, protocol: str, e: ServeError) -> None:
         """Count a request of this model that ended with ``e`` (``dsedge_requests_total``: outcome ``rejected`` for
         a refusal, ``error`` for a server fault, else ``invalid``; reason ``e.reason``)."""
-        outcome = "rejected" if e.reason in ("overload", "budget", "deadline", "shutdown") else (
-            "error" if e.status >= 500 else "invalid")
-        self.metrics.failed(self.name, protocol, outcome, e.reason)
+        self.metrics.failed(self.name, protocol, failure_outcome(e), e.reason)
 
     # -- inference --------------------------------------------------------------------------------------------
     async def infer(self, inputs: Mapping[str, np.ndarray] | Callable[[], Mapping[str, np.ndarray]],
@@ -258,6 +256,13 @@ class ServedModel:
         )
 
 
+def failure_outcome(e: ServeError) -> str:
+    """``dsedge_requests_total``'s outcome for a request that ended with ``e``: ``rejected`` for a refusal,
+    ``error`` for a server fault, else ``invalid``."""
+    return "rejected" if e.reason in ("overload", "budget", "deadline", "shutdown") else (
+        "error" if e.status >= 500 else "invalid")
+
+
 class Repository:
     """The models of one server, by name. ``load()`` opens, warms up (profiles) and marks each ready."""
 
@@ -314,6 +319,11 @@ class Repository:
     @property
     def ready(self) -> bool:
         return len(self.models) == len(self._specs) and all(m.ready for m in self.models.values())
+
+    def count_failure(self, protocol: str, e: ServeError) -> None:
+        """Count an inference request that ended with ``e`` before a served model was chosen (an unknown model, one
+        still loading, the server draining): ``dsedge_requests_total`` with ``model=""``."""
+        self.metrics.failed("", protocol, failure_outcome(e), e.reason)
 
     def get(self, name: str, version: str | None = None) -> ServedModel:
         m = self.models.get(name)

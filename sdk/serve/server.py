@@ -277,6 +277,8 @@ async def serve(cfg: ServeConfig) -> int:
                               f"its private key ({e.reason or e})", "pass the PEM files of one certificate") from None
 
     metrics = ServeMetrics()
+    if auth is not None:
+        auth.on_denied = lambda protocol: metrics.failed("", protocol, "invalid", "unauthenticated")
     repo = Repository(cfg.bundles, metrics, variant=cfg.variant, cascade=cfg.cascade, budget_ms=cfg.budget_ms,
                       max_batch=cfg.max_batch, threads=cfg.threads, instances=cfg.instances, max_inflight=cfg.max_inflight,
                       max_queue=cfg.max_queue, levels=levels, worker_nice=cfg.worker_nice,
