@@ -60,6 +60,20 @@ def test_writing_over_a_bundles_model_is_refused_and_the_bundle_still_loads(tmp_
     assert code == 0, err  # reading a bundle's model to write elsewhere is fine
 
 
+@pytest.mark.parametrize("flags", [["--precision", "fp16"], ["--precision", "int8", "--int8-mode", "dynamic"]])
+def test_nodes_on_a_precision_that_converts_every_layer_is_refused(mlp, tmp_path, capsys, flags):
+    code, _, err = run_main(["quantize", mlp, "-o", tmp_path / "q.onnx", *flags, "--nodes", "nope"], capsys)
+    _one_line_error(code, err, "--nodes selects the layers of INT4", "--precision int4")
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_an_unknown_node_names_the_layers_there_are(mlp, tmp_path, capsys):
+    code, _, err = run_main(["quantize", mlp, "-o", tmp_path / "q.onnx", "--algorithm", "rtn", "--nodes", "nope"],
+                            capsys)
+    assert code != 0 and "no node named 'nope'" in err and "MatMul/Gemm weight layers: " in err, err
+    assert "Traceback" not in err and "dsedge inspect" not in err
+
+
 def test_a_failed_rename_names_the_users_destination_not_the_temporary_file(tmp_path):
     from dsedge.runtime.files import atomic_path
     from dsedge.runtime.storage import storage_error

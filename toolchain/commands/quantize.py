@@ -78,6 +78,10 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
     chosen = _preset_from_flags(ctx, preset, precision=precision, algorithm=algorithm, block_size=block_size,
                                 asymmetric=asymmetric, gate=gate, method=method, int8_mode=int8_mode,
                                 smooth_alpha=smooth_alpha, nodes=nodes)
+    if chosen.nodes is not None and chosen.precision != "int4":
+        raise ConfigError(f"--nodes selects the layers of INT4 weight-only quantization; {chosen.precision} "
+                          f"({chosen.algorithm}) converts every layer it supports",
+                          "drop --nodes, or quantize those layers with --precision int4")
     if chosen.accuracy_gate:
         from ..quantize.mixed import parse_gates
 

@@ -91,7 +91,10 @@ def select_layers(model: onnx.ModelProto, nodes: list[str] | None) -> list[Weigh
                 raise QuantizationError(
                     f"layer {name!r} ({all_nodes[name]}) has no initializer weight to quantize",
                     "only MatMul/Gemm with a constant 2-D weight can be weight-quantized")
-            raise QuantizationError(f"no node named {name!r} in the model", "list layers with `dsedge inspect`")
+            names = [layer.node for layer in layers]
+            raise QuantizationError(f"no node named {name!r} in the model",
+                                    f"its MatMul/Gemm weight layers: {', '.join(names[:6]) or 'none'}"
+                                    + (f" (… {len(names)} in all)" if len(names) > 6 else ""))
     return [by_name[name] for name in nodes]
 
 
