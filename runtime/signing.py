@@ -53,8 +53,11 @@ def generate_key(prefix: str | os.PathLike) -> tuple[Path, Path]:
     """Write a new key pair ``PREFIX.key`` (private, 0600) and ``PREFIX.pub``; returns their paths.
 
     Raises:
-        DsedgeError: either file exists already (a key is never overwritten).
+        DsedgeError: either file exists already (a key is never overwritten), or ``prefix`` has no file name.
     """
+    if not str(prefix).strip() or str(prefix).endswith(("/", os.sep)) or Path(prefix).is_dir():
+        raise DsedgeError(f"--out {str(prefix)!r} has no file name for the key pair",
+                          "give a path prefix such as keys/release (writes keys/release.key and keys/release.pub)")
     serialization, ed25519 = _crypto()
     priv_path, pub_path = Path(f"{prefix}.key"), Path(f"{prefix}.pub")
     for p in (priv_path, pub_path):
@@ -149,8 +152,10 @@ def sign_bundle(bundle: str | os.PathLike, key_path: str | os.PathLike, signer: 
 
     Raises:
         BundleError / BundleIntegrityError: the bundle does not verify (a corrupt bundle is never signed).
-        DsedgeError: the key is unreadable.
+        DsedgeError: the key is unreadable, or ``signer`` is empty.
     """
+    if signer is not None and not signer.strip():
+        raise DsedgeError("--signer is empty", "name who signs (recorded in the signature), or leave it out")
     verify_bundle(bundle)
     key = load_private_key(key_path)
     root = Path(bundle)

@@ -122,3 +122,22 @@ def test_a_linked_signature_is_refused(bundle, keys, tmp_path):
             dsedge.load(bundle, trusted_keys=[pub])
     finally:
         (bundle / "manifest.sig").unlink()
+
+
+def test_keygen_and_sign_refuse_empty_names_and_a_resign_says_what_it_replaced(bundle, keys, tmp_path, capsys,
+                                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for prefix in ("", str(tmp_path / "keys") + "/"):
+        code, out = cli(capsys, "keygen", "--out", prefix)
+        assert code == 2 and "has no file name" in out and "Traceback" not in out
+    assert not list(tmp_path.glob(".*key")) and not list(tmp_path.glob("*.key"))
+    (release_key, _), (other_key, _) = keys
+    code, out = cli(capsys, "sign", str(bundle), "--key", str(release_key), "--signer", " ")
+    assert code == 2 and "--signer is empty" in out and not (bundle / "manifest.sig").exists()
+    code, out = cli(capsys, "sign", str(bundle), "--key", str(release_key))
+    assert code == 0 and "replaced" not in out
+    first = json.loads((bundle / "manifest.sig").read_text())["key_id"]
+    code, out = cli(capsys, "sign", str(bundle), "--key", str(other_key))
+    assert code == 0 and f"note: this replaced its signature by {first}" in " ".join(out.split()), out
+    code, out = cli(capsys, "sign", str(bundle), "--key", str(other_key))
+    assert code == 0 and "replaced" not in out  # the same key again: nothing to say

@@ -22,7 +22,16 @@ def keygen(prefix: str) -> None:
 @click.option("--signer", default=None, help="Name recorded in the signature (default: the key file's name).")
 def sign(bundle: str, key_path: str, signer: str | None) -> None:
     """Verify a bundle and sign its manifest (writes BUNDLE/manifest.sig)."""
-    from ..runtime.signing import sign_bundle
+    import json
+    from pathlib import Path
 
+    from ..runtime.signing import SIGNATURE, sign_bundle
+
+    try:  # the signature this one replaces, if any (a malformed one is replaced without a word)
+        before = json.loads((Path(bundle) / SIGNATURE).read_text()).get("key_id")
+    except (OSError, ValueError, AttributeError):
+        before = None
     info = sign_bundle(bundle, key_path, signer)
     click.echo(f"signed {bundle} as {info.signer!r} with {info.key_id}")
+    if before and before != info.key_id:
+        click.echo(f"note: this replaced its signature by {before}: devices that trust only that key now refuse it")
