@@ -520,9 +520,9 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             machine (runtime/thread_priority.py; ``dsedge serve --worker-nice``). 0 (default) leaves the workers at
             your process's priority; docs/serve.md has what it measured.
         reserve_cores: on ONNX Runtime's CPU provider, cores kept free of the streaming lanes for your own threads:
-            unless ``threads`` is given, the instances are spread over the other cores (at least one; 2 cores, 1
-            reserved: one instance of 1 thread; ``runtime/instances.reserved_layout``), and no fallback lane is
-            added. ``dsedge serve --reserve-cores`` (default 0) passes it; docs/serve.md has what it measured.
+            unless ``threads`` is given, the instances are spread over the other cores (2 cores, 1 reserved: one
+            instance of 1 thread; ``runtime/instances.reserved_layout``), and no fallback lane is added; reserving
+            every core is an ``InputError``. ``dsedge serve --reserve-cores`` (default 0) passes it; docs/serve.md has what it measured.
         pin_instances: on ONNX Runtime's CPU provider, pin the worker thread of each 1-thread instance to a core of
             its own when there are as many cores (``runtime/instances.instance_cpus``; Linux). Left to the OS
             scheduler, two instances' workers were often kept on one core while the other idled
@@ -577,6 +577,9 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         raise InputError(f"instances={instances} is more than 4 per core ({cores} cores here): each instance is "
                          f"a whole backend (its own copy of the model in memory)",
                          f"pass instances={min(2, cores)} (the default here), or up to {4 * cores}")
+    if reserve_cores and int(reserve_cores) >= cores and _on_ort_cpu(backend):
+        raise InputError(f"reserve_cores={reserve_cores} leaves none of this machine's {cores} cores to the "
+                         "streaming lanes", f"reserve at most {cores - 1}" if cores > 1 else "reserve none here")
     count, per_thread = auto_instances(backend, instances, threads, int(reserve_cores))
     # the streaming lanes run on backends of their own: several instances, or one on fewer threads than ``backend``
     own = count > 1 or (threads is None and per_thread is not None and per_thread < cores)

@@ -483,7 +483,10 @@ def test_bundle_names_and_cli_errors(tmp_path):
                           (["serve", str(a), "--tls-cert", str(a / "manifest.json")], "--tls-cert and --tls-key go together"),
                           (["serve", str(a), "--auth-token-file", str(tmp_path / "none")], "cannot read --auth-token-file"),
                           (["serve", str(a), "--tls-cert", str(a / "manifest.json"), "--tls-key", str(a / "manifest.json")],
-                           "are not a PEM certificate and its private key")):
+                           "are not a PEM certificate and its private key"),
+                          # refused before any listener starts (it was after: the error twice among log lines)
+                          (["serve", str(a), "--variant", "nope"], "bundle has no variant 'nope'"),
+                          (["serve", str(a), "--max-batch", "1000"], "--max-batch 1000 is above the bundle's batch")):
         p = subprocess.run([sys.executable, "-m", "dsedge", *args, "--http-port", "0", "--grpc-port", "0",
                             "--metrics-port", "0"], capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr

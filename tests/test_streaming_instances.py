@@ -172,6 +172,8 @@ def test_reserve_cores_leaves_cores_to_the_caller(tmp_path, monkeypatch):
         assert s.submit(text_request(np.random.default_rng(0), 8), budget_ms=10_000).result(30).ok
     with pytest.raises(InputError, match="reserve_cores must be an integer >= 0"):
         dsedge.load(bundle, reserve_cores=-1)
+    with pytest.raises(InputError, match="reserve_cores=2 leaves none of this machine's 2 cores"):
+        dsedge.load(bundle, reserve_cores=2)  # (it served on 1 instance without a word)
 
 
 def test_cpu_layout_and_thread_scale():

@@ -283,6 +283,7 @@ async def serve(cfg: ServeConfig) -> int:
                       max_batch=cfg.max_batch, threads=cfg.threads, instances=cfg.instances, max_inflight=cfg.max_inflight,
                       max_queue=cfg.max_queue, levels=levels, worker_nice=cfg.worker_nice,
                       reserve_cores=cfg.reserve_cores, pin_instances=cfg.pin_instances, standby=cfg.standby)
+    repo.check()  # before any port is bound: a bad --variant or --max-batch is one line, not a failed start
     state = ServerState(stopping=asyncio.get_running_loop().create_future())
     extensions = ["binary_tensor_data"]
 
