@@ -186,3 +186,9 @@ def test_channel_pruning_of_a_torch_exported_gemm_mlp(tmp_path, capsys):
         main(["prune", str(tmp_path / "mlp.onnx"), "-o", str(tmp_path / "p.onnx"), "--pattern", "channels"])
     assert e.value.code in (0, None), capsys.readouterr().err
     assert run(onnx.load(str(tmp_path / "p.onnx")), x).shape == ref.shape
+    # asked for more than the per-block floor allows: it says what it removed and why not what was asked
+    with pytest.raises(SystemExit) as e:
+        main(["prune", str(tmp_path / "mlp.onnx"), "-o", str(tmp_path / "p2.onnx"), "--pattern", "channels",
+              "--sparsity", "0.999"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code in (0, None) and "(asked 99.9%: each block keeps at least 8 channels" in out, out

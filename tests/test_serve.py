@@ -464,6 +464,10 @@ def test_gzip_request_and_typed_grpc_contents(server, client, reference):
     assert resp.id == "typed" and list(resp.outputs[0].shape) == [2, 4]
     got = np.frombuffer(resp.raw_output_contents[0], "<f4").reshape(2, 4)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    req.raw_input_contents.append(np.zeros((2, 64), "<f4").tobytes())  # both forms at once: refused, as Triton does
+    with grpc.insecure_channel(server.grpc) as ch, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, metadata=(("authorization", AUTH["Authorization"]),))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "send one or the other" in e.value.details()
 
 
 def test_bundle_names_and_cli_errors(tmp_path):

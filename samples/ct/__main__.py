@@ -43,9 +43,10 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--runs", default="runs", show_default=True, help="Where the run directories go (set in the TOMLs).")
-def train(runs: str) -> None:
-    """Train the teacher, then distill the student (dsedge train / dsedge distill)."""
+def train() -> None:
+    """Train the teacher, then distill the student (dsedge train / dsedge distill) into runs/ct-teacher and
+    runs/ct-student: the out_dir of teacher.toml and student.toml (edit them to move the runs; "build --runs"
+    reads them from there)."""
     for verb, cfg in (("train", HERE / "teacher.toml"), ("distill", HERE / "student.toml")):
         p = _dsedge(verb, str(cfg))
         sys.stderr.write(p.stderr[-2000:])

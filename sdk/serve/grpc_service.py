@@ -63,6 +63,9 @@ def decode_inputs(request: Any) -> dict[str, np.ndarray]:
         if t.name in inputs:
             raise invalid(f"input {t.name!r} is given twice")
         if raw:
+            if t.HasField("contents"):  # as Triton: one or the other, never both (which one would be meant?)
+                raise invalid(f"input {t.name!r} has typed contents and the request has raw_input_contents: "
+                              "send one or the other")
             inputs[t.name] = from_raw(t.name, t.datatype, list(t.shape), raw[i])
             continue
         field = _CONTENTS.get(t.datatype.upper())

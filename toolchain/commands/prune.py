@@ -97,8 +97,10 @@ def prune(model: str, output: Path, pattern: str, sparsity: float, calib: Path |
         say(f"wrote {output}: 2:4 sparsity on {len(report['layers'])} layers"
             + (f" (skipped {len(report['skipped'])})" if report["skipped"] else ""))
     else:
+        said = (f" (asked {sparsity:.1%}: each block keeps at least 8 channels, a multiple of 8)"
+                if report["sparsity"] < sparsity - 0.005 else "")
         say(f"wrote {output}: {report['sparsity']:.1%} of MLP hidden channels removed in {len(report['blocks'])} "
-            "blocks")
+            f"blocks{said}")
     if report.get("finetune"):
         b, a = report["heldout_before"], report["heldout_after"]
         say(f"fine-tune {report['finetune']['steps']} steps: held-out cosine mean vs the unpruned model "
