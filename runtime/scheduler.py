@@ -18,22 +18,22 @@ the expected time but not the tail runs alone.
 
 Predictions are the profile's tail estimate of service time (see runtime/latency_profile.py: a sliding-window
 quantile per batch size and length bucket, fed only by measured service times, never by request latencies).
-Nothing multiplies them, so no run of late answers can lock a lane. What keeps an over-estimate from sticking
-when a lane rejects everything (so nothing runs that would correct it): the request last refused (for its budget
-or its plan) is kept, and the idle worker runs it again as a probe, at most every ``probe_interval_ms``, unless a
-real batch of its kind (batch size, length bucket) ran within ``probe_after_ms`` and the lane took a request within
-the last ``probe_interval_ms``: then real batches are measuring it already, and under overload a probe is a run
-nobody asked for, which new arrivals queue behind (at 3× load through ``dsedge serve``, probing every 100 ms
-regardless took a third of the backend's busy time). Probes do not count as such runs, so a lane that refuses
-everything (after a stall, or a cold start whose first samples were slow) keeps probing every
-``probe_interval_ms`` and its stale estimate is replaced within about a second. (Waiting ``probe_after_ms`` after
-the last real batch even when nothing was taken since refused every request of a cold start's first half second
-in 6 of 19 runs: MiniLM fp32, 0.5× load, 20 ms budget; none in 6 runs since.) A request expected (the median, not the
-tail) to take more than ``probe_limit`` (4) times its budget alone, and over 10 ms, is not kept as a probe: no plausible over-estimate
-would admit it (the lock-in this corrects predicted 21.7 ms against a 20 ms budget where 6.5 ms was measured), and a
-probe is paid in full by an idle backend: one refused 64 × 512-token MiniLM request (6.5 s predicted, 50 ms budget)
-through ``dsedge serve`` kept a core busy for seconds and grew the server's memory from 0.4 to 2.9 GB (ONNX
-Runtime's arena keeps what a shape took).
+Nothing multiplies them, so no run of late answers can lock a lane. What keeps an over-estimate from sticking when a
+lane rejects everything (so nothing runs that would correct it): the request last refused (for its budget or its
+plan) is kept, and the idle worker runs it again as a probe, at most every ``probe_interval_ms``, unless a real
+batch of its kind (batch size, length bucket) ran within ``probe_after_ms`` and the lane took a request within the
+last ``probe_interval_ms``: then real batches are measuring it already, and under overload a probe is a run nobody
+asked for, which new arrivals queue behind (at 3× load through ``dsedge serve``, probing every 100 ms regardless
+took a third of the backend's busy time). Probes do not count as such runs, so a lane that refuses everything (after
+a stall, or a cold start whose first samples were slow) keeps probing every ``probe_interval_ms`` and its stale
+estimate is replaced within about a second. (Waiting ``probe_after_ms`` after the last real batch even when nothing
+was taken since refused every request of a cold start's first half second in 6 of 19 runs: MiniLM fp32, 0.5× load,
+20 ms budget; none in 6 runs since.) A request expected (the median, not the tail) to take more than ``probe_limit``
+(4) times its budget alone, and over 10 ms, is not kept as a probe: no plausible over-estimate would admit it (the
+lock-in this corrects predicted 21.7 ms against a 20 ms budget where 6.5 ms was measured), and a probe is paid in
+full by an idle backend: one refused 64 × 512-token MiniLM request (6.5 s predicted, 50 ms budget) through ``dsedge
+serve`` kept a core busy for seconds and grew the server's memory from 0.4 to 2.9 GB (ONNX Runtime's arena keeps
+what a shape took).
 
 Cold start: a lane starts with whatever its profile was seeded with (the bundle's build-time figures, scaled once
 this machine measured something) and its worker's first act is a warm-up run off the caller's thread (untimed: it

@@ -443,10 +443,10 @@ class Session:
         frees in time, else it is refused "overload" as it would have been; without draining they get "shutdown".
 
         After ``timeout_s`` seconds of draining, whatever is still queued is rejected with "shutdown" at once (a
-        batch already running finishes first, and ``close`` returns after it). Every submitted future is resolved when this returns; called from a
-        future's done-callback (the session's own worker thread), the close finishes on a helper thread right
-        after the callback. Further ``submit`` calls raise SessionClosedError; ``run`` is no longer available
-        either. Closing again does nothing.
+        batch already running finishes first, and ``close`` returns after it). Every submitted future is resolved
+        when this returns; called from a future's done-callback (the session's own worker thread), the close
+        finishes on a helper thread right after the callback. Further ``submit`` calls raise SessionClosedError;
+        ``run`` is no longer available either. Closing again does nothing.
 
         Raises:
             InputError: ``drain`` not a bool, ``timeout_s`` not None or a finite number ≥ 0 (checked before anything
@@ -522,7 +522,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         reserve_cores: on ONNX Runtime's CPU provider, cores kept free of the streaming lanes for your own threads:
             unless ``threads`` is given, the instances are spread over the other cores (2 cores, 1 reserved: one
             instance of 1 thread; ``runtime/instances.reserved_layout``), and no fallback lane is added; reserving
-            every core is an ``InputError``. ``dsedge serve --reserve-cores`` (default 0) passes it; docs/serve.md has what it measured.
+            every core is an ``InputError``. ``dsedge serve --reserve-cores`` (default 0) passes it; docs/serve.md
+            has what it measured.
         pin_instances: on ONNX Runtime's CPU provider, pin the worker thread of each 1-thread instance to a core of
             its own when there are as many cores (``runtime/instances.instance_cpus``; Linux). Left to the OS
             scheduler, two instances' workers were often kept on one core while the other idled

@@ -17,8 +17,8 @@ def export() -> None:
 @click.argument("bundle", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False),
               help="Model repository directory: a new or empty folder, or an existing model repository updated in "
-                   "place (each model renamed into place, replacing one of the same name unless dsedge exported that one "
-                   "for another target; other models are kept).")
+                   "place (each model renamed into place, replacing one of the same name unless dsedge exported "
+                   "that one for another target; other models are kept).")
 @click.option("--platform", type=click.Choice(PLATFORMS), default=None,
               help="Triton backend: onnxruntime (default on CPU, and on GPU without an engine in the bundle), "
                    "tensorrt (engine or trtexec command), python (model.py running dsedge's Session).")
