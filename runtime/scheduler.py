@@ -944,7 +944,8 @@ class BudgetScheduler:
             elif alone + lane.margin_s * 1e3 > budget_ms:
                 lane.refused(req)
                 margin = f" + {lane.margin_s * 1e3:g} ms margin" if lane.margin_s else ""
-                reasons.append((BUDGET, f"predicted {alone:.1f} ms alone on {lane.name}{margin} > budget "
+                where = f"{lane.name}'s fallback backend" if lane.fallback else lane.name
+                reasons.append((BUDGET, f"predicted {alone:.1f} ms alone on {where}{margin} > budget "
                                         f"{budget_ms:.4g} ms"))
                 continue
             else:

@@ -121,6 +121,9 @@ def test_a_request_too_tight_for_the_instances_alone_goes_to_the_fallback_backen
     tight = sched.submit(text_request(rng, 8), 20).result(10)  # 40 ms alone on an instance > 20: the fallback serves
     assert roomy.ok and tight.ok
     assert (first.batches, second.batches, spare.batches) == (1, 0, 1)
+    never = sched.submit(text_request(rng, 8), 0.1).result(10)  # under the margin even on the fallback: the
+    assert never.reason == "budget" and " ms alone on fp32 + " in never.detail  # refusal names both backends
+    assert "ms alone on fp32's fallback backend + " in never.detail, never.detail
     assert metrics.snapshot()["cascaded"] == {}
     sched.close()
 
