@@ -557,11 +557,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     check_signature(path, trusted_keys)
     manifest = verify_bundle(path)
     v = manifest.variant(variant)
-    batch_symbol = BatchLayout.of(manifest.inputs, manifest.outputs).batch_symbol
-    top = manifest.shape_ranges.get(batch_symbol or "", {}).get("max")
-    if max_batch is not None and top is not None and int(max_batch) > int(top):
-        raise InputError(f"max_batch={max_batch} is above the bundle's batch range max {top}",
-                         f"pass max_batch={top} or less: batches stay within the shapes the bundle was built for")
+    check_max_batch(manifest, max_batch)
 
     def open_variant(name: str) -> Any:  # the target's backend (TensorRT when here), else ONNX Runtime
         return open_backend(VariantFiles(Path(path), manifest, manifest.variant(name)), Preferences(providers, threads))
@@ -619,6 +615,16 @@ def _cores() -> int:
 def _on_ort_cpu(backend: Any) -> bool:
     """``backend`` runs on ONNX Runtime's CPU provider (its first provider in use)."""
     return list(getattr(backend, "providers", []))[:1] == ["CPUExecutionProvider"]
+
+
+def check_max_batch(manifest: Any, max_batch: int | None, option: str = "max_batch=") -> None:
+    """Refuse a ``max_batch`` above the bundle's batch range max (``option`` spells the setting in the message:
+    ``"max_batch="`` for ``load``, ``"--max-batch "`` for ``dsedge serve``). Raises InputError."""
+    batch_symbol = BatchLayout.of(manifest.inputs, manifest.outputs).batch_symbol
+    top = manifest.shape_ranges.get(batch_symbol or "", {}).get("max")
+    if max_batch is not None and top is not None and int(max_batch) > int(top):
+        raise InputError(f"{option}{max_batch} is above the bundle's batch range max {top}",
+                         f"pass {option}{top} or less: batches stay within the shapes the bundle was built for")
 
 
 def auto_instances(backend: Any, instances: int | None, threads: int | None,

@@ -294,17 +294,12 @@ class Repository:
         ``--variant`` a bundle does not have, a ``--max-batch`` over a bundle's batch range. Raises DsedgeError
         (``load`` would, after the listeners started)."""
         from ..runtime.bundle import read_manifest
+        from ..session import check_max_batch
 
-        variant, max_batch = self._opts["variant"], self._opts["max_batch"]
-        for _, path in self._specs:
+        for _, path in self._specs:  # the checks load() makes, in the server's spelling
             m = read_manifest(path)
-            names = [v.name for v in m.variants]
-            if variant is not None and variant not in names:
-                raise DsedgeError(f"{path}: bundle has no variant {variant!r}", f"choose one of: {', '.join(names)}")
-            top = (m.shape_ranges.get("batch") or {}).get("max")
-            if max_batch is not None and top is not None and int(max_batch) > int(top):
-                raise InputError(f"{path}: --max-batch {max_batch} is above the bundle's batch range max {top}",
-                                 f"pass --max-batch {top} or less")
+            m.variant(self._opts["variant"])
+            check_max_batch(m, self._opts["max_batch"], "--max-batch ")
 
     def load(self) -> None:
         """Open and profile every bundle (blocking; run it off the event loop). Raises DsedgeError."""
