@@ -597,6 +597,10 @@ class Lane:
                 _answering.on = False
         self.metrics.on_answer(answer)
 
+    def _standby_waiting(self) -> bool:
+        # requests wait on this lane's standby list and the lane may take them (not paused; a fallback has none)
+        return self.standby is not None and len(self.standby) > 0 and not self.paused
+
     def _reject_standby(self, expired: Sequence[tuple[Request, str]]) -> None:
         # standby entries no idle instance can start in time any more: refused now (never admitted)
         now = _clock()
@@ -707,8 +711,8 @@ class Lane:
         while True:
             probe, expired = None, []
             with self._cond:
-                if (not self._running and not self._queue and self.standby is not None
-                        and (not self._closing or self._drain) and not self.paused):
+                if (not self._running and not self._queue and self._standby_waiting()
+                        and (not self._closing or self._drain)):
                     expired = self._take_standby()  # draining, too: what waits there was sent before close()
             if expired:
                 self._reject_standby(expired)
@@ -716,7 +720,7 @@ class Lane:
             with self._cond:
                 standby = False
                 while self._running or (not self._queue and not self._closing):
-                    if not self._running and self.standby is not None and len(self.standby) and not self.paused:
+                    if not self._running and self._standby_waiting():
                         standby = True  # take from it (at the top of the loop)
                         break
                     if not self._running and self._refused is not None and not self._closing:
@@ -741,16 +745,10 @@ class Lane:
                 if probe is not None:
                     self._running = True
                     self._mark_running(_clock(), probe.rows, probe.seq)
-                elif not self._queue:
-                    if self._drain and self.standby is not None and len(self.standby) and not self.paused:
+                elif not self._queue:  # closing: drained, or (without draining) emptied by close()
+                    if self._drain and self._standby_waiting():
                         continue  # each entry is taken or expires at the top: the list empties
-                    return  # closing and drained
-                elif self._closing and not self._drain:
-                    pending = [r for _, r in self._queue]
-                    self._queue.clear()
-                    for r in pending:
-                        self._reject(r, SHUTDOWN, "session closed before this request ran")
-                    continue
+                    return
                 else:
                     now = _clock()
                     try:
@@ -824,22 +822,27 @@ class Lane:
         with self._cond:
             self._closing = True
             self._drain = drain
+            pending = [] if drain else self._take_queue()
             self._cond.notify_all()
-        if not drain:
-            self._reject_queued()
+        self._reject_shutdown(pending)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             with self._cond:
                 self._drain = False
+                pending = self._take_queue()
                 self._cond.notify_all()
-            self._reject_queued()
+            self._reject_shutdown(pending)
             self._thread.join()
 
-    def _reject_queued(self) -> None:
-        # from the closing thread, while a batch may still run: what is queued is answered "shutdown" now
-        with self._cond:
-            pending = [r for _, r in self._queue]
-            self._queue.clear()
+    def _take_queue(self) -> list[Request]:
+        # under self._cond, with _closing set and _drain not: nothing can be queued after this (enqueue refuses a
+        # closing lane, and only a draining one takes from the standby list), so the worker never runs it
+        pending = [r for _, r in self._queue]
+        self._queue.clear()
+        return pending
+
+    def _reject_shutdown(self, pending: list[Request]) -> None:
+        # from the closing thread, while a batch may still run: answered "shutdown" now, not after it
         for r in pending:
             self._reject(r, SHUTDOWN, "session closed before this request ran")
 
@@ -1005,8 +1008,7 @@ class BudgetScheduler:
             if pushed:
                 lane._reject_standby(pushed)
             if self._closed:  # close() drained the list meanwhile
-                for r, _ in lane.standby.drain():
-                    lane._reject(r, SHUTDOWN, "session closed before this request ran (on standby)")
+                self._drain_standby()
             for inst in next(g for g in groups if g[0] is lane):
                 if not inst._running:  # it may have gone idle since its plan: it takes from the list
                     with inst._cond:
