@@ -819,20 +819,34 @@ class Lane:
         After ``timeout_s`` of draining (at once, without draining), whatever is still queued is rejected with
         "shutdown" then, not after the batch running meanwhile (a long one held a 1 s drain timeout for 9 s).
         """
+        self.begin_close(drain)
+        self._thread.join(timeout_s)
+        self.stop_draining()
+        self._thread.join()
+
+    def begin_close(self, drain: bool = True) -> None:
+        """The first step of ``close``: stop admitting, and without ``drain`` reject what is queued; returns at
+        once (``stop_draining`` and a join of ``thread`` finish it)."""
         with self._cond:
             self._closing = True
             self._drain = drain
             pending = [] if drain else self._take_queue()
             self._cond.notify_all()
         self._reject_shutdown(pending)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            with self._cond:
-                self._drain = False
-                pending = self._take_queue()
-                self._cond.notify_all()
-            self._reject_shutdown(pending)
-            self._thread.join()
+
+    def stop_draining(self) -> None:
+        """A drain's time is up: reject what is still queued ("shutdown") now; the running batch finishes."""
+        if not self._thread.is_alive():
+            return
+        with self._cond:
+            self._drain = False
+            pending = self._take_queue()
+            self._cond.notify_all()
+        self._reject_shutdown(pending)
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
 
     def _take_queue(self) -> list[Request]:
         # under self._cond, with _closing set and _drain not: nothing can be queued after this (enqueue refuses a
@@ -1034,10 +1048,17 @@ class BudgetScheduler:
         self._closed = True
         if not drain:
             self._drain_standby()
+        # every lane stops admitting at once and drains side by side; at the deadline every lane still draining
+        # stops together (lane by lane, the others kept starting queued batches while one finished its own)
         deadline = None if timeout_s is None else _clock() + timeout_s
         for lane in self.lanes:
-            left = None if deadline is None else max(0.0, deadline - _clock())
-            lane.close(drain=drain, timeout_s=left)
+            lane.begin_close(drain)
+        for lane in self.lanes:
+            lane.thread.join(None if deadline is None else max(0.0, deadline - _clock()))
+        for lane in self.lanes:
+            lane.stop_draining()
+        for lane in self.lanes:
+            lane.thread.join()
         self._drain_standby()  # what no draining instance took or expired (timed out, or only paused ones)
 
     def _drain_standby(self) -> None:

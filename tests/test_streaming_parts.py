@@ -199,6 +199,45 @@ def test_a_drain_timeout_refuses_what_is_queued_while_a_batch_still_runs(backend
     assert not closing.is_alive() and blocker.result(0).ok
 
 
+def test_a_drain_timeout_stops_every_instance_at_once(backend):
+    """Two instances of a variant, each inside a long batch with a request queued behind it: at the drain timeout
+    both queued requests are refused "shutdown" while both batches still run (closed lane by lane, the second
+    instance's queue waited for the first instance's batch to end, and kept starting batches meanwhile)."""
+    gates = [threading.Event(), threading.Event()]
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(1, 8, 1.0, 0.0)
+    prof.set(32, 8, 4.0, 0.0)
+    layout = BatchLayout.of(*TEXT_IO)
+    metrics = StreamMetrics()
+
+    def runner(gate):
+        def run(feed):
+            gate.wait(10)
+            return backend.run(feed)
+        return run
+
+    lanes = [Lane("fp32", runner(g), prof, layout, metrics, inline_ms=0.0, instance=i) for i, g in enumerate(gates)]
+    sched = BudgetScheduler(lanes, layout, metrics)
+    rng = np.random.default_rng(5)
+    blockers = []
+    for lane in lanes:
+        blockers.append(sched.submit(text_request(rng, 8), 600_000, id=f"blocker{lane.instance}"))
+        while lane._busy_until == 0.0:
+            time.sleep(0.001)
+    queued = [sched.submit(text_request(rng, 8), 600_000, id=f"queued{k}") for k in range(2)]
+    assert [lane.depth for lane in lanes] == [1, 1]
+    closing = threading.Thread(target=sched.close, kwargs={"timeout_s": 0.2})
+    t0 = time.perf_counter()
+    closing.start()
+    got = [f.result(5) for f in queued]  # both, while both blockers still hold their backends
+    assert all(isinstance(g, Rejected) and g.reason == "shutdown" for g in got)
+    assert time.perf_counter() - t0 < 2.0 and not any(b.done() for b in blockers)
+    for g in gates:
+        g.set()
+    closing.join(10)
+    assert not closing.is_alive() and all(b.result(0).ok for b in blockers)
+
+
 def test_a_batch_size_measured_slow_long_ago_is_tried_again(backend):
     """The worker picks the batch size of the best predicted rows per ms, and only picked sizes get measured: a size
     whose estimate rests on old samples is run once more (one request bigger than the pick) when it meets every
