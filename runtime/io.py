@@ -81,6 +81,17 @@ def is_real(value: Any) -> bool:
     return isinstance(value, (numbers.Real, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
+def real_value(value: Any) -> float:
+    """``value`` as a float: NaN for anything that is not a real number (``is_real``), ±inf for an integer too
+    large for a float (``float(10**400)`` raises OverflowError)."""
+    if not is_real(value):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 MAX_BUDGET_MS = 3_600_000.0   # one hour: a longer "latency budget" is a unit mistake (s vs ms)
 MAX_PRIORITY = 2**31 - 1
 
@@ -112,7 +123,7 @@ def check_request_options(budget_ms: Any, priority: Any,
     if not is_real(budget_ms):
         raise InputError(f"{what} must be a number of milliseconds, got {type(budget_ms).__name__} {budget_ms!r}",
                          "pass budget_ms=50.0 (ms), or None for the session's default")
-    budget = float(budget_ms)
+    budget = real_value(budget_ms)
     if not math.isfinite(budget) or not 0 < budget <= MAX_BUDGET_MS:
         raise InputError(f"{what} must be a finite number in (0, {MAX_BUDGET_MS:.0f}] ms, got {budget_ms!r}",
                          "pass budget_ms=50.0 (ms), or None for the session's default")
@@ -167,7 +178,7 @@ def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = 
     for name, value, low_open in (("budget_ms", budget_ms, True), ("max_delay_ms", max_delay_ms, False)):
         if value is None:
             continue
-        v = float(value) if is_real(value) else math.nan
+        v = real_value(value)
         if not (math.isfinite(v) and (v > 0 if low_open else v >= 0) and v <= MAX_BUDGET_MS):
             raise InputError(f"{name} must be a finite number in {'(' if low_open else '['}0, {MAX_BUDGET_MS:.0f}] ms, "
                              f"got {value!r}", f"pass {name}=50.0, or None for the default")

@@ -22,7 +22,7 @@ from .runtime.errors import DsedgeError, InferenceError, InputError, SessionClos
 from .runtime.golden import check_backend
 from .runtime.instances import host_cores, instance_cpus, recorded_threads, reserved_layout, thread_scale
 from .runtime.signing import check_signature
-from .runtime.io import (check_request_options, check_session_options, check_stream_inputs, is_real,
+from .runtime.io import (check_request_options, check_session_options, check_stream_inputs, real_value,
                          validate_inputs)
 from .runtime.metrics import StreamMetrics
 from .runtime.results import Rejected, Result
@@ -455,7 +455,7 @@ class Session:
         if not isinstance(drain, (bool, np.bool_)):
             raise InputError(f"drain must be True or False, got {type(drain).__name__} {drain!r}",
                              "close(drain=True) answers what is queued; drain=False rejects it")
-        if timeout_s is not None and not (is_real(timeout_s) and 0 <= float(timeout_s) < float("inf")):
+        if timeout_s is not None and not 0 <= real_value(timeout_s) < float("inf"):
             raise InputError(f"timeout_s must be None or a finite number of seconds >= 0, got {timeout_s!r}",
                              "pass close(timeout_s=5.0), or None to wait for the queue to drain")
         if self._closed:

@@ -129,6 +129,7 @@ def session(tmp_path_factory):
     ({"budget_ms": "5"}, "budget_ms must be a number"),
     ({"budget_ms": 0}, "budget_ms must be a finite number"),
     ({"budget_ms": True}, "budget_ms must be a number"),
+    ({"budget_ms": 10**400}, "budget_ms must be a finite number"),  # float() of it raised OverflowError
     ({"priority": "high"}, "priority must be an integer"),
     ({"priority": None}, "priority must be an integer"),
     ({"priority": float("nan")}, "priority must be an integer"),
@@ -163,6 +164,8 @@ def test_a_default_budget_that_is_not_a_number_is_an_input_error(tmp_path):
     ({"max_batch": "8"}, "max_batch must be an integer"),
     ({"max_queue": 0}, "max_queue must be an integer >= 1"),
     ({"max_delay_ms": float("nan")}, "max_delay_ms must be a finite number"),
+    ({"max_delay_ms": 10**400}, "max_delay_ms must be a finite number"),
+    ({"budget_ms": -10**400}, "budget_ms must be a finite number"),
     ({"budget_ms": -5}, "budget_ms must be a finite number"),
     ({"budget_ms": 1e9}, re.escape("budget_ms must be a finite number in (0, 3600000] ms, got 1000000000.0")),
     ({"profile": "fast"}, "profile must be one of auto, measure, bundle"),

@@ -254,7 +254,8 @@ def test_close_with_a_bad_argument_refuses_before_closing_anything(text):
     s = dsedge.load(text)
     row = {"input_ids": np.ones((1, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}
     assert s.submit(row).result(30).ok
-    for kwargs in (dict(timeout_s="1"), dict(timeout_s=-1), dict(timeout_s=float("nan")), dict(drain="no")):
+    for kwargs in (dict(timeout_s="1"), dict(timeout_s=-1), dict(timeout_s=float("nan")), dict(timeout_s=10**400),
+                   dict(drain="no")):
         with pytest.raises(dsedge.InputError):
             s.close(**kwargs)
     assert s.submit(row).result(30).ok  # still open: a TypeError used to leave it marked closed, lanes running

@@ -327,12 +327,39 @@ def _header(obj: dict) -> bytes:
      "(expected 40000000000000000000000)"),
     (b"[" * 20000 + b"]" * 20000, {}, 400, "nests JSON deeper than the parser allows"),
     (b"{" + b" " * (CAP + 10) + b"}", {}, 413, "65536-byte limit"),
+    (_header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}],
+              "parameters": {"budget_ms": 10 ** 400}}), {}, 400, "'budget_ms' must be a positive number, got 1000"),
+    (_header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}],
+              "parameters": {"timeout": 10 ** 400}}), {}, 400, "'timeout' must be a positive number"),
+    (_header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}],
+              "outputs": [{"name": "y", "parameters": 5}]}), {}, 400, "output 'y': 'parameters' must be an object"),
+    (_header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}],
+              "outputs": [{"name": "y", "parameters": {"binary_data": "false"}}]}), {}, 400,
+     "parameter 'binary_data' must be true or false, got 'false'"),
+    (_header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}],
+              "parameters": {"binary_data_output": "false"}}), {}, 400,
+     "parameter 'binary_data_output' must be true or false"),
+    (_header({"inputs": []}), {"Inference-Header-Content-Length": "\u00b2"}, 400,
+     "Inference-Header-Content-Length '\u00b2' does not fit"),
 ], ids=["garbage-json", "no-inputs", "wrong-datatype", "wrong-shape", "too-few-values", "unknown-input", "bytes",
         "strings-for-floats", "unknown-output", "short-binary", "negative-binary-size", "huge-shape", "deep-json",
-        "oversized"])
+        "oversized", "huge-int-budget", "huge-int-timeout", "output-parameters-not-an-object",
+        "binary-flag-as-string", "request-binary-flag-as-string", "non-ascii-digit-header"])
 def test_malformed_requests_get_4xx_with_a_message(server, body, headers, status, message):
     code, err = _raw_post(server, "/v2/models/mlp-cpu/infer", body, headers)
     assert code == status and message in err["error"], err
+
+
+def test_unknown_endpoints_and_methods_get_a_json_error(server, client):
+    from tritonclient.utils import InferenceServerException
+
+    code, err = _raw_post(server, "/v2/repository/index", b"{}")
+    assert code == 404 and err["reason"] == "not_found" and "no such endpoint '/v2/repository/index'" in err["error"]
+    code, err = _raw_post(server, "/v2/health/live", b"{}")
+    assert code == 405 and err["reason"] == "method_not_allowed" and "POST is not allowed" in err["error"], err
+    with pytest.raises(InferenceServerException) as e:  # tritonclient reads the error body (it was plain text)
+        client.get_model_config("mlp-cpu", headers=AUTH)
+    assert "no such endpoint" in e.value.message() and "Parse error" not in e.value.message()
 
 
 def test_unknown_model_version_and_server_keeps_serving(server, client, gclient, reference):

@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from .auth import TokenCheck
 from .models import VERSION, Repository
-from .protocol import ServeError, from_list, from_raw, invalid, rejection, v2_datatype
+from .protocol import ServeError, from_list, from_raw, invalid, not_found, rejection, v2_datatype
 
 log = logging.getLogger("dsedge.serve")
 _HEADER_LEN = "inference-header-content-length"
@@ -96,7 +96,7 @@ async def _read_body(request: Request, cap: int, timeout_s: float = BODY_TIMEOUT
 def parse_infer_body(body: bytes, header_len: str | None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """A v2 infer request body → (the JSON header, numpy inputs). Raises ServeError(400)."""
     if header_len is not None:
-        if not header_len.isdigit() or int(header_len) > len(body):
+        if not (header_len.isascii() and header_len.isdigit()) or int(header_len) > len(body):
             raise invalid(f"Inference-Header-Content-Length {header_len!r} does not fit a {len(body)}-byte body")
         n = int(header_len)
         head, rest = body[:n], memoryview(body)[n:]
@@ -139,9 +139,18 @@ def parse_infer_body(body: bytes, header_len: str | None) -> tuple[dict[str, Any
     return req, inputs
 
 
+def _flag(params: dict[str, Any], key: str, where: str, default: bool = False) -> bool:
+    """A boolean parameter: JSON true/false only (the string "false" is not false; Triton refuses it too)."""
+    v = params.get(key, default)
+    if not isinstance(v, bool):
+        raise invalid(f"{where}: parameter {key!r} must be true or false, got {v!r:.40}")
+    return v
+
+
 def requested_outputs(req: dict[str, Any]) -> tuple[list[str] | None, dict[str, bool]]:
     """The ``outputs`` list (names, or None for all) and which are asked for binary."""
-    default_binary = bool((req.get("parameters") or {}).get("binary_data_output", False))
+    params = req.get("parameters") or {}
+    default_binary = _flag(params, "binary_data_output", "the request") if isinstance(params, dict) else False
     outs = req.get("outputs")
     if outs is None:
         return None, {"*": default_binary}
@@ -152,10 +161,12 @@ def requested_outputs(req: dict[str, Any]) -> tuple[list[str] | None, dict[str, 
         if not isinstance(o, dict) or not isinstance(o.get("name"), str):
             raise invalid("each requested output must be an object with a 'name'")
         p = o.get("parameters") or {}
+        if not isinstance(p, dict):
+            raise invalid(f"output {o['name']!r}: 'parameters' must be an object")
         if p.get("classification"):
             raise invalid("the classification extension is not supported")
         names.append(o["name"])
-        binary[o["name"]] = bool(p.get("binary_data", default_binary))
+        binary[o["name"]] = _flag(p, "binary_data", f"output {o['name']!r}", default_binary)
     return names, binary
 
 
@@ -245,5 +256,16 @@ def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck |
         Route("/v2/models/{model}/infer", infer, methods=["POST"]),
         Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
     ]
-    app = Starlette(routes=routes)
+
+    async def no_route(request: Request, exc: Exception) -> Response:
+        # as every other error of this API: a JSON body (tritonclient parses it), not Starlette's plain text
+        if getattr(exc, "status_code", 404) == 405:
+            allowed = getattr(exc, "headers", None) or {}
+            return _error(ServeError(405, "UNIMPLEMENTED", f"{request.method} is not allowed on {request.url.path}"
+                                     + (f" (allowed: {allowed['Allow']})" if "Allow" in allowed else ""),
+                                     "method_not_allowed"))
+        return _error(not_found(f"no such endpoint {request.url.path!r}: dsedge serve implements health, "
+                                "metadata, ready and infer of the KServe v2 protocol (docs/serve.md)"))
+
+    app = Starlette(routes=routes, exception_handlers={404: no_route, 405: no_route})
     return app if auth is None else auth.asgi(app, open_paths=("/v2/health/",))

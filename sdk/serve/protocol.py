@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..runtime.io import MAX_BUDGET_MS
+from ..runtime.io import MAX_BUDGET_MS, real_value
 
 # numpy dtype name ↔ v2 datatype. BYTES (strings) is not served: no dsedge bundle takes string tensors.
 V2_OF_NUMPY: dict[str, str] = {
@@ -140,15 +140,22 @@ class Deadline:
     source: str
 
 
+def _short(v: Any, limit: int = 40) -> str:
+    """``repr(v)``, cut to ``limit`` characters (a 400-digit number in a message is noise)."""
+    r = repr(v)
+    return r if len(r) <= limit else f"{r[:limit - 3]}..."
+
+
 def _number(params: Mapping[str, Any], key: str, zero_is_none: bool = False) -> float | None:
     if key not in params or params[key] is None:
         return None
     v = params[key]
     if zero_is_none and v == 0 and not isinstance(v, bool):
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise invalid(f"parameter {key!r} must be a positive number, got {v!r}")
-    return float(v)
+    f = real_value(v) if isinstance(v, (int, float)) else math.nan
+    if not math.isfinite(f) or f <= 0:
+        raise invalid(f"parameter {key!r} must be a positive number, got {_short(v)}")
+    return f
 
 
 def deadline(params: Mapping[str, Any], default_ms: float) -> Deadline:
