@@ -89,7 +89,7 @@ class StreamMetrics:
             rejected = dict(self.rejected)
             n_rej = sum(rejected.values())
             deadline = rejected.get("deadline", 0)
-            admitted = self.submitted - (n_rej - deadline - rejected.get("shutdown", 0))
+            admitted = self.submitted - (n_rej - deadline)  # "shutdown" is no promise broken: not admitted
             end = self._t_last if self._t_last is not None else time.perf_counter()
             elapsed = (end - self._t0) if self._t0 is not None else 0.0
             missed = self.late + self.errors + deadline

@@ -381,6 +381,10 @@ class StreamingCore:
 
     # -- reporting and shutdown -------------------------------------------------------------------------------
     def lane_stats(self) -> dict[str, dict[str, int]]:
+        """Per variant: ``queue_depth`` (requests queued now, on all its instances), ``max_queue_depth`` (the
+        deepest any one instance's queue has been: each instance batches its own queue), ``batches``, ``inline``,
+        ``probes`` and ``from_standby`` (summed over its instances), ``standby_expired``, ``max_batch`` and
+        ``instances``."""
         out: dict[str, dict[str, int]] = {}
         for l in self.lanes:  # a variant's instances add up
             got = out.setdefault(l.name, {"queue_depth": 0, "max_queue_depth": 0, "batches": 0, "inline": 0,

@@ -401,7 +401,8 @@ class Session:
     def metrics(self) -> dict[str, Any]:
         """Counts, p50/p90/p99 latency (ms), goodput (answers within budget per s), rejection and budget-miss
         rates for everything sent through ``submit``/``stream``/``infer_async``/``stream_async`` (not ``run``; see
-        ``StreamMetrics`` for the keys and units), plus ``lanes`` (queue depth, batches per variant) and, once
+        ``StreamMetrics`` for the keys and units), plus ``lanes`` (queue depth, batches per variant:
+        ``StreamingCore.lane_stats``) and, once
         ``generate_stream`` was used, ``decode`` (steps, prefills, rows per step; generation requests are not in the
         request counts)."""
         snap = self._metrics.snapshot()

@@ -199,6 +199,26 @@ def test_a_drain_timeout_refuses_what_is_queued_while_a_batch_still_runs(backend
     assert not closing.is_alive() and blocker.result(0).ok
 
 
+def test_requests_closed_before_they_ran_are_not_counted_as_admitted(backend):
+    """``metrics()``: "shutdown" is a refusal (in ``rejected_at_admission``), so not admitted as well; it had counted
+    in both, and admitted plus refused came to more than submitted."""
+    gate = threading.Event()
+    lane = _lane(backend, gate)
+    sched, blocker = _blocked(lane, np.random.default_rng(0))
+    rng = np.random.default_rng(1)
+    queued = [sched.submit(text_request(rng, 8), 600_000) for _ in range(3)]
+    closing = threading.Thread(target=sched.close, kwargs={"drain": False})
+    closing.start()
+    assert all(f.result(5).reason == "shutdown" for f in queued)
+    gate.set()
+    closing.join(10)
+    assert blocker.result(0).ok
+    m = lane.metrics.snapshot()
+    assert (m["submitted"], m["admitted"], m["rejected_at_admission"]) == (4, 1, {"shutdown": 3})
+    assert m["admitted"] + sum(m["rejected_at_admission"].values()) == m["submitted"]
+    assert m["budget_miss_rate"] == 0.0 and m["in_flight"] == 0
+
+
 def test_a_drain_timeout_stops_every_instance_at_once(backend):
     """Two instances of a variant, each inside a long batch with a request queued behind it: at the drain timeout
     both queued requests are refused "shutdown" while both batches still run (closed lane by lane, the second
