@@ -4,7 +4,10 @@ A model batches dynamically when every input and output has the same symbolic fi
 each request runs alone. Requests of different sequence lengths share a batch only when the model takes an
 attention mask over that sequence axis: the shorter ones are right-padded with zeros (mask 0, token 0, the
 BERT/HF convention), and outputs that carry the sequence axis are cut back to each request's own length.
-Without a mask, only requests of identical shapes are batched together.
+Without a mask, only requests of identical shapes are batched together. Nor is a request padded that has a row
+whose mask is all zero (no real token): attention then spreads over every masked key, padding included, so its
+answer would depend on the longest batch-mate (a MiniLM ``last_hidden_state`` moved by 3.0); it batches only with
+requests of its own length.
 """
 from __future__ import annotations
 
@@ -64,12 +67,22 @@ class BatchLayout:
     def group_key(self, feed: dict[str, np.ndarray]) -> tuple:
         """Requests with equal keys can share a batch: shapes without the batch axis (and the padded axis)."""
         key = []
+        pad = self.can_pad and self.dynamic and not self._empty_mask_row(feed)
         for s in self.inputs:
             shape = list(feed[s.name].shape[1:] if self.dynamic else feed[s.name].shape)
-            if self.can_pad and self.dynamic and len(s.shape) > 1 and s.shape[1] == self.seq_symbol:
+            if pad and len(s.shape) > 1 and s.shape[1] == self.seq_symbol:
                 shape[0] = -1
             key.append((s.name, tuple(shape)))
         return tuple(key)
+
+    def _empty_mask_row(self, feed: dict[str, np.ndarray]) -> bool:
+        """True when a row of a ``*mask*`` input over the sequence axis is all zero (see the module doc)."""
+        for s in self.inputs:
+            if "mask" in s.name.lower() and len(s.shape) > 1 and s.shape[1] == self.seq_symbol:
+                m = feed[s.name]
+                if m.ndim == 2 and m.shape[1] and not m.any(axis=1).all():
+                    return True
+        return False
 
     def stack(self, feeds: Sequence[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], int | None]:
         """Concatenate ``feeds`` on axis 0, right-padding the sequence axis with zeros to the longest.

@@ -113,6 +113,32 @@ def test_reference_bundle_variants_are_batch_invariant(reference_build):
             assert v.batch_invariant is not False  # served batched, so it must not be marked batch-variant
 
 
+def test_a_request_whose_mask_row_is_all_zero_is_answered_as_alone(reference_build):
+    """A row with no real token attends uniformly over every masked key, so padding it to a longer batch-mate moved
+    MiniLM's ``last_hidden_state`` by about 3 (a break-it pass, through ``submit`` and over HTTP). The scheduler
+    batches such a request only with requests of its own length: through ``submit``, among batch-mates of other
+    lengths, it gets what ``run`` gives it alone."""
+    rng = np.random.default_rng(3)
+    with dsedge.load(reference_build.bundle, providers=["CPUExecutionProvider"]) as s:
+        reqs = _requests(rng, s.inputs)
+        empty = {k: v.copy() for k, v in reqs[0].items()}
+        empty["attention_mask"][:] = 0
+        layout = BatchLayout.of(s.inputs, s.outputs)
+        batch, _ = layout.stack([empty, reqs[3]])  # what padding did: the answer moves
+        alone = s.run(empty)["last_hidden_state"]
+        moved = layout.split(s.run(batch), [empty, reqs[3]])[0]["last_hidden_state"]
+        assert np.abs(moved - alone).max() > 1e-2
+        s.submit(reqs[1]).result(60)
+        sizes = []
+        for _ in range(3):
+            futs = [s.submit(r, budget_ms=60_000) for r in (reqs[3], empty, reqs[1], reqs[2], empty)]
+            got = [f.result(60) for f in futs]
+            sizes += [g.batch_size for g in got]
+            for g in (got[1], got[4]):
+                assert np.abs(g.outputs["last_hidden_state"] - alone).max() <= TOL * np.abs(alone).max()
+        assert max(sizes) >= 2  # requests did share batches meanwhile
+
+
 def test_cpu_fp32_is_the_fused_export_exact_and_batch_invariant(reference_build, tmp_path):
     """On ONNX Runtime targets the fp32 candidate is the fastest batch-invariant form: the parity-checked TorchScript
     export with ORT's transformer fusions, so the cpu default (chosen by latency side by side) beats it or is it."""

@@ -148,6 +148,19 @@ def test_layout_pads_and_splits_back_exactly(backend):
         np.testing.assert_allclose(part["last_hidden_state"], alone["last_hidden_state"], rtol=1e-5, atol=1e-6)
 
 
+def test_a_request_with_an_all_zero_mask_row_batches_only_with_its_own_length():
+    layout = BatchLayout.of(*TEXT_IO)
+    rng = np.random.default_rng(2)
+    empty = text_request(rng, 5)
+    empty["attention_mask"][:] = 0
+    normal = [text_request(rng, s) for s in (5, 9)]
+    assert layout.group_key(empty) != layout.group_key(normal[0]) == layout.group_key(normal[1])
+    other = text_request(rng, 5)
+    other["attention_mask"][:] = 0
+    assert layout.group_key(empty) == layout.group_key(other)  # its own length still batches (nothing to pad)
+    # (the real model's answer moving under padding: tests/test_streaming_invariance.py)
+
+
 def test_layout_without_mask_or_batch_axis():
     no_mask = BatchLayout.of([IOSpec("ids", "int64", ("batch", "sequence"))],
                              [IOSpec("out", "float32", ("batch", "sequence", 4))])
