@@ -67,7 +67,8 @@ class Variant:
     """One compiled form of the model in the bundle (e.g. ``int4``, ``fp32``).
 
     ``size_bytes`` is the ONNX file size; ``accuracy`` holds metrics vs fp32 (e.g. ``cosine_mean``);
-    ``latency_ms`` holds build-time CPU latency by batch size (``{"1": {"p50": …, "p99": …}}``).
+    ``latency_ms`` holds build-time CPU latency by batch size (``{"1": {"p50": …, "p99": …}}``; a model with a static
+    batch axis is timed at its own batch size: ``first_latency``).
     ``batch_invariant``: False when a row's output depends on its batch-mates (e.g. per-tensor dynamic INT8; the
     scheduler then serves it at batch 1 unless the caller opts in), True when checked invariant, None (omitted in
     the JSON) when not recorded.
@@ -95,6 +96,17 @@ class Variant:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise BundleError(f"manifest variant {d!r} is malformed ({e})", "rebuild the bundle") from None
+
+
+def first_latency(latency_ms: Any) -> dict[str, Any]:
+    """The build-time latency record of the smallest batch in a variant's ``latency_ms`` (keys ``"1"``, ``"8"`` or
+    ``"8x64"``: batch 1, or the static batch of a model without a dynamic batch axis); ``{}`` when there is none."""
+    best: tuple[int, dict[str, Any]] | None = None
+    for key, rec in (latency_ms or {}).items() if isinstance(latency_ms, dict) else ():
+        head = str(key).partition("x")[0]
+        if head.isdigit() and isinstance(rec, dict) and (best is None or int(head) < best[0]):
+            best = (int(head), rec)
+    return best[1] if best else {}
 
 
 def _optional_bool(x: Any) -> bool | None:

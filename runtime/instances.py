@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from .bundle import first_latency
+
 # (threads_a / threads_b) ** THREAD_EXPONENT: how much longer a run on threads_b intra-op threads takes than on
 # threads_a, fitted on MiniLM fp32 at batch 1 on a 2-core host (10.3 ms on 1 thread, 6.6 ms on 2: 1.56x). A seed
 # only: the runtime rescales a bundle's figures by this machine's own measurements as soon as there are any.
@@ -72,8 +74,7 @@ def recorded_threads(latency_ms: dict | None) -> int | None:
     """The intra-op threads a bundle variant's build-time ``latency_ms`` was measured with (``"threads"`` of its
     batch-1 record, written by ``dsedge build`` since it times in the serving layout), or None for a bundle that
     does not say (those were timed with ORT's default: one thread per core of the build host)."""
-    rec = (latency_ms or {}).get("1")
-    t = rec.get("threads") if isinstance(rec, dict) else None
+    t = first_latency(latency_ms).get("threads")
     return int(t) if isinstance(t, int) and not isinstance(t, bool) and t > 0 else None
 
 

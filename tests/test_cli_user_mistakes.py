@@ -317,20 +317,26 @@ def test_a_broken_user_profile_overriding_a_target_says_why_not_unknown_target(t
     assert "error: target profile cpu.toml field default_budget_ms: 'fast' is not of type 'number'" in err, err
 
 
-def test_an_onnx_model_with_a_static_batch_of_one_builds(mlp, tmp_path, capsys):
+@pytest.mark.parametrize("batch, precision", [(1, "fp32"), (2, "fp32"), (2, "auto")])
+def test_an_onnx_model_with_a_static_batch_builds_and_is_timed_at_that_batch(mlp, tmp_path, capsys, batch,
+                                                                             precision):
+    """A static batch of 2 never built: build-time latency was timed at batch 1, which the model cannot run (and
+    the error's hint spoke of bench). It is timed at its own batch size now."""
     import onnx
 
     import dsedge
 
     m = onnx.load(str(mlp))
     for v in (m.graph.input[0], m.graph.output[0]):
-        v.type.tensor_type.shape.dim[0].dim_value = 1
+        v.type.tensor_type.shape.dim[0].dim_value = batch
     onnx.save(m, str(tmp_path / "static.onnx"))
-    code, _, err = run_main(["build", "--model", tmp_path / "static.onnx", "--target", "cpu", "--precision", "fp32",
+    code, _, err = run_main(["build", "--model", tmp_path / "static.onnx", "--target", "cpu", "--precision", precision,
                              "--out", tmp_path / "out", "-q"], capsys)
     assert code == 0, err
     s = dsedge.load(tmp_path / "out" / "static-cpu.dse")
-    assert s.run({"x": np.ones((1, 64), np.float32)})["logits"].shape == (1, 4)
+    assert s.run({"x": np.ones((batch, 64), np.float32)})["logits"].shape == (batch, 4)
+    rec = s.manifest.variant(s.variant.name).latency_ms
+    assert list(rec) == [str(batch)] and rec[str(batch)]["shape"] == {"x": [batch, 64]} and rec[str(batch)]["p50"] > 0
     s.close()
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..runtime.bundle import first_latency
+
 
 def summary_table(report: dict[str, Any]) -> Any:
     """A rich Table for the report's variants (top-1: neighbour agreement for embeddings, argmax agreement else)."""
@@ -22,7 +24,7 @@ def summary_table(report: dict[str, Any]) -> Any:
             return "ref" if ref else (format(acc[key], spec) if key in acc else "—")
 
         top1 = "top1_agreement" if "top1_agreement" in acc else "argmax_agreement"
-        lat = v["latency_ms"].get("1", {})
+        lat = first_latency(v["latency_ms"])
         t.add_row(v["name"], f"{v['size_bytes'] / 1e6:.1f}", f"{v['size_vs_fp32']:.3f}", fmt("cosine_mean", ".4f"),
                   fmt("cosine_min", ".4f"), fmt(top1, ".2f"),
                   f"{lat.get('p50', float('nan')):.2f}", f"{lat.get('p99', float('nan')):.2f}")
@@ -33,7 +35,7 @@ def latency_shape(report: dict[str, Any]) -> str:
     """The shape the build timed, for table headers: ``b1×32`` (batch 1, sequence 32) from the first input's shape
     in the first variant's ``latency_ms["1"]["shape"]``; ``b1`` when unknown."""
     for v in report.get("variants", []):
-        shapes = (v.get("latency_ms") or {}).get("1", {}).get("shape") or {}
+        shapes = first_latency(v.get("latency_ms")).get("shape") or {}
         if shapes:
             dims = next(iter(shapes.values()))
             return "b" + "×".join(str(d) for d in dims) if dims else "b1"

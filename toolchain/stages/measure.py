@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ...runtime.bundle import IOSpec
 from ...runtime.instances import serving_threads
 from ...runtime.latency import time_calls
 from ..artifacts import Choice, Prepared, VariantDraft
@@ -43,18 +44,29 @@ def latency_threads(threads: int | None) -> int:
     return int(threads) if threads else serving_threads()
 
 
+def timed_batch(inputs: list[IOSpec]) -> int:
+    """The batch size build-time latency is timed at: 1, or the static batch of a model without a dynamic batch
+    axis (such a model runs at no other size)."""
+    for spec in inputs:
+        first = spec.shape[0] if spec.shape else None
+        if isinstance(first, int) and not isinstance(first, bool) and first > 1:
+            return first
+    return 1
+
+
 def measure_latency(onnx_path: Path, exported: Exported, iterations: int, threads: int | None,
                     vocab_size: int | None = None) -> dict[str, Any]:
-    """ORT CPU latency at batch 1 (sequence 32 for text), ms, on ``latency_threads(threads)`` intra-op threads
+    """ORT CPU latency at batch 1 (``timed_batch``: a static batch at its size; sequence 32 for text), ms, on ``latency_threads(threads)`` intra-op threads
     (recorded as ``"threads"``)."""
     from ...runtime.backends.ort import OrtBackend
     from ...runtime.bench import synthetic_inputs
 
     threads = latency_threads(threads)
     backend = OrtBackend(onnx_path, providers=["CPUExecutionProvider"], threads=threads)
-    feeds = synthetic_inputs(exported.inputs, batch=1, seq_len=32, vocab_size=vocab_size)
+    batch = timed_batch(exported.inputs)
+    feeds = synthetic_inputs(exported.inputs, batch=batch, seq_len=32, vocab_size=vocab_size)
     stats = time_calls(lambda: backend.run(feeds), iterations=iterations, warmup=5)
-    return {"1": {**stats, "shape": {k: list(v.shape) for k, v in feeds.items()}, "provider": backend.providers[0],
+    return {str(batch): {**stats, "shape": {k: list(v.shape) for k, v in feeds.items()}, "provider": backend.providers[0],
                   "threads": threads}}
 
 
@@ -68,7 +80,8 @@ def measure_latency_side_by_side(paths: dict[str, Path], exported: Exported, ite
 
     threads = latency_threads(threads)
     backends = {p: OrtBackend(path, providers=["CPUExecutionProvider"], threads=threads) for p, path in paths.items()}
-    feeds = synthetic_inputs(exported.inputs, batch=1, seq_len=32, vocab_size=vocab_size)
+    batch = timed_batch(exported.inputs)
+    feeds = synthetic_inputs(exported.inputs, batch=batch, seq_len=32, vocab_size=vocab_size)
     for b in backends.values():
         for _ in range(5):
             b.run(feeds)
@@ -80,6 +93,6 @@ def measure_latency_side_by_side(paths: dict[str, Path], exported: Exported, ite
             backends[p].run(feeds)
             samples[p].append((time.perf_counter_ns() - t0) / 1e6)
     shape = {k: list(v.shape) for k, v in feeds.items()}
-    return {p: {"1": {**{k: round(v, 3) for k, v in latency_stats(np.asarray(samples[p])).items()},
+    return {p: {str(batch): {**{k: round(v, 3) for k, v in latency_stats(np.asarray(samples[p])).items()},
                       "n": len(samples[p]), "shape": shape, "provider": backends[p].providers[0],
                       "threads": threads, "side_by_side": names}} for p in names}
