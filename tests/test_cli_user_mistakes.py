@@ -123,19 +123,35 @@ def factory_module(tmp_path, monkeypatch):
     (tmp_path / f"{name}.py").write_text(
         "import torch\n"
         "def not_a_module():\n    return 'hello', (torch.zeros(2, 3),)\n"
-        "def wrong_inputs():\n    return torch.nn.Linear(16, 4), (torch.zeros(2, 7),)\n")
+        "def wrong_inputs():\n    return torch.nn.Linear(16, 4), (torch.zeros(2, 7),)\n"
+        "def raises():\n    raise RuntimeError('boom in user code')\n"
+        "notfunc = 5\n"
+        "def axes_str():\n    return torch.nn.Linear(16, 4), (torch.zeros(2, 16),), 'oops'\n"
+        "def axes_unknown():\n    return torch.nn.Linear(16, 4), (torch.zeros(2, 16),), {'nothere': {0: 'batch'}}\n"
+        "def axes_bad_axis():\n    return torch.nn.Linear(16, 4), (torch.zeros(2, 16),), {'input_0': {5: 'batch'}}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     return name
 
 
 @pytest.mark.parametrize("fn, words", [("not_a_module", ["returned a str", "torch.nn.Module"]),
                                        ("wrong_inputs", ["fails on its own example inputs", "input_0 [2, 7]",
-                                                         "mat1 and mat2"])])
+                                                         "mat1 and mat2"]),
+                                       ("raises", [":raises() failed: RuntimeError: boom in user code"]),
+                                       ("notfunc", [":notfunc is a int, not a function"]),
+                                       ("axes_str", ["returned dynamic_axes as a str, not a dict"]),
+                                       ("axes_unknown", ["dynamic_axes names 'nothere', not one of its inputs"]),
+                                       ("axes_bad_axis", ["dynamic_axes['input_0'] must map axes of its 2-d"])])
 def test_a_factory_that_returns_no_module_or_inputs_it_rejects_is_a_source_error(factory_module, tmp_path, capsys,
                                                                                   fn, words):
     code, _, err = run_main(["build", "--model", f"{factory_module}:{fn}", "--target", "cpu", "--out", tmp_path],
                             capsys)
     _one_line_error(code, err, *words)
+
+
+@pytest.mark.parametrize("spec", [":f", ".rel:f", "os.path:"])
+def test_a_model_spec_that_is_not_module_colon_function_is_a_source_error(spec, tmp_path, capsys):
+    code, _, err = run_main(["build", "--model", spec, "--target", "cpu", "--out", tmp_path], capsys)
+    _one_line_error(code, err, "is not module.path:function")
 
 
 def _bad_npz_dirs(root, good):

@@ -134,13 +134,25 @@ def _to_numpy(x: Any) -> np.ndarray:
 
 def _callable(spec: str) -> Source:
     module_name, _, fn_name = spec.partition(":")
+    hint = "use module.path:function, importable from this directory"
+    if not module_name or module_name.startswith(".") or not fn_name:
+        raise SourceError(f"--model {spec!r} is not module.path:function", hint)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # `--model mypkg.models:make` resolves from the working directory
     try:
         fn = getattr(importlib.import_module(module_name), fn_name)
     except (ImportError, AttributeError) as e:
-        raise SourceError(f"cannot import {spec!r}: {e}", "use module.path:function, importable from this directory") from None
-    result = fn()
+        raise SourceError(f"cannot import {spec!r}: {e}", hint) from None
+    except Exception as e:  # the user's module fails while it is imported: one line, not its traceback
+        raise SourceError(f"importing {module_name!r} failed: {type(e).__name__}: {_first_line(e)}",
+                          "fix the module so that it imports") from None
+    if not callable(fn):
+        raise SourceError(f"{spec} is a {type(fn).__name__}, not a function", hint)
+    try:
+        result = fn()
+    except Exception as e:
+        raise SourceError(f"{spec}() failed: {type(e).__name__}: {_first_line(e)}",
+                          "run it in Python to see the full traceback") from None
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise SourceError(f"{spec} must return (torch.nn.Module, example_inputs[, dynamic_axes])",
                           "return the model and a tuple or dict of example tensors")
@@ -151,6 +163,7 @@ def _callable(spec: str) -> Source:
         example = example if isinstance(example, (tuple, list)) else (example,)
         example_np = {f"input_{i}": _to_numpy(v) for i, v in enumerate(example)}
     dyn = result[2] if len(result) == 3 else {k: {0: "batch"} for k in example_np}
+    _check_dynamic_axes(spec, dyn, example_np)
     import torch
 
     if not isinstance(module, torch.nn.Module):
@@ -170,6 +183,27 @@ def _callable(spec: str) -> Source:
     name = f"{module_name.rsplit('.', 1)[-1]}-{fn_name}".lower().replace("_", "-")
     return Source(kind="callable", name=name, example_inputs=example_np, dynamic_axes=dyn, output_names=names,
                   module=module, fingerprint=hashlib.sha256(spec.encode()).hexdigest(), ref=spec)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e)
+    return text.splitlines()[0][:200] if text else ""
+
+
+def _check_dynamic_axes(spec: str, dyn: Any, example: dict[str, np.ndarray]) -> None:
+    """``dynamic_axes`` as a callable source returns it: ``{input name: {axis: symbol}}`` over its own inputs."""
+    hint = 'return e.g. {"input_0": {0: "batch"}}: input names (input_0, … for a tuple) → {axis: symbol}'
+    if not isinstance(dyn, dict):
+        raise SourceError(f"{spec} returned dynamic_axes as a {type(dyn).__name__}, not a dict", hint)
+    for name, axes in dyn.items():
+        if name not in example:
+            raise SourceError(f"{spec}: dynamic_axes names {name!r}, not one of its inputs "
+                              f"({', '.join(example)})", hint)
+        if not isinstance(axes, dict) or not all(
+                isinstance(a, int) and not isinstance(a, bool) and 0 <= a < example[name].ndim
+                and isinstance(sym, str) and sym for a, sym in axes.items()):
+            raise SourceError(f"{spec}: dynamic_axes[{name!r}] must map axes of its {example[name].ndim}-d "
+                              f"input to names, got {axes!r:.80}", hint)
 
 
 def _run_dir(path: Path) -> Source:
