@@ -75,6 +75,24 @@ def check_output_file(dest: str | os.PathLike, option: str = "-o/--output", exam
     return dest
 
 
+def check_report_file(report: str | os.PathLike, output: str | os.PathLike,
+                      model: str | os.PathLike | None = None) -> Path:
+    """``check_output_file`` for a ``--report`` path, and refuse one that is the ``output`` model or the source
+    ``model``: the JSON report would replace it (and the command said it wrote a model).
+
+    Raises:
+        StorageError: naming the two options and the path.
+    """
+    from .errors import StorageError
+
+    report = check_output_file(report, "--report", "report.json")
+    for option, other in (("-o/--output", output), ("MODEL", model)):
+        if other is not None and os.path.abspath(report) == os.path.abspath(other):
+            raise StorageError(f"--report {str(report)!r} is the same file as {option}: the JSON report would "
+                               "replace the model", "give the report its own path, e.g. --report report.json")
+    return report
+
+
 def _sealing_bundle(dest: Path) -> Path | None:
     """The bundle directory whose ``manifest.json`` lists ``dest`` among its hashed files, if any."""
     path = dest.resolve()

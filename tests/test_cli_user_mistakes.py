@@ -45,6 +45,22 @@ def test_an_output_path_under_a_file_and_a_report_path_that_is_a_directory_are_r
     assert not (tmp_path / "q.onnx").exists()
 
 
+@pytest.mark.parametrize("command", [["quantize", "--algorithm", "rtn"], ["prune"]])
+def test_a_report_path_that_is_the_output_or_the_source_model_is_refused(mlp, tmp_path, capsys, command):
+    """It replaced the model just written (or the source) with the JSON report, and the command said it wrote a
+    model, exit 0."""
+    model = tmp_path / "m.onnx"
+    shutil.copy(mlp, model)
+    before = model.read_bytes()
+    out = tmp_path / "q.onnx"
+    for report, which in ((out, "-o/--output"), (model, "MODEL")):
+        code, _, err = run_main([command[0], model, "-o", out, *command[1:], "--report", report], capsys)
+        _one_line_error(code, err, f"is the same file as {which}", "--report report.json")
+        assert not out.exists() and model.read_bytes() == before
+    code, _, err = run_main([command[0], model, "-o", out, *command[1:], "--report", tmp_path / "r.json"], capsys)
+    assert code == 0 and out.read_bytes()[:1] != b"{" and (tmp_path / "r.json").read_text().startswith("{"), err
+
+
 @pytest.mark.parametrize("command", [["quantize", "--precision", "fp16"], ["prune"]])
 def test_writing_over_a_bundles_model_is_refused_and_the_bundle_still_loads(tmp_path, capsys, command):
     from dsedge.runtime.bundle import verify_bundle

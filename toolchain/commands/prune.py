@@ -14,7 +14,7 @@ import click
 
 from ...runtime.params import FiniteFloat
 from ...runtime.errors import ConfigError
-from ...runtime.files import atomic_path, check_output_file, write_text_atomic
+from ...runtime.files import atomic_path, check_output_file, check_report_file, write_text_atomic
 from .quantize import _load, save_model_atomic
 
 
@@ -73,7 +73,7 @@ def prune(model: str, output: Path, pattern: str, sparsity: float, calib: Path |
 
     check_output_file(output)
     if report_path:
-        check_output_file(report_path, "--report", "report.json")
+        check_report_file(report_path, output, model)
     if pattern == "2:4" and sparsity != 0.3:
         raise ConfigError("--sparsity applies to --pattern channels; 2:4 is always 50 %", "drop --sparsity")
     if pattern == "channels" and not 0.0 < sparsity < 1.0:

@@ -9,7 +9,7 @@ import click
 from click.core import ParameterSource
 
 from ...runtime.errors import ConfigError, SourceError
-from ...runtime.files import atomic_path, check_output_file, write_text_atomic
+from ...runtime.files import atomic_path, check_output_file, check_report_file, write_text_atomic
 from ...runtime.params import FiniteFloat
 
 
@@ -74,7 +74,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
         raise click.UsageError("MODEL and -o/--output are required (or pass --list-presets)")
     check_output_file(output)
     if report_path:
-        check_output_file(report_path, "--report", "report.json")
+        check_report_file(report_path, output, model)
     chosen = _preset_from_flags(ctx, preset, precision=precision, algorithm=algorithm, block_size=block_size,
                                 asymmetric=asymmetric, gate=gate, method=method, int8_mode=int8_mode,
                                 smooth_alpha=smooth_alpha, nodes=nodes)
