@@ -5,6 +5,7 @@ import dataclasses
 import json
 import re
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -79,7 +80,33 @@ def test_bad_combinations_are_refused_before_any_work(tmp_path):
         plan_build(BuildConfig(block_size=48))
     plan = plan_build(BuildConfig(target="jetson", precision="int4", prune="2:4"))
     assert plan.config.algorithm == "rtn" and plan.prune.pattern == "2:4"   # auto would refill the 2:4 zeros
+    # INT4-only options on another precision were ignored without a word
+    for kw, flag in ((dict(block_size=64), "--block-size"), (dict(algorithm="awq"), "--algorithm"),
+                     (dict(embeddings=False), "--no-embeddings")):
+        for precision in ("int8", "fp32"):
+            with pytest.raises(ConfigError, match=f"{flag} applies to INT4 weight-only quantization, and this "
+                                                  f"build's precision is {precision}"):
+                plan_build(BuildConfig(target="cpu", precision=precision, **kw))
+        assert plan_build(BuildConfig(target="cpu", precision="auto", **kw)).precision  # auto may pick INT4
     assert not out.exists()
+
+
+def test_heldout_data_that_is_the_calibration_data_is_refused(tmp_path):
+    """The report said "--heldout cal (12 samples, not calibrated on)" while every figure was measured on the
+    calibration data itself."""
+    cal, held = tmp_path / "cal", tmp_path / "held"
+    cal.mkdir()
+    held.mkdir()
+    for i in range(2):
+        np.savez(cal / f"{i}.npz", x=np.zeros((1, 4), np.float32))
+    (held / "0.npz").symlink_to(cal / "0.npz")
+    for h, words in ((cal, "is the same as --calib"), (str(cal) + "/", "is the same as --calib"),
+                     (held, "shares 1 file(s) with --calib"), (cal / "1.npz", "shares 1 file(s) with --calib")):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            plan_build(BuildConfig(target="cpu", calib=str(cal), heldout=str(h)))
+    (held / "0.npz").unlink()
+    np.savez(held / "0.npz", x=np.ones((1, 4), np.float32))
+    assert plan_build(BuildConfig(target="cpu", calib=str(cal), heldout=str(held))).config.heldout == str(held)
 
 
 def test_verbosity_flags_and_third_party_warnings_go_to_the_log():

@@ -83,6 +83,22 @@ def test_nodes_on_a_precision_that_converts_every_layer_is_refused(mlp, tmp_path
     assert not (tmp_path / "q.onnx").exists()
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--precision", "fp16", "--smooth-alpha", "0.5"], "--smooth-alpha applies to INT8 static quantization"),
+    (["--precision", "int8", "--int8-mode", "dynamic", "--block-size", "64"], "--block-size applies to INT4"),
+    (["--precision", "int8", "--int8-mode", "dynamic", "--method", "entropy"], "--method applies to INT8 static"),
+    (["--precision", "bf16", "--int8-mode", "static"], "--int8-mode applies to INT8 quantization"),
+    (["--precision", "fp16", "--algorithm", "awq"], "--algorithm applies to INT4"),
+    (["--preset", "int8-dynamic", "--algorithm", "awq"], "--algorithm applies to INT4"),
+    (["--precision", "fp16", "--asymmetric"], "--asymmetric applies to INT4 and INT8"),
+])
+def test_a_flag_the_chosen_quantization_ignores_is_refused(mlp, tmp_path, capsys, flags, words):
+    """They were silently ignored (while --nodes and --qat-steps on the wrong precision were refused)."""
+    code, _, err = run_main(["quantize", mlp, "-o", tmp_path / "q.onnx", *flags], capsys)
+    _one_line_error(code, err, words, "--list-presets")
+    assert not (tmp_path / "q.onnx").exists()
+
+
 def test_an_unknown_node_names_the_layers_there_are(mlp, tmp_path, capsys):
     code, _, err = run_main(["quantize", mlp, "-o", tmp_path / "q.onnx", "--algorithm", "rtn", "--nodes", "nope"],
                             capsys)

@@ -165,6 +165,39 @@ class BuildPlan:
         return self.prune is not None or self.config.qat_steps > 0
 
 
+def _check_int4_options(config: BuildConfig) -> None:
+    """INT4-only options on a build that asked for another precision would be ignored without a word: refused."""
+    if config.precision in ("auto", "int4"):
+        return
+    given = [flag for flag, on in (("--block-size", config.block_size != BuildConfig.block_size),
+                                   ("--algorithm", config.algorithm != BuildConfig.algorithm),
+                                   ("--no-embeddings", config.embeddings != BuildConfig.embeddings)) if on]
+    if given:
+        raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to INT4 weight-only "
+                          f"quantization, and this build's precision is {config.precision}",
+                          f"drop {', '.join(given)}, or pass --precision int4 (or auto)")
+
+
+def _check_heldout_is_not_calibration(config: BuildConfig) -> None:
+    """``--heldout`` validates on data the model was not calibrated on (the report says so): the same folder, or
+    the same files, as ``--calib`` would measure accuracy on the calibration data itself."""
+    if not (config.calib and config.heldout):
+        return
+    calib, held = Path(config.calib), Path(config.heldout)
+
+    def files(p: Path) -> set[Path]:
+        if p.is_dir():
+            return {f.resolve() for f in p.glob("*.npz")}
+        return {p.resolve()} if p.exists() else set()
+
+    shared = files(calib) & files(held)
+    if calib.resolve() == held.resolve() or shared:
+        what = "is the same as" if calib.resolve() == held.resolve() else f"shares {len(shared)} file(s) with"
+        raise ConfigError(f"--heldout {config.heldout} {what} --calib {config.calib}: accuracy would be measured "
+                          "on the calibration data", "pass held-out data the model is not calibrated on, or "
+                          "only --calib (its second half then validates)")
+
+
 def plan_build(config: BuildConfig) -> BuildPlan:
     """Validate ``config`` against itself, the target and this machine, before any work.
 
@@ -185,6 +218,8 @@ def plan_build(config: BuildConfig) -> BuildPlan:
     if config.block_size not in BLOCK_SIZES:
         raise ConfigError(f"block size {config.block_size} is not one of {', '.join(map(str, BLOCK_SIZES))}",
                           "pass --block-size 32 (or 16, 64, 128)")
+    _check_int4_options(config)
+    _check_heldout_is_not_calibration(config)
     target = get_target(config.target)
     precision, notes = resolve_precision(target, config.precision, config.fallback)
     check_dla(target, config.dla_core)

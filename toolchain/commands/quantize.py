@@ -78,6 +78,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
     chosen = _preset_from_flags(ctx, preset, precision=precision, algorithm=algorithm, block_size=block_size,
                                 asymmetric=asymmetric, gate=gate, method=method, int8_mode=int8_mode,
                                 smooth_alpha=smooth_alpha, nodes=nodes)
+    _check_flags_apply(ctx, chosen)
     if chosen.nodes is not None and chosen.precision != "int4":
         raise ConfigError(f"--nodes selects the layers of INT4 weight-only quantization; {chosen.precision} "
                           f"({chosen.algorithm}) converts every layer it supports",
@@ -133,6 +134,23 @@ def _check_gate(source, compressed, preset, heldout: Path) -> dict:  # type: ign
                                 "loosen the gate, or use int4 / int8 static: they keep the most sensitive layers "
                                 "higher until it passes")
     return {"gate": preset.accuracy_gate, "gate_values": values}
+
+
+def _check_flags_apply(ctx: click.Context, chosen) -> None:  # type: ignore[no-untyped-def]
+    """Refuse flags given on the command line that the chosen preset would ignore without a word (``--nodes`` has
+    its own message)."""
+    static8 = chosen.precision == "int8" and chosen.algorithm == "static"
+    applies = {"block_size": ("INT4", chosen.precision == "int4"),
+               "algorithm": ("INT4", chosen.precision == "int4"),
+               "smooth_alpha": ("INT8 static", static8), "method": ("INT8 static", static8),
+               "int8_mode": ("INT8", chosen.precision == "int8"),
+               "asymmetric": ("INT4 and INT8", chosen.precision in ("int4", "int8"))}
+    for param, (what, ok) in applies.items():
+        if not ok and ctx.get_parameter_source(param) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            flag = "--" + param.replace("_", "-")
+            raise ConfigError(f"{flag} applies to {what} quantization, and this run is {chosen.name} "
+                              f"({chosen.precision} {chosen.algorithm})", f"drop {flag}, or pick a preset or "
+                              f"--precision it applies to (dsedge quantize --list-presets)")
 
 
 def _preset_from_flags(ctx: click.Context, name: str | None, *, precision: str, algorithm: str, block_size: int,
