@@ -697,6 +697,24 @@ def test_a_call_cancelled_while_it_waits_is_counted(tmp_path):
     assert count("cancelled") == 1.0
 
 
+def test_a_client_that_leaves_mid_body_counts_as_cancelled_like_one_that_leaves_while_queued(server):
+    """Both are the client going away: one outcome (``rejected``, reason ``cancelled``); mid-body was ``invalid``."""
+    import socket
+
+    labels = dict(model="mlp-cpu", protocol="http", reason="cancelled")
+    before = _requests_total(server, outcome="rejected", **labels)
+    host, port = server.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /v2/models/mlp-cpu/infer HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Authorization: {AUTH['Authorization']}\r\nContent-Length: 10000\r\n\r\n{{\"inputs\"".encode())
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while _requests_total(server, outcome="rejected", **labels) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _requests_total(server, outcome="rejected", **labels) == before + 1
+    assert _requests_total(server, outcome="invalid", **labels) == 0
+
+
 def test_grpc_way_back_is_timed_to_the_end_of_the_call(tmp_path):
     """Over gRPC the way-back reserve is timed from the backend's answer to the call's end (gRPC's done callback,
     after the response and status went to the transport), once per answered call, not to the handler resuming."""

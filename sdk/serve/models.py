@@ -257,9 +257,10 @@ class ServedModel:
 
 
 def failure_outcome(e: ServeError) -> str:
-    """``dsedge_requests_total``'s outcome for a request that ended with ``e``: ``rejected`` for a refusal,
-    ``error`` for a server fault, else ``invalid``."""
-    return "rejected" if e.reason in ("overload", "budget", "deadline", "shutdown") else (
+    """``dsedge_requests_total``'s outcome for a request that ended with ``e``: ``rejected`` for a refusal or a
+    client that went away (``cancelled``, mid-body as while queued), ``error`` for a server fault, else
+    ``invalid``."""
+    return "rejected" if e.reason in ("overload", "budget", "deadline", "shutdown", "cancelled") else (
         "error" if e.status >= 500 else "invalid")
 
 
