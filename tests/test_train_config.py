@@ -140,3 +140,87 @@ def test_a_missing_data_file_is_one_line_and_leaves_no_run_directory(tmp_path, c
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"no such file or directory ({missing})" in err and "Traceback" not in err, err
     assert not run.exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("lr = 0.002", "lr = nan"), "[optim] lr must be a finite number > 0, got nan"),
+    (("lr = 0.002", "lr = inf"), "[optim] lr must be a finite number > 0, got inf"),
+    (("lr = 0.002", "lr = 0.002\neps = -1.0"), "[optim] eps must be a finite number > 0, got -1.0"),
+    (("lr = 0.002", "lr = 0.002\neps = nan"), "[optim] eps must be a finite number > 0, got nan"),
+    (("lr = 0.002", "lr = 0.002\nweight_decay = -1.0"), "[optim] weight_decay must be a finite number >= 0, got -1.0"),
+    (("tensor = 2", "tensor = 2\n[loss]\nclass_weights = [1.0, -4.0]"), "[loss] class_weights must be finite numbers"),
+    (("tensor = 2", "tensor = 2\n[loss]\nclass_weights = [1.0, nan]"), "[loss] class_weights must be finite numbers"),
+    (("tensor = 2", "tensor = 2\n[loss]\nclass_weights = [0.0, 0.0]"), "[loss] class_weights must be finite numbers"),
+    (("tensor = 2", "tensor = 2\n[loss]\nclass_weights = []"), "[loss] class_weights must be finite numbers"),
+    (("tensor = 2", "tensor = 2\n[loss]\nclass_weights = [1.0, \"4\"]"), "[loss] class_weights must be finite numbers"),
+    (("tensor = 2", "tensor = 2\n[loss]\nkind = \"mse\"\nclass_weights = [1.0, 4.0]"),
+     "[loss] class_weights is for kind = 'cross_entropy', not 'mse'"),
+    (("tensor = 2", "tensor = 2\n[loss]\nkind = \"bce_with_logits\"\npos_weight = -2.0"),
+     "[loss] pos_weight must be a finite number > 0, got -2.0"),
+])
+def test_nan_negative_and_impossible_optim_and_loss_values_are_config_errors(tmp_path, edit, message):
+    """Found by a user: lr = nan and eps = -1.0 died in torch with a traceback, weight_decay = -1.0 and negative
+    class weights trained (to a negative loss) and exited 0."""
+    path = write(tmp_path, BASE.replace(*edit))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert message in str(e.value) and str(path) in str(e.value) and e.value.hint
+    assert "\n" not in str(e.value)
+
+
+def test_class_weights_are_checked_against_the_logits_classes():
+    import torch
+
+    from dsedge.toolchain.train.config import LossConfig
+    from dsedge.toolchain.train.losses import make_loss
+
+    logits, y = torch.tensor([[2.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
+    for weights in ([1.0], [1.0, 4.0, 2.0]):
+        with pytest.raises(ConfigError, match=rf"class_weights has {len(weights)} weights? but the model gives 2 "
+                                              r"classes \(logits \(2, 2\)\)") as e:
+            make_loss(LossConfig(class_weights=weights))(logits, y)
+        assert e.value.hint == "give 2 weights, one per class"
+    assert float(make_loss(LossConfig(class_weights=[1.0, 4.0]))(logits, y)) > 0
+
+
+def _fraud_config(tmp_path, data_dir, run, *edits):
+    """The fraud sample's teacher.toml, 3 steps, out_dir ``run``, the real CSV, ``edits`` (old, new) applied."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "samples" / "fraud" / "teacher.toml").read_text()
+    csv = data_dir / "creditcard-fraud-ulb" / "creditcard_fraud_subsample.csv"
+    edits = (('out_dir = "out/fraud/teacher-run"', f'out_dir = "{run}"'), ("steps = 1000", "steps = 3"),
+             ("../shared/data/creditcard-fraud-ulb/creditcard_fraud_subsample.csv", str(csv))) + edits
+    for old, new in edits:
+        assert old in text
+        text = text.replace(old, new)
+    return write(tmp_path, text)
+
+
+@pytest.mark.parametrize("weights", ["[1.0]", "[1.0, 4.0, 2.0]"])
+def test_cli_class_weights_of_the_wrong_length_stop_before_a_step_without_traceback(tmp_path, capsys, shared_data,
+                                                                                     weights):
+    """Found by a user: a RuntimeError traceback from torch mid-run. The fraud model gives 2 classes."""
+    from dsedge.cli import main
+
+    run = tmp_path / "run"
+    path = _fraud_config(tmp_path, shared_data, run, ("class_weights = [1.0, 4.0]", f"class_weights = {weights}"))
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(path)])
+    err = capsys.readouterr().err
+    n = weights.count(",") + 1
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert f"error: [loss] class_weights has {n} weight" in err and "the model gives 2 classes" in err, err
+    assert not (run / "checkpoints").exists() and not (run / "final").exists()
+
+
+def test_cli_nan_lr_is_one_line_and_leaves_no_run_directory(tmp_path, capsys, shared_data):
+    from dsedge.cli import main
+
+    run = tmp_path / "run"
+    path = _fraud_config(tmp_path, shared_data, run, ("lr = 1e-3", "lr = nan"))
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "[optim] lr must be a finite number > 0, got nan" in err and "Traceback" not in err
+    assert not run.exists()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import math
 import sys
 import types
 import typing
@@ -230,10 +231,25 @@ def _choice(value: Any, allowed: tuple, key: str, source: str) -> None:
                           f"use one of {', '.join(map(str, allowed))}")
 
 
-def _positive(value: Any, key: str, source: str, allow_zero: bool = False) -> None:
-    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
-        raise ConfigError(f"{source}: {key} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}",
+def _positive(value: Any, key: str, source: str, allow_zero: bool = False, finite: bool = False) -> None:
+    """ConfigError unless ``value`` is None or a number > 0 (>= 0 with ``allow_zero``; not inf with ``finite``);
+    NaN never passes."""
+    if value is not None and (math.isnan(value) or value < 0 or (value == 0 and not allow_zero)
+                              or (finite and math.isinf(value))):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{source}: {key} must be {'a finite number ' if finite else ''}{bound}, got {value!r}",
                           "fix the value in the config file")
+
+
+def _class_weights(weights: list | None, source: str) -> None:
+    """ConfigError unless ``[loss] class_weights`` is None or a non-empty list of finite numbers >= 0, not all 0.
+    Its length (one weight per class) is checked against the model's logits at the first step (losses.py)."""
+    if weights is None:
+        return
+    numbers = all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)
+    if not weights or not numbers or not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+        raise ConfigError(f"{source}: [loss] class_weights must be finite numbers >= 0 (one per class, not all 0), "
+                          f"got {weights!r}", "e.g. class_weights = [1.0, 4.0] for two classes")
 
 
 def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
@@ -254,10 +270,17 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
     if cfg.loss.kind not in ("cross_entropy", "bce_with_logits", "mse") and ":" not in cfg.loss.kind:
         raise ConfigError(f"{s}: [loss] kind = {cfg.loss.kind!r} is unknown",
                           "use cross_entropy, bce_with_logits, mse or 'module:function'")
+    _class_weights(cfg.loss.class_weights, s)
+    if cfg.loss.class_weights is not None and cfg.loss.kind != "cross_entropy":
+        raise ConfigError(f"{s}: [loss] class_weights is for kind = 'cross_entropy', not {cfg.loss.kind!r}",
+                          "use pos_weight with bce_with_logits, or remove class_weights")
+    _positive(cfg.loss.pos_weight, "[loss] pos_weight", s, finite=True)
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"{s}: [optim] betas must be two numbers in [0, 1), got {cfg.optim.betas!r}",
                           "e.g. betas = [0.9, 0.98]")
-    _positive(cfg.optim.lr, "[optim] lr", s)
+    _positive(cfg.optim.lr, "[optim] lr", s, finite=True)
+    _positive(cfg.optim.eps, "[optim] eps", s, finite=True)
+    _positive(cfg.optim.weight_decay, "[optim] weight_decay", s, allow_zero=True, finite=True)
     _positive(cfg.optim.clip_grad_norm, "[optim] clip_grad_norm", s)
     if not 0 <= cfg.schedule.warmup_fraction < 1:
         raise ConfigError(f"{s}: [schedule] warmup_fraction must be in [0, 1), got {cfg.schedule.warmup_fraction}",

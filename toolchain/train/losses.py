@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ...runtime.errors import ConfigError
 from .config import LossConfig, resolve_callable
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -24,11 +25,18 @@ def make_loss(cfg: LossConfig) -> LossFn:
     cross_entropy: logits (N, C) float, target (N,) int64 class ids; ``class_weights`` (C floats).
     bce_with_logits: logits and target same shape (a trailing size-1 axis is squeezed), ``pos_weight``.
     mse: same shape. ``module:function``: the user's function, called as-is.
+    The cross_entropy loss raises ConfigError (on its first call, before any weight moves) when ``class_weights``
+    does not give one weight per class of the logits; the config cannot know C.
     """
     if cfg.kind == "cross_entropy":
         w = torch.tensor(cfg.class_weights, dtype=torch.float32) if cfg.class_weights else None
 
         def ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            classes = logits.shape[1 if logits.ndim >= 2 else 0] if logits.ndim else 0  # torch's class axis
+            if w is not None and classes != len(w):
+                raise ConfigError(f"[loss] class_weights has {len(w)} weight{'s' * (len(w) != 1)} but the model gives "
+                                  f"{classes} classes (logits {tuple(logits.shape)})",
+                                  f"give {classes} weights, one per class")
             return F.cross_entropy(logits.float(), target.long(),
                                    weight=None if w is None else w.to(logits.device))
         return ce
