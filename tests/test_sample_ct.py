@@ -184,6 +184,43 @@ def test_evaluate_without_a_build_names_the_missing_file(tmp_path):
     assert "hint: run `python -m samples.ct build` first" in p.stderr
 
 
+def _ct_build(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    import os
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "samples.ct", "build", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=300)
+
+
+def test_build_without_the_runs_stops_at_once_with_one_line(tmp_path):
+    """Found by a user: `build --runs NOPE` tried every build, each failed, and it exited 0."""
+    out = tmp_path / "bundles"
+    p = _ct_build(tmp_path, "--runs", str(tmp_path / "nope"), "--out", str(out))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"error: --runs {tmp_path / 'nope'}: no such directory" in p.stderr, p.stderr
+    assert "hint: run `python -m samples.ct train` first" in p.stderr
+    assert not out.exists() and "$ dsedge build" not in p.stderr  # stopped before the inputs and the builds
+    (tmp_path / "runs" / "ct-teacher").mkdir(parents=True)
+    p = _ct_build(tmp_path, "--runs", "runs", "--out", str(out))
+    assert p.returncode == 2 and "error: no such run directory: runs/ct-student\n" in p.stderr, p.stderr
+    assert not out.exists()
+
+
+def test_build_exits_non_zero_naming_the_builds_that_failed(tmp_path):
+    """Run directories that hold no run: every dsedge build fails; builds.json still records each error."""
+    runs, out = tmp_path / "runs", tmp_path / "bundles"
+    for model in ("teacher", "student"):
+        (runs / f"ct-{model}").mkdir(parents=True)
+    p = _ct_build(Path(__file__).resolve().parents[1], "--runs", str(runs), "--out", str(out))  # the CT data paths
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert ("error: 7 of 7 builds failed: teacher cpu fp32, student cpu fp32, student cpu int8, student cpu auto, "
+            "student jetson fp16, student jetson int8, student jetson int4\n") in p.stderr, p.stderr
+    builds = json.loads((out / "builds.json").read_text())["builds"]
+    assert len(builds) == 7 and not any(b["ok"] for b in builds)
+    assert all("not a Hugging Face model or a dsedge training run" in b["error"] for b in builds)
+
+
 # ------------------------------------------------------------------------------------------ lesion insertion
 def _phantom(spacing=(2.0, 2.0, 2.0), thickness=None) -> tuple[Volume, np.ndarray]:
     """A 'lung' ball of -850 HU (r = 50 mm) in soft tissue (40 HU), 120 mm cube."""

@@ -356,6 +356,50 @@ def test_prepare_writes_preprocessor_split_and_calibration(shared_data, tmp_path
         assert z["dense"].shape == (16, 29) and z["sparse_ids"].dtype == np.int64 and z["sparse_ids"].max() < 1000
 
 
+def test_run_out_puts_the_configs_runs_and_bundles_of_train_and_build_under_out(shared_data, tmp_path, monkeypatch):
+    """Found by a user: `--out DIR --only train,build` trained into ./out/fraud (hardcoded run paths and the
+    configs' own out_dir). The dsedge commands are recorded, not run (1000 steps each); the configs they would get
+    are loaded by dsedge's own config loader."""
+    from dsedge.toolchain.train.config import load_config
+    from samples.fraud import run
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)  # the script runs from the repository root
+    before = sorted(p for p in (repo / "out").rglob("*")) if (repo / "out").exists() else []
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(run, "dsedge_cli", lambda *args: calls.append(args))
+    monkeypatch.setattr(run, "find_bundle", lambda folder, target: folder / f"m-{target}.dse")
+    out, csv = tmp_path / "x", shared_data / CSV
+    run.main(["--out", str(out), "--csv", str(csv), "--only", "prepare,train,build"])
+
+    assert calls[:2] == [("train", str(out / "teacher.toml")), ("distill", str(out / "student.toml"))]
+    teacher, student = load_config(out / "teacher.toml"), load_config(out / "student.toml", distill=True)
+    assert (teacher.out_dir, student.out_dir) == (str(out / "teacher-run"), str(out / "student-run"))
+    assert student.distill.teacher == str(out / "teacher-run")
+    assert teacher.data.kwargs["csv"] == student.data.kwargs["csv"] == str(csv)
+    assert teacher.steps == 1000 and teacher.loss.class_weights == [1.0, 4.0]  # the rest as in teacher.toml
+    builds = [c for c in calls if c[0] == "build"]
+    assert len(builds) == 3
+    for c in builds:
+        model, dest = Path(c[c.index("--model") + 1]), Path(c[c.index("--out") + 1])
+        assert model in (out / "teacher-run", out / "student-run") and dest.parent == out / "bundles"
+    assert (out / "preprocess.json").is_file() and (out / "calib").is_dir()
+    after = sorted(p for p in (repo / "out").rglob("*")) if (repo / "out").exists() else []
+    assert after == before  # nothing written into ./out
+
+
+def test_run_out_has_help():
+    import contextlib
+    import io
+
+    from samples.fraud import run
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), pytest.raises(SystemExit):
+        run.main(["--help"])
+    assert "every step writes here" in " ".join(text.getvalue().split())
+
+
 def test_stream_burst_through_the_budget_scheduler(student_bundle, split, pre):
     from samples.fraud.scorer import stream_burst
 

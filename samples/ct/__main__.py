@@ -23,7 +23,8 @@ from dsedge import DsedgeError
 HERE = Path(__file__).resolve().parent
 HELD_OUT = "../shared/data/ct-totalsegmentator-example/example_ct.nii.gz"
 TIMING_VOLUME = "../shared/data/ct-chest-lung-pet-ct-dx-a0002"   # the whole chest: many more lung windows
-# (target, precision) builds tried per model; precisions this dsedge version cannot build are reported, not fatal.
+# (target, precision) builds tried per model; one that fails (e.g. a precision this dsedge version cannot build) is
+# recorded with its error in builds.json, the other builds still run, and `build` then exits non-zero naming it.
 # Student builds calibrate on real chest patches and validate vs fp32 on held-out NIfTI windows (calibration.py);
 # ("cpu", "auto") records dsedge's own latency-measured choice (not re-evaluated: it is one of the others).
 BUILDS = {"teacher": [("cpu", "fp32")],
@@ -58,13 +59,22 @@ def train() -> None:
 @click.option("--runs", default="runs", show_default=True)
 @click.option("--out", default="runs/bundles", show_default=True)
 def build(runs: str, out: str) -> None:
-    """Build bundles per target and precision; writes OUT/builds.json (what built, what was refused and why).
+    """Build bundles per target and precision; writes OUT/builds.json (what built, what was refused and why), then
+    exits non-zero (DsedgeError, naming them) if any build failed; DsedgeError at once if RUNS or its run
+    directories ct-teacher / ct-student do not exist.
 
     Student builds get ``--calib OUT/inputs/calib --heldout OUT/inputs/heldout`` (real CT patches, see
     ``calibration.py``): INT8 Q/DQ is calibrated on the first, and every variant's accuracy vs fp32 is measured on
     the second."""
     from .calibration import write_build_inputs
 
+    if not Path(runs).is_dir():
+        raise DsedgeError(f"--runs {runs}: no such directory (build reads the runs ct-teacher and ct-student there)",
+                          "run `python -m samples.ct train` first, or pass --runs DIR holding them")
+    missing = [f"{runs}/ct-{model}" for model in BUILDS if not (Path(runs) / f"ct-{model}").is_dir()]
+    if missing:
+        raise DsedgeError(f"no such run directory: {', '.join(missing)}",
+                          "run `python -m samples.ct train` first (it writes ct-teacher and ct-student)")
     calib, heldout, counts = write_build_inputs(Path(out) / "inputs")
     click.echo(f"calibration: {counts['calibration']['patches']} chest patches; held-out: "
                f"{counts['heldout']['patches']} windows of the held-out volume", err=True)
@@ -97,6 +107,10 @@ def build(runs: str, out: str) -> None:
             results.append(row)
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "builds.json").write_text(json.dumps({"inputs": counts, "builds": results}, indent=2) + "\n")
+    failed = [f"{r['model']} {r['target']} {r['precision']}" for r in results if not r["ok"]]
+    if failed:
+        raise DsedgeError(f"{len(failed)} of {len(results)} builds failed: {', '.join(failed)}",
+                          f"their errors are above and in {Path(out) / 'builds.json'}")
 
 
 @main.command()

@@ -6,8 +6,10 @@
 Steps (each a function, runnable alone):
   prepare   split by time (data.split_by_time), fit the preprocessor → OUT/preprocess.json, OUT/split.json,
             calibration/validation inputs → OUT/calib/*.npz (train rows calibrate, validation rows validate)
-  train     ``dsedge train samples/fraud/teacher.toml`` then ``dsedge distill samples/fraud/student.toml``
+  train     ``dsedge train`` then ``dsedge distill`` on samples/fraud/teacher.toml and student.toml with their paths
+            under OUT → OUT/teacher.toml, OUT/student.toml, runs OUT/teacher-run, OUT/student-run
   build     ``dsedge build --model RUN_DIR`` : teacher fp32 for cpu; student int4 (+ fp32) for cpu and jetson
+            → OUT/bundles
   evaluate  test-split metrics for teacher, student, compressed student (bundles via dsedge.load) and the
             scikit-learn baseline; the threshold is chosen on the validation split
   stream    replay the contiguous Time 0–3641 s stretch through ``session.submit`` with a budget (default 3 ms)
@@ -67,10 +69,41 @@ def prepare(out: Path, csv: Path = DEFAULT_CSV, hash_buckets: int = 10_000, cali
     return pre, split
 
 
-def train() -> None:
-    """Teacher with ``dsedge train``, student with ``dsedge distill`` (configs beside this file)."""
-    dsedge_cli("train", os.path.relpath(HERE / "teacher.toml"))
-    dsedge_cli("distill", os.path.relpath(HERE / "student.toml"))
+def run_dirs(out: Path) -> tuple[Path, Path]:
+    """The teacher and student run directories under ``out`` (OUT/teacher-run, OUT/student-run)."""
+    return out / "teacher-run", out / "student-run"
+
+
+def run_configs(out: Path, csv: Path = DEFAULT_CSV) -> tuple[Path, Path]:
+    """teacher.toml and student.toml beside this file, pointed at ``out``: out_dir = the ``run_dirs(out)``, the
+    student's teacher = OUT/teacher-run, the data = ``csv``. Written as OUT/teacher.toml and OUT/student.toml
+    (returned, in that order)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    from dsedge.toolchain.train.config import dump_toml
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, run_dir in zip(("teacher", "student"), run_dirs(out)):
+        cfg = tomllib.loads((HERE / f"{name}.toml").read_text(encoding="utf-8"))
+        cfg["out_dir"] = str(run_dir)
+        cfg["data"]["kwargs"]["csv"] = str(csv)
+        if "distill" in cfg:
+            cfg["distill"]["teacher"] = str(run_dirs(out)[0])
+        paths.append(out / f"{name}.toml")
+        paths[-1].write_text(f"# samples/fraud/{name}.toml with its paths under {out} (samples.fraud.run)\n"
+                             + dump_toml(cfg), encoding="utf-8")
+    return paths[0], paths[1]
+
+
+def train(out: Path = Path("out/fraud"), csv: Path = DEFAULT_CSV) -> None:
+    """Teacher with ``dsedge train``, student with ``dsedge distill``: the configs beside this file with their runs
+    under ``out`` and ``csv`` as the data (``run_configs``)."""
+    teacher_cfg, student_cfg = run_configs(out, csv)
+    dsedge_cli("train", str(teacher_cfg))
+    dsedge_cli("distill", str(student_cfg))
 
 
 def find_bundle(folder: Path, target: str) -> Path:
@@ -207,7 +240,10 @@ def stream(out: Path, bundle: Path, pre: Preprocessor, threshold: float, csv: Pa
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("out/fraud"))
+    ap.add_argument("--out", type=Path, default=Path("out/fraud"),
+                    help="every step writes here: the preprocessor and calibration inputs, the configs and runs "
+                         "(OUT/teacher-run, OUT/student-run), the bundles (OUT/bundles) and the report "
+                         "(default: out/fraud)")
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
     ap.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps of {', '.join(STEPS)}")
     ap.add_argument("--budget-ms", type=float, default=DEFAULT_BUDGET_MS)
@@ -216,20 +252,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--precision", default="int4", help="student precision for dsedge build (int4, fp32, …)")
     ap.add_argument("--threads", type=int, default=1, help="ORT intra-op threads for single-stream scoring")
     args = ap.parse_args(argv)
-    if Path.cwd() != HERE.parents[1]:  # the configs' paths (out_dir, csv, teacher) are relative to the repo root
+    if Path.cwd() != HERE.parents[1]:  # the default --csv (and the configs' factories) are relative to the repo root
         ap.error(f"run from the repository root ({HERE.parents[1]}), not {Path.cwd()}")
     steps = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(steps) - set(STEPS)
     if unknown:
         ap.error(f"unknown step(s) {sorted(unknown)}; choose from {STEPS}")
     out = args.out
-    teacher_run, student_run = Path("out/fraud/teacher-run"), Path("out/fraud/student-run")
+    teacher_run, student_run = run_dirs(out)
     if "prepare" in steps or not (out / "preprocess.json").exists():
         pre, split = prepare(out, args.csv)
     else:
         pre, split = Preprocessor.from_json(out / "preprocess.json"), split_by_time(load_transactions(args.csv))
     if "train" in steps:
-        train()
+        train(out, args.csv)
     if "build" in steps:
         bundles = build(out, teacher_run, student_run, args.precision)
     if not {"evaluate", "stream", "report"} & set(steps):
