@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .bundle import IOSpec
-from .errors import InputError
+from .errors import BenchError, InputError
 from .npz import read_npz
 
 
@@ -66,11 +66,19 @@ def measure_concurrent(run: Callable[[Mapping[str, np.ndarray]], Any], feeds: Se
     """``concurrency`` closed-loop clients, each calling ``run`` on the next of ``feeds`` as soon as its previous
     call returned, after ``settings.warmup`` untimed calls per client.
 
-    ``settings.iterations`` is the total over all clients; else each client runs until ``settings.duration_s``
-    (default 3 s) and at least ``settings.min_iterations`` calls in all. Returns (per-call latencies in ms, wall s).
-    Raises what ``run`` raises (the first error of any client).
+    ``settings.iterations`` is the total over all clients (at least one call each, so at least ``concurrency``);
+    else each client runs until ``settings.duration_s`` (default 3 s) and at least ``settings.min_iterations`` calls
+    in all. Returns (per-call latencies in ms, wall s).
+
+    Raises:
+        BenchError: ``settings.iterations`` below ``concurrency`` (some client would have nothing to send).
+        What ``run`` raises (the first error of any client).
     """
     total = settings.iterations
+    if total is not None and total < concurrency:
+        raise BenchError(f"--iterations {total} is fewer than --concurrency {concurrency}: iterations are the total "
+                         "over all clients, and each client sends at least one request",
+                         f"pass --iterations {concurrency} or more, or --concurrency {total}")
     per_client = None if total is None else [total // concurrency + (i < total % concurrency) for i in range(concurrency)]
     duration_ns = int((settings.duration_s or 3.0) * 1e9)
     samples: list[list[int]] = [[] for _ in range(concurrency)]

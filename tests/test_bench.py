@@ -318,6 +318,37 @@ def test_cli_compare_that_compared_nothing_fails(bundles: dict[str, Path], capsy
     assert "PASS" in out
 
 
+def test_concurrent_iterations_are_the_total_even_below_the_client_count(bundles: dict[str, Path],
+                                                                         capsys: pytest.CaptureFixture,
+                                                                         tmp_path: Path) -> None:
+    """Found by a user: `--concurrency 4 --iterations 2` ran 4 timed requests (each idle client still sent one);
+    docs/bench.md says --iterations is the total. Fewer than the clients is refused; otherwise exactly that many."""
+    import dsedge
+    from dsedge.runtime.bench_load import measure_concurrent
+
+    code, _, err = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 2, "--concurrency", 4, "--seq-len", 16,
+                           "-o", tmp_path / "r.json")
+    assert code == 2 and "Traceback" not in err, err
+    assert "error: --iterations 2 is fewer than --concurrency 4" in err
+    assert "hint: pass --iterations 4 or more, or --concurrency 2" in err and not (tmp_path / "r.json").exists()
+    code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 6, "--concurrency", 4, "--seq-len", 16,
+                           "--json")
+    assert code == 0 and [r["iterations"] for r in json.loads(out)["results"]] == [6]
+    with dsedge.load(bundles["dyn"], threads=1) as s:
+        feed = core.synthetic_inputs(s.inputs, s.manifest.shape_ranges, 1, 16, VOCAB)
+        calls: list[int] = []
+
+        def run(x):
+            calls.append(1)
+            return s.run(x)
+
+        samples, wall = measure_concurrent(run, [feed], core.BenchSettings(warmup=1, iterations=5), 4)
+        assert len(samples) == 5 and len(calls) == 4 + 5 and wall > 0  # 1 warm-up per client, then 5 in all
+        with pytest.raises(BenchError, match="--iterations 3 is fewer than --concurrency 4"):
+            measure_concurrent(run, [feed], core.BenchSettings(warmup=0, iterations=3), 4)
+        assert len(calls) == 9  # refused before any call
+
+
 def test_cli_plot_writes_png(bundles: dict[str, Path], capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     png = tmp_path / "plots" / "cdf.png"
     code, _, _ = run_cli(capsys, "bench", bundles["dyn"], "--batch", "1,2", "--iterations", 20, "--plot", png)
