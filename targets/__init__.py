@@ -152,8 +152,11 @@ def list_targets() -> list[Target]:
     """All profiles: built-in ones and the user's, sorted by name.
 
     A malformed user profile is skipped with a warning naming its path (one bad file must not hide every target);
-    a malformed built-in profile raises TargetError.
+    a malformed built-in profile raises TargetError. A user profile's alias that is another target's name or a
+    built-in target's alias (it would never resolve to this profile, or would break the built-in alias) is dropped
+    from it with a warning; the rest of the profile stays usable.
     """
+    import dataclasses
     import logging
 
     out = []
@@ -164,6 +167,18 @@ def list_targets() -> list[Target]:
             if path.parent == PROFILE_DIR:
                 raise
             logging.getLogger("dsedge").warning("skipping target profile %s: %s", path, e)
+    names = {t.name: t for t in out}
+    builtin = {a: t for t in out if Path(t.source).parent == PROFILE_DIR for a in t.aliases}
+    for i, t in enumerate(out):
+        if Path(t.source).parent == PROFILE_DIR:
+            continue
+        clash = {a: names.get(a) or builtin[a] for a in t.aliases if a != t.name and (a in names or a in builtin)}
+        for alias, other in clash.items():
+            logging.getLogger("dsedge").warning(
+                "target profile %s: dropping alias %r, it is %s target %s", t.source, alias,
+                "the name of" if alias == other.name else "an alias of the built-in", other.name)
+        if clash:
+            out[i] = dataclasses.replace(t, aliases=tuple(a for a in t.aliases if a not in clash))
     return sorted(out, key=lambda t: t.name)
 
 

@@ -59,6 +59,30 @@ def test_user_profile_by_path_and_by_directory(tmp_path, monkeypatch):
         get_target("mine")
 
 
+def test_a_user_alias_that_is_a_builtin_name_or_alias_is_dropped_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Found by a user: aliases = ["t4"] listed the profile as `mycpu (t4)`, and `t4` still meant the built-in
+    (a name beats an alias); claiming `jetson` broke the built-in alias ("claimed by" both). The clashing aliases go,
+    with a warning naming the file; the profile and its other aliases stay."""
+    import logging
+
+    text = open(get_target("cpu").source).read().replace('name = "cpu"', 'name = "mycpu"')
+    text = text.replace('aliases = ["x86", "host"]', 'aliases = ["t4", "jetson", "mine"]')
+    (tmp_path / "mycpu.toml").write_text(text)
+    (tmp_path / "other.toml").write_text(text.replace('name = "mycpu"', 'name = "other"')
+                                         .replace('"t4", "jetson", "mine"', '"mycpu"'))  # another user's name
+    monkeypatch.setenv("DSEDGE_TARGETS_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="dsedge"):
+        ts = {t.name: t for t in list_targets()}
+    assert ts["mycpu"].aliases == ("mine",) and ts["other"].aliases == () and ts["t4"].aliases == ("tesla-t4",)
+    assert f"target profile {tmp_path / 'mycpu.toml'}: dropping alias 't4', it is the name of target t4" in caplog.text
+    assert "dropping alias 'jetson', it is an alias of the built-in target jetson-orin" in caplog.text
+    assert f"{tmp_path / 'other.toml'}: dropping alias 'mycpu', it is the name of target mycpu" in caplog.text
+    assert (get_target("t4").name, get_target("jetson").name, get_target("mine").name) == ("t4", "jetson-orin",
+                                                                                          "mycpu")
+    r = CliRunner().invoke(cli, ["targets"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0 and "mycpu (mine)" in r.output and "(t4" not in r.output, r.output
+
+
 @pytest.mark.parametrize("body, words", [
     ('name = "x"\nprecisions = ["int3"]\n', "int3"),
     ('name = "x"\nbogus = 1\n', "bogus"),
