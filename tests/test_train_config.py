@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from dsedge.runtime.errors import ConfigError
-from dsedge.toolchain.train.config import check_world, dump_toml, from_dict, load_config
+from dsedge.toolchain.train.config import dump_toml, from_dict, load_config
+from dsedge.toolchain.train.validation import check_world
 
 BASE = """
 seed = 3

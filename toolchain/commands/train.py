@@ -34,7 +34,8 @@ def check_launch(verb: str, config: str, nproc: int | None, max_restarts: int): 
         SourceError: ``dsedge distill`` whose teacher is not a finished run.
     """
     from ...runtime.errors import ConfigError
-    from ..train.config import check_world, load_config, resolve_callable
+    from ..train.config import load_config, resolve_callable
+    from ..train.validation import check_world
 
     if max_restarts and nproc is None and not under_torchrun():
         raise click.UsageError("--max-restarts needs --nproc-per-node N (torchrun restarts the group)")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
-import math
 import sys
 import types
 import typing
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...runtime.errors import ConfigError
+from .validation import validate
 
 
 @dataclass
@@ -223,131 +223,6 @@ def _build(cls: type, data: Any, where: str, source: str) -> Any:
                               f"got {value!r}", "fix the value's type in the config file")
         kwargs[key] = coerced
     return cls(**kwargs)
-
-
-def _choice(value: Any, allowed: tuple, key: str, source: str) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{source}: {key} = {value!r} is not one of {', '.join(map(repr, allowed))}",
-                          f"use one of {', '.join(map(str, allowed))}")
-
-
-def _positive(value: Any, key: str, source: str, allow_zero: bool = False, finite: bool = False) -> None:
-    """ConfigError unless ``value`` is None or a number > 0 (>= 0 with ``allow_zero``; not inf with ``finite``);
-    NaN never passes."""
-    if value is not None and (math.isnan(value) or value < 0 or (value == 0 and not allow_zero)
-                              or (finite and math.isinf(value))):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{source}: {key} must be {'a finite number ' if finite else ''}{bound}, got {value!r}",
-                          "fix the value in the config file")
-
-
-def _class_weights(weights: list | None, source: str) -> None:
-    """ConfigError unless ``[loss] class_weights`` is None or a non-empty list of finite numbers >= 0, not all 0.
-    Its length (one weight per class) is checked against the model's logits at the first step (losses.py)."""
-    if weights is None:
-        return
-    numbers = all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)
-    if not weights or not numbers or not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
-        raise ConfigError(f"{source}: [loss] class_weights must be finite numbers >= 0 (one per class, not all 0), "
-                          f"got {weights!r}", "e.g. class_weights = [1.0, 4.0] for two classes")
-
-
-def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
-    """Check values that do not depend on the world size; raises ConfigError."""
-    s = cfg.source
-    if not cfg.out_dir:
-        raise ConfigError(f"{s}: out_dir is missing", 'add out_dir = "runs/NAME" at the top level')
-    if (cfg.steps is None) == (cfg.epochs is None):
-        raise ConfigError(f"{s}: give exactly one of steps or epochs", "e.g. steps = 1000")
-    _positive(cfg.steps, "steps", s)
-    _positive(cfg.epochs, "epochs", s)
-    for name, sec in (("model", cfg.model), ("data", cfg.data)):
-        if not sec.factory or ":" not in sec.factory:
-            raise ConfigError(f"{s}: [{name}] factory must be 'module:function', got {sec.factory!r}",
-                              f'e.g. factory = "samples.fraud.{name}:make_{name}"')
-    _positive(cfg.data.batch_size, "[data] batch_size", s)
-    _positive(cfg.data.num_workers, "[data] num_workers", s, allow_zero=True)
-    if cfg.loss.kind not in ("cross_entropy", "bce_with_logits", "mse") and ":" not in cfg.loss.kind:
-        raise ConfigError(f"{s}: [loss] kind = {cfg.loss.kind!r} is unknown",
-                          "use cross_entropy, bce_with_logits, mse or 'module:function'")
-    _class_weights(cfg.loss.class_weights, s)
-    if cfg.loss.class_weights is not None and cfg.loss.kind != "cross_entropy":
-        raise ConfigError(f"{s}: [loss] class_weights is for kind = 'cross_entropy', not {cfg.loss.kind!r}",
-                          "use pos_weight with bce_with_logits, or remove class_weights")
-    _positive(cfg.loss.pos_weight, "[loss] pos_weight", s, finite=True)
-    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
-        raise ConfigError(f"{s}: [optim] betas must be two numbers in [0, 1), got {cfg.optim.betas!r}",
-                          "e.g. betas = [0.9, 0.98]")
-    _positive(cfg.optim.lr, "[optim] lr", s, finite=True)
-    _positive(cfg.optim.eps, "[optim] eps", s, finite=True)
-    _positive(cfg.optim.weight_decay, "[optim] weight_decay", s, allow_zero=True, finite=True)
-    _positive(cfg.optim.clip_grad_norm, "[optim] clip_grad_norm", s)
-    if not 0 <= cfg.schedule.warmup_fraction < 1:
-        raise ConfigError(f"{s}: [schedule] warmup_fraction must be in [0, 1), got {cfg.schedule.warmup_fraction}",
-                          "e.g. warmup_fraction = 0.1")
-    _choice(cfg.precision.mode, ("fp32", "bf16", "fp16"), "[precision] mode", s)
-    _choice(cfg.device, ("auto", "cpu", "cuda"), "device", s)
-    p = cfg.parallel
-    _choice(p.data, ("ddp", "fsdp"), "[parallel] data", s)
-    _choice(p.pipeline_schedule, ("gpipe", "1f1b"), "[parallel] pipeline_schedule", s)
-    _choice(p.comm_hook, (None, "fp16", "bf16", "powersgd"), "[parallel] comm_hook", s)
-    _positive(p.tensor, "[parallel] tensor", s)
-    _positive(p.pipeline, "[parallel] pipeline", s)
-    _positive(p.microbatches, "[parallel] microbatches", s)
-    if p.comm_hook and p.data != "ddp":
-        raise ConfigError(f"{s}: [parallel] comm_hook needs data = 'ddp'", "FSDP has no DDP comm hooks; remove it")
-    _positive(cfg.checkpoint.every, "[checkpoint] every", s)
-    _positive(cfg.health.max_nonfinite, "[health] max_nonfinite", s)
-    if cfg.domains is not None:
-        d = cfg.domains
-        _choice(d.rule, ("threshold", "doremi"), "[domains] rule", s)
-        _choice(d.metric, ("val_loss", "val_accuracy"), "[domains] metric", s)
-        if not 0 < d.max_weight <= 1 or not 0 < d.step <= 1:
-            raise ConfigError(f"{s}: [domains] step and max_weight must be in (0, 1], got {d.step}, {d.max_weight}",
-                              "e.g. step = 0.1, max_weight = 0.5")
-        if d.metric == "val_accuracy" and cfg.loss.kind != "cross_entropy":
-            raise ConfigError(f"{s}: [domains] metric = 'val_accuracy' needs [loss] kind = 'cross_entropy'",
-                              "use metric = 'val_loss' with this loss")
-        _positive(d.eta, "[domains] eta", s)
-        if not 0 <= d.smoothing < 1:
-            raise ConfigError(f"{s}: [domains] smoothing must be in [0, 1), got {d.smoothing}", "e.g. 1e-3")
-    if cfg.augment is not None:
-        a = cfg.augment
-        if not a.levels or any(not isinstance(x, (int, float)) for x in a.levels) or \
-                list(a.levels) != sorted(a.levels):
-            raise ConfigError(f"{s}: [augment] levels must be increasing numbers, got {a.levels!r}",
-                              "e.g. levels = [0.2, 0.4, 0.6]")
-        _positive(a.patience, "[augment] patience", s)
-        if not 0 <= a.min_improvement < 1:
-            raise ConfigError(f"{s}: [augment] min_improvement must be in [0, 1), got {a.min_improvement}",
-                              "e.g. 0.005 (0.5 %)")
-    if distill:
-        if cfg.distill is None or not cfg.distill.teacher:
-            raise ConfigError(f"{s}: dsedge distill needs a [distill] section with teacher = RUN_DIR",
-                              'add [distill] teacher = "runs/teacher"')
-        if not 0 <= cfg.distill.alpha <= 1:
-            raise ConfigError(f"{s}: [distill] alpha must be in [0, 1], got {cfg.distill.alpha}", "e.g. alpha = 0.7")
-        _positive(cfg.distill.temperature, "[distill] temperature", s)
-    return cfg
-
-
-def check_world(cfg: TrainConfig, world_size: int) -> int:
-    """The data-parallel degree for ``world_size`` processes; ConfigError if the mesh cannot be laid out."""
-    p = cfg.parallel
-    model_par = p.tensor * p.pipeline
-    if world_size % model_par:
-        raise ConfigError(
-            f"{cfg.source}: tensor = {p.tensor} x pipeline = {p.pipeline} does not divide the world size {world_size}",
-            f"launch a multiple of {model_par} processes (torchrun --nproc-per-node) or lower the degrees")
-    dp = world_size // model_par
-    if cfg.data.batch_size % dp:
-        raise ConfigError(f"{cfg.source}: [data] batch_size = {cfg.data.batch_size} is not divisible by the "
-                          f"data-parallel degree {dp}", f"use a batch_size that is a multiple of {dp}")
-    mb = p.microbatches or p.pipeline
-    if p.pipeline > 1 and (cfg.data.batch_size // dp) % mb:
-        raise ConfigError(f"{cfg.source}: per-rank batch {cfg.data.batch_size // dp} is not divisible by "
-                          f"microbatches = {mb}", "make batch_size / data-parallel degree a multiple of microbatches")
-    return dp
 
 
 def from_dict(data: dict, source: str = "<dict>", *, distill: bool = False) -> TrainConfig:

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ...runtime.errors import ConfigError
-from .config import TrainConfig, check_world
+from .config import TrainConfig
+from .validation import check_world
 from .precision import PrecisionPolicy, is_norm
 
 
@@ -73,7 +74,7 @@ def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
 def init_distributed(cfg: TrainConfig) -> DistEnv:
     """Join the torchrun process group (env:// rendezvous) when launched by torchrun, and build the mesh.
 
-    Raises ConfigError when tensor x pipeline does not divide the world size (see config.check_world).
+    Raises ConfigError when tensor x pipeline does not divide the world size (see validation.check_world).
     """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(cfg, local_rank)
