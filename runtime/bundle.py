@@ -134,8 +134,9 @@ class Manifest:
     schema: str = MANIFEST_SCHEMA
 
     def variant(self, name: str | None = None) -> Variant:
-        """The variant called ``name`` (default: ``default_variant``). Raises BundleError if there is none."""
-        name = name or self.default_variant
+        """The variant called ``name`` (None: ``default_variant``). Raises BundleError if there is none (an empty
+        name included: it named no variant, and opening the default instead would hide the mistake)."""
+        name = self.default_variant if name is None else name
         for v in self.variants:
             if v.name == name:
                 return v
@@ -180,8 +181,9 @@ class Manifest:
         )
 
 
-def read_manifest(bundle: str | os.PathLike) -> Manifest:
-    """Parse ``bundle/manifest.json`` without checking file hashes. Raises BundleError."""
+def read_manifest_bytes(bundle: str | os.PathLike) -> bytes:
+    """The bytes of ``bundle/manifest.json``, read once (a signature is checked over the very bytes that are parsed:
+    ``runtime/signing.verify_signed``). Raises BundleError (no bundle, no manifest, a linked or oversized one)."""
     root = Path(bundle)
     if not root.exists():
         raise BundleError(f"bundle {str(root)!r} does not exist", "pass the .dse directory that `dsedge build` wrote")
@@ -200,15 +202,28 @@ def read_manifest(bundle: str | os.PathLike) -> Manifest:
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise BundleError(f"{path} is {path.stat().st_size} bytes, more than a manifest can be "
                           f"({MAX_MANIFEST_BYTES >> 20} MiB)", "rebuild the bundle")
+    with open(path, "rb") as f:
+        data = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(data) > MAX_MANIFEST_BYTES:  # it grew after the size check
+        raise BundleError(f"{path} is more than a manifest can be ({MAX_MANIFEST_BYTES >> 20} MiB)", "rebuild the bundle")
+    return data
+
+
+def read_manifest(bundle: str | os.PathLike, manifest_bytes: bytes | None = None) -> Manifest:
+    """Parse ``bundle/manifest.json`` (or ``manifest_bytes``, the bytes already read from it) without checking file
+    hashes. Raises BundleError."""
+    data = read_manifest_bytes(bundle) if manifest_bytes is None else manifest_bytes
+    path = Path(bundle) / MANIFEST
     try:
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BundleError(f"{path} is not valid JSON ({e})", "rebuild the bundle") from None
     return Manifest.from_dict(_schema.loads(text, BundleError, str(path), "rebuild the bundle"))
 
 
-def verify_bundle(bundle: str | os.PathLike) -> Manifest:
-    """Read the manifest and check every listed file's sha256.
+def verify_bundle(bundle: str | os.PathLike, manifest_bytes: bytes | None = None) -> Manifest:
+    """Read the manifest (or parse ``manifest_bytes``: the bytes a signature was checked over) and check every
+    listed file's sha256.
 
     Raises:
         BundleError: missing or malformed manifest.
@@ -216,7 +231,7 @@ def verify_bundle(bundle: str | os.PathLike) -> Manifest:
             variant's model file is not covered by a hash.
     """
     root = Path(bundle)
-    m = read_manifest(root)
+    m = read_manifest(root, manifest_bytes)
     for rel, expected in m.files.items():
         p = inside(root, rel, "manifest's file", BundleIntegrityError)
         if not p.is_file():

@@ -179,6 +179,16 @@ def test_load_options_are_checked_before_anything_opens(tmp_path, kw, words):
         dsedge.load(b, **kw)
 
 
+def test_an_empty_variant_name_is_refused_not_read_as_the_default(tmp_path):
+    from dsedge.runtime.errors import BundleError
+
+    b = tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path)
+    with pytest.raises(BundleError, match="bundle has no variant ''"):
+        dsedge.load(b, variant="")
+    with dsedge.load(b, variant=None) as s:  # None is the default variant
+        assert s.variant.name == s.manifest.default_variant
+
+
 @pytest.mark.parametrize("path", [b"/x.dse", 5, None])
 def test_load_path_of_the_wrong_type_is_an_input_error(path):
     with pytest.raises(InputError, match="bundle path must be a str or pathlib.Path"):
