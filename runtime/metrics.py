@@ -22,7 +22,8 @@ class StreamMetrics:
     within_budget, budget_missed, answered_late, dropped_at_deadline, rejected (dict reason → count, "deadline"
     included), rejected_at_admission (dict reason → count: "budget", "overload", "shutdown"), in_flight, p50_ms,
     p90_ms, p99_ms, mean_ms, queue_p99_ms, mean_batch_size, goodput_per_s, throughput_per_s, rejection_rate,
-    budget_miss_rate, elapsed_s, cascaded (dict variant → count of requests served by a cheaper variant).
+    budget_miss_rate, elapsed_s, cascaded (dict variant → requests the cascade admitted to that cheaper variant,
+    whatever their end: answered, late or dropped at their deadline; ``Result.variant`` says who answered).
 
     A request is *admitted* unless refused at admission (a "budget"/"overload" rejection, or "shutdown" before
     it ran: not the session's promise to break). Every admitted request is either answered within its budget or
