@@ -13,21 +13,25 @@ Keys: PEM files, the private key PKCS#8 (mode 0600, unencrypted), the public key
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
+import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from .bundle import MANIFEST, SIGNATURE, verify_bundle
-from .errors import BackendUnavailable, DsedgeError, SignatureError
+from .bundle import MANIFEST, SIGNATURE, Manifest, read_manifest_bytes, verify_bundle
+from .errors import BackendUnavailable, DsedgeError, InputError, SignatureError
 
 FORMAT = "dsedge-signature-v1"
 DOMAIN = b"dsedge bundle manifest v1\x00"
 ENV = "DSEDGE_TRUSTED_KEYS"
 _HINT = "pip install 'dsedge[sign]' (cryptography)"
+_KEYS_HINT = f"pass trusted_keys as .pub paths or PEM public keys (a list of them), or None to use ${ENV}"
+log = logging.getLogger("dsedge.signing")
 
 
 def _crypto() -> Any:
@@ -89,21 +93,35 @@ def load_private_key(path: str | os.PathLike) -> Any:
 
 
 def load_public_key(data: Any) -> Any:
-    """An Ed25519 public key from a key object, PEM bytes/str, or a ``.pub`` path. Raises SignatureError."""
+    """An Ed25519 public key from a key object, PEM bytes/str, or a ``.pub`` path.
+
+    Raises:
+        SignatureError: the file is missing, or it is not an Ed25519 PEM public key.
+        InputError: ``data`` is not a key, a path or PEM text (e.g. ``123``, ``False``, a private key object).
+    """
     serialization, ed25519 = _crypto()
     if isinstance(data, ed25519.Ed25519PublicKey):
         return data
+    if isinstance(data, ed25519.Ed25519PrivateKey):
+        raise InputError("a trusted key is a private key object",
+                         "trust its public key (key.public_key(), or the .pub file `dsedge keygen` wrote)")
     if isinstance(data, str) and "-----BEGIN" in data:
         data = data.encode()
+    if not isinstance(data, (bytes, str, os.PathLike)):
+        raise InputError(f"a trusted key is a {type(data).__name__} ({str(data)[:40]!r}), not a public key", _KEYS_HINT)
     if not isinstance(data, bytes):
         p = Path(data)
-        if not p.is_file():
+        if not str(data).strip() or not p.is_file():
             raise SignatureError(f"trusted key file {str(p)!r} not found", f"check trusted_keys / ${ENV}")
-        data = p.read_bytes()
+        try:
+            data = p.read_bytes()
+        except OSError as e:
+            raise SignatureError(f"cannot read trusted key file {str(p)!r} ({e.strerror})",
+                                 f"check trusted_keys / ${ENV}") from None
     try:
         key = serialization.load_pem_public_key(data)
-    except ValueError as e:
-        raise SignatureError(f"a trusted key is not a PEM public key ({str(e)[:80]})",
+    except (ValueError, TypeError) as e:
+        raise SignatureError(f"a trusted key is not a PEM public key ({str(e).splitlines()[0][:80] if str(e) else e})",
                              "pass the .pub file `dsedge keygen` wrote") from None
     if not isinstance(key, ed25519.Ed25519PublicKey):
         raise SignatureError("a trusted key is not an Ed25519 public key", "make keys with `dsedge keygen`")
@@ -111,7 +129,13 @@ def load_public_key(data: Any) -> Any:
 
 
 def trusted_from(keys: Iterable[Any] | None) -> list[Any]:
-    """Public keys from ``keys`` or, when None, from ``$DSEDGE_TRUSTED_KEYS`` (files or directories of ``*.pub``)."""
+    """Public keys from ``keys`` or, when None, from ``$DSEDGE_TRUSTED_KEYS`` (files or directories of ``*.pub``).
+
+    Raises:
+        SignatureError: a key file is missing or not an Ed25519 public key, ``keys`` is empty, or the environment
+            names no key file.
+        InputError: ``keys`` is not None, a path, PEM text, a public key object or a list of those.
+    """
     if keys is None:
         env = os.environ.get(ENV, "")
         keys = []
@@ -120,13 +144,25 @@ def trusted_from(keys: Iterable[Any] | None) -> list[Any]:
             keys.extend(sorted(p.glob("*.pub")) if p.is_dir() else [p])
         if env and not keys:
             raise SignatureError(f"${ENV} names no public key file ({env!r})", "point it at .pub files or a folder")
-    elif isinstance(keys, (str, bytes, os.PathLike)):
+    elif isinstance(keys, (str, bytes, os.PathLike)) or _is_key_object(keys):
         keys = [keys]
-    else:
+    elif isinstance(keys, (list, tuple, set, frozenset)) or (
+            hasattr(keys, "__iter__") and not isinstance(keys, (dict, bool))):
         keys = list(keys)
         if not keys:  # an empty list must not switch off a requirement set in the environment
             raise SignatureError("trusted_keys is empty", f"pass the .pub keys to trust, or None to use ${ENV}")
+    else:
+        raise InputError(f"trusted_keys must be a list of public keys, got {type(keys).__name__} {keys!r}"[:160],
+                         _KEYS_HINT)
     return [load_public_key(k) for k in keys]
+
+
+def _is_key_object(x: Any) -> bool:
+    try:
+        _, ed25519 = _crypto()
+    except BackendUnavailable:
+        return False
+    return isinstance(x, (ed25519.Ed25519PublicKey, ed25519.Ed25519PrivateKey))
 
 
 def _message(signer: str, manifest: bytes) -> bytes:
@@ -142,9 +178,13 @@ class SignatureInfo:
     signer: str
     valid: bool
     trusted: bool | None = None
+    error: str | None = None  # manifest.sig is malformed (reported only when no trusted keys are configured)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key_id": self.key_id, "signer": self.signer, "valid": self.valid, "trusted": self.trusted}
+        d = {"key_id": self.key_id, "signer": self.signer, "valid": self.valid, "trusted": self.trusted}
+        if self.error:
+            d["error"] = self.error
+        return d
 
 
 def sign_bundle(bundle: str | os.PathLike, key_path: str | os.PathLike, signer: str | None = None) -> SignatureInfo:
@@ -167,29 +207,44 @@ def sign_bundle(bundle: str | os.PathLike, key_path: str | os.PathLike, signer: 
            "manifest_sha256": hashlib.sha256(manifest).hexdigest(),
            "signature": base64.b64encode(key.sign(_message(signer, manifest))).decode()}
     fd, tmp = tempfile.mkstemp(prefix=".manifest.sig.", dir=root)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, root / SIGNATURE)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, root / SIGNATURE)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # nothing half-written is left in the bundle
+        raise
     return SignatureInfo(doc["key_id"], signer, True)
 
 
 def _read(root: Path) -> dict[str, Any] | None:
+    """``manifest.sig`` as checked JSON (None when there is none). Raises SignatureError (a link, malformed)."""
     p = root / SIGNATURE
     if p.is_symlink():  # as for manifest.json: nothing outside the bundle is read
         raise SignatureError(f"{SIGNATURE} of {str(root)!r} is a link", "a bundle's signature must be a file inside it")
-    if not p.is_file():
+    if not p.exists():
         return None
     try:
-        doc = json.loads(p.read_text())
+        if not p.is_file():
+            raise ValueError("not a file")
+        doc = json.loads(p.read_bytes()[:1 << 20].decode("utf-8"))
+        if not isinstance(doc, dict):
+            raise ValueError(f"a JSON {type(doc).__name__}, not an object")
         if doc.get("format") != FORMAT or doc.get("algorithm") != "ed25519":
             raise ValueError("unknown format")
-        base64.b64decode(doc["public_key"], validate=True)
-        base64.b64decode(doc["signature"], validate=True)
-        str(doc["signer"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise SignatureError(f"{SIGNATURE} is malformed ({e})", "sign the bundle again with `dsedge sign`") from None
+        for k in ("public_key", "signature", "signer", "key_id"):
+            if not isinstance(doc.get(k), str):
+                raise ValueError(f"{k} is missing or not a string")
+        if len(base64.b64decode(doc["public_key"], validate=True)) != 32:
+            raise ValueError("public_key is not 32 bytes")
+        if len(base64.b64decode(doc["signature"], validate=True)) != 64:
+            raise ValueError("signature is not 64 bytes")
+    except (ValueError, OSError) as e:  # binascii.Error, JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise SignatureError(f"{SIGNATURE} of {root.name} is malformed ({str(e).splitlines()[0][:80]})",
+                             "sign the bundle again with `dsedge sign`") from None
     return doc
 
 
@@ -203,18 +258,36 @@ def _valid(pub: Any, doc: dict[str, Any], manifest: bytes) -> bool:
         return False
 
 
-def check_signature(bundle: str | os.PathLike, trusted_keys: Iterable[Any] | None = None) -> SignatureInfo | None:
+def check_signature(bundle: str | os.PathLike, trusted_keys: Iterable[Any] | None = None,
+                    manifest_bytes: bytes | None = None) -> SignatureInfo | None:
     """Check ``manifest.sig`` against the trusted keys (``trusted_keys``, else ``$DSEDGE_TRUSTED_KEYS``).
 
-    Returns the signature's info (None when unsigned and no keys are configured).
+    ``manifest_bytes``: the manifest as already read (the signature is checked over exactly these bytes; pass the
+    ones that are then parsed, or use :func:`verify_signed`); None reads ``manifest.json``.
+    Returns the signature's info (None when unsigned and no keys are configured). With no keys configured a
+    malformed ``manifest.sig`` is logged as a warning and reported as ``SignatureInfo(valid=False)``.
     Raises:
         SignatureError: keys are configured and the bundle is unsigned, signed by a key not among them, or its
-            manifest was changed after signing; or ``manifest.sig`` is malformed.
+            manifest was changed after signing, or ``manifest.sig`` is malformed.
+        InputError: ``trusted_keys`` is not a list of public keys.
         BackendUnavailable: a signature must be checked and ``cryptography`` is missing.
     """
-    root = Path(bundle)
+    return _check(Path(bundle), trusted_from(trusted_keys), manifest_bytes)
+
+
+def verify_signed(bundle: str | os.PathLike, trusted_keys: Iterable[Any] | None = None
+                  ) -> tuple[Manifest, SignatureInfo | None]:
+    """What ``dsedge.load`` checks before it opens anything: the signature (:func:`check_signature`) and the manifest
+    and every file hash (``verify_bundle``), over one read of ``manifest.json`` (a manifest swapped between two reads
+    could otherwise be verified signed and parsed unsigned). Returns (manifest, signature info)."""
     trusted = trusted_from(trusted_keys)
-    exists = (root / SIGNATURE).is_file()
+    data = read_manifest_bytes(bundle)
+    info = _check(Path(bundle), trusted, data)
+    return verify_bundle(bundle, manifest_bytes=data), info
+
+
+def _check(root: Path, trusted: list[Any], manifest: bytes | None) -> SignatureInfo | None:
+    exists = (root / SIGNATURE).exists() or (root / SIGNATURE).is_symlink()
     if not trusted and not exists:
         return None
     if not trusted:
@@ -222,27 +295,42 @@ def check_signature(bundle: str | os.PathLike, trusted_keys: Iterable[Any] | Non
             _crypto()
         except BackendUnavailable:
             return None  # nothing is required here; the signature cannot be read without cryptography
-    doc = _read(root)
+        try:
+            doc = _read(root)
+        except SignatureError as e:  # nothing is required: a broken signature must not stop an unsigned-ok load
+            log.warning("%s (%s); loading anyway: no trusted keys are configured", e, e.hint)
+            return SignatureInfo("", "", False, None, error=str(e))
+        if doc is None:
+            return None
+    else:
+        doc = _read(root)
     if doc is None:
         raise SignatureError(f"bundle {root.name} is unsigned and trusted keys are configured",
                              "sign it with `dsedge sign BUNDLE --key K`, or load without trusted keys")
     _, ed25519 = _crypto()
-    manifest = (root / MANIFEST).read_bytes()
-    own = ed25519.Ed25519PublicKey.from_public_bytes(base64.b64decode(doc["public_key"]))
-    kid = key_id(own)
-    if kid != doc.get("key_id"):
-        raise SignatureError(f"{SIGNATURE} key_id {doc.get('key_id')} does not match its public key",
-                             "sign the bundle again")
-    valid = _valid(own, doc, manifest)
-    if not trusted:
-        return SignatureInfo(kid, str(doc["signer"]), valid, None)
-    match = next((k for k in trusted if key_id(k) == kid), None)
-    if match is None:
-        raise SignatureError(f"bundle {root.name} is signed by {kid} ({doc['signer']!r}), which is not a trusted key",
+    if manifest is None:
+        manifest = read_manifest_bytes(root)
+    kid = str(doc["key_id"])
+    signer = str(doc["signer"])
+    if not trusted:  # reported only: is it valid under the public key it carries?
+        own = ed25519.Ed25519PublicKey.from_public_bytes(base64.b64decode(doc["public_key"]))
+        valid = key_id(own) == kid and _valid(own, doc, manifest)
+        return SignatureInfo(kid, signer, valid, None)
+    # the trust decision uses the trusted key objects themselves: the public key and key_id written in manifest.sig
+    # are only hints (anyone can write a trusted key's id beside their own key)
+    raw = base64.b64decode(doc["public_key"])
+    candidates = [k for k in trusted if _raw_public(k) == raw or key_id(k) == kid]
+    for k in candidates:
+        if _valid(k, doc, manifest):
+            return SignatureInfo(key_id(k), signer, True, True)
+    if not candidates:
+        raise SignatureError(f"bundle {root.name} is signed by {kid} ({signer!r}), which is not a trusted key",
                              f"add its .pub to trusted_keys / ${ENV}, or get the bundle from a trusted signer")
-    if not valid:  # manifest_sha256 (not itself signed) tells which side moved
-        what = ("the manifest was changed" if doc.get("manifest_sha256") != hashlib.sha256(manifest).hexdigest()
-                else "the signer name or the signature in manifest.sig was changed")
-        raise SignatureError(f"bundle {root.name}: {what} after it was signed by {kid} (signature does not match)",
-                             "rebuild and sign it again; do not edit signed bundles")
-    return SignatureInfo(kid, str(doc["signer"]), True, True)
+    if not any(_raw_public(k) == raw for k in candidates):
+        raise SignatureError(f"{SIGNATURE} of {root.name} names trusted key {kid} but carries another public key: "
+                             "it was not signed by that key", "get the bundle from a trusted signer")
+    # manifest_sha256 (not itself signed) tells which side moved
+    what = ("the manifest was changed" if doc.get("manifest_sha256") != hashlib.sha256(manifest).hexdigest()
+            else "the signer name or the signature in manifest.sig was changed")
+    raise SignatureError(f"bundle {root.name}: {what} after it was signed by {kid} (signature does not match)",
+                         "rebuild and sign it again; do not edit signed bundles")

@@ -21,7 +21,7 @@ from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
 from .runtime.errors import DsedgeError, InferenceError, InputError, SessionClosedError
 from .runtime.golden import check_backend
 from .runtime.instances import host_cores, instance_cpus, recorded_threads, reserved_layout, thread_scale
-from .runtime.signing import check_signature
+from .runtime.signing import verify_signed
 from .runtime.io import (check_request_options, check_session_options, check_stream_inputs, real_value,
                          validate_inputs)
 from .runtime.metrics import StreamMetrics
@@ -555,8 +555,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
                        ("pin_instances", pin_instances), ("standby", standby)):
         if not isinstance(flag, (bool, np.bool_)):
             raise InputError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}", f"pass {name}=True")
-    check_signature(path, trusted_keys)
-    manifest = verify_bundle(path)
+    manifest, _ = verify_signed(path, trusted_keys)  # one read of manifest.json: signed bytes = parsed bytes
     v = manifest.variant(variant)
     check_max_batch(manifest, max_batch)
 

@@ -141,3 +141,145 @@ def test_keygen_and_sign_refuse_empty_names_and_a_resign_says_what_it_replaced(b
     assert code == 0 and f"note: this replaced its signature by {first}" in " ".join(out.split()), out
     code, out = cli(capsys, "sign", str(bundle), "--key", str(other_key))
     assert code == 0 and "replaced" not in out  # the same key again: nothing to say
+
+
+def _swap_manifest_after_first_read(monkeypatch, bundle, edited: bytes) -> list:
+    """Replace manifest.json by ``edited`` (atomically, as an attacker would) right after its first open: a loader
+    that reads it twice checks the signature over one manifest and parses the other."""
+    import builtins
+    import io
+
+    real = io.open
+    opened = []
+
+    def hooked(file, mode="r", *a, **k):
+        f = real(file, mode, *a, **k)
+        if isinstance(file, (str, os.PathLike)) and os.path.abspath(file) == str(bundle / "manifest.json") \
+                and "r" in mode:
+            opened.append(mode)
+            if len(opened) == 1:
+                (bundle / ".edited").write_bytes(edited)
+                os.replace(bundle / ".edited", bundle / "manifest.json")
+        return f
+
+    monkeypatch.setattr(io, "open", hooked)
+    monkeypatch.setattr(builtins, "open", hooked)
+    return opened
+
+
+def test_the_signature_covers_the_very_manifest_bytes_that_load_parses(bundle, keys, monkeypatch):
+    """TOCTOU: load read manifest.json once for the signature and again to parse it; a manifest swapped in between
+    (signed → edited) was loaded unsigned with trusted keys configured."""
+    (priv, pub), _ = keys
+    monkeypatch.delenv(ENV, raising=False)
+    dsedge.runtime.signing.sign_bundle(bundle, priv)
+    doc = json.loads((bundle / "manifest.json").read_bytes())
+    assert doc.get("latency_budget_ms") != 1.0
+    doc["latency_budget_ms"] = 1.0  # hashes unchanged: only the signature can tell
+    edited = json.dumps(doc, indent=1).encode()
+    opened = _swap_manifest_after_first_read(monkeypatch, bundle, edited)
+    s = dsedge.load(bundle, trusted_keys=[pub], instances=1)
+    try:
+        assert s.manifest.latency_budget_ms == doc.get("latency_budget_ms") or s.manifest.latency_budget_ms != 1.0
+        assert s.manifest.latency_budget_ms != 1.0  # the signed manifest, not the swapped-in one
+    finally:
+        s.close()
+    assert len(opened) == 1, opened  # one read of manifest.json in load
+    monkeypatch.undo()
+    assert (bundle / "manifest.json").read_bytes() == edited
+    with pytest.raises(SignatureError, match="the manifest was changed after it was signed"):
+        dsedge.load(bundle, trusted_keys=[pub])  # the edited manifest itself is refused end to end
+
+
+def _sig(bundle) -> dict:
+    return json.loads((bundle / "manifest.sig").read_text())
+
+
+@pytest.mark.parametrize("content", ["[]", "{", '"x"', "null", "FORGE31", "FORGEsig", "\xff"])
+def test_a_malformed_signature_is_one_line_and_breaks_no_plain_load(bundle, keys, monkeypatch, capsys, caplog,
+                                                                     content):
+    import base64
+
+    (priv, pub), _ = keys
+    monkeypatch.delenv(ENV, raising=False)
+    dsedge.runtime.signing.sign_bundle(bundle, priv)
+    if content == "FORGE31":  # a 31-byte public key
+        doc = _sig(bundle)
+        doc["public_key"] = base64.b64encode(b"x" * 31).decode()
+        content = json.dumps(doc)
+    elif content == "FORGEsig":  # a signature that is not a string
+        doc = _sig(bundle)
+        doc["signature"] = 5
+        content = json.dumps(doc)
+    (bundle / "manifest.sig").write_bytes(content.encode("latin-1"))
+    with caplog.at_level("WARNING"):
+        s = dsedge.load(bundle, instances=1)  # nothing required: it loads, with a warning
+    s.close()
+    assert any("manifest.sig of m-cpu.dse is malformed" in r.getMessage() for r in caplog.records)
+    info = check_signature(bundle)
+    assert info is not None and info.valid is False and "malformed" in info.error
+    with pytest.raises(SignatureError, match="manifest.sig of m-cpu.dse is malformed"):
+        dsedge.load(bundle, trusted_keys=[pub])
+    monkeypatch.setenv(ENV, os.fspath(pub))
+    capsys.readouterr()
+    code, out = cli(capsys, "inspect", str(bundle))
+    assert code == 2 and "Traceback" not in out, out
+    assert out.strip().splitlines()[0].startswith("error: manifest.sig of m-cpu.dse is malformed (")
+    assert out.strip().splitlines()[1].startswith("  hint: sign the bundle again"), out
+
+
+def test_wrong_trusted_keys_types_are_input_errors(bundle, keys, monkeypatch):
+    (priv_path, pub), _ = keys
+    monkeypatch.delenv(ENV, raising=False)
+    dsedge.runtime.signing.sign_bundle(bundle, priv_path)
+    private = dsedge.runtime.signing.load_private_key(priv_path)
+    for bad, msg in ((False, "trusted_keys must be a list of public keys, got bool False"),
+                     (123, "trusted_keys must be a list of public keys, got int 123"),
+                     ({"k": pub}, "got dict"),
+                     ([123], "a trusted key is a int"),
+                     ([pub, None], "a trusted key is a NoneType"),
+                     (private, "a trusted key is a private key object"),
+                     ([private], "a trusted key is a private key object")):
+        with pytest.raises(dsedge.runtime.errors.InputError, match=msg) as e:
+            dsedge.load(bundle, trusted_keys=bad)
+        assert "\n" not in str(e.value) and e.value.hint
+    with pytest.raises(SignatureError, match="not a PEM public key"):
+        dsedge.load(bundle, trusted_keys=[b"not a key"])
+    s = dsedge.load(bundle, trusted_keys=[private.public_key()], instances=1)  # a public key object is fine
+    s.close()
+
+
+def test_a_forged_key_id_does_not_make_an_attackers_key_trusted(bundle, keys, tmp_path):
+    """The trust decision compared manifest.sig's 64-bit key_id and verified with the public key manifest.sig
+    carries: an attacker's key with a trusted key's id written beside it was trusted."""
+    import base64
+
+    (priv, pub), (evil_priv, _) = keys
+    dsedge.runtime.signing.sign_bundle(bundle, evil_priv, signer="release")  # valid under the attacker's own key
+    trusted_id = dsedge.runtime.signing.key_id(dsedge.runtime.signing.load_public_key(pub))
+    doc = _sig(bundle)
+    assert doc["key_id"] != trusted_id
+    doc["key_id"] = trusted_id  # forged: the id is not signed
+    (bundle / "manifest.sig").write_text(json.dumps(doc))
+    with pytest.raises(SignatureError, match="names trusted key .* but carries another public key"):
+        dsedge.load(bundle, trusted_keys=[pub])
+    with pytest.raises(SignatureError):
+        check_signature(bundle, [pub])
+    # the trusted public key written into manifest.sig, over the attacker's signature: refused too
+    trusted_raw = dsedge.runtime.signing._raw_public(dsedge.runtime.signing.load_public_key(pub))
+    doc["public_key"] = base64.b64encode(trusted_raw).decode()
+    (bundle / "manifest.sig").write_text(json.dumps(doc))
+    with pytest.raises(SignatureError, match="signature does not match"):
+        dsedge.load(bundle, trusted_keys=[pub])
+    dsedge.runtime.signing.sign_bundle(bundle, priv)  # the real key: trusted
+    assert check_signature(bundle, [pub]).trusted is True
+
+
+def test_a_failed_sign_leaves_no_temp_file_in_the_bundle(bundle, keys, capsys):
+    (priv, _), _ = keys
+    (bundle / "manifest.sig").mkdir()  # os.replace(file, directory) fails
+    before = sorted(p.name for p in bundle.iterdir())
+    code, out = cli(capsys, "sign", str(bundle), "--key", str(priv))
+    assert code != 0 and "Traceback" not in out
+    assert sorted(p.name for p in bundle.iterdir()) == before  # no .manifest.sig.XXXX left
+    assert (bundle / "manifest.sig").is_dir()

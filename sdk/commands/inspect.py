@@ -16,12 +16,9 @@ def inspect(bundle: str, as_json: bool) -> None:
     from rich.table import Table
 
     from ..runtime.backends.ort import choose_providers
-    from ..runtime.bundle import verify_bundle
+    from ..runtime.signing import verify_signed
 
-    from ..runtime.signing import check_signature
-
-    sig = check_signature(bundle)  # refuses a bad signature when DSEDGE_TRUSTED_KEYS is set, like load
-    m = verify_bundle(bundle)
+    m, sig = verify_signed(bundle)  # refuses a bad signature when DSEDGE_TRUSTED_KEYS is set, like load
     providers = choose_providers()
     info = {
         "bundle": bundle, "verified": True, "name": m.name, "target": m.target.get("name"),
@@ -42,6 +39,8 @@ def inspect(bundle: str, as_json: bool) -> None:
             f"hashes verified (schema {m.schema_version}, built by dsedge {m.dsedge_version})")
     if sig is None:
         c.print("signature: [yellow]unsigned[/]")
+    elif sig.error:
+        c.print(f"signature: [red]{escape(sig.error)}[/] (not required here: DSEDGE_TRUSTED_KEYS is not set)")
     else:
         state = ("[green]trusted here[/]" if sig.trusted else "valid, key not in DSEDGE_TRUSTED_KEYS" if sig.valid
                  else "[red]does NOT match the manifest[/]")

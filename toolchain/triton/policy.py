@@ -63,16 +63,37 @@ class BatchingPolicy:
 
 def budget_of(manifest: Manifest) -> float:
     """The bundle's latency budget (ms): the manifest's, else the target profile's default, else 50."""
-    budget, _ = resolve_budget(None, manifest)
-    return _FALLBACK_BUDGET_MS if budget is None else budget
+    return budget_source(manifest)[0]
+
+
+def budget_source(manifest: Manifest) -> tuple[float, str]:
+    """(budget in ms, where it comes from, in words for config.pbtxt's comments)."""
+    budget, source = resolve_budget(None, manifest)
+    if budget is None:
+        return _FALLBACK_BUDGET_MS, "dsedge's default: the bundle names none, nor does its target profile"
+    return budget, ("the bundle's latency_budget_ms" if source == "manifest"
+                    else f"target {manifest.target.get('name')}'s default_budget_ms in the bundle")
 
 
 def batch_range(manifest: Manifest, layout: BatchLayout) -> dict[str, int]:
     """``{"min", "opt", "max"}`` of the batch axis (the manifest's shape range, else the target's shapes)."""
+    return _batch_range(manifest, layout)[0]
+
+
+def _batch_range(manifest: Manifest, layout: BatchLayout) -> tuple[dict[str, int], dict[str, str]]:
+    """The batch range and, per figure, where it came from (in words)."""
     sym = layout.batch_symbol or "batch"
-    rng = manifest.shape_ranges.get(sym) or (manifest.target.get("shapes") or {}).get(sym) or {}
+    if manifest.shape_ranges.get(sym):
+        rng, where = manifest.shape_ranges[sym], f"the bundle's shape range of {sym!r}"
+    elif (manifest.target.get("shapes") or {}).get(sym):
+        rng, where = manifest.target["shapes"][sym], f"target {manifest.target.get('name')}'s shapes of {sym!r}"
+    else:
+        rng, where = {}, f"the bundle gives {sym!r} no range"
     hi = int(rng.get("max", _FALLBACK_MAX_BATCH))
-    return {"min": int(rng.get("min", 1)), "opt": int(rng.get("opt", min(8, hi))), "max": hi}
+    src = {"max": f"{where} (max)" if "max" in rng else f"dsedge's default {_FALLBACK_MAX_BATCH}: {where}",
+           "opt": f"{where} (opt)" if "opt" in rng else
+           f"dsedge's default min(8, max batch): {where}{' has no opt' if rng else ''}"}
+    return {"min": int(rng.get("min", 1)), "opt": int(rng.get("opt", min(8, hi))), "max": hi}, src
 
 
 def measured_seq(variant: Variant) -> int | None:
@@ -92,15 +113,15 @@ def _powers_of_two(limit: int) -> list[int]:
 def derive_policy(manifest: Manifest, variant: Variant, gpu: bool) -> BatchingPolicy:
     """Batching settings for ``variant`` so that the bundle's budget holds (see the module docstring)."""
     layout = BatchLayout.of(manifest.inputs, manifest.outputs)
-    budget = budget_of(manifest)
+    budget, budget_from = budget_source(manifest)
     if not layout.dynamic:
         return BatchingPolicy(max_batch_size=0, budget_ms=budget,
                               derived_from=("no shared symbolic batch axis in the IO: max_batch_size 0, no batching",))
-    rng = batch_range(manifest, layout)
+    rng, rng_from = _batch_range(manifest, layout)
     max_bs = rng["max"]
     prof = LatencyProfile.from_variant(variant)
-    notes = [f"max_batch_size {max_bs}: the bundle's batch shape range max",
-             f"latency budget {budget:g} ms (bundle)"]
+    notes = [f"max_batch_size {max_bs}: {rng_from['max']}",
+             f"latency budget {budget:g} ms: {budget_from}"]
     if gpu or prof.empty:
         opt = max(1, min(rng["opt"], max_bs))
         preferred = _powers_of_two(opt)[-_MAX_PREFERRED:]
@@ -108,7 +129,7 @@ def derive_policy(manifest: Manifest, variant: Variant, gpu: bool) -> BatchingPo
             preferred.append(opt)
         delay_us = int(budget * 100)  # 10 % of the budget, in µs
         why = "no GPU latency in the bundle" if gpu else "no latency measured for this variant"
-        notes += [f"{why}: preferred sizes up to the optimization profile's opt batch {opt}, max_queue_delay 10 % "
+        notes += [f"{why}: preferred sizes up to the opt batch {opt} ({rng_from['opt']}), max_queue_delay 10 % "
                   "of the budget; re-derive from perf_analyzer on the server",
                   "queue timeout = the budget (REJECT)"]
         return BatchingPolicy(max_bs, tuple(preferred), delay_us, int(budget * 1000), 0, budget,

@@ -22,17 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from ...runtime.batching import BatchLayout
-from ...runtime.bundle import Manifest, Variant, verify_bundle
-from ...runtime.errors import DsedgeError, TargetError
+from ...runtime.bundle import MANIFEST, SIGNATURE, Manifest, Variant
+from ...runtime.errors import BundleError, DsedgeError, InputError, TargetError
+from ...runtime.signing import verify_signed
 from .pbtxt import Enum, to_pbtxt
 from .policy import BatchingPolicy, derive_policy, dynamic_batching
+from .warmup import TRITON_DTYPES, _warmup  # noqa: F401  (_warmup: repository._warmup as before)
 
 PLATFORMS = ("onnxruntime", "tensorrt", "python")
-TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int64": "TYPE_INT64",
-                 "int32": "TYPE_INT32", "int8": "TYPE_INT8", "uint8": "TYPE_UINT8", "bool": "TYPE_BOOL"}
 # Triton ORT backend's TensorRT accelerator takes FP32/FP16/INT8; INT4 is weight-only (W4A16, FP16 activations)
 _TRT_PRECISION = {"fp32": "FP32", "fp16": "FP16", "bf16": "FP32", "int8": "INT8", "int4": "FP16"}
 
@@ -98,45 +97,6 @@ def _io(manifest: Manifest, policy: BatchingPolicy, ragged: bool) -> tuple[list[
     outputs = [{"name": s.name, "data_type": Enum(TRITON_DTYPES[s.dtype]), "dims": _dims(s.shape, batched)}
                for s in manifest.outputs]
     return inputs, outputs
-
-
-def _warmup(manifest: Manifest, policy: BatchingPolicy, model_dir: Path, seed: int = 0) -> list[dict]:
-    """Warm-up at batch 1 and at the largest preferred batch, at the optimization profile's opt sizes.
-
-    Float inputs use Triton's ``random_data``; integer inputs with a value range (token ids < vocabulary) get random
-    values inside it, written to ``warmup/<input>`` (raw row-major bytes), since Triton's random integers would index
-    outside an embedding table; integer inputs without a range get ``zero_data``.
-    """
-    batched = policy.max_batch_size > 0
-    rng = np.random.default_rng(seed)
-    fields: dict[str, dict] = {}
-    for s in manifest.inputs:
-        dims = []
-        for i, d in enumerate(s.shape):
-            if isinstance(d, int) and d >= 0:
-                dims.append(d)
-            elif i == 0 and batched:
-                continue
-            else:
-                r = manifest.shape_ranges.get(str(d)) or (manifest.target.get("shapes") or {}).get(str(d)) or {}
-                dims.append(int(r.get("opt", r.get("min", 1))))
-        entry: dict[str, Any] = {"data_type": Enum(TRITON_DTYPES[s.dtype]), "dims": dims}
-        dt = np.dtype(s.dtype)
-        if s.value_range is not None and dt.kind in "iu":
-            lo, hi = s.value_range
-            (model_dir / "warmup").mkdir(exist_ok=True)
-            data = rng.integers(lo, hi + 1, size=dims, dtype=np.int64).astype(dt.newbyteorder("<"))
-            (model_dir / "warmup" / s.name).write_bytes(data.tobytes())
-            entry["input_data_file"] = s.name
-        elif dt.kind in "biu":  # integers without a known range: zeros are always a valid index
-            entry["zero_data"] = True
-        else:
-            entry["random_data"] = True
-        fields[s.name] = entry
-    inputs = [{"key": k, "value": v} for k, v in fields.items()]
-    sizes = sorted({1, *(policy.preferred_batch_sizes[-1:] if batched else ())})
-    return [{"name": f"random_batch_{b}", "batch_size": b, "inputs": inputs, "count": 1}
-            for b in sizes]
 
 
 def _link_or_copy(src: str, dst: str) -> str:
@@ -211,11 +171,33 @@ def _write_tensorrt(bundle: Path, manifest: Manifest, variant: Variant, model_di
     return {"platform": "tensorrt_plan", "backend": "tensorrt"}
 
 
-def _write_python(bundle: Path, variant: Variant, version_dir: Path, threads: int | None) -> dict[str, Any]:
+def _copy_bundle(bundle: Path, manifest: Manifest, dest: Path) -> None:
+    """Copy the files the manifest lists, ``manifest.json`` and ``manifest.sig`` (if any) to ``dest``: nothing else
+    of the bundle's folder, and never through a link (a linked folder could hold anything, a private key included).
+    ``verify_signed`` checked them just before (``inside``: no listed path leaves the bundle)."""
+    names = [MANIFEST, *([SIGNATURE] if (bundle / SIGNATURE).is_file() else []), *manifest.files]
+    root = bundle.resolve()
+    for rel in names:
+        src = bundle / rel
+        for part in [src, *src.parents]:
+            if part == bundle:
+                break
+            if part.is_symlink():
+                raise BundleError(f"bundle file {rel!r} is reached through a link ({part.name})",
+                                  "a bundle's files must be inside it: rebuild or copy it without links")
+        if not src.resolve().is_relative_to(root):
+            raise BundleError(f"bundle file {rel!r} is outside the bundle", "rebuild the bundle")
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _link_or_copy(str(src), str(target))
+
+
+def _write_python(bundle: Path, manifest: Manifest, variant: Variant, version_dir: Path,
+                  threads: int | None) -> dict[str, Any]:
     # the model.py Triton's Python stub runs: device-side code (it loads the bundle with dsedge), kept in sdk/
     with importlib.resources.as_file(importlib.resources.files("dsedge") / "triton_model.py") as model_py:
         shutil.copyfile(model_py, version_dir / "model.py")
-    shutil.copytree(bundle, version_dir / "bundle.dse", copy_function=_link_or_copy)
+    _copy_bundle(bundle, manifest, version_dir / "bundle.dse")
     params = [_param("variant", variant.name), _param("bundle", "bundle.dse")]
     if threads:
         params.append(_param("threads", str(threads)))
@@ -304,12 +286,21 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: s
             a model of the same name that dsedge exported for another target.
     """
     bundle = Path(bundle)
-    manifest = verify_bundle(bundle)
+    # what dsedge.load checks (the signature too, when $DSEDGE_TRUSTED_KEYS is set): a bundle load would refuse is
+    # not exported for Triton to serve
+    manifest, _ = verify_signed(bundle)
     platform = platform or default_platform(bundle, manifest)
     if platform not in PLATFORMS:
         raise DsedgeError(f"unknown Triton platform {platform!r}", f"choose one of: {', '.join(PLATFORMS)}")
     if instances is not None and instances < 1:
         raise DsedgeError(f"--instances must be ≥ 1, got {instances}", "pass 1 or more model instances per device")
+    if threads is not None and platform == "tensorrt":
+        raise InputError("--threads sets ONNX Runtime's intra-op threads; a TensorRT plan has none to set",
+                         "leave --threads out with --platform tensorrt, or export with --platform onnxruntime")
+    out_abs, bundle_abs = Path(os.path.abspath(out)), Path(os.path.abspath(bundle))
+    if out_abs == bundle_abs or bundle_abs in out_abs.parents or out_abs.resolve().is_relative_to(bundle.resolve()):
+        raise DsedgeError(f"--out {str(out)!r} is inside the bundle {str(bundle)!r}",
+                          "write the model repository outside the bundle (a bundle holds only its listed files)")
     gpu = is_gpu_target(manifest)
     if platform == "tensorrt" and manifest.target.get("backend") != "tensorrt":
         raise TargetError(f"target {manifest.target.get('name')} runs ONNX Runtime, not TensorRT",
@@ -332,7 +323,7 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: s
             elif platform == "tensorrt":
                 head = _write_tensorrt(bundle, manifest, variant, model_dir, version_dir, model)
             else:
-                head = _write_python(bundle, variant, version_dir, threads)
+                head = _write_python(bundle, manifest, variant, version_dir, threads)
             inputs, outputs = _io(manifest, policy, ragged=platform == "python" and layout.can_pad)
             kind = "KIND_GPU" if gpu and platform != "python" else "KIND_CPU"
             params = head.pop("parameters", [])
@@ -341,7 +332,7 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: s
                 "input": inputs, "output": outputs,
                 "instance_group": [{"count": int(instances or 1), "kind": Enum(kind)}],
                 "dynamic_batching": dynamic_batching(policy),
-                "model_warmup": _warmup(manifest, policy, model_dir),
+                "model_warmup": _warmup(manifest, policy, model_dir, notes=model.notes),
                 "parameters": params or None,
             }
             comments = [f"dsedge export of {manifest.name} ({manifest.target.get('name')}), variant {variant.name} "
