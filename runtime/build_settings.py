@@ -114,7 +114,11 @@ def resolve_shapes(inputs: Sequence[Mapping[str, Any]], shape_ranges: Mapping[st
             if not rng:
                 raise TargetError(f"input {spec['name']!r} has dynamic dim {dim!r} with no min/opt/max range",
                                   f"give shape_ranges[{str(dim)!r}] = {{min, opt, max}} (or a target profile shapes entry)")
-            a, b, c = int(rng["min"]), int(rng["opt"]), int(rng["max"])
+            try:
+                a, b, c = int(rng["min"]), int(rng["opt"]), int(rng["max"])
+            except (KeyError, TypeError, ValueError):
+                raise TargetError(f"range for {dim!r} must give integer min, opt and max, got {dict(rng)!r:.120}",
+                                  f"give shape_ranges[{str(dim)!r}] = {{min, opt, max}}") from None
             if not 1 <= a <= b <= c:
                 raise TargetError(f"range for {dim!r} must be 1 <= min <= opt <= max, got {a}/{b}/{c}",
                                   "fix the shape ranges")

@@ -137,6 +137,9 @@ def test_dynamic_dim_without_range_is_an_error_and_target_shapes_fill_gaps():
         trtexec_script(get_target("t4"), variants("fp16"), [{"name": "x", "dtype": "float32", "shape": ["frames", 3]}], {})
     s = engine_build_settings(get_target("t4"), variants("fp16")[0], INPUTS, {})
     assert s.shapes["input_ids"] == ((1, 1), (8, 128), (64, 512))  # from the t4 profile
+    x = [{"name": "x", "dtype": "float32", "shape": ["frames", 3]}]
+    with pytest.raises(TargetError, match="range for 'frames' must give integer min, opt and max"):  # was KeyError
+        trtexec_script(get_target("t4"), variants("fp16"), x, {"frames": {"min": 1, "max": 8}})
 
 
 def test_script_runs_under_bash_and_passes_exact_args(tmp_path):
