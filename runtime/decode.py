@@ -14,6 +14,15 @@ prefilled whole (full attention, so it must fit the model's context); its cache 
 rotary decoders whose bundle source names the ``model_type`` (and ``rope_theta`` ..., as a Hugging Face config does)
 qualify; others are refused with ``InputError``.
 
+Positions: a full-cache sequence ends with finish_reason "error" before a step would use a position past the
+model's ``max_position_embeddings`` / ``n_positions`` (when the bundle's source names it), for rotary decoders too
+(whose exports would otherwise go on past their trained context without an error, as absolute-position ones do not).
+
+Ending early: ``GenerationStream.cancel()`` (or a reader that stops) ends a request; its row leaves the batch before
+the next step. ``close(drain=True)`` waits for running sequences at most ``timeout_s`` (None: ``DRAIN_TIMEOUT_S``),
+then ends what is left with "shutdown"; at interpreter exit live loops are stopped (runtime/streaming.py's atexit
+hook), so a script that exits mid-generation exits cleanly.
+
 Budgets: ``budget_ms`` bounds the time to first token (TTFT), ``token_budget_ms`` the gap between tokens. A
 prompt whose predicted prefill cannot meet its TTFT budget is rejected at once ("budget"); one that waited too long
 is rejected when its turn comes ("deadline"). New prompts join only while the predicted step time plus their
@@ -41,9 +50,11 @@ from .io import is_integer
 from .kv_cache import RotarySpec, WindowUnsupported, cache_bound_bytes, evict_row
 from .latency_profile import LatencyProfile
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected
+from .streaming import _LIVE
 
 _clock = time.perf_counter
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+DRAIN_TIMEOUT_S = 30.0  # close(drain=True, timeout_s=None): the longest wait for running sequences, s
 
 
 def is_decoder(input_names: Sequence[str]) -> bool:
@@ -255,6 +266,7 @@ class DecodeLoop:
                 decoder that is not rotary (or whose bundle does not say), window < 1, sink_tokens < 0, sinks +
                 window past the model's ``max_position_embeddings``.
             RuntimeError: after ``close()``.
+        Also: window and sink_tokens must be ints (not bool), eos_token_id within the vocabulary.
         """
         p = np.asarray(prompt)
         if p.ndim != 1 or p.size == 0 or p.dtype.kind not in "iu":
@@ -275,6 +287,17 @@ class DecodeLoop:
         if eos_token_id is not None and not is_integer(eos_token_id):
             raise InputError(f"eos_token_id must be an integer token id, got {eos_token_id!r}",
                              "pass the tokenizer's eos_token_id, or None")
+        if eos_token_id is not None and (int(eos_token_id) < 0 or (self.vocab_size is not None
+                                                                   and int(eos_token_id) >= self.vocab_size)):
+            raise InputError(f"eos_token_id {int(eos_token_id)} is outside the model's vocabulary [0, "
+                             f"{'…' if self.vocab_size is None else self.vocab_size - 1}]: it could never stop "
+                             "the sequence", "pass the eos_token_id of the tokenizer the decoder was trained with")
+        for name, value in (("window", window), ("sink_tokens", sink_tokens)):
+            if (value is not None or name == "sink_tokens") and not is_integer(value):
+                raise InputError(f"{name} must be an integer, got {type(value).__name__} {value!r}",
+                                 "pass window=None (full cache) or an int such as 256, and sink_tokens=4")
+        if int(sink_tokens) < 0:
+            raise InputError(f"sink_tokens must be ≥ 0, got {int(sink_tokens)}", "StreamingLLM uses 4 sink tokens")
         if window is not None:
             self._check_window(int(window), int(sink_tokens))
         s = GenerationStream(next(self._ids) if id is None else id, p.astype(np.int64), max_new_tokens, budget_ms,
@@ -317,6 +340,7 @@ class DecodeLoop:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="dsedge-decode", daemon=True)
             self._thread.start()
+            _LIVE.add(self)  # stopped by runtime/streaming.py's atexit hook if still running at interpreter exit
 
     def _admit(self) -> list[GenerationStream]:
         """Waiting prompts to prefill before the next step, earliest TTFT deadline first (lock held)."""
@@ -327,6 +351,9 @@ class DecodeLoop:
         tight = min((r.stream.token_budget_ms for r in self._rows), default=float("inf"))
         spent = 0.0
         for s in list(self._waiting):
+            if s.done():  # cancelled while waiting
+                self._waiting.remove(s)
+                continue
             if rows + len(out) >= self.max_batch:
                 break
             prefill = self.prefill_profile.predict(1, s.prompt.size)
@@ -346,9 +373,32 @@ class DecodeLoop:
         return out
 
     # -- loop ---------------------------------------------------------------------------------------------------
+    def _drop_ended(self) -> None:
+        """Waiting prompts and running rows whose stream already ended (``cancel()``) leave (lock held)."""
+        if any(s.done() for s in self._waiting):
+            self._waiting = [s for s in self._waiting if not s.done()]
+        keep = [i for i, r in enumerate(self._rows) if not r.stream.done()]
+        if len(keep) < len(self._rows):
+            self._retire(keep)
+
+    def _end_past_positions(self) -> None:
+        """Full-cache rows whose next step would use a position past the model's positions end with "error" (an
+        absolute-position export fails there anyway; a rotary one would go on silently past its context)."""
+        if not self.max_positions:
+            return
+        top = int(self.max_positions)
+        bad = [i for i, r in enumerate(self._rows) if r.keep is None and r.length >= top]
+        for i in bad:
+            self._rows[i].stream._finish("error", error=f"PositionLimit: the next token would be at position "
+                                         f"{self._rows[i].length}, past the model's {top} positions "
+                                         "(max_position_embeddings); use window= on a rotary decoder")
+        if bad:
+            self._retire([i for i in range(len(self._rows)) if i not in bad])
+
     def _loop(self) -> None:
         while True:
             with self._cond:
+                self._drop_ended()
                 while not self._waiting and not self._rows and not self._closing:
                     self._cond.wait()
                 if self._closing and not self._drain:
@@ -371,11 +421,14 @@ class DecodeLoop:
                 self.stats.prefills += 1
                 if self._rows:
                     self.stats.joins_while_running += 1
-                s._emit(token, logits)
-                if self._finished(s, token):
-                    continue
+                reason = self._finish_reason(s, token)
+                if not s._emit(token, logits, reason) or reason is not None:
+                    continue  # ended by its first token, or cancelled during its prefill
                 self._join(kv, s.prompt.size)
                 self._rows.append(_Row(s, s.prompt.size, token))
+            with self._cond:
+                self._drop_ended()  # cancelled during the prefills
+            self._end_past_positions()
             if not self._rows:
                 continue
             try:
@@ -395,22 +448,22 @@ class DecodeLoop:
                 self.stats.cache_bytes.append(self.cache_bytes)
             keep = []
             for i, (r, t) in enumerate(zip(self._rows, tokens)):
-                r.stream._emit(t, logits[i])
+                reason = self._finish_reason(r.stream, t)
                 r.length += 1
                 r.last = t
-                if not self._finished(r.stream, t):
-                    keep.append(i)
+                if r.stream._emit(t, logits[i], reason) and reason is None:
+                    keep.append(i)  # else it ended: by this token, or cancelled while the step ran
             if len(keep) < len(self._rows):
                 self._retire(keep)
 
-    def _finished(self, s: GenerationStream, token: int) -> bool:
+    @staticmethod
+    def _finish_reason(s: GenerationStream, token: int) -> str | None:
+        """How ``token`` (about to be emitted) ends ``s``: "eos", "length", or None when it goes on."""
         if s.eos_token_id is not None and token == s.eos_token_id:
-            s._finish("eos")
-            return True
-        if len(s.tokens) >= s.max_new_tokens:
-            s._finish("length")
-            return True
-        return False
+            return "eos"
+        if len(s.tokens) + 1 >= s.max_new_tokens:
+            return "length"
+        return None
 
     def warmup(self, prompt_lens: Sequence[int] = (8, 32), batch_sizes: Sequence[int] = (1, 2, 4, 8),
                past_len: int = 32) -> None:
@@ -439,17 +492,23 @@ class DecodeLoop:
                 self.step_profile.observe(b, past_len + 1, (_clock() - t0) * 1e3)
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
-        """Stop admitting; finish (drain) or end with "shutdown" every waiting and running sequence."""
+        """Stop admitting; finish (drain) or end with "shutdown" every waiting and running sequence.
+
+        Draining waits at most ``timeout_s`` seconds (None: ``DRAIN_TIMEOUT_S``, 30 s: a generation may be
+        practically unbounded, and its reader may be gone), then ends what is still waiting or running with
+        "shutdown" (their tokens so far stay on the streams) and returns once the step in progress ends."""
         with self._cond:
             self._closing = True
             self._drain = drain
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join((DRAIN_TIMEOUT_S if timeout_s is None else timeout_s) if drain else timeout_s)
+            if thread.is_alive():
                 with self._cond:
                     self._drain = False
-                self._thread.join()
+                    self._cond.notify_all()
+                thread.join()
         with self._cond:  # never started, or stopped: nothing may stay pending
             for s in self._waiting:
                 self._reject(s, SHUTDOWN, "session closed before this prompt ran")

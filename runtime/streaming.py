@@ -94,13 +94,14 @@ class _Delivered:
         return True
 
 
-_LIVE: "weakref.WeakSet[StreamingCore]" = weakref.WeakSet()
+_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()  # StreamingCore and runtime/decode.py's DecodeLoop objects
 
 
 @atexit.register
 def _close_live_cores() -> None:
-    """At interpreter exit, stop every core a caller left open: a lane thread still inside ONNX Runtime while the
-    interpreter tears down aborts the process ("terminate called without an active exception")."""
+    """At interpreter exit, stop every core and decode loop a caller left open (``close(drain=False)``): a lane or
+    decode thread still inside ONNX Runtime while the interpreter tears down aborts the process ("terminate called
+    without an active exception")."""
     for core in list(_LIVE):
         try:
             core.close(drain=False, timeout_s=1.0)

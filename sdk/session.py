@@ -17,7 +17,7 @@ from .runtime.backends import Preferences, VariantFiles, open_backend
 from .runtime.batching import BatchLayout
 from .runtime.decode import GenerationStream
 from .runtime.budget import FALLBACK_BUDGET_MS, resolve_budget
-from .runtime.bundle import IOSpec, Manifest, Variant, verify_bundle
+from .runtime.bundle import IOSpec, Manifest, Variant
 from .runtime.errors import DsedgeError, InferenceError, InputError, SessionClosedError
 from .runtime.golden import check_backend
 from .runtime.instances import host_cores, instance_cpus, recorded_threads, reserved_layout, thread_scale
@@ -145,7 +145,8 @@ class Session:
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary: bundle, target, variant, backend and providers in use, and how many backends
         streaming runs the variant on (``instances``), the nice value added to their workers (``worker_nice``) and
-        the core each instance's worker is pinned to (``instance_cpus``, a list of core ids; empty when none is)."""
+        the core each instance's worker is pinned to (``instance_cpus``, a list of core ids; empty when none is). A
+        decoder bundle has 1: ``generate_stream`` runs on the session's one backend, and ``load`` opens no other."""
         return {
             "bundle": str(self.path), "name": self.manifest.name, "target": self.target,
             "variant": self.variant.name, "precision": self.variant.precision,
@@ -357,7 +358,12 @@ class Session:
         Raises:
             InputError: not a decoder bundle; a malformed prompt (not 1-D integer ids, an id outside the
                 vocabulary, longer than the model's positions); a budget that is not a finite number in
-                (0, 3 600 000] ms; ``max_new_tokens`` not an integer ≥ 1. SessionClosedError after ``close()``.
+                (0, 3 600 000] ms; ``max_new_tokens`` not an integer ≥ 1; ``eos_token_id`` not an integer within
+                the vocabulary; ``window`` / ``sink_tokens`` not integers (bool and float refused) or out of range.
+                SessionClosedError after ``close()``.
+        ``stream.cancel()`` (or leaving a ``for`` over it early) ends the request ("cancelled"). ``close()`` waits
+        for running generations at most ``timeout_s`` (None: 30 s, ``runtime.decode.DRAIN_TIMEOUT_S``), then ends
+        them with "shutdown"; see docs/decode.md.
         """
         from .runtime.decode import DecodeLoop
 
@@ -447,7 +453,9 @@ class Session:
         batch already running finishes first, and ``close`` returns after it). Every submitted future is resolved
         when this returns; called from a future's done-callback (the session's own worker thread), the close
         finishes on a helper thread right after the callback. Further ``submit`` calls raise SessionClosedError;
-        ``run`` is no longer available either. Closing again does nothing.
+        ``run`` is no longer available either. Closing again does nothing. Generations (``generate_stream``) are
+        drained at most ``timeout_s`` (None: 30 s), then ended with "shutdown", so an unbounded generation whose
+        reader is gone cannot hold ``close`` (or a ``with`` block) forever.
 
         Raises:
             InputError: ``drain`` not a bool, ``timeout_s`` not None or a finite number ≥ 0 (checked before anything
@@ -578,6 +586,12 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         raise InputError(f"reserve_cores={reserve_cores} leaves none of this machine's {cores} cores to the "
                          "streaming lanes", f"reserve at most {cores - 1}" if cores > 1 else "reserve none here")
     count, per_thread = auto_instances(backend, instances, threads, int(reserve_cores))
+    if _is_decoder_manifest(manifest):  # generation runs on ``backend`` only: no streaming lanes, no copies
+        if instances is not None and int(instances) > 1:
+            raise InputError(f"instances={instances}: a decoder bundle generates on the session's one backend "
+                             "(generate_stream batches the rows of every request into each step)",
+                             "drop instances= (or load the bundle once per process you want)")
+        count, per_thread = 1, None
     # the streaming lanes run on backends of their own: several instances, or one on fewer threads than ``backend``
     own = count > 1 or (threads is None and per_thread is not None and per_thread < cores)
     # the bundle's latency figures were timed with ``measured`` intra-op threads (the build host's serving layout;
@@ -610,6 +624,13 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
 
 def _cores() -> int:
     return host_cores()
+
+
+def _is_decoder_manifest(manifest: Manifest) -> bool:
+    """A decoder with past key/values: ``generate_stream`` serves it on the session's one backend."""
+    from .runtime.decode import is_decoder
+
+    return is_decoder([s.name for s in manifest.inputs])
 
 
 def _on_ort_cpu(backend: Any) -> bool:
