@@ -4,7 +4,6 @@ the exported model, inputs as config.pbtxt gives them), says where each batching
 --threads with a TensorRT plan."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from dsedge.runtime.signing import ENV, generate_key, sign_bundle
 from dsedge.toolchain.bundle_writer import write_bundle
 from dsedge.toolchain.triton import export_triton
 from tiny_models import mlp_onnx
+from test_streaming_decode import gpt2  # noqa: F401  (fixture)
 
 pytest.importorskip("cryptography")
 
@@ -178,31 +178,14 @@ def test_warmup_sizes_a_decoders_mask_from_the_same_symbols(tmp_path):
     assert notes and "no model_warmup" in notes[0]
 
 
-_ORT_DTYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(float16)": "float16"}
 _NP = {model_config_pb2.TYPE_FP32: np.float32, model_config_pb2.TYPE_INT64: np.int64}
 
 
 @pytest.fixture(scope="module")
-def gpt2_bundle(tmp_path_factory):
-    """A tiny GPT-2 (2 layers, vocab 64, random weights) exported by optimum with past key/values, as
-    test_streaming_decode.py builds it."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    main_export = pytest.importorskip("optimum.exporters.onnx").main_export
-    import onnxruntime as ort
-
-    root = tmp_path_factory.mktemp("gpt2")
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=128, n_embd=32, n_layer=2, n_head=2)
-    transformers.GPT2LMHeadModel(cfg).eval().save_pretrained(root / "hf")
-    main_export(str(root / "hf"), output=str(root / "onnx"), task="text-generation-with-past")
-    sess = ort.InferenceSession(str(root / "onnx" / "model.onnx"))
-    spec = lambda io: IOSpec(io.name, _ORT_DTYPES[io.type], tuple(io.shape))  # noqa: E731
-    return write_bundle(
-        root / "tiny-gpt2-cpu.dse", name="tiny-gpt2", target={"name": "cpu"},
-        inputs=[spec(i) for i in sess.get_inputs()], outputs=[spec(o) for o in sess.get_outputs()],
-        models={"models/fp32.onnx": root / "onnx" / "model.onnx"},
-        variants=[Variant("fp32", "fp32", "models/fp32.onnx")], default_variant="fp32")
+def gpt2_bundle(gpt2):  # noqa: F811  (test_streaming_decode's fixture, imported above)
+    """The tiny GPT-2 bundle (2 layers, vocab 64, random weights, optimum export with past key/values) that
+    test_streaming_decode.py builds."""
+    return gpt2[0]
 
 
 @pytest.mark.slow
