@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,7 +125,7 @@ def compare_reports(current: Mapping[str, Any], baseline: Mapping[str, Any], tol
     A result without a baseline counterpart gets ``baseline_ms=None`` and ``unmatched`` saying why (the key fields
     that differ), and is never a regression.
     Raises:
-        InputError: a negative tolerance or unknown percentile.
+        InputError: a negative tolerance or unknown percentile; a baseline figure that is not a positive latency.
     """
     if tolerance < 0:
         raise InputError(f"tolerance {tolerance} is negative", "pass --tolerance 0.10 for 10 %")
@@ -140,6 +141,10 @@ def compare_reports(current: Mapping[str, Any], baseline: Mapping[str, Any], tol
     for r in current.get("results", []):
         b = base.get(key(r))
         base_ms = float(b["latency_ms"][percentile]) if b and percentile in b.get("latency_ms", {}) else None
+        if base_ms is not None and not (math.isfinite(base_ms) and base_ms > 0):
+            raise InputError(f"the baseline's {percentile} of {r['variant']} at batch {r['batch']} is {base_ms:g} ms, "
+                             "not a latency (any slowdown against it would pass)",
+                             "measure the baseline again: dsedge bench BUNDLE -o baseline.json")
         why = "" if base_ms is not None else f"the baseline has no {percentile}" if b else unmatched_reason(r, results)
         out.append(Comparison(str(r["variant"]), int(r["batch"]), percentile, base_ms,
                               float(r["latency_ms"][percentile]), tolerance, why))

@@ -296,6 +296,13 @@ def test_cli_compare_flags_regression(bundles: dict[str, Path], capsys: pytest.C
     assert cmp["results"][0]["ratio"] < 1e-3 and cmp["baseline_device"]["cpu"] == "Some Other CPU"
     code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--compare", slow)
     assert code == 0 and "note: the baseline was measured on other hardware (Some Other CPU" in out
+    for r in rep["results"]:  # a zero baseline: any slowdown against it passed (ratio None), the table crashed
+        r["latency_ms"]["p99"] = 0.0
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps(rep))
+    for extra in ((), ("--json",)):
+        code, out, err = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 5, "--compare", zero, *extra)
+        assert code == 2 and "p99 of" in err and "is 0 ms, not a latency" in err and "Traceback" not in err, err
 
 
 def test_cli_compare_that_compared_nothing_fails(bundles: dict[str, Path], capsys: pytest.CaptureFixture,
