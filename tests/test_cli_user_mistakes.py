@@ -443,3 +443,17 @@ def test_yaml_configs_read_exponent_floats_as_numbers(tmp_path):
     (tmp_path / "q.yaml").write_text(base + "optim:\n  lr: '1e-3'\n")  # quoted: still a string, still refused
     with pytest.raises(ConfigError, match="lr must be float"):
         load_config(tmp_path / "q.yaml")
+
+
+@pytest.mark.parametrize("command", ["verify", "bench"])
+def test_providers_that_name_no_provider_are_refused(tmp_path, capsys, command):
+    """``--providers ,`` fell back to the default providers without a word."""
+    from tiny_models import tiny_bundle
+
+    bundle = tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path)
+    for value in (",", " ", ", ,"):
+        code, _, err = run_main([command, bundle, "--providers", value], capsys)
+        assert code == 2 and "names no provider" in err and "Traceback" not in err, err
+    code, _, err = run_main([command, bundle, "--providers", "CPUExecutionProvider", *(
+        ["--iterations", 2] if command == "bench" else [])], capsys)
+    assert "names no provider" not in err and (code == 0 or "no golden I/O" in err), err  # (this bundle has none)

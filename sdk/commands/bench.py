@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import click
 
+from . import provider_list
+
 from ..runtime.errors import BenchError
 from ..runtime.params import FiniteFloat
 from ..runtime.schema import dumps
@@ -112,7 +114,7 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
     settings = core.BenchSettings(warmup=warmup, iterations=iterations, duration_s=duration_s, percentile=percentile)
     base = core.load_report(baseline) if baseline else None  # a bad baseline fails before minutes of measuring
     session = load(bundle, variant=variant, threads=threads, instances=1,  # run() only: one backend
-                   providers=[p.strip() for p in providers.split(",") if p.strip()] if providers else None)
+                   providers=provider_list(providers))
     if seq_len is not None and not any(isinstance(d, str) for i in session.inputs for d in i.shape[1:]):
         session.close()  # e.g. a CNN or an MLP: --seq-len would be recorded in the report but change nothing
         raise click.UsageError(f"--seq-len {seq_len}: the bundle's inputs have no variable axis besides the batch "

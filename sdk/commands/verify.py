@@ -8,6 +8,8 @@ import sys
 
 import click
 
+from . import provider_list
+
 
 @click.command("verify")
 @click.argument("bundle", type=click.Path())
@@ -26,7 +28,7 @@ def verify(bundle: str, variants: tuple[str, ...], providers: str | None, as_jso
     m = verify_bundle(bundle)
     golden = load_golden(bundle, m)
     names = [v.name for v in m.variants] if "all" in variants else list(variants) or [m.default_variant]
-    provs = [p.strip() for p in providers.split(",") if p.strip()] if providers else None
+    provs = provider_list(providers)
     reports, errors = [], []
     for name in names:
         try:
