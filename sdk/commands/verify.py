@@ -25,10 +25,10 @@ def verify(bundle: str, variants: tuple[str, ...], providers: str | None, as_jso
     from ..runtime.golden import check_run, load_golden
     from ..session import load
 
+    provs = provider_list(providers)  # a usage error before any file is read
     m = verify_bundle(bundle)
     golden = load_golden(bundle, m)
     names = [v.name for v in m.variants] if "all" in variants else list(variants) or [m.default_variant]
-    provs = provider_list(providers)
     reports, errors = [], []
     for name in names:
         try:
