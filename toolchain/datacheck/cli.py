@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -43,6 +44,9 @@ def check(path: str, text_field: str | None, label: str | None, tokenizer: str |
 
     if engine == "ray":
         raise DsedgeError("--engine ray is not supported", "use --engine dask (docs/datacheck.md says why)")
+    if html_out and Path(html_out).suffix.lower() == ".json":
+        raise DsedgeError(f"--html {html_out}: the report's JSON is written beside the page with suffix .json, the "
+                          "same path, and would overwrite the HTML", "give the page an .html name (e.g. report.html)")
     cfg = load_config(config_path)
     over = {k: v for k, v in (("text_field", text_field), ("label", label), ("max_tokens", max_tokens)) if v}
     cfg = replace(cfg, **over)

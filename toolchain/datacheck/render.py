@@ -140,6 +140,10 @@ def write_html(report: dict, path: str | os.PathLike) -> None:
     """``path`` (HTML with the check table and figures) and ``path`` with suffix .json (the report, figures' data
     included)."""
     p = Path(path)
+    if p.suffix.lower() == ".json":
+        from ...runtime.errors import DsedgeError
+        raise DsedgeError(f"{p}: an HTML report path ending in .json would be overwritten by the JSON beside it",
+                          "give the page an .html name (e.g. report.html)")
     pngs = render_figures(report["figures"])
     rows = "".join(
         f"<tr class='{c['status']}'><td>{html.escape(c['id'])}</td><td>{html.escape(_fmt(c['value']))}</td>"

@@ -1,7 +1,9 @@
 """Format and schema: unreadable rows (with their lines), missing/empty values and value kinds per field.
 
 A field's type is the kind most of its present values have (number, string, bool, list, object); a present value of
-another kind is a type mismatch. CSV values are text: a value that parses as a float is a number, else a string.
+another kind is a type mismatch. CSV values are text: an NA token (:data:`CSV_NA_TOKENS`, the strings pandas'
+``read_csv`` reads as NA by default: NaN, nan, NA, N/A, null, None, ...) is missing, a blank value empty, a value that
+parses as a float (``inf`` included) a number, else a string.
 Mergeable: counts add; the example lines kept are the first ``EXAMPLES`` by location, which merge exactly.
 """
 from __future__ import annotations
@@ -14,6 +16,11 @@ from .sources import ABSENT, Batch, first_k
 
 EXAMPLES = 5
 VALUE_KINDS = ("number", "string", "bool", "list", "object")
+# pandas.read_csv's default NA strings (pandas._libs.parsers.STR_NA_VALUES), less "" (blank is "empty" here);
+# compared with the stripped value. "inf"/"-inf" are not among them: they stay numbers (tabular.ranges counts them).
+CSV_NA_TOKENS = frozenset({
+    "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>", "N/A", "NA",
+    "NULL", "NaN", "None", "n/a", "nan", "null"})
 
 
 def json_kind(v: object) -> str:
@@ -39,9 +46,11 @@ def csv_kinds(values: list[str]) -> tuple[np.ndarray, np.ndarray]:
     import pandas as pd
 
     s = pd.Series(values, dtype=object)
-    num = pd.to_numeric(s, errors="coerce").to_numpy(dtype=np.float64)
+    num = pd.to_numeric(s, errors="coerce").to_numpy(dtype=np.float64, copy=True)
     stripped = s.str.strip()
-    kinds = np.where(stripped == "", "empty", np.where(np.isnan(num), "string", "number"))
+    na = stripped.isin(CSV_NA_TOKENS).to_numpy(dtype=bool)
+    num[na] = np.nan
+    kinds = np.where(stripped == "", "empty", np.where(na, "missing", np.where(np.isnan(num), "string", "number")))
     return kinds.astype(object), num
 
 

@@ -84,6 +84,9 @@ def list_files(data: str | os.PathLike) -> tuple[list[Path], str]:
     p = Path(data)
     if p.is_file():
         return [p], detect_format(p)
+    if p.exists() and not p.is_dir():
+        raise DataError(f"{p}: not a regular file (a device, pipe or socket)",
+                        "pass a .jsonl, .csv, .parquet or .txt file, or a folder")
     if not p.is_dir():
         raise DataError(f"{p}: no such file or directory", "pass a .jsonl, .csv, .parquet or .txt file, or a folder")
     files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
@@ -105,11 +108,27 @@ def _csv_header(path: Path) -> tuple[tuple[str, ...], str, int]:
     except UnicodeDecodeError:
         raise DataError(f"{path}: the CSV header is not UTF-8", "re-encode the file as UTF-8") from None
     header = next(csv.reader([text], delimiter=delimiter), [])
+    if len(header) == 1 and delimiter == "," and any(d in header[0] for d in SNIFFED_DELIMITERS):
+        delimiter = _sniff_delimiter(text)
+        header = next(csv.reader([text], delimiter=delimiter), [])
     if not header or not any(h.strip() for h in header):
         if _blank_file(path):               # an empty data set: no rows, graded like empty JSONL/text (exit 1)
             return (), delimiter, len(raw)
         raise DataError(f"{path}: the CSV has no header row", "the first line must name the columns")
     return tuple(h.strip() for h in header), delimiter, len(raw)
+
+
+SNIFFED_DELIMITERS = ";\t|"
+
+
+def _sniff_delimiter(header_line: str) -> str:
+    """The delimiter of a ``.csv`` header that reads as one comma-separated field but holds ``;``, a tab or ``|``
+    (csv.Sniffer on the header line, limited to those; else the most frequent of them). Every engine reads rows with
+    the shard's delimiter, so the whole file is read with it."""
+    try:
+        return csv.Sniffer().sniff(header_line, delimiters=SNIFFED_DELIMITERS).delimiter
+    except csv.Error:
+        return max(SNIFFED_DELIMITERS, key=header_line.count)
 
 
 def _blank_file(path: Path) -> bool:
