@@ -398,3 +398,94 @@ def test_device_side_modules_import_without_torch():
             "print('ok')")
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-1000:]
+
+
+# ------------------------------------------------------------------------- evaluate / plateau: user mistakes
+def _ct(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "samples.ct", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=120)
+
+
+def _evaluate(tmp_path: Path, builds: object, shared_data: Path, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "b").mkdir(exist_ok=True)
+    (tmp_path / "b" / "builds.json").write_text(builds if isinstance(builds, str) else json.dumps(builds))
+    return _ct(REPO, "evaluate", "--bundles", str(tmp_path / "b"), "--out", str(tmp_path / "rep"),
+               "--volume", str(shared_data / NIFTI), "--timing-volume", "", *args)
+
+
+def test_evaluate_without_a_successful_build_refuses_before_writing(tmp_path, shared_data):
+    """Found by a user: every build failed, evaluate crashed (StopIteration) after writing a report.json."""
+    builds = {"builds": [{"model": "student", "target": "cpu", "precision": "fp32", "ok": False, "error": "x"},
+                         {"model": "student", "target": "cpu", "precision": "auto", "ok": True, "bundle": "a.dse"}]}
+    p = _evaluate(tmp_path, builds, shared_data)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"error: no bundle built; see {tmp_path / 'b' / 'builds.json'}" in p.stderr, p.stderr
+    assert "hint: fix the errors recorded there" in p.stderr
+    assert not (tmp_path / "rep").exists()
+
+
+@pytest.mark.parametrize("content, says", [
+    ('{"builds": [{"model": "student"}]}', "builds[0] has no 'target'"),
+    ('{"builds": [{"model": "student", "target": "cpu", "precision": "fp32"}]}', "builds[0] has no 'ok'"),
+    ('{"builds": [{"model": "student", "target": "cpu", "precision": "fp32", "ok": true}]}',
+     "builds[0] is ok but names no 'bundle'"),
+    ('"hello"', "not a builds file"),
+    ('{"builds": 3}', "not a builds file"),
+    ('[1]', "builds[0] is a int, not an object"),
+])
+def test_evaluate_names_a_builds_json_out_of_shape(tmp_path, shared_data, content, says):
+    p = _evaluate(tmp_path, content, shared_data)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"error: {tmp_path / 'b' / 'builds.json'}: {says}" in p.stderr, p.stderr
+    assert "hint: run `python -m samples.ct build` again" in p.stderr
+    assert not (tmp_path / "rep").exists()
+
+
+@pytest.mark.parametrize("args, option", [
+    (("--scans", "0"), "--scans"), (("--scans", "-1"), "--scans"), (("--lesions", "-1"), "--lesions"),
+    (("--budget-ms", "-5"), "--budget-ms"), (("--budget-ms", "0"), "--budget-ms"), (("--threads", "0"), "--threads"),
+])
+def test_evaluate_refuses_bad_numbers_up_front(tmp_path, shared_data, args, option):
+    """`--scans 0` divided by zero after the models ran; `--budget-ms -5` was taken."""
+    ok = {"builds": [{"model": "student", "target": "cpu", "precision": "fp32", "ok": True, "bundle": "x.dse"}]}
+    p = _evaluate(tmp_path, ok, shared_data, *args)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"Error: Invalid value for '{option}'" in p.stderr, p.stderr
+    assert not (tmp_path / "rep").exists()
+
+
+def test_froc_without_lesions_leaves_sensitivity_undefined():
+    f = froc([[Detection((1.0, 2.0, 3.0), 3, 0.9)], []], [[], []], fp_rates=(1.0,))
+    assert f["sensitivity_at"] == {"1": None} and f["cpm"] is None and f["max_sensitivity"] is None
+    assert f["sensitivity"] == [None, None] and f["fps_per_scan"] == [0.0, 0.5] and f["lesions"] == 0
+
+
+def test_evaluate_with_no_lesions_times_and_reports_sensitivity_na(tmp_path, shared_data, student_bundle):
+    """`--lesions 0` crashed in write_png (one Axes) after report.json was written; now a timing-only report."""
+    builds = {"builds": [{"model": "student", "target": "jetson", "precision": "fp16", "ok": True,
+                          "bundle": str(student_bundle)}]}              # no torch baseline: no run dir needed
+    p = _evaluate(tmp_path, builds, shared_data, "--scans", "1", "--lesions", "0")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert rep["data"]["lesions"] == 0
+    row = rep["summary"]["models"]["student jetson fp16"]
+    assert row["cpm"] is None and set(row["sensitivity_at"].values()) == {None} and row["volume_seconds"] > 0
+    assert rep["summary"]["chosen_precision"] == {}
+    assert (tmp_path / "rep" / "report.png").stat().st_size > 1000
+    assert sorted(x.name for x in (tmp_path / "rep").iterdir()) == ["report.json", "report.png"]
+
+
+@pytest.mark.parametrize("args, option", [
+    (("--seeds", "x"), "--seeds"), (("--seeds", "0,,1"), "--seeds"), (("--seeds", "0,-1"), "--seeds"),
+    (("--seeds", "1,1"), "--seeds"), (("--steps", "0"), "--steps"), (("--every", "0"), "--every"),
+    (("--scans", "0"), "--scans"), (("--lesions", "0"), "--lesions"),
+])
+def test_plateau_refuses_bad_options_before_reading_the_volume(tmp_path, args, option):
+    """`--seeds x` raised ValueError after reading the volume; `--steps 0` a RuntimeError from dsedge train."""
+    p = _ct(REPO, "plateau", "--out", str(tmp_path / "pl"), "--volume", str(tmp_path / "no-such-volume"), *args)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"Error: Invalid value for '{option}'" in p.stderr, p.stderr
+    assert not (tmp_path / "pl").exists()

@@ -118,10 +118,13 @@ def build(runs: str, out: str) -> None:
 @click.option("--bundles", default="runs/bundles", show_default=True)
 @click.option("--out", default="runs/ct-report", show_default=True)
 @click.option("--volume", default=HELD_OUT, show_default=True, help="The held-out volume (NIfTI or DICOM dir).")
-@click.option("--scans", "n_scans", default=4, show_default=True, help="Lesion draws on the held-out volume.")
-@click.option("--lesions", default=6, show_default=True, help="Lesions per draw (fewer if the lung is too small).")
-@click.option("--budget-ms", default=250.0, show_default=True, help="Per-batch latency budget (batch planning).")
-@click.option("--threads", default=2, show_default=True)
+@click.option("--scans", "n_scans", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Lesion draws on the held-out volume.")
+@click.option("--lesions", default=6, show_default=True, type=click.IntRange(min=0),
+              help="Lesions per draw (fewer if the lung is too small; 0: timing only, sensitivity n/a).")
+@click.option("--budget-ms", default=250.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Per-batch latency budget (batch planning).")
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--stream", is_flag=True, help="Also run the student bundle through session.stream (per-window budget).")
 @click.option("--timing-volume", default=TIMING_VOLUME, show_default=True,
               help="A whole chest volume timed (no scoring) for volume time and patches/s; '' to skip.")
@@ -141,9 +144,13 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
         builds = json.loads(builds_json.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DsedgeError(f"{builds_json}: not valid JSON ({e})", "run `python -m samples.ct build` again") from None
-    builds = builds["builds"] if isinstance(builds, dict) else builds
+    builds = _check_builds(builds_json, builds)
     ok = {(b["model"], b["target"], b["precision"]): b["bundle"] for b in builds
           if b["ok"] and b["precision"] != "auto"}
+    if not ok:
+        raise DsedgeError(f"no bundle built; see {builds_json} ({len(builds)} build(s) listed, none ok)",
+                          f"fix the errors recorded there, then run `python -m samples.ct build"
+                          f"{'' if bundles == 'runs/bundles' else ' --out ' + bundles}` again")
     entries = [ModelEntry("student torch fp32", "torch", f"{runs}/ct-student", batch_from="student cpu fp32")]
     for (model, target, precision), path in ok.items():
         entries.append(ModelEntry(f"{model} {target} {precision}", "bundle", path))
@@ -184,24 +191,62 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
     click.echo(json.dumps({"summary": summary, "chest_timing": timing}, indent=2))
 
 
+def _check_builds(path: Path, data: object) -> list[dict]:
+    """builds.json's rows (``{"builds": [...]}`` or a bare list), each with model, target, precision, ok and, when
+    ok, bundle; DsedgeError naming the first thing out of shape."""
+    hint = "run `python -m samples.ct build` again (it writes builds.json)"
+    rows = data.get("builds") if isinstance(data, dict) else data
+    if not isinstance(rows, list):
+        raise DsedgeError(f"{path}: not a builds file (expected {{\"builds\": [...]}}, got "
+                          f"{type(data).__name__}{'' if not isinstance(data, dict) else ' without a builds list'})",
+                          hint)
+    need = {"model": str, "target": str, "precision": str, "ok": bool}
+    for i, b in enumerate(rows):
+        if not isinstance(b, dict):
+            raise DsedgeError(f"{path}: builds[{i}] is a {type(b).__name__}, not an object", hint)
+        for key, typ in need.items():
+            if not isinstance(b.get(key), typ):
+                raise DsedgeError(f"{path}: builds[{i}] has no {key!r} ({typ.__name__})", hint)
+        if b["ok"] and not isinstance(b.get("bundle"), str):
+            raise DsedgeError(f"{path}: builds[{i}] is ok but names no 'bundle' path", hint)
+    return rows
+
+
+def _parse_seeds(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    """``--seeds 0,1,2`` → [0, 1, 2]: non-negative integers, at least one, no repeats."""
+    parts = [x.strip() for x in value.split(",")]
+    try:
+        seeds = [int(x) for x in parts]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected comma-separated integers, e.g. 0,1,2") from None
+    if any(x < 0 for x in seeds):
+        raise click.BadParameter(f"{value!r}: seeds must be >= 0")
+    if len(set(seeds)) != len(seeds):
+        raise click.BadParameter(f"{value!r}: a seed is repeated")
+    return seeds
+
+
 @main.command()
 @click.option("--out", default="runs/ct-plateau", show_default=True)
-@click.option("--seeds", default="0,1,2", show_default=True, help="Training seeds (comma separated).")
-@click.option("--steps", default=240, show_default=True)
-@click.option("--every", default=20, show_default=True, help="Steps between evaluations (the monitor's clock).")
+@click.option("--seeds", default="0,1,2", show_default=True, callback=_parse_seeds,
+              help="Training seeds (comma separated).")
+@click.option("--steps", default=240, show_default=True, type=click.IntRange(min=1))
+@click.option("--every", default=20, show_default=True, type=click.IntRange(min=1),
+              help="Steps between evaluations (the monitor's clock).")
 @click.option("--train-volume", default=TIMING_VOLUME, show_default=True)
 @click.option("--volume", default=HELD_OUT, show_default=True)
-@click.option("--scans", "n_scans", default=4, show_default=True)
-@click.option("--lesions", default=6, show_default=True)
-@click.option("--threads", default=2, show_default=True)
-def plateau(out: str, seeds: str, steps: int, every: int, train_volume: str, volume: str, n_scans: int,
+@click.option("--scans", "n_scans", default=4, show_default=True, type=click.IntRange(min=1))
+@click.option("--lesions", default=6, show_default=True, type=click.IntRange(min=1),
+              help="Lesions per draw (the arms are compared by sensitivity, so at least one).")
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
+def plateau(out: str, seeds: list[int], steps: int, every: int, train_volume: str, volume: str, n_scans: int,
             lesions: int, threads: int) -> None:
     """Plateau-driven random erasing vs fixed augmentation: FROC mean ± sd over seeds (OUT/plateau.json)."""
     from .plateau import markdown, run_experiment
     from .scans import make_scans
 
     scans = make_scans(volume, n_scans, lesions, seed=100)
-    res = run_experiment(Path(out), [int(x) for x in seeds.split(",")], steps, every, scans, threads,
+    res = run_experiment(Path(out), seeds, steps, every, scans, threads,
                          log=lambda s: click.echo(s, err=True), train_volume=train_volume)
     (Path(out) / "plateau.json").write_text(json.dumps(res, indent=1) + "\n")
     click.echo(markdown(res))
@@ -230,7 +275,7 @@ def choose_precisions(models: dict, max_cpm_drop: float = 0.02) -> dict:
     the student fp32 bundle's (measured here on ORT CPU; jetson variants are timed on this CPU too, which says
     nothing about TensorRT speed: their choice is by accuracy only, then the lowest precision)."""
     ref = models.get("student cpu fp32")
-    if ref is None:
+    if ref is None or ref["froc"]["cpm"] is None:      # no lesions scored: no accuracy to choose by
         return {}
     ok = {k: v for k, v in models.items() if k.startswith("student ") and v["kind"] == "bundle"
           and "(stream)" not in k and v["froc"]["cpm"] >= ref["froc"]["cpm"] - max_cpm_drop}

@@ -38,6 +38,8 @@ def froc(detections_per_scan: list[list[Detection]], lesions_per_scan: list[list
         dict: ``fps_per_scan`` and ``sensitivity`` (curve points, one per distinct score threshold, ascending FP),
         ``thresholds``, ``sensitivity_at`` {"1": s, "2": s, "4": s} (the best sensitivity with FP/scan ≤ rate),
         ``cpm``, ``lesions``, ``scans``, ``max_sensitivity`` (all detections kept), ``fps_per_scan_total``.
+        With no lesions at all sensitivity is undefined: ``sensitivity`` points, ``sensitivity_at`` values, ``cpm``
+        and ``max_sensitivity`` are None (false positives are still counted).
     """
     n_scans = len(lesions_per_scan)
     n_les = sum(len(x) for x in lesions_per_scan)
@@ -68,11 +70,13 @@ def froc(detections_per_scan: list[list[Detection]], lesions_per_scan: list[list
         ok = fps_a <= rate
         return float(sens_a[ok].max()) if ok.any() else 0.0
 
+    defined = n_les > 0
     return {
-        "fps_per_scan": [round(v, 4) for v in fps], "sensitivity": [round(v, 4) for v in sens],
+        "fps_per_scan": [round(v, 4) for v in fps],
+        "sensitivity": [round(v, 4) if defined else None for v in sens],
         "thresholds": [round(v, 5) for v in thr],
-        "sensitivity_at": {f"{r:g}": round(at(r), 4) for r in fp_rates},
-        "cpm": round(float(np.mean([at(r) for r in CPM_FP_RATES])), 4),
-        "lesions": n_les, "scans": n_scans, "max_sensitivity": round(float(sens_a[-1]), 4),
+        "sensitivity_at": {f"{r:g}": round(at(r), 4) if defined else None for r in fp_rates},
+        "cpm": round(float(np.mean([at(r) for r in CPM_FP_RATES])), 4) if defined else None,
+        "lesions": n_les, "scans": n_scans, "max_sensitivity": round(float(sens_a[-1]), 4) if defined else None,
         "fps_per_scan_total": round(float(fps_a[-1]), 3), "min_hit_mm": min_hit_mm,
     }

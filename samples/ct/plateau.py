@@ -82,7 +82,12 @@ def run_experiment(out: Path, seeds: list[int], steps: int, every: int, scans: l
                 p = subprocess.run([sys.executable, "-m", "dsedge", "train", str(cfg_path)], text=True,
                                    capture_output=True)
                 if p.returncode:
-                    raise RuntimeError(f"dsedge train {cfg_path} failed: {p.stderr[-1500:]}")
+                    from dsedge import DsedgeError
+
+                    sys.stderr.write(p.stderr[-1500:])
+                    lines = [ln.strip() for ln in p.stderr.splitlines() if ln.strip()]
+                    raise DsedgeError(f"dsedge train {cfg_path} failed (exit {p.returncode})"
+                                      + (f": {lines[-1][:300]}" if lines else ""), "see the output above")
             cached = run_dir / "froc_row.json"
             if cached.is_file():  # scored already (seeds can run in separate processes, then be summarised)
                 row = json.loads(cached.read_text())

@@ -48,7 +48,8 @@ def write_png(path: str | os.PathLike, scan: Scan, detections: list[Detection], 
         if z not in used and len(lesions) < n_slices:
             lesions.append(le)
             used.add(z)
-    fig, axes = plt.subplots(1, len(lesions) + 1, figsize=(4.2 * (len(lesions) + 1), 4.4))
+    fig, axes = plt.subplots(1, len(lesions) + 1, figsize=(4.2 * (len(lesions) + 1), 4.4), squeeze=False)
+    axes = axes[0]
     for ax, les in zip(axes, lesions):
         z = int(round(les.center_mm[0] / sp[0]))
         ax.imshow(scan.image[z], cmap="gray", vmin=0, vmax=1)
@@ -65,7 +66,11 @@ def write_png(path: str | os.PathLike, scan: Scan, detections: list[Detection], 
         ax.set_title(f"z={z * sp[0]:.0f} mm · {les.diameter_mm:.1f} mm {les.kind}", fontsize=9)
         ax.axis("off")
     ax = axes[-1]
+    plotted = 0
     for name, c in curves.items():
+        if any(v is None for v in c["sensitivity"]):      # no lesions: sensitivity undefined, nothing to draw
+            continue
+        plotted += 1
         fps = np.maximum(np.asarray(c["fps_per_scan"]), 1e-2)
         ax.step(fps, c["sensitivity"], where="post", label=name)
     for r in (1, 2, 4):
@@ -76,9 +81,12 @@ def write_png(path: str | os.PathLike, scan: Scan, detections: list[Detection], 
     ax.set_xlabel("false positives per scan")
     ax.set_ylabel("sensitivity")
     ax.set_title("FROC (synthetic lesions, held-out volume)", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    if plotted:
+        ax.legend(fontsize=7, loc="lower right")
+    else:
+        ax.text(0.5, 0.5, "no lesions: sensitivity n/a", ha="center", va="center", transform=ax.transAxes)
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(title, fontsize=10, wrap=True)
     fig.tight_layout()
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
