@@ -416,15 +416,20 @@ def _evaluate(tmp_path: Path, builds: object, shared_data: Path, *args: str) -> 
                "--volume", str(shared_data / NIFTI), "--timing-volume", "", *args)
 
 
+def _refused_before_writing(p, tmp_path, error: str, hint: str) -> None:
+    """``evaluate`` ended with a one-line error and hint (exit 2, no traceback) and wrote no report."""
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert error in p.stderr and hint in p.stderr, p.stderr
+    assert not (tmp_path / "rep").exists()
+
+
 def test_evaluate_without_a_successful_build_refuses_before_writing(tmp_path, shared_data):
     """Found by a user: every build failed, evaluate crashed (StopIteration) after writing a report.json."""
     builds = {"builds": [{"model": "student", "target": "cpu", "precision": "fp32", "ok": False, "error": "x"},
                          {"model": "student", "target": "cpu", "precision": "auto", "ok": True, "bundle": "a.dse"}]}
-    p = _evaluate(tmp_path, builds, shared_data)
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert f"error: no bundle built; see {tmp_path / 'b' / 'builds.json'}" in p.stderr, p.stderr
-    assert "hint: fix the errors recorded there" in p.stderr
-    assert not (tmp_path / "rep").exists()
+    _refused_before_writing(_evaluate(tmp_path, builds, shared_data), tmp_path,
+                            f"error: no bundle built; see {tmp_path / 'b' / 'builds.json'}",
+                            "hint: fix the errors recorded there")
 
 
 @pytest.mark.parametrize("content, says", [
@@ -437,11 +442,9 @@ def test_evaluate_without_a_successful_build_refuses_before_writing(tmp_path, sh
     ('[1]', "builds[0] is a int, not an object"),
 ])
 def test_evaluate_names_a_builds_json_out_of_shape(tmp_path, shared_data, content, says):
-    p = _evaluate(tmp_path, content, shared_data)
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert f"error: {tmp_path / 'b' / 'builds.json'}: {says}" in p.stderr, p.stderr
-    assert "hint: run `python -m samples.ct build` again" in p.stderr
-    assert not (tmp_path / "rep").exists()
+    _refused_before_writing(_evaluate(tmp_path, content, shared_data), tmp_path,
+                            f"error: {tmp_path / 'b' / 'builds.json'}: {says}",
+                            "hint: run `python -m samples.ct build` again")
 
 
 @pytest.mark.parametrize("args, option", [
