@@ -13,17 +13,16 @@ Keys: PEM files, the private key PKCS#8 (mode 0600, unencrypted), the public key
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import os
 import logging
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 from .bundle import MANIFEST, SIGNATURE, Manifest, read_manifest_bytes, verify_bundle
+from .files import write_text_atomic
 from .errors import BackendUnavailable, DsedgeError, InputError, SignatureError
 
 FORMAT = "dsedge-signature-v1"
@@ -206,17 +205,7 @@ def sign_bundle(bundle: str | os.PathLike, key_path: str | os.PathLike, signer: 
            "public_key": base64.b64encode(_raw_public(pub)).decode(), "signer": signer,
            "manifest_sha256": hashlib.sha256(manifest).hexdigest(),
            "signature": base64.b64encode(key.sign(_message(signer, manifest))).decode()}
-    fd, tmp = tempfile.mkstemp(prefix=".manifest.sig.", dir=root)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, root / SIGNATURE)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)  # nothing half-written is left in the bundle
-        raise
+    write_text_atomic(root / SIGNATURE, json.dumps(doc, indent=2) + "\n")  # on failure, no temp file is left
     return SignatureInfo(doc["key_id"], signer, True)
 
 
