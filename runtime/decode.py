@@ -50,7 +50,7 @@ from .io import is_integer
 from .kv_cache import RotarySpec, WindowUnsupported, cache_bound_bytes, evict_row
 from .latency_profile import LatencyProfile
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected
-from .streaming import _LIVE
+from .streaming import close_at_exit
 
 _clock = time.perf_counter
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
@@ -340,7 +340,7 @@ class DecodeLoop:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="dsedge-decode", daemon=True)
             self._thread.start()
-            _LIVE.add(self)  # stopped by runtime/streaming.py's atexit hook if still running at interpreter exit
+            close_at_exit(self)  # stopped at interpreter exit if still running
 
     def _admit(self) -> list[GenerationStream]:
         """Waiting prompts to prefill before the next step, earliest TTFT deadline first (lock held)."""

@@ -97,6 +97,12 @@ class _Delivered:
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()  # StreamingCore and runtime/decode.py's DecodeLoop objects
 
 
+def close_at_exit(obj: Any) -> None:
+    """Have ``obj.close(drain=False, timeout_s=1.0)`` called at interpreter exit if it is still alive then (held
+    weakly): a StreamingCore, or runtime/decode.py's DecodeLoop."""
+    _LIVE.add(obj)
+
+
 @atexit.register
 def _close_live_cores() -> None:
     """At interpreter exit, stop every core and decode loop a caller left open (``close(drain=False)``): a lane or
@@ -180,7 +186,7 @@ class StreamingCore:
         self.cascade_ready = threading.Event()
         self._closed = False
         self._cascade_thread: threading.Thread | None = None
-        _LIVE.add(self)
+        close_at_exit(self)
         if cascade and open_variant is not None and len(manifest.variants) > 1:
             self._cascade_thread = threading.Thread(target=self._open_cascade, args=(variant, open_variant),
                                                     name="dsedge-cascade", daemon=True)
