@@ -26,6 +26,7 @@ from typing import Any
 from ...runtime.batching import BatchLayout
 from ...runtime.bundle import MANIFEST, SIGNATURE, Manifest, Variant
 from ...runtime.errors import BundleError, DsedgeError, InputError, TargetError
+from ...runtime.names import inside
 from ...runtime.signing import verify_signed
 from .pbtxt import Enum, to_pbtxt
 from .policy import BatchingPolicy, derive_policy, dynamic_batching
@@ -176,17 +177,14 @@ def _copy_bundle(bundle: Path, manifest: Manifest, dest: Path) -> None:
     of the bundle's folder, and never through a link (a linked folder could hold anything, a private key included).
     ``verify_signed`` checked them just before (``inside``: no listed path leaves the bundle)."""
     names = [MANIFEST, *([SIGNATURE] if (bundle / SIGNATURE).is_file() else []), *manifest.files]
-    root = bundle.resolve()
     for rel in names:
-        src = bundle / rel
+        src = inside(bundle, rel, "bundle file", BundleError)  # resolves under the bundle
         for part in [src, *src.parents]:
             if part == bundle:
                 break
             if part.is_symlink():
                 raise BundleError(f"bundle file {rel!r} is reached through a link ({part.name})",
                                   "a bundle's files must be inside it: rebuild or copy it without links")
-        if not src.resolve().is_relative_to(root):
-            raise BundleError(f"bundle file {rel!r} is outside the bundle", "rebuild the bundle")
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         _link_or_copy(str(src), str(target))
