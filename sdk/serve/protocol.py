@@ -140,21 +140,15 @@ class Deadline:
     source: str
 
 
-def _short(v: Any, limit: int = 40) -> str:
-    """``repr(v)``, cut to ``limit`` characters (a 400-digit number in a message is noise)."""
-    r = repr(v)
-    return r if len(r) <= limit else f"{r[:limit - 3]}..."
-
-
 def _number(params: Mapping[str, Any], key: str, zero_is_none: bool = False) -> float | None:
     if key not in params or params[key] is None:
         return None
     v = params[key]
     if zero_is_none and v == 0 and not isinstance(v, bool):
         return None
-    f = real_value(v) if isinstance(v, (int, float)) else math.nan
+    f = real_value(v)  # NaN for a bool or a string, inf for an integer too large for a float
     if not math.isfinite(f) or f <= 0:
-        raise invalid(f"parameter {key!r} must be a positive number, got {_short(v)}")
+        raise invalid(f"parameter {key!r} must be a positive number, got {v!r:.40}")
     return f
 
 
