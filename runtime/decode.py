@@ -44,7 +44,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import InputError
+from .errors import BundleError, InputError
 from .generation_stream import GenerationStream
 from .io import is_integer
 from .kv_cache import RotarySpec, WindowUnsupported, cache_bound_bytes, evict_row
@@ -133,6 +133,11 @@ class DecodeLoop:
         self.max_batch = int(max_batch)
         self.max_waiting = int(max_waiting)
         self.eos = eos_token_id
+        try:
+            self.stop_ids = self._stop_ids(eos_token_id) if eos_token_id is not None else frozenset()
+        except InputError as e:  # the default comes from the bundle's source: its fault, not the caller's
+            raise BundleError(f"the bundle's default {e}", "rebuild the bundle from a config whose eos_token_id is "
+                                                           "a token id (or a list of them) within the vocabulary") from None
         self.prefill_profile = LatencyProfile("prefill")
         self.step_profile = LatencyProfile("decode")
         self.stats = DecodeStats()
@@ -284,14 +289,7 @@ class DecodeLoop:
         if not is_integer(max_new_tokens) or int(max_new_tokens) < 1:
             raise InputError(f"max_new_tokens must be an integer ≥ 1, got {max_new_tokens!r}",
                              "ask for at least one token")
-        if eos_token_id is not None and not is_integer(eos_token_id):
-            raise InputError(f"eos_token_id must be an integer token id, got {eos_token_id!r}",
-                             "pass the tokenizer's eos_token_id, or None")
-        if eos_token_id is not None and (int(eos_token_id) < 0 or (self.vocab_size is not None
-                                                                   and int(eos_token_id) >= self.vocab_size)):
-            raise InputError(f"eos_token_id {int(eos_token_id)} is outside the model's vocabulary [0, "
-                             f"{'…' if self.vocab_size is None else self.vocab_size - 1}]: it could never stop "
-                             "the sequence", "pass the eos_token_id of the tokenizer the decoder was trained with")
+        stop = self.stop_ids if eos_token_id is None else self._stop_ids(eos_token_id)
         for name, value in (("window", window), ("sink_tokens", sink_tokens)):
             if (value is not None or name == "sink_tokens") and not is_integer(value):
                 raise InputError(f"{name} must be an integer, got {type(value).__name__} {value!r}",
@@ -301,7 +299,7 @@ class DecodeLoop:
         if window is not None:
             self._check_window(int(window), int(sink_tokens))
         s = GenerationStream(next(self._ids) if id is None else id, p.astype(np.int64), max_new_tokens, budget_ms,
-                             token_budget_ms, self.eos if eos_token_id is None else eos_token_id,
+                             token_budget_ms, self.eos if eos_token_id is None else eos_token_id, stop,
                              None if window is None else int(window), int(sink_tokens) if window else 0,
                              output_scores)
         with self._cond:
@@ -456,10 +454,27 @@ class DecodeLoop:
             if len(keep) < len(self._rows):
                 self._retire(keep)
 
+    def _stop_ids(self, eos_token_id: Any) -> frozenset[int]:
+        """The stop tokens ``eos_token_id`` names: one id, or a list of them (Hugging Face configs may name
+        several: Llama 3's ``[128001, 128008, 128009]``). Raises ``InputError`` for a non-integer id, or one outside
+        ``0 … vocab_size - 1`` (it could never stop the sequence)."""
+        ids = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+        if not ids:
+            raise InputError("eos_token_id is an empty list", "pass the tokenizer's eos_token_id, or None")
+        for t in ids:
+            if not is_integer(t):
+                raise InputError(f"eos_token_id must be an integer token id (or a list of them), got {t!r}",
+                                 "pass the tokenizer's eos_token_id, or None")
+            if int(t) < 0 or (self.vocab_size is not None and int(t) >= self.vocab_size):
+                raise InputError(f"eos_token_id {int(t)} is outside the model's vocabulary [0, "
+                                 f"{'…' if self.vocab_size is None else self.vocab_size - 1}]: it could never stop "
+                                 "the sequence", "pass the eos_token_id of the tokenizer the decoder was trained with")
+        return frozenset(int(t) for t in ids)
+
     @staticmethod
     def _finish_reason(s: GenerationStream, token: int) -> str | None:
         """How ``token`` (about to be emitted) ends ``s``: "eos", "length", or None when it goes on."""
-        if s.eos_token_id is not None and token == s.eos_token_id:
+        if token in s.stop_ids:
             return "eos"
         if len(s.tokens) + 1 >= s.max_new_tokens:
             return "length"

@@ -5,7 +5,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 import numpy as np
 
@@ -44,13 +44,15 @@ class GenerationStream:
     """
 
     def __init__(self, rid: Any, prompt: np.ndarray, max_new_tokens: int, budget_ms: float,
-                 token_budget_ms: float, eos_token_id: int | None = None, window: int | None = None,
-                 sink_tokens: int = 0, output_scores: bool = False) -> None:
+                 token_budget_ms: float, eos_token_id: int | Sequence[int] | None = None,
+                 stop_ids: frozenset[int] = frozenset(), window: int | None = None, sink_tokens: int = 0,
+                 output_scores: bool = False) -> None:
         self.id = rid
         self.window = window
         self.sink_tokens = int(sink_tokens)
         self.scores: list[np.ndarray] | None = [] if output_scores else None
         self.eos_token_id = eos_token_id
+        self.stop_ids = stop_ids  # the token ids that end it ("eos"): eos_token_id's, checked by the decode loop
         self.prompt = prompt
         self.max_new_tokens = int(max_new_tokens)
         self.budget_ms = float(budget_ms)

@@ -338,7 +338,7 @@ class Session:
 
     def generate_stream(self, prompt: Sequence[int] | np.ndarray, max_new_tokens: int = 32,
                         budget_ms: float | None = None, token_budget_ms: float | None = None, id: Any = None,
-                        eos_token_id: int | None = None, window: int | None = None,
+                        eos_token_id: int | Sequence[int] | None = None, window: int | None = None,
                         sink_tokens: int = 4) -> "GenerationStream":
         """Greedy generation with continuous batching; iterate the result to get token ids as they come.
 
@@ -350,7 +350,8 @@ class Session:
             max_new_tokens: tokens to generate at most (fewer when ``eos_token_id`` comes).
             budget_ms: time-to-first-token budget, ms (default ``default_budget_ms()``).
             token_budget_ms: budget between consecutive tokens, ms (default: ``budget_ms``).
-            eos_token_id: stop token (default: the manifest's ``source["eos_token_id"]``, if any).
+            eos_token_id: stop token, or a list of them as Hugging Face configs may give (default: the manifest's
+                ``source["eos_token_id"]``, if any).
             window, sink_tokens: sliding-window K/V cache (StreamingLLM) for RoPE decoders; see runtime/kv_cache.
         Returns:
             a ``GenerationStream``: ``for token in stream``; ``.rejected`` says why when refused; ``.ttft_ms``,
@@ -358,9 +359,10 @@ class Session:
         Raises:
             InputError: not a decoder bundle; a malformed prompt (not 1-D integer ids, an id outside the
                 vocabulary, longer than the model's positions); a budget that is not a finite number in
-                (0, 3 600 000] ms; ``max_new_tokens`` not an integer ≥ 1; ``eos_token_id`` not an integer within
+                (0, 3 600 000] ms; ``max_new_tokens`` not an integer ≥ 1; ``eos_token_id`` not integers within
                 the vocabulary; ``window`` / ``sink_tokens`` not integers (bool and float refused) or out of range.
-                SessionClosedError after ``close()``.
+                SessionClosedError after ``close()``. BundleError: the manifest's default ``eos_token_id`` is not
+                such (the bundle's fault: rebuild it).
         ``stream.cancel()`` (or leaving a ``for`` over it early) ends the request ("cancelled"). ``close()`` waits
         for running generations at most ``timeout_s`` (None: 30 s, ``runtime.decode.DRAIN_TIMEOUT_S``), then ends
         them with "shutdown"; see docs/decode.md.

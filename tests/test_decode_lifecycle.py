@@ -244,3 +244,26 @@ def test_a_decoder_bundle_opens_one_backend(gpt2):
         assert s.describe()["instances"] == 1 and s.describe()["instance_cpus"] == []
         assert s._open_instances is None
         assert list(s.generate_stream(PROMPTS[0], 5)) == _reference(model, PROMPTS[0], 5)
+
+
+def test_eos_token_id_may_name_several_stop_tokens_and_a_bad_bundle_default_is_a_bundle_error(gpt2):
+    bundle, model = gpt2
+    # a prompt whose greedy continuation makes a new token after its first: stopping there is then visible
+    prompt, ref, cut = next((p, ref, i) for p in PROMPTS for ref in [_reference(model, p, 12)]
+                            for i in range(1, len(ref)) if ref[i] not in ref[:i])
+    stop = next(t for t in range(64) if t not in ref)  # a stop token the greedy sequence never makes
+    with dsedge.load(bundle, threads=1, budget_ms=60_000) as s:
+        st = s.generate_stream(prompt, 12, eos_token_id=[stop, ref[cut]])  # a Hugging Face style list
+        assert list(st) == ref[:cut + 1] and st.finish_reason == "eos"
+        for bad in ([], [stop, 64], [stop, "2"]):
+            with pytest.raises(dsedge.InputError, match="eos_token_id"):
+                s.generate_stream(prompt, 3, eos_token_id=bad)
+    with dsedge.load(bundle, threads=1, budget_ms=60_000) as s:
+        s.manifest.source["eos_token_id"] = [stop, ref[cut]]  # the default, as a Llama 3 config gives it
+        st = s.generate_stream(prompt, 12)
+        assert list(st) == ref[:cut + 1] and st.finish_reason == "eos"
+    with dsedge.load(bundle, threads=1, budget_ms=60_000) as s:
+        s.manifest.source["eos_token_id"] = 5000  # outside the 64-token vocabulary: it could never stop
+        with pytest.raises(dsedge.BundleError, match="bundle's default eos_token_id 5000") as e:
+            s.generate_stream(prompt, 3)
+        assert e.value.hint and "\n" not in str(e.value)
