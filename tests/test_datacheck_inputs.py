@@ -74,6 +74,18 @@ def test_nan_cells_in_a_csv_count_as_missing_not_as_type_mismatches(fraud_lines,
     assert (col["finite"], col["nonfinite"]) == (254, 0) and status(r)["tabular.ranges"] == "pass"
 
 
+def test_na_tokens_in_the_label_column_are_missing_labels_not_a_class(fraud_lines, tmp_path):
+    header = fraud_lines[0].split(",")
+    label = header.index("Class")
+    rows = [r.split(",") for r in fraud_lines[1:]]
+    for i, tok in enumerate(["NA", "null", "N/A", "None", ""]):  # 5 legitimate rows lose their label
+        rows[i * 7][label] = tok
+    r = check_data(str(write(tmp_path / "na_label.csv", [fraud_lines[0]] + [",".join(x) for x in rows])))
+    assert r["tabular"]["classes"] == {"0": 204, "1": 50}  # 209 - 5: no "NA" / "null" / "N/A" / "None" class
+    f = r["fields"]["Class"]
+    assert (f["missing"], f["empty"], f["type_mismatches"]) == (4, 1, 0)
+
+
 # ---------------------------------------------------------------- 2. --html X.json is refused
 def test_html_path_ending_in_json_is_refused_and_nothing_written(fraud_lines, tmp_path, capsys):
     p = write(tmp_path / "f.csv", fraud_lines)

@@ -125,6 +125,8 @@ class TabularState:
         labels = None
         if self.label is not None and self.label in columns:
             labels = np.array([label_value(v) for v in columns[self.label]], dtype=object)
+            if self.label in kinds:  # a CSV NA token ("NA", "null", "N/A", ...) is a missing label, not a class
+                labels[np.isin(kinds[self.label], ("missing", "empty", "absent"))] = None
             if not self.label_overflow:
                 self.classes.update(v for v in labels if v is not None)
                 if len(self.classes) > MAX_LABEL_VALUES:
