@@ -65,6 +65,23 @@ def test_nifti_orientation_and_hu(nifti, shared_data):
     assert m.tolist() == pytest.approx([0.6, 0.6, 0.0, 1.0, 0.0, 1.0])   # missing tags imputed 0 + flag
 
 
+def test_nan_voxels_of_a_nifti_volume_become_air_and_an_all_nan_one_is_refused(shared_data, tmp_path):
+    import nibabel as nib
+
+    img = nib.load(str(shared_data / NIFTI))
+    data = np.asarray(img.dataobj, dtype=np.float32)
+    data[:10, :, :] = np.nan  # outside the field of view, as some pipelines write it
+    data[50, 50, 50] = np.inf
+    nib.save(nib.Nifti1Image(data, img.affine), str(tmp_path / "nan.nii.gz"))
+    vol = read_nifti(tmp_path / "nan.nii.gz")
+    assert np.isfinite(vol.hu).all() and vol.meta["nonfinite_voxels"] == 10 * 101 * 112 + 1
+    assert (vol.hu == -1024.0).sum() >= 10 * 101 * 112 + 1
+    nib.save(nib.Nifti1Image(np.full((4, 4, 4), np.nan, np.float32), img.affine), str(tmp_path / "all.nii.gz"))
+    with pytest.raises(SeriesError, match="every voxel is NaN") as e:
+        read_nifti(tmp_path / "all.nii.gz")
+    assert e.value.hint
+
+
 def test_lung_mask_keeps_lungs_and_drops_bowel_gas(series, nifti):
     chest = resample(series, 4.0)
     lungs_l = lung_mask(chest).sum() * 64 / 1e6
