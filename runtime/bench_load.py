@@ -20,7 +20,9 @@ def read_inputs_dir(path: str | os.PathLike, specs: Sequence[IOSpec]) -> dict[st
     longest (token ids 0 / mask 0, the BERT convention). Loaded with ``allow_pickle=False``.
 
     Raises:
-        InputError: no such directory, no ``.npz`` files, or a file lacking one of the inputs.
+        InputError: no such directory, no ``.npz`` files, a file lacking one of the inputs, an array whose rank is
+            neither the input's (rows) nor one less (a single row), or a file whose arrays do not hold the same
+            number (>= 1) of rows.
     """
     root = Path(path)
     if not root.is_dir():
@@ -35,12 +37,21 @@ def read_inputs_dir(path: str | os.PathLike, specs: Sequence[IOSpec]) -> dict[st
         except (ValueError, OSError) as e:
             raise InputError(f"--inputs file {str(f)!r} is not readable: {e}",
                              "save inputs with numpy.savez(name=array, …)") from None
+        rows = {}
         for s in specs:
             if s.name not in z:
                 raise InputError(f"{f.name} has no array {s.name!r} (it has {', '.join(z) or 'none'})",
                                  "name the arrays like the bundle's inputs (dsedge inspect BUNDLE)")
             a = z[s.name]
-            parts[s.name].append(a if a.ndim == len(s.shape) else a[None])
+            if a.ndim not in (len(s.shape), len(s.shape) - 1):
+                raise InputError(f"{f.name}: array {s.name!r} has shape {list(a.shape)}, the input is "
+                                 f"{list(s.shape)}", "save rows along axis 0, or one row without the batch axis")
+            a = a if a.ndim == len(s.shape) else a[None]
+            rows[s.name] = a.shape[0] if a.ndim else 1
+            parts[s.name].append(a)
+        if len(set(rows.values())) > 1 or not min(rows.values(), default=1):
+            raise InputError(f"{f.name}: the arrays hold " + ", ".join(f"{k} {n}" for k, n in rows.items()) + " rows",
+                             "every input needs the same number of rows (at least 1) in each file")
     out = {}
     for name, arrays in parts.items():
         ndim = arrays[0].ndim

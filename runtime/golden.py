@@ -71,12 +71,41 @@ def load_golden(bundle: str | os.PathLike, manifest: Manifest) -> Golden:
                           "rebuild it with `dsedge build` (bundles carry golden I/O since dsedge 0.1)")
     root = Path(bundle)
     inputs, outputs = _npz(root / INPUTS_FILE), _npz(root / OUTPUTS_FILE)
-    info = json.loads((root / INFO_FILE).read_text()) if INFO_FILE in manifest.files else {}
+    try:
+        info = json.loads((root / INFO_FILE).read_text(encoding="utf-8")) if INFO_FILE in manifest.files else {}
+    except (ValueError, RecursionError) as e:  # hash-listed, so written like this (by hand or a foreign tool)
+        raise BundleError(f"golden file {INFO_FILE} is not valid JSON ({e})", "rebuild the bundle") from None
+    if not isinstance(info, dict):
+        raise BundleError(f"golden file {INFO_FILE} holds a {type(info).__name__}, not a JSON object",
+                          "rebuild the bundle")
     missing = [s.name for s in manifest.inputs if s.name not in inputs]
     if missing or not outputs:
         raise BundleError(f"golden I/O lacks input {missing[0]!r}" if missing else "golden I/O holds no outputs",
                           "rebuild the bundle")
+    _check_golden_arrays(manifest, inputs, outputs)
     return Golden(inputs, outputs, info)
+
+
+def _check_golden_arrays(manifest: Manifest, inputs: Mapping[str, np.ndarray],
+                         outputs: Mapping[str, np.ndarray]) -> None:
+    """Golden arrays the check can run: inputs of the manifest's dtypes and ranks, outputs the manifest lists, and
+    the same number (>= 1) of rows in every array. Raises BundleError (the bundle cannot be checked, exit 2) rather
+    than a backend traceback or a misleading "outside tolerance"."""
+    for s in manifest.inputs:
+        a = inputs[s.name]
+        if (s.dtype != "bfloat16" and a.dtype != np.dtype(s.dtype)) or a.ndim != len(s.shape):
+            raise BundleError(f"golden input {s.name!r} is {a.dtype} {list(a.shape)}, the manifest's input is "
+                              f"{s.dtype} {list(s.shape)}", "rebuild the bundle")
+    names = {s.name for s in manifest.outputs}
+    extra = sorted(set(outputs) - names)
+    if extra:
+        raise BundleError(f"golden output {extra[0]!r} is not an output of the bundle ({', '.join(sorted(names))})",
+                          "rebuild the bundle")
+    used = {**{s.name: inputs[s.name] for s in manifest.inputs}, **outputs}
+    rows = {k: (a.shape[0] if a.ndim else 0) for k, a in used.items()}
+    if len(set(rows.values())) != 1 or not next(iter(rows.values())):
+        raise BundleError("golden arrays hold " + ", ".join(f"{k} {n}" for k, n in rows.items()) + " rows; every "
+                          "one needs the same number of rows, at least 1", "rebuild the bundle")
 
 
 def batch_limits(inputs: list[IOSpec], shape_ranges: Mapping[str, Mapping[str, int]]) -> tuple[int, int]:

@@ -265,6 +265,50 @@ def test_cli_usage_errors_exit_2(bundles: dict[str, Path], capsys: pytest.Captur
     assert code == 2 and message in err and "Traceback" not in err
 
 
+def test_cli_output_paths_that_cannot_be_written_fail_before_measuring(bundles: dict[str, Path],
+                                                                         capsys: pytest.CaptureFixture,
+                                                                         tmp_path: Path) -> None:
+    """Found by a user: `-o BUNDLE/report.json` replaced a hash-listed file of the bundle being measured (it no
+    longer loaded), `-o a.json --plot a.json` left a PNG named a.json, and a file in the way of -o failed only
+    after every batch size was measured."""
+    b = shutil.copytree(bundles["dyn"], tmp_path / "tiny-cpu.dse")
+    model = (b / "models" / "int8.onnx").read_bytes()
+    (tmp_path / "afile").write_text("x")
+    for args, words in ((["-o", b / "models" / "int8.onnx"], "is a file of the bundle"),
+                        (["--plot", b / "models" / "fp32.onnx"], "is a file of the bundle"),
+                        (["-o", tmp_path / "afile" / "r.json"], "a file is in the way"),
+                        (["-o", tmp_path / "same", "--plot", tmp_path / "same"], "are the same file")):
+        code, out, err = run_cli(capsys, "bench", b, "--iterations", 2, "--seq-len", 4, *args)
+        assert code == 2 and words in err and "Traceback" not in err and out == "", err
+    assert (b / "models" / "int8.onnx").read_bytes() == model and not (tmp_path / "same").exists()
+    code, out, err = run_cli(capsys, "bench", b, "--iterations", 2, "--seq-len", 4, "-o", b / "bench.json")
+    assert code == 0 and json.loads((b / "bench.json").read_text())["results"]  # a new file beside them is fine
+
+
+@pytest.mark.parametrize("arrays, words", [
+    ({"input_ids": np.ones((4, 8), np.int64), "attention_mask": np.ones((2, 8), np.int64)},
+     "the arrays hold input_ids 4, attention_mask 2 rows"),
+    ({"input_ids": np.ones((0, 8), np.int64), "attention_mask": np.ones((0, 8), np.int64)},
+     "the arrays hold input_ids 0, attention_mask 0 rows"),
+    ({"input_ids": np.ones((4, 8, 1), np.int64), "attention_mask": np.ones((4, 8), np.int64)},
+     "array 'input_ids' has shape [4, 8, 1], the input is ['batch', 'sequence']"),
+])
+def test_cli_inputs_dir_with_mismatched_arrays_is_a_usage_error(bundles: dict[str, Path],
+                                                                capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                                arrays: dict, words: str) -> None:
+    """Found by a user: --inputs files whose arrays hold different row counts (or none) ended in an IndexError
+    traceback; a 3-d array for a 2-d input was reported with a shape the user never saved ([1, 4, 8, 1])."""
+    d = tmp_path / "inputs"
+    d.mkdir()
+    np.savez(d / "a.npz", **arrays)
+    code, out, err = run_cli(capsys, "bench", bundles["dyn"], "--batch", "1,4", "--iterations", 2, "--inputs", d)
+    assert code == 2 and f"a.npz: {words}" in err and "Traceback" not in err and out == "", err
+    np.savez(d / "a.npz", input_ids=np.ones((3, 8), np.int64), attention_mask=np.ones((3, 8), np.int64))
+    np.savez(d / "b.npz", input_ids=np.ones(6, np.int64), attention_mask=np.ones(6, np.int64))  # one row, no axis 0
+    code, out, err = run_cli(capsys, "bench", bundles["dyn"], "--batch", "4", "--iterations", 2, "--inputs", d, "--json")
+    assert code == 0 and json.loads(out)["results"][0]["shapes"]["input_ids"] == [4, 8], err
+
+
 def test_cli_corrupt_bundle_exits_2(bundles: dict[str, Path], capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     broken = shutil.copytree(bundles["dyn"], tmp_path / "broken-cpu.dse")
     model = broken / "models" / "fp32.onnx"

@@ -94,6 +94,29 @@ def test_bundle_without_golden_is_reported_not_passed(mlp_bundle, tmp_path, caps
         dsedge.load(old, check_outputs=True)
 
 
+@pytest.mark.parametrize("tamper, words", [
+    (lambda g: (g / "golden.json").write_text("{"), "golden/golden.json is not valid JSON"),
+    (lambda g: (g / "golden.json").write_text("[1, 2]"), "holds a list, not a JSON object"),
+    (lambda g: np.savez(g / "inputs.npz", x=np.load(g / "inputs.npz")["x"].astype(np.float64)),
+     "golden input 'x' is float64 [8, 64], the manifest's input is float32"),
+    (lambda g: np.savez(g / "outputs.npz", logits=np.load(g / "outputs.npz")["logits"][:3]), "x 8, logits 3 rows"),
+    (lambda g: np.savez(g / "inputs.npz", x=np.zeros((0, 64), np.float32)), "x 0, logits 8 rows"),
+    (lambda g: np.savez(g / "outputs.npz", logits=np.zeros((8, 4), np.float32), probs=np.zeros((8, 4), np.float32)),
+     "golden output 'probs' is not an output of the bundle"),
+])
+def test_malformed_golden_io_cannot_be_checked_exit_2(mlp_bundle, tmp_path, capsys, tamper, words):
+    """Found by a user: golden files that are hash-listed but malformed (written by hand or by another tool, then
+    re-hashed) gave a JSONDecodeError/AttributeError or ONNX Runtime traceback, or "outside tolerance" (exit 1) for
+    rows that do not pair up. They are a bundle that cannot be checked: one line, exit 2."""
+    bad = shutil.copytree(mlp_bundle, tmp_path / "bad.dse")
+    tamper(bad / "golden")
+    write_manifest(bad, read_manifest(bad))  # re-hashed: the bundle verifies
+    code, out, err = cli(capsys, "verify", str(bad))
+    assert code == 2 and words in err and "Traceback" not in err + out, err
+    with pytest.raises(BundleError, match="golden"):
+        dsedge.load(bad, check_outputs=True)
+
+
 def test_cap_leaves_out_big_outputs_first_then_halves_rows():
     ins = {"ids": np.zeros((8, 128), np.int64)}  # 8 KiB
     outs = {"last_hidden_state": np.zeros((8, 128, 384), np.float32), "sentence_embedding": np.zeros((8, 384), np.float32)}

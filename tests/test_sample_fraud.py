@@ -70,6 +70,49 @@ def test_load_transactions_names_a_broken_file(frame, tmp_path):
         load_transactions(tmp_path / "b.csv")
 
 
+@pytest.mark.parametrize("edit, words", [
+    (lambda f: f.iloc[:0], "no transactions (only a header)"),
+    (lambda f: f.assign(Amount=f["Amount"].where(f.index != 3, np.inf)), "column(s) ['Amount'] (NaN and inf count): 1 row(s), the first is data row 4"),
+    (lambda f: f.assign(Amount=f["Amount"].where(f.index != 2, -5.0)), "negative values in column(s) ['Amount']"),
+    (lambda f: f.assign(Class=f["Class"].where(f.index != 1, 7)), "values other than 0 or 1 in column(s) ['Class']"),
+])
+def test_load_transactions_refuses_rows_the_split_and_features_cannot_use(frame, tmp_path, edit, words):
+    """Found by a user: a header-only CSV, an inf or negative Amount, or a Class of 7 (read as fraud-free 0.5 → 0)
+    were accepted, and `prepare` wrote amount_mean Infinity / NaN into preprocess.json."""
+    edit(frame.iloc[:6].copy()).to_csv(tmp_path / "a.csv", index=False)
+    with pytest.raises(dsedge.InputError) as e:
+        load_transactions(tmp_path / "a.csv")
+    assert words in str(e.value) and "\n" not in str(e.value) and e.value.hint
+
+
+def test_run_reports_bad_data_and_arguments_in_one_line_before_any_step(shared_data, frame, tmp_path, monkeypatch,
+                                                                       capsys):
+    """Found by a user: a missing --csv or one without the Class column ended in a traceback; --budget-ms -1 or
+    --threads 0 failed with a traceback only at the stream step (after ~15 minutes of train and build), and
+    --speed -1 replayed silently flat out. Nothing is written for any of them."""
+    from samples.fraud import run
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the script runs from the repository root
+    frame.iloc[:5].drop(columns=["Class"]).to_csv(tmp_path / "noclass.csv", index=False)
+    frame.iloc[:50].to_csv(tmp_path / "stream_only.csv", index=False)
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "out"
+    csv = str(shared_data / CSV)
+    for args, words in ((["--csv", str(tmp_path / "none.csv")], "none.csv: no such file"),
+                        (["--csv", str(tmp_path / "noclass.csv")], "missing column(s) ['Class']"),
+                        (["--csv", str(tmp_path / "stream_only.csv")], "only 0 transaction(s) after Time 3641 s"),
+                        (["--csv", csv, "--budget-ms", "-1"], "--budget-ms must be a finite number"),
+                        (["--csv", csv, "--budget-ms", "nan"], "--budget-ms must be a finite number"),
+                        (["--csv", csv, "--speed", "-1"], "--speed must be a finite number >= 0"),
+                        (["--csv", csv, "--threads", "0"], "--threads must be >= 1"),
+                        (["--csv", csv, "--out", str(tmp_path / "afile")], "is a file")):
+        with pytest.raises(SystemExit) as e:
+            run.main(["--out", str(out), "--only", "prepare,evaluate", *args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err and "Traceback" not in err, err
+        assert not out.exists()
+
+
 # ---------------------------------------------------------------- features
 def test_sparse_encoder_is_deterministic_and_in_range():
     enc = SparseEncoder(dim=128, hash_buckets=10_000, combiner="sum")

@@ -120,6 +120,19 @@ def test_targets_command_lists_all_six_and_shows_one():
     assert r.exit_code == 0 and "8.5" in r.output and "13–17" in r.output
 
 
+def test_profile_text_that_looks_like_markup_is_shown_not_parsed(tmp_path, monkeypatch):
+    """Found by a user: a description or note with `[/...]` in it (`dsedge targets ./dev.toml`) crashed the table
+    with a rich MarkupError traceback; `[bold]` was silently eaten. Profile text is printed as written."""
+    p = tmp_path / "dev[1].toml"
+    p.write_text('name = "dev"\ndescription = "rack [/b] 2"\nnotes = ["[bold]raw[/bold] text", "x [/red]"]\n')
+    r = CliRunner().invoke(cli, ["targets", str(p)], env={"COLUMNS": "250"})
+    assert r.exit_code == 0 and r.exception is None, r.output
+    assert "rack [/b] 2" in r.output and "[bold]raw[/bold] text" in r.output and "dev[1].toml" in r.output
+    monkeypatch.setenv("DSEDGE_TARGETS_DIR", str(tmp_path))
+    r = CliRunner().invoke(cli, ["targets"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0 and r.exception is None and "dev" in r.output, r.output
+
+
 # ---- precision choice -------------------------------------------------------------------------------------------
 def test_auto_picks_the_targets_first_preference():
     assert choose_precision(get_target("jetson"), "auto", False)[0] == "int4"

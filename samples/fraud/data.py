@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from dsedge import InputError
+
 V_COLUMNS = [f"V{i}" for i in range(1, 29)]
 FEATURE_COLUMNS = ["Time", *V_COLUMNS, "Amount"]
 COLUMNS = [*FEATURE_COLUMNS, "Class"]
@@ -28,23 +30,44 @@ REAL_BASE_RATE = 492 / 284_807  # 0.172 %: fraud rate of the full ULB data set
 SPLITS = ("stream", "train", "val", "test")
 
 
+class TransactionsError(InputError, ValueError):
+    """The transactions CSV is missing or unusable (one line naming the file and what is wrong, plus a hint)."""
+
+
 def load_transactions(csv: str | os.PathLike = DEFAULT_CSV) -> pd.DataFrame:
     """Read the ULB CSV (``Time, V1..V28, Amount, Class``), checked and sorted stably by ``Time``.
 
     Returns:
         DataFrame with float64 features and an int64 ``Class`` (1 = fraud).
     Raises:
-        FileNotFoundError: no file at ``csv``.
-        ValueError: a column is missing, or a value is non-numeric / NaN.
+        TransactionsError (a ``dsedge.InputError`` and a ``ValueError``): no file at ``csv``, no rows, a column is
+            missing, a value is non-numeric / empty / NaN / inf, a negative ``Time``/``Amount``, a ``Class`` other
+            than 0 or 1 (the first bad data row is named).
     """
-    df = pd.read_csv(csv)
+    hint = "pass --csv with the ULB file (Time, V1..V28, Amount, Class; see samples/fraud/README.md)"
+    if not Path(csv).is_file():
+        raise TransactionsError(f"{csv}: no such file" if not Path(csv).exists() else f"{csv}: not a file", hint)
+    try:
+        df = pd.read_csv(csv)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise TransactionsError(f"{csv}: not a readable CSV ({str(e).strip().splitlines()[0][:120]})", hint) from None
     missing = [c for c in COLUMNS if c not in df.columns]
     if missing:
-        raise ValueError(f"{csv}: missing column(s) {missing}; expected {COLUMNS}")
+        raise TransactionsError(f"{csv}: missing column(s) {missing}", hint)
+    if df.empty:
+        raise TransactionsError(f"{csv}: no transactions (only a header)", hint)
     df = df[COLUMNS].apply(pd.to_numeric, errors="coerce")
-    if df.isna().any().any():
-        bad = df.columns[df.isna().any()].tolist()
-        raise ValueError(f"{csv}: non-numeric or empty values in column(s) {bad}")
+    values = df.to_numpy(np.float64)
+    checks = [(COLUMNS, ~np.isfinite(values), "non-numeric or empty values in column(s) {} (NaN and inf count)"),
+              (["Time", "Amount"], np.stack([df["Time"] < 0, df["Amount"] < 0], axis=1),
+               "negative values in column(s) {}"),
+              (["Class"], ~df[["Class"]].isin([0, 1]).to_numpy(), "values other than 0 or 1 in column(s) {}")]
+    for cols, bad, what in checks:
+        rows = bad.any(axis=1)
+        if rows.any():
+            named = [c for c, b in zip(cols, bad.any(axis=0)) if b]
+            raise TransactionsError(f"{csv}: {what.format(named)}: {int(rows.sum())} row(s), the first is data row "
+                                    f"{int(np.flatnonzero(rows)[0]) + 1}", "fix or drop those rows")
     df["Class"] = df["Class"].astype(np.int64)
     return df.sort_values("Time", kind="stable").reset_index(drop=True)
 
@@ -86,9 +109,14 @@ def split_by_time(df: pd.DataFrame, stream_end_s: float = STREAM_END_S,
         quantiles: ``Time`` quantiles of the non-stream rows where ``train``|``val`` and ``val``|``test`` are cut.
     Returns:
         A ``TimeSplit`` whose frames keep the input's columns and index.
+    Raises:
+        TransactionsError: fewer than 3 rows after ``stream_end_s`` (train, val and test would not all get rows).
     """
     df = df.sort_values("Time", kind="stable")
     rest = df["Time"] > stream_end_s
+    if int(rest.sum()) < 3:
+        raise TransactionsError(f"only {int(rest.sum())} transaction(s) after Time {stream_end_s:g} s: train, val "
+                                "and test are cut from those", "use the whole ULB CSV (samples/fraud/README.md)")
     t_val, t_test = (float(df.loc[rest, "Time"].quantile(q)) for q in quantiles)
     label = np.select([~rest, df["Time"] < t_val, df["Time"] < t_test], ["stream", "train", "val"], "test")
     label = pd.Series(label, index=df.index)

@@ -43,7 +43,7 @@ def make_datasets(csv: str | os.PathLike = DEFAULT_CSV, hash_buckets: int = 10_0
     """``(train, val)`` datasets from the time split; ``max_rows`` keeps only the first rows of each (tests).
 
     Raises:
-        FileNotFoundError / ValueError: as ``data.load_transactions``.
+        TransactionsError: as ``data.load_transactions`` / ``data.split_by_time``.
     """
     pre, split = fit_preprocessor(csv, hash_buckets)
     out = []

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -256,8 +257,27 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"run from the repository root ({HERE.parents[1]}), not {Path.cwd()}")
     steps = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(steps) - set(STEPS)
-    if unknown:
-        ap.error(f"unknown step(s) {sorted(unknown)}; choose from {STEPS}")
+    if unknown or not steps:
+        ap.error(f"unknown step(s) {sorted(unknown)}; choose from {STEPS}" if unknown
+                 else f"--only names no step; choose from {STEPS}")
+    # checked before any step runs: a bad value would otherwise fail only at the stream step, after train and build
+    if not (math.isfinite(args.budget_ms) and 0 < args.budget_ms <= 3.6e6):
+        ap.error(f"--budget-ms must be a finite number of ms in (0, 3600000], got {args.budget_ms}")
+    if not (math.isfinite(args.speed) and args.speed >= 0):
+        ap.error(f"--speed must be a finite number >= 0 (0: as fast as possible), got {args.speed}")
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
+    if args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {str(args.out)!r} is a file; every step writes into a directory there")
+    try:
+        _run(args, steps)
+    except dsedge.DsedgeError as e:  # a user error (a missing or malformed --csv, a broken bundle): one line and a hint
+        print(f"error: {e}" + (f"\n  hint: {e.hint}" if e.hint else ""), file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+
+
+def _run(args: argparse.Namespace, steps: list[str]) -> None:
+    """The steps of ``main`` with its checked arguments."""
     out = args.out
     teacher_run, student_run = run_dirs(out)
     if "prepare" in steps or not (out / "preprocess.json").exists():

@@ -21,7 +21,7 @@ from ..runtime.params import FiniteFloat
 from ..runtime.schema import dumps
 
 from ..runtime import bench as core
-from ..runtime.files import write_bytes_atomic
+from ..runtime.files import check_output_file, write_bytes_atomic
 from ..runtime.errors import DsedgeError
 from .bench_output import plot_cdf, pyplot, render_report
 
@@ -109,6 +109,13 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
 
     if duration_s is not None and iterations is not None:
         raise click.UsageError("pass --duration or --iterations, not both")
+    # a path that can never be written (a directory, a file in the way, a file of a bundle: -o BUNDLE/report.json
+    # would break its sha256) fails before measuring, not after
+    for option, path in (("-o/--output", output), ("--plot", plot)):
+        if path is not None:
+            check_output_file(path, option, "report.json" if option != "--plot" else "cdf.png")
+    if output and plot and output.resolve() == plot.resolve():
+        raise click.UsageError(f"-o and --plot are the same file {str(output)!r}: the plot would replace the report")
     if plot:
         pyplot()  # a missing matplotlib fails before seconds of measuring, with nothing written
     settings = core.BenchSettings(warmup=warmup, iterations=iterations, duration_s=duration_s, percentile=percentile)

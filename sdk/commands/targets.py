@@ -41,6 +41,7 @@ def targets(name: str | None, as_json: bool) -> None:
     User profiles: files in $DSEDGE_TARGETS_DIR or ~/.config/dsedge/targets override built-ins of the same file name.
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -49,17 +50,19 @@ def targets(name: str | None, as_json: bool) -> None:
         if as_json:
             click.echo(json.dumps(t.to_dict(), indent=2))
             return
-        table = Table(title=f"{t.name}: {t.description}", show_header=False)
+        # a profile's free text (description, notes, its path) is shown as written, never read as rich markup
+        table = Table(title=escape(f"{t.name}: {t.description}"), show_header=False)
         for key, val in zip(HEADER[1:], _row(t)[1:]):
-            table.add_row(key, val)
+            table.add_row(key, escape(val))
         table.add_row("precision order (auto)", " > ".join(t.precision_order))
         table.add_row("workspace MiB", str(t.workspace_mb or "—"))
-        table.add_row("shapes", "; ".join(f"{d} {r['min']}/{r['opt']}/{r['max']}" for d, r in t.shapes.items()) or "—")
+        table.add_row("shapes", escape("; ".join(f"{d} {r['min']}/{r['opt']}/{r['max']}" for d, r in t.shapes.items())
+                                       or "—"))
         if t.hardware_compatibility:
-            table.add_row("hardware compatibility", t.hardware_compatibility)
+            table.add_row("hardware compatibility", escape(t.hardware_compatibility))
         for note in t.notes:
-            table.add_row("note", note)
-        table.add_row("profile", t.source)
+            table.add_row("note", escape(note))
+        table.add_row("profile", escape(t.source))
         console.print(table)
         return
     all_targets = list_targets()
@@ -70,5 +73,5 @@ def targets(name: str | None, as_json: bool) -> None:
     for h in HEADER:
         table.add_column(h)
     for t in all_targets:
-        table.add_row(*_row(t))
+        table.add_row(*map(escape, _row(t)))
     console.print(table)
