@@ -98,7 +98,7 @@ def test_run_reports_bad_data_and_arguments_in_one_line_before_any_step(shared_d
     (tmp_path / "afile").write_text("x")
     out = tmp_path / "out"
     csv = str(shared_data / CSV)
-    for args, words in ((["--csv", str(tmp_path / "none.csv")], "none.csv: no such file"),
+    for args, words in ((["--csv", str(tmp_path / "none.csv")], "no such file or directory (" + str(tmp_path / "none.csv")),
                         (["--csv", str(tmp_path / "noclass.csv")], "missing column(s) ['Class']"),
                         (["--csv", str(tmp_path / "stream_only.csv")], "only 0 transaction(s) after Time 3641 s"),
                         (["--csv", csv, "--budget-ms", "-1"], "--budget-ms must be a finite number"),

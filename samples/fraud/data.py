@@ -40,13 +40,14 @@ def load_transactions(csv: str | os.PathLike = DEFAULT_CSV) -> pd.DataFrame:
     Returns:
         DataFrame with float64 features and an int64 ``Class`` (1 = fraud).
     Raises:
-        TransactionsError (a ``dsedge.InputError`` and a ``ValueError``): no file at ``csv``, no rows, a column is
+        FileNotFoundError: no file at ``csv``.
+        TransactionsError (a ``dsedge.InputError`` and a ``ValueError``): ``csv`` is a directory, no rows, a column is
             missing, a value is non-numeric / empty / NaN / inf, a negative ``Time``/``Amount``, a ``Class`` other
             than 0 or 1 (the first bad data row is named).
     """
     hint = "pass --csv with the ULB file (Time, V1..V28, Amount, Class; see samples/fraud/README.md)"
-    if not Path(csv).is_file():
-        raise TransactionsError(f"{csv}: no such file" if not Path(csv).exists() else f"{csv}: not a file", hint)
+    if Path(csv).is_dir():  # a missing file stays the OSError every caller already turns into its own line
+        raise TransactionsError(f"{csv}: a directory, not a CSV file", hint)
     try:
         df = pd.read_csv(csv)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 import dsedge
+from dsedge.runtime.storage import storage_error
 
 from .baseline import baseline_scores, fit_baseline
 from .data import DEFAULT_CSV, REAL_BASE_RATE, STREAM_END_S, load_transactions, split_by_time
@@ -271,9 +272,13 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--out {str(args.out)!r} is a file; every step writes into a directory there")
     try:
         _run(args, steps)
-    except dsedge.DsedgeError as e:  # a user error (a missing or malformed --csv, a broken bundle): one line and a hint
-        print(f"error: {e}" + (f"\n  hint: {e.hint}" if e.hint else ""), file=sys.stderr)
-        raise SystemExit(e.exit_code) from None
+    except (dsedge.DsedgeError, OSError) as e:  # a user error (a missing or malformed --csv, a broken bundle, a
+        # path that cannot be read or written): one line and a hint
+        err = storage_error(e, "reading or writing") if isinstance(e, OSError) else e
+        if err is None:
+            raise
+        print(f"error: {err}" + (f"\n  hint: {err.hint}" if err.hint else ""), file=sys.stderr)
+        raise SystemExit(err.exit_code) from None
 
 
 def _run(args: argparse.Namespace, steps: list[str]) -> None:
