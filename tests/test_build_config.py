@@ -66,6 +66,10 @@ def test_config_file_round_trips_and_refuses_unknown_keys_and_wrong_types(tmp_pa
     path.write_text('[build]\nthreads = -4\n')
     with pytest.raises(ConfigError, match="threads = -4 is not an integer >= 1"):
         read_config_file(path)
+    for n in (0, -3):  # was accepted: the build timed a single run and wrote it as every percentile
+        path.write_text(f'[build]\nlatency_iterations = {n}\n')
+        with pytest.raises(ConfigError, match=f"latency_iterations = {n} is not an integer >= 1"):
+            read_config_file(path)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.precision = "int4"  # type: ignore[misc]
 

@@ -357,3 +357,15 @@ def test_gate_judges_the_shipped_model_against_the_original_not_the_student(net_
                            prune="channels:0.5", finetune_steps=0, accuracy_gate="cosine:0.9999",
                            latency_iterations=2))
     assert not [p for p in (d / "out-gate").iterdir() if p.name.endswith(".dse")]   # nothing half-written
+
+
+def test_cli_prune_torch_source_with_a_calib_file_is_one_line(net_module, monkeypatch, capsys):
+    """Found by a user: `--help` says --calib takes ".npz or dir", but a torch MODEL with a .npz file said
+    "calibration directory 'calib/a.npz' does not exist" (it does: it is a file)."""
+    d, _ = net_module
+    monkeypatch.chdir(d)
+    code, _, err = _cli(["prune", "tinyffn:make", "-o", "f.onnx", "--calib", d / "calib" / "a.npz",
+                         "--finetune-steps", "1"], capsys)
+    assert code == 2 and "Traceback" not in err and "does not exist" not in err, err
+    assert "a directory of .npz files (this is a file)" in err and "hint:" in err
+    assert not (d / "f.onnx").exists()

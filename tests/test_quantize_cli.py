@@ -74,3 +74,22 @@ def test_prune_2_4(files, capsys):
     assert code == 0 and "2:4 sparsity on 3 layers" in stdout
     w = onnx.numpy_helper.to_array(next(t for t in onnx.load(str(out)).graph.initializer if t.name == "w2"))
     assert (w == 0).mean() == 0.5
+
+
+def test_quantize_refuses_heldout_that_is_the_calibration_data(files, capsys):
+    """Found by a user: `--heldout` = `--calib` passed the gate on the data it calibrated on (dsedge build refuses
+    it); the report's gate value was optimistic by construction."""
+    for held, what in ((files / "calib", "is the same as"), (files / "calib" / "1.npz", "shares 1 file(s) with")):
+        code, _, err = run_main(["quantize", files / "mlp.onnx", "-o", files / "hc.onnx", "--precision", "int8",
+                                 "--calib", files / "calib", "--heldout", held, "--accuracy-gate", "cosine:0.99"],
+                                capsys)
+        assert code == 2 and f"{what} --calib" in err and "Traceback" not in err, err
+    assert not (files / "hc.onnx").exists()
+
+
+def test_prune_2_4_refuses_an_explicit_sparsity(files, capsys):
+    """Found by a user: `--pattern 2:4 --sparsity 0.3` was silently ignored (only values other than the default
+    were refused)."""
+    code, _, err = run_main(["prune", files / "mlp.onnx", "-o", files / "s.onnx", "--sparsity", "0.3"], capsys)
+    assert code == 2 and "--sparsity applies to --pattern channels" in err and "Traceback" not in err
+    assert not (files / "s.onnx").exists()

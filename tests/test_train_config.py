@@ -100,6 +100,29 @@ def test_impossible_mesh_for_world_size(tmp_path):
         check_world(cfg, 8)
 
 
+def test_meshes_ddp_cannot_run_are_refused_before_launch(tmp_path, capsys):
+    """Found by a user: `--nproc-per-node 4` with data = 'ddp', tensor = 2 (and comm_hook = 'bf16' on CPU) started
+    torchrun, printed the error once per rank, then torchrun's ChildFailedError traceback, and left OUT/config.toml."""
+    from dsedge.cli import main
+
+    cfg = load_config(write(tmp_path, BASE.replace('data = "fsdp"', 'data = "ddp"')))
+    assert check_world(cfg, 2) == 1                     # dp = 1: no DDP wrapper, tensor parallel alone is fine
+    with pytest.raises(ConfigError, match="data = 'ddp' cannot be combined with tensor or pipeline parallel"):
+        check_world(cfg, 4)
+    cfg = load_config(write(tmp_path, BASE.replace("tensor = 2", 'comm_hook = "bf16"').replace("fsdp", "ddp")))
+    assert check_world(cfg, 2, "cuda") == 2
+    with pytest.raises(ConfigError, match="comm_hook = 'bf16' needs the NCCL backend"):
+        check_world(cfg, 2, "cpu")
+    run = tmp_path / "run"
+    path = write(tmp_path, BASE.replace('data = "fsdp"', 'data = "ddp"').replace('out_dir = "runs/x"',
+                                                                             f'out_dir = "{run}"\ndevice = "cpu"'))
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(path), "--nproc-per-node", "4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("error:") == 1 and "cannot be combined" in err and "Traceback" not in err
+    assert not run.exists()
+
+
 def test_distill_needs_teacher(tmp_path):
     with pytest.raises(ConfigError, match=r"needs a \[distill\] section"):
         load_config(write(tmp_path, BASE), distill=True)
@@ -162,6 +185,42 @@ def test_a_missing_data_file_is_one_line_and_leaves_no_run_directory(tmp_path, c
 def test_nan_negative_and_impossible_optim_and_loss_values_are_config_errors(tmp_path, edit, message):
     """Found by a user: lr = nan and eps = -1.0 died in torch with a traceback, weight_decay = -1.0 and negative
     class weights trained (to a negative loss) and exited 0."""
+    path = write(tmp_path, BASE.replace(*edit))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert message in str(e.value) and str(path) in str(e.value) and e.value.hint
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("betas = [0.9, 0.95]", 'betas = ["a", "b"]'), "[optim] betas must be two numbers in [0, 1)"),
+    (("tensor = 2", "tensor = 2\n[schedule]\nmin_lr_ratio = -2.0"), "[schedule] min_lr_ratio must be in [0, 1]"),
+    (("tensor = 2", "tensor = 2\n[schedule]\nmin_lr_ratio = nan"), "[schedule] min_lr_ratio must be in [0, 1]"),
+    (("tensor = 2", "tensor = 2\n[checkpoint]\nkeep = 0"), "[checkpoint] keep must be > 0, got 0"),
+    (("tensor = 2", "tensor = 2\n[precision]\nmode = \"fp16\"\ninitial_scale = 0.0"),
+     "[precision] initial_scale must be a finite number > 0, got 0.0"),
+    (("tensor = 2", "tensor = 2\n[precision]\ngrowth_interval = 0"), "[precision] growth_interval must be > 0"),
+    (("tensor = 2", "tensor = 2\npowersgd_rank = 0"), "[parallel] powersgd_rank must be > 0"),
+    (("tensor = 2", "tensor = 2\n[health]\nmax_rollbacks = -1"), "[health] max_rollbacks must be >= 0"),
+    (("batch_size = 8", "batch_size = 8\nmax_tokens = 0"), "[data] max_tokens must be > 0, got 0"),
+    (("batch_size = 8", "batch_size = 8\nmemory_limit_mb = nan\nbytes_per_token = 4.0"),
+     "[data] memory_limit_mb must be a finite number > 0, got nan"),
+    (("batch_size = 8", "batch_size = 8\nmemory_limit_mb = inf\nbytes_per_token = 4.0"),
+     "[data] memory_limit_mb must be a finite number > 0, got inf"),
+    (("batch_size = 8", "batch_size = 8\nmemory_limit_mb = 1.0\nbytes_per_token = -4.0"),
+     "[data] bytes_per_token must be a finite number > 0"),
+    (('input_names = ["dense", "ids"]', "input_names = [1, 2]"), "[model] input_names must be a list of distinct"),
+    (('input_names = ["dense", "ids"]', 'input_names = ["dense", "dense"]'),
+     "[model] input_names must be a list of distinct"),
+    (('input_names = ["dense", "ids"]', "output_names = []"), "[model] output_names must be a non-empty list"),
+    (("tensor = 2", "tensor = 2\n[domains]\nweights = { a = -1, b = 1 }"), "[domains] weights must be finite"),
+    (("tensor = 2", "tensor = 2\n[domains]\nthreshold = nan"), "[domains] threshold must be a finite number"),
+    (("tensor = 2", "tensor = 2\n[augment]\nlevels = [nan]"), "[augment] levels must be increasing numbers"),
+])
+def test_out_of_range_values_beyond_the_contract_are_config_errors(tmp_path, edit, message):
+    """Found by a user: keep = 0 deleted every checkpoint (the last too) and exited 0, min_lr_ratio = -2 trained
+    with a negative lr, memory_limit_mb = nan / inf and betas = ["a", "b"] died with a traceback, initial_scale = 0
+    made every fp16 step non-finite, output_names = [] / input_names = [1] trained a run `dsedge build` cannot load."""
     path = write(tmp_path, BASE.replace(*edit))
     with pytest.raises(ConfigError) as e:
         load_config(path)

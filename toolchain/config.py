@@ -93,6 +93,9 @@ def config_from_mapping(data: Mapping[str, Any], what: str = "build config") -> 
             raise ConfigError(f"{what}: {key} = {value!r} is not {kind}", f"write {key} as {kind}")
         if name == "threads" and value is not None and value < 1:
             raise ConfigError(f"{what}: threads = {value!r} is not an integer >= 1", "write threads = 2, or leave it out")
+        if name == "latency_iterations" and value < 1:  # 0 or -3 timed one run and shipped it as the p50/p99
+            raise ConfigError(f"{what}: latency_iterations = {value!r} is not an integer >= 1",
+                              "write latency_iterations = 50, or leave it out")
         clean[name] = value
     return BuildConfig(**clean)
 
@@ -179,11 +182,17 @@ def _check_int4_options(config: BuildConfig) -> None:
 
 
 def _check_heldout_is_not_calibration(config: BuildConfig) -> None:
+    check_heldout_is_not_calibration(config.calib, config.heldout, ", or only --calib (its second half then validates)")
+
+
+def check_heldout_is_not_calibration(calib_path: str | os.PathLike | None,
+                                     heldout_path: str | os.PathLike | None, alternative: str = "") -> None:
     """``--heldout`` validates on data the model was not calibrated on (the report says so): the same folder, or
-    the same files, as ``--calib`` would measure accuracy on the calibration data itself."""
-    if not (config.calib and config.heldout):
+    the same files, as ``--calib`` would measure accuracy on the calibration data itself (``dsedge build`` and
+    ``dsedge quantize``)."""
+    if not (calib_path and heldout_path):
         return
-    calib, held = Path(config.calib), Path(config.heldout)
+    calib, held = Path(calib_path), Path(heldout_path)
 
     def files(p: Path) -> set[Path]:
         if p.is_dir():
@@ -193,9 +202,8 @@ def _check_heldout_is_not_calibration(config: BuildConfig) -> None:
     shared = files(calib) & files(held)
     if calib.resolve() == held.resolve() or shared:
         what = "is the same as" if calib.resolve() == held.resolve() else f"shares {len(shared)} file(s) with"
-        raise ConfigError(f"--heldout {config.heldout} {what} --calib {config.calib}: accuracy would be measured "
-                          "on the calibration data", "pass held-out data the model is not calibrated on, or "
-                          "only --calib (its second half then validates)")
+        raise ConfigError(f"--heldout {heldout_path} {what} --calib {calib_path}: accuracy would be measured "
+                          "on the calibration data", f"pass held-out data the model is not calibrated on{alternative}")
 
 
 def plan_build(config: BuildConfig) -> BuildPlan:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from ...runtime.params import FiniteFloat
 from ...runtime.errors import ConfigError
@@ -23,6 +24,11 @@ def _torch_source_calibration(source, calib: Path) -> None:
     from ...runtime.bundle import IOSpec
     from ..npz_inputs import load_calibration_dir
 
+    if not calib.is_dir():
+        raise ConfigError(f"--calib {calib}: a torch MODEL's calibration data is a directory of .npz files "
+                          f"({'not found' if not calib.exists() else 'this is a file'})",
+                          "put the .npz files in a directory and pass it (its first half fine-tunes, the second "
+                          "half validates)")
     specs = [IOSpec(n, str(v.dtype), tuple(source.dynamic_axes.get(n, {}).get(i, d) for i, d in enumerate(v.shape)))
              for n, v in source.example_inputs.items()]
     source.calibration, source.validation = load_calibration_dir(calib, specs)
@@ -59,13 +65,15 @@ def _prune_torch(model: str, output: Path, pattern: str, sparsity: float, steps:
               help="Global fraction of FFN/MLP hidden channels to remove (--pattern channels).")
 @click.option("--calib", type=click.Path(path_type=Path),
               help="Calibration data (.npz or dir): activation-aware importance (Wanda) instead of magnitude; for a "
-                   "torch MODEL also the fine-tune's data (first half) and held-out set (second half).")
+                   "torch MODEL (a directory of .npz) also the fine-tune's data (first half) and held-out set "
+                   "(second half).")
 @click.option("--finetune-steps", type=int, default=None,
               help="Torch MODEL only: distillation fine-tune steps after pruning [default: 500; 0 = none].")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout (last thing printed).")
-def prune(model: str, output: Path, pattern: str, sparsity: float, calib: Path | None, finetune_steps: int | None,
-          report_path: Path | None, as_json: bool) -> None:
+@click.pass_context
+def prune(ctx: click.Context, model: str, output: Path, pattern: str, sparsity: float, calib: Path | None,
+          finetune_steps: int | None, report_path: Path | None, as_json: bool) -> None:
     """Prune MODEL (an .onnx file, or a torch source: all-minilm-l6-v2, a HF directory, a run directory,
     module:function) and write ONNX to --output (written atomically). Torch sources are fine-tuned to the unpruned
     teacher; ONNX files are not (prune the torch model, or use dsedge build --prune, to fine-tune)."""
@@ -74,7 +82,8 @@ def prune(model: str, output: Path, pattern: str, sparsity: float, calib: Path |
     check_output_file(output)
     if report_path:
         check_report_file(report_path, output, model)
-    if pattern == "2:4" and sparsity != 0.3:
+    if pattern == "2:4" and ctx.get_parameter_source("sparsity") in (ParameterSource.COMMANDLINE,
+                                                                      ParameterSource.ENVIRONMENT):
         raise ConfigError("--sparsity applies to --pattern channels; 2:4 is always 50 %", "drop --sparsity")
     if pattern == "channels" and not 0.0 < sparsity < 1.0:
         raise ConfigError(f"--sparsity {sparsity} is outside (0, 1)", "e.g. --sparsity 0.3")

@@ -65,6 +65,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
              heldout: Path | None, gate: str | None, method: str, int8_mode: str, smooth_alpha: float | None,
              nodes: str | None, report_path: Path | None, as_json: bool) -> None:
     """Quantize an ONNX MODEL and write the result to --output (written atomically)."""
+    from ..config import check_heldout_is_not_calibration
     from ..quantize.compress import Calibration, compress
 
     if list_presets:
@@ -89,6 +90,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
         parse_gates(chosen.accuracy_gate)  # a bad spec is refused before any work, for every precision
         if heldout is None:
             raise SourceError("--accuracy-gate needs --heldout data", "pass --heldout DIR_OR_NPZ")
+        check_heldout_is_not_calibration(calib, heldout)
     m = _load(model)
     source_size = model.stat().st_size  # before writing: -o may be MODEL itself
     # INT4 and INT8 static search for the layers to keep higher; every other precision is checked once, after

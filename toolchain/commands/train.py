@@ -44,7 +44,10 @@ def check_launch(verb: str, config: str, nproc: int | None, max_restarts: int): 
         raise ConfigError(f"{config} has a [distill] section, which `dsedge train` does not use",
                           f"run `dsedge distill {config}` to distill from the teacher, or delete [distill]")
     if nproc is not None and not under_torchrun():
-        check_world(cfg, nproc)
+        import torch  # no CUDA context in the launcher: the ranks pick their own device
+
+        cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        check_world(cfg, nproc, "cuda" if cuda else "cpu")
         resolve_callable(cfg.model.factory, "[model] factory")
         resolve_callable(cfg.data.factory, "[data] factory")
         if verb == "distill":

@@ -79,7 +79,7 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(cfg, local_rank)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    dp = check_world(cfg, world)
+    dp = check_world(cfg, world, device.type)
     env = DistEnv(world_size=world, local_rank=local_rank, device=device, dp=dp, tp=cfg.parallel.tensor,
                   pp=cfg.parallel.pipeline)
     if world == 1:

@@ -28,6 +28,18 @@ def _positive(value: Any, key: str, source: str, allow_zero: bool = False, finit
                           "fix the value in the config file")
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _names(names: list, key: str, source: str, allow_empty: bool) -> None:
+    """ConfigError unless ``names`` is a list of distinct non-empty strings (and not empty unless ``allow_empty``)."""
+    if (not names and not allow_empty) or not all(isinstance(n, str) and n for n in names) \
+            or len(set(names)) != len(names):
+        raise ConfigError(f"{source}: {key} must be {'a list' if allow_empty else 'a non-empty list'} of distinct "
+                          f"names (strings), got {names!r}", 'e.g. ["features"]')
+
+
 def _class_weights(weights: list | None, source: str) -> None:
     """ConfigError unless ``[loss] class_weights`` is None or a non-empty list of finite numbers >= 0, not all 0.
     Its length (one weight per class) is checked against the model's logits at the first step (losses.py)."""
@@ -62,7 +74,14 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
         raise ConfigError(f"{s}: [loss] class_weights is for kind = 'cross_entropy', not {cfg.loss.kind!r}",
                           "use pos_weight with bce_with_logits, or remove class_weights")
     _positive(cfg.loss.pos_weight, "[loss] pos_weight", s, finite=True)
-    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+    _names(cfg.model.input_names, "[model] input_names", s, allow_empty=True)
+    _names(cfg.model.output_names, "[model] output_names", s, allow_empty=False)
+    d = cfg.data
+    _positive(d.max_tokens, "[data] max_tokens", s)
+    _positive(d.max_batch_size, "[data] max_batch_size", s)
+    _positive(d.memory_limit_mb, "[data] memory_limit_mb", s, finite=True)
+    _positive(d.bytes_per_token, "[data] bytes_per_token", s, finite=True)
+    if len(cfg.optim.betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"{s}: [optim] betas must be two numbers in [0, 1), got {cfg.optim.betas!r}",
                           "e.g. betas = [0.9, 0.98]")
     _positive(cfg.optim.lr, "[optim] lr", s, finite=True)
@@ -72,7 +91,12 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
     if not 0 <= cfg.schedule.warmup_fraction < 1:
         raise ConfigError(f"{s}: [schedule] warmup_fraction must be in [0, 1), got {cfg.schedule.warmup_fraction}",
                           "e.g. warmup_fraction = 0.1")
+    if not 0 <= cfg.schedule.min_lr_ratio <= 1:
+        raise ConfigError(f"{s}: [schedule] min_lr_ratio must be in [0, 1], got {cfg.schedule.min_lr_ratio}",
+                          "e.g. min_lr_ratio = 0.1 (the cosine ends at 10 % of lr)")
     _choice(cfg.precision.mode, ("fp32", "bf16", "fp16"), "[precision] mode", s)
+    _positive(cfg.precision.initial_scale, "[precision] initial_scale", s, finite=True)
+    _positive(cfg.precision.growth_interval, "[precision] growth_interval", s)
     _choice(cfg.device, ("auto", "cpu", "cuda"), "device", s)
     p = cfg.parallel
     _choice(p.data, ("ddp", "fsdp"), "[parallel] data", s)
@@ -81,10 +105,13 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
     _positive(p.tensor, "[parallel] tensor", s)
     _positive(p.pipeline, "[parallel] pipeline", s)
     _positive(p.microbatches, "[parallel] microbatches", s)
+    _positive(p.powersgd_rank, "[parallel] powersgd_rank", s)
     if p.comm_hook and p.data != "ddp":
         raise ConfigError(f"{s}: [parallel] comm_hook needs data = 'ddp'", "FSDP has no DDP comm hooks; remove it")
     _positive(cfg.checkpoint.every, "[checkpoint] every", s)
+    _positive(cfg.checkpoint.keep, "[checkpoint] keep", s)  # keep = 0 deleted every checkpoint, the last too
     _positive(cfg.health.max_nonfinite, "[health] max_nonfinite", s)
+    _positive(cfg.health.max_rollbacks, "[health] max_rollbacks", s, allow_zero=True)
     if cfg.domains is not None:
         d = cfg.domains
         _choice(d.rule, ("threshold", "doremi"), "[domains] rule", s)
@@ -95,12 +122,19 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
         if d.metric == "val_accuracy" and cfg.loss.kind != "cross_entropy":
             raise ConfigError(f"{s}: [domains] metric = 'val_accuracy' needs [loss] kind = 'cross_entropy'",
                               "use metric = 'val_loss' with this loss")
-        _positive(d.eta, "[domains] eta", s)
+        _positive(d.eta, "[domains] eta", s, finite=True)
+        if d.threshold is not None and not math.isfinite(d.threshold):
+            raise ConfigError(f"{s}: [domains] threshold must be a finite number, got {d.threshold}",
+                              "e.g. threshold = 0.9, or leave it out to keep the mixture fixed")
+        if not all(_number(w) and math.isfinite(w) and w >= 0 for w in d.weights.values()) or \
+                (d.weights and not any(d.weights.values())):
+            raise ConfigError(f"{s}: [domains] weights must be finite numbers >= 0, not all 0, got {d.weights!r}",
+                              "e.g. weights = { web = 2, code = 1 }")
         if not 0 <= d.smoothing < 1:
             raise ConfigError(f"{s}: [domains] smoothing must be in [0, 1), got {d.smoothing}", "e.g. 1e-3")
     if cfg.augment is not None:
         a = cfg.augment
-        if not a.levels or any(not isinstance(x, (int, float)) for x in a.levels) or \
+        if not a.levels or any(not _number(x) or not math.isfinite(x) for x in a.levels) or \
                 list(a.levels) != sorted(a.levels):
             raise ConfigError(f"{s}: [augment] levels must be increasing numbers, got {a.levels!r}",
                               "e.g. levels = [0.2, 0.4, 0.6]")
@@ -114,12 +148,15 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
                               'add [distill] teacher = "runs/teacher"')
         if not 0 <= cfg.distill.alpha <= 1:
             raise ConfigError(f"{s}: [distill] alpha must be in [0, 1], got {cfg.distill.alpha}", "e.g. alpha = 0.7")
-        _positive(cfg.distill.temperature, "[distill] temperature", s)
+        _positive(cfg.distill.temperature, "[distill] temperature", s, finite=True)
+        _positive(cfg.distill.feature_weight, "[distill] feature_weight", s, allow_zero=True, finite=True)
     return cfg
 
 
-def check_world(cfg: TrainConfig, world_size: int) -> int:
-    """The data-parallel degree for ``world_size`` processes; ConfigError if the mesh cannot be laid out."""
+def check_world(cfg: TrainConfig, world_size: int, device_type: str | None = None) -> int:
+    """The data-parallel degree for ``world_size`` processes; ConfigError if the mesh cannot be laid out, or (with
+    ``device_type``, ``cpu`` or ``cuda``) if the data-parallel wrapper cannot run it. Checked by the launcher before
+    any process starts and by every rank before the run directory is written."""
     p = cfg.parallel
     model_par = p.tensor * p.pipeline
     if world_size % model_par:
@@ -130,6 +167,13 @@ def check_world(cfg: TrainConfig, world_size: int) -> int:
     if cfg.data.batch_size % dp:
         raise ConfigError(f"{cfg.source}: [data] batch_size = {cfg.data.batch_size} is not divisible by the "
                           f"data-parallel degree {dp}", f"use a batch_size that is a multiple of {dp}")
+    if dp > 1 and p.data == "ddp" and (p.tensor > 1 or p.pipeline > 1):
+        # DDP's reducer asserts on several backward passes per step (pipeline micro-batches), measured
+        raise ConfigError(f"{cfg.source}: data = 'ddp' cannot be combined with tensor or pipeline parallel",
+                          "use data = 'fsdp' when tensor > 1 or pipeline > 1")
+    if dp > 1 and p.data == "ddp" and p.comm_hook == "bf16" and device_type not in (None, "cuda"):
+        raise ConfigError(f"{cfg.source}: [parallel] comm_hook = 'bf16' needs the NCCL backend (GPU); gloo cannot "
+                          "reduce bf16", "use comm_hook = 'fp16' or 'powersgd' on CPU")
     mb = p.microbatches or p.pipeline
     if p.pipeline > 1 and (cfg.data.batch_size // dp) % mb:
         raise ConfigError(f"{cfg.source}: per-rank batch {cfg.data.batch_size // dp} is not divisible by "
