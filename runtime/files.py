@@ -48,8 +48,10 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
 
 
 def check_output_file(dest: str | os.PathLike, option: str = "-o/--output", example: str = "model.onnx") -> Path:
-    """Refuse an output file path that can never be written, before any work is done: an existing directory, or a
-    parent that is a file (``example`` names a file in the hint). Returns ``dest`` as a Path.
+    """Refuse an output file path that can never be written, before any work is done: an existing directory, a
+    parent that is a file, or a nearest existing parent folder this process may not write (``os.access``: as root
+    only a read-only file system or a folder such as ``/proc/1`` is refused) (``example`` names a file in the hint).
+    Returns ``dest`` as a Path.
 
     Raises:
         StorageError: naming ``option`` and the path.
@@ -71,6 +73,10 @@ def check_output_file(dest: str | os.PathLike, option: str = "-o/--output", exam
                 raise StorageError(f"{option} {str(dest)!r}: a file is in the way ({str(parent)!r} is a file, "
                                    "not a directory)",
                                    "choose a path whose parents are directories")
+            # the nearest folder that exists must take a new entry (the temporary file, or a folder to hold it)
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise StorageError(f"{option} {str(dest)!r}: the folder {str(parent)!r} is not writable",
+                                   "write somewhere you may create files, or change the folder's permissions")
             break
     return dest
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .bundle import MANIFEST, SIGNATURE, Manifest, read_manifest_bytes, verify_bundle
-from .files import write_text_atomic
-from .errors import BackendUnavailable, DsedgeError, InputError, SignatureError
+from .files import write_bytes_atomic, write_text_atomic
+from .errors import BackendUnavailable, DsedgeError, InputError, SignatureError, StorageError
 
 FORMAT = "dsedge-signature-v1"
 DOMAIN = b"dsedge bundle manifest v1\x00"
@@ -55,26 +55,39 @@ def key_id(pub: Any) -> str:
 def generate_key(prefix: str | os.PathLike) -> tuple[Path, Path]:
     """Write a new key pair ``PREFIX.key`` (private, 0600) and ``PREFIX.pub``; returns their paths.
 
+    Both or neither: if either write fails, nothing is left behind (a lone ``PREFIX.key`` would make a rerun refuse).
+
     Raises:
-        DsedgeError: either file exists already (a key is never overwritten), or ``prefix`` has no file name.
+        DsedgeError: either path is taken already (a file, a directory or a link, even a dangling one: a key is
+            never overwritten, nor written through a link), or ``prefix`` has no file name.
+        StorageError: a file could not be written (nothing is left behind).
     """
     if not str(prefix).strip() or str(prefix).endswith(("/", os.sep)) or Path(prefix).is_dir():
         raise DsedgeError(f"--out {str(prefix)!r} has no file name for the key pair",
                           "give a path prefix such as keys/release (writes keys/release.key and keys/release.pub)")
     serialization, ed25519 = _crypto()
     priv_path, pub_path = Path(f"{prefix}.key"), Path(f"{prefix}.pub")
-    for p in (priv_path, pub_path):
-        if p.exists():
-            raise DsedgeError(f"{p} exists; refusing to overwrite a key", "choose another --out prefix")
+    for p in (priv_path, pub_path):  # both are checked before either is written
+        if p.exists() or p.is_symlink():
+            what = "is a link" if p.is_symlink() else "is a directory" if p.is_dir() else "exists"
+            raise DsedgeError(f"{p} {what}; refusing to overwrite a key", "choose another --out prefix")
     key = ed25519.Ed25519PrivateKey.generate()
     priv = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
     pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     priv_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(priv)
-    pub_path.write_bytes(pub)
+    fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # 0600 from the start; never follows a link
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(priv)
+        write_bytes_atomic(pub_path, pub)
+    except BaseException as e:  # an interrupt too
+        priv_path.unlink(missing_ok=True)  # this call created it (O_EXCL): remove it, so a rerun can write the pair
+        if not isinstance(e, OSError):
+            raise
+        raise StorageError(f"cannot write the key pair {prefix}.key/.pub ({e.strerror or e}: "
+                           f"{e.filename or pub_path}); nothing was left behind",
+                           "check that the folder is writable and has space, then run `dsedge keygen` again") from None
     return priv_path, pub_path
 
 

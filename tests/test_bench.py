@@ -285,6 +285,28 @@ def test_cli_output_paths_that_cannot_be_written_fail_before_measuring(bundles: 
     assert code == 0 and json.loads((b / "bench.json").read_text())["results"]  # a new file beside them is fine
 
 
+def test_cli_output_in_a_folder_that_is_not_writable_fails_before_measuring(bundles: dict[str, Path],
+                                                                          capsys: pytest.CaptureFixture,
+                                                                          tmp_path: Path) -> None:
+    """Found by a user: `-o /proc/x.json` failed only after every batch size was measured (with the name of a
+    temporary file in the error). A nearest existing folder this process may not write is refused up front."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)  # refused for a plain user; root may write it, but not /proc/1 (procfs says no even to root)
+    try:
+        folder = next((d for d in (locked, Path("/proc/1"), Path("/proc/sys"))
+                       if d.is_dir() and not os.access(d, os.W_OK)), None)
+        if folder is None:
+            pytest.skip("no folder here that os.access says this process may not write")
+        for args in (["-o", folder / "r.json"], ["--plot", folder / "new" / "cdf.png"]):
+            code, out, err = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 2, "--seq-len", 4, *args)
+            assert code == 2 and out == "" and "Traceback" not in err, err
+            assert f"the folder {str(folder)!r} is not writable" in err and ".tmp-" not in err, err
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o755)
+
+
 @pytest.mark.parametrize("arrays, words", [
     ({"input_ids": np.ones((4, 8), np.int64), "attention_mask": np.ones((2, 8), np.int64)},
      "the arrays hold input_ids 4, attention_mask 2 rows"),

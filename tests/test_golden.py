@@ -66,6 +66,14 @@ def test_verify_passes_here_and_load_checks_outputs(mlp_bundle, capsys):
     assert s.run({"x": np.zeros((1, 64), np.float32)})["logits"].shape == (1, 4)
 
 
+def test_verify_checks_a_variant_named_twice_once_in_the_order_given(mlp_bundle, capsys):
+    """Found by a user: `dsedge verify B --variant fp32 --variant fp32` loaded and checked fp32 twice."""
+    code, out, _ = cli(capsys, "verify", str(mlp_bundle), "--variant", "fp32", "--variant", "int4", "--variant", "fp32",
+                       "--json")
+    rep = json.loads(out)
+    assert code == 0 and [v["variant"] for v in rep["variants"]] == ["fp32", "int4"]
+
+
 def test_a_perturbed_variant_fails_verify_and_check_outputs(mlp_bundle, tmp_path, capsys):
     bad = shutil.copytree(mlp_bundle, tmp_path / "bad.dse")
     model = onnx.load(str(bad / "models/fp32.onnx"))

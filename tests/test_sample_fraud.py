@@ -317,6 +317,48 @@ def test_report_json_png_and_goals(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+_FULL_DISK = """
+import errno, resource, signal, sys
+from pathlib import Path
+import numpy as np
+import matplotlib.pyplot
+from samples.fraud.report import plot
+from samples.fraud.run import prepare
+
+out, csv = Path(sys.argv[1]), Path(sys.argv[2])
+rng = np.random.default_rng(0)
+y = (rng.random(300) < 0.1).astype(int)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+for name, call in (("prepare", lambda: prepare(out, csv, hash_buckets=1000, calib_files=2, calib_rows=16)),
+                   ("plot", lambda: plot(out / "report.png", y, {"a": rng.normal(size=300) + y}, {"m": [0.1, 0.2]}))):
+    try:
+        call()
+        print(name, "wrote")
+    except OSError as e:
+        print(name, errno.errorcode.get(e.errno, e.errno))
+"""
+
+
+def test_prepare_and_plot_that_run_out_of_room_leave_no_partial_file(shared_data, tmp_path):
+    """Found by a user: `prepare` wrote calib/*.npz (and preprocess.json, split.json) and report.png in place, so an
+    interrupted run left a truncated file that a later step read. A real failing write (a 2000-byte file-size limit,
+    as on a full disk: the JSON files fit, the first .npz and the PNG do not) leaves whole files or none, and no
+    temporary file."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("resource")
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path), str(shared_data / CSV)], cwd=repo,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["prepare", "EFBIG", "plot", "EFBIG"], r.stdout + r.stderr
+    assert json.loads((tmp_path / "split.json").read_text())["splits"]["test"]["frauds"] == 108  # whole
+    assert Preprocessor.from_json(tmp_path / "preprocess.json").encoder.hash_buckets == 1000
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == \
+        ["calib", "preprocess.json", "split.json"]  # no partial 00_train.npz or report.png, no temp file
+
+
 # ---------------------------------------------------------------- the whole pipeline, in small, through the CLI
 def _cli(*args: str) -> None:
     from dsedge.cli import main

@@ -143,6 +143,23 @@ def test_keygen_and_sign_refuse_empty_names_and_a_resign_says_what_it_replaced(b
     assert code == 0 and "replaced" not in out  # the same key again: nothing to say
 
 
+def test_keygen_that_cannot_write_the_pub_leaves_no_lone_key(tmp_path, capsys):
+    """Found by a user: with PREFIX.pub a dangling link (its target's folder missing) keygen wrote PREFIX.key, then
+    failed on the .pub, and every rerun refused because "PREFIX.key exists". Both paths are checked before either
+    is written; a link (even a dangling one) or a directory there is refused with nothing written."""
+    (tmp_path / "ci.pub").symlink_to(tmp_path / "gone" / "ci.pub")
+    (tmp_path / "dir.pub").mkdir()
+    for name, words in (("ci", "ci.pub is a link"), ("dir", "dir.pub is a directory")):
+        code, out = cli(capsys, "keygen", "--out", str(tmp_path / name))
+        assert code == 2 and words in out and "Traceback" not in out, out
+        assert not (tmp_path / f"{name}.key").exists()
+    assert not (tmp_path / "gone").exists()  # nothing was written through the link
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ci.pub", "dir.pub"]  # no key, no temp file
+    (tmp_path / "ci.pub").unlink()
+    code, out = cli(capsys, "keygen", "--out", str(tmp_path / "ci"))  # the rerun writes the pair
+    assert code == 0 and (tmp_path / "ci.key").is_file() and (tmp_path / "ci.pub").is_file(), out
+
+
 def _swap_manifest_after_first_read(monkeypatch, bundle, edited: bytes) -> list:
     """Replace manifest.json by ``edited`` (atomically, as an attacker would) right after its first open: a loader
     that reads it twice checks the signature over one manifest and parses the other."""

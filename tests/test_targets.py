@@ -120,6 +120,13 @@ def test_targets_command_lists_all_six_and_shows_one():
     assert r.exit_code == 0 and "8.5" in r.output and "13–17" in r.output
 
 
+def test_targets_with_an_empty_name_is_a_usage_error_not_the_list():
+    """Found by a user: `dsedge targets ""` (an unset shell variable) printed every target as if NAME were left out."""
+    for name in ("", "  "):
+        r = CliRunner().invoke(cli, ["targets", name, "--json"])
+        assert r.exit_code == 2 and "NAME is empty" in r.output and r.output.lstrip()[:1] != "[", r.output
+
+
 def test_profile_text_that_looks_like_markup_is_shown_not_parsed(tmp_path, monkeypatch):
     """Found by a user: a description or note with `[/...]` in it (`dsedge targets ./dev.toml`) crashed the table
     with a rich MarkupError traceback; `[bold]` was silently eaten. Profile text is printed as written."""

@@ -140,9 +140,10 @@ class Preprocessor:
         return cls(SparseEncoder(**d["encoder"]), float(d["amount_mean"]), std)
 
     def to_json(self, path) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
+        """Write the preprocessor as JSON, to a temporary file renamed into place (never a half-written file)."""
+        from dsedge.runtime.files import write_text_atomic
+
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def from_json(cls, path) -> "Preprocessor":

@@ -8,6 +8,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from dsedge.runtime.files import atomic_path, write_text_atomic
+
 from .metrics import base_rate_weights
 
 SCHEMA_VERSION = 1
@@ -34,18 +36,14 @@ def check_goals(models: Mapping[str, Mapping[str, Any]], latency: Mapping[str, A
 
 def write_json(report: Mapping[str, Any], path: str | os.PathLike) -> Path:
     """Write ``report`` (plus ``schema_version``) as indented JSON, via a temp file renamed into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps({"schema_version": SCHEMA_VERSION, **report}, indent=2, default=float) + "\n",
-                   encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps({"schema_version": SCHEMA_VERSION, **report}, indent=2,
+                                              default=float) + "\n")
 
 
 def plot(path: str | os.PathLike, y: np.ndarray, scores: Mapping[str, np.ndarray],
          latencies_ms: Mapping[str, Sequence[float]], budget_ms: float | None = None) -> Path:
     """PNG: left, precision-recall on the test split at the real base rate per model; right, latency CDFs (ms).
+    Written to a temporary file, then renamed into place: never a half-written PNG.
 
     Args:
         y: int [n] test labels; scores: model name → float [n] scores; latencies_ms: series name → latencies.
@@ -82,9 +80,11 @@ def plot(path: str | os.PathLike, y: np.ndarray, scores: Mapping[str, np.ndarray
     ax2.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:  # an open file with an explicit format: the temporary name has no .png for savefig to go by
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            fig.savefig(f, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 import dsedge
+from dsedge.runtime.files import atomic_path, write_text_atomic
 from dsedge.runtime.storage import storage_error
 
 from .baseline import baseline_scores, fit_baseline
@@ -55,19 +56,24 @@ def dsedge_cli(*args: str) -> None:
 
 def prepare(out: Path, csv: Path = DEFAULT_CSV, hash_buckets: int = 10_000, calib_files: int = 4,
             calib_rows: int = 128) -> tuple[Preprocessor, Any]:
-    """Split, fit and save the preprocessor; write calibration inputs. Returns (preprocessor, split)."""
+    """Split, fit and save the preprocessor; write calibration inputs. Returns (preprocessor, split).
+
+    Every file is written to a temporary path and renamed (dsedge.runtime.files): an interrupted run leaves whole
+    files or none, never a truncated one that a later step would read."""
     split = split_by_time(load_transactions(csv))
     pre = Preprocessor(SparseEncoder(128, hash_buckets, "sum")).fit(split["train"])
     out.mkdir(parents=True, exist_ok=True)
     pre.to_json(out / "preprocess.json")
-    (out / "split.json").write_text(json.dumps(split.summary(), indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(out / "split.json", json.dumps(split.summary(), indent=2) + "\n")
     calib = out / "calib"
     calib.mkdir(exist_ok=True)
     rng = np.random.default_rng(0)
     for i, name in enumerate(["train"] * calib_files + ["val"] * calib_files):
         frame = split[name]
         rows = frame.iloc[np.sort(rng.choice(len(frame), size=min(calib_rows, len(frame)), replace=False))]
-        np.savez(calib / f"{i:02d}_{name}.npz", **pre.transform(rows))
+        # an open file: given a path without .npz (the temporary name), np.savez would add the suffix itself
+        with atomic_path(calib / f"{i:02d}_{name}.npz") as tmp, open(tmp, "wb") as f:
+            np.savez(f, **pre.transform(rows))
     return pre, split
 
 
@@ -95,8 +101,8 @@ def run_configs(out: Path, csv: Path = DEFAULT_CSV) -> tuple[Path, Path]:
         if "distill" in cfg:
             cfg["distill"]["teacher"] = str(run_dirs(out)[0])
         paths.append(out / f"{name}.toml")
-        paths[-1].write_text(f"# samples/fraud/{name}.toml with its paths under {out} (samples.fraud.run)\n"
-                             + dump_toml(cfg), encoding="utf-8")
+        write_text_atomic(paths[-1], f"# samples/fraud/{name}.toml with its paths under {out} (samples.fraud.run)\n"
+                          + dump_toml(cfg))
     return paths[0], paths[1]
 
 

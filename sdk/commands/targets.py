@@ -44,8 +44,11 @@ def targets(name: str | None, as_json: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    if name is not None and not name.strip():  # `dsedge targets ""` (an unset shell variable) is not "list them all"
+        raise click.UsageError("NAME is empty: give a target name, an alias or a profile file, or leave NAME out to "
+                               "list every target")
     console = Console()
-    if name:
+    if name is not None:
         t = get_target(name)
         if as_json:
             click.echo(json.dumps(t.to_dict(), indent=2))

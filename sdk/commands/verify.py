@@ -28,7 +28,8 @@ def verify(bundle: str, variants: tuple[str, ...], providers: str | None, as_jso
     provs = provider_list(providers)  # a usage error before any file is read
     m = verify_bundle(bundle)
     golden = load_golden(bundle, m)
-    names = [v.name for v in m.variants] if "all" in variants else list(variants) or [m.default_variant]
+    # a variant named twice (or beside 'all') is checked once, in the order first given
+    names = [v.name for v in m.variants] if "all" in variants else list(dict.fromkeys(variants)) or [m.default_variant]
     reports, errors = [], []
     for name in names:
         try:
