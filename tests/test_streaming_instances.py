@@ -272,3 +272,55 @@ def test_the_spare_governor_pauses_while_the_front_end_is_busy_and_resumes_after
         return busy, live.paused
 
     assert asyncio.run(busy_then_idle()) == (True, False) and s.paused is False
+
+
+def _two_gated_instances(backend, prof: LatencyProfile):
+    """Two batch-1 instances sharing ``prof``, each backend waiting for its own gate; (sched, lanes, gates)."""
+    layout, metrics = BatchLayout.of(*TEXT_IO), StreamMetrics()
+    gates = [threading.Event(), threading.Event()]
+    first = Lane("fp32", _gated(backend, gates[0]), prof, layout, metrics, max_batch=1, inline_ms=0.0,
+                 observe_warmup=False)
+    second = Lane("fp32", _gated(backend, gates[1]), prof, layout, metrics, max_batch=1, inline_ms=0.0,
+                  observe_warmup=False, calibration=first.calibration, instance=1)
+    sched = BudgetScheduler([first, second], layout, metrics)
+    for lane in (first, second):
+        lane.warm.wait(10)
+    return sched, (first, second), gates
+
+
+def test_an_instance_that_frees_first_takes_the_queue_of_a_busy_one(backend):
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(1, 8, 100.0, 0.0)
+    sched, lanes, gates = _two_gated_instances(backend, prof)
+    rng = np.random.default_rng(0)
+    blockers = [_running_blocker(sched, lane, rng) for lane in lanes]  # one on each backend, held at its gate
+    queued = sched.submit(text_request(rng, 8), 600_000, id="queued")
+    holder = next(l for l in lanes if l.depth == 1)  # queued behind one of the blockers
+    other = next(l for l in lanes if l is not holder)
+    gates[other.instance].set()  # the other instance frees first: it takes the request instead of idling
+    got = queued.result(10)
+    assert isinstance(got, Result) and got.ok
+    assert not blockers[holder.instance].done()  # answered while its own instance was still busy
+    assert other.stolen == 1 and holder.stolen == 0 and holder.depth == 0
+    assert sched.lanes[0] is lanes[0] and lanes[0].siblings == (lanes[1],) and lanes[1].siblings == (lanes[0],)
+    gates[holder.instance].set()
+    assert blockers[holder.instance].result(10).ok
+    sched.close()
+
+
+def test_among_equally_loaded_instances_a_request_joins_the_one_expected_to_free_first(backend):
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(1, 8, 100.0, 0.0)
+    prof.set(1, 64, 400.0, 0.0)  # a long request: predicted 4x as long
+    sched, lanes, gates = _two_gated_instances(backend, prof)
+    rng = np.random.default_rng(0)
+    long_fut = sched.submit(text_request(rng, 64), 600_000, id="long")  # the first instance: both were idle
+    while lanes[0]._busy_until == 0.0:
+        time.sleep(0.001)
+    short_fut = _running_blocker(sched, lanes[1], rng)  # the second, started later but expected to end first
+    sched.submit(text_request(rng, 8), 600_000, id="next")
+    assert (lanes[0].depth, lanes[1].depth) == (0, 1)  # not the first instance, whose run ends ~300 ms later
+    for g in gates:
+        g.set()
+    assert long_fut.result(10).ok and short_fut.result(10).ok
+    sched.close()
