@@ -149,7 +149,8 @@ def load_profile(path: str | os.PathLike) -> Target:
 
 
 def list_targets() -> list[Target]:
-    """All profiles: built-in ones and the user's, sorted by name.
+    """All profiles: built-in ones and the user's, sorted by name; a user profile overrides a built-in one of the
+    same file name or the same ``name`` (with a warning naming both files), so each name lists once.
 
     A malformed user profile is skipped with a warning naming its path (one bad file must not hide every target);
     a malformed built-in profile raises TargetError. A user profile's alias that is another target's name or a
@@ -167,6 +168,13 @@ def list_targets() -> list[Target]:
             if path.parent == PROFILE_DIR:
                 raise
             logging.getLogger("dsedge").warning("skipping target profile %s: %s", path, e)
+    by_name: dict[str, Target] = {}
+    for t in out:  # in _profile_files' order: a user profile overrides a built-in (or earlier) one of its name too
+        if t.name in by_name:
+            logging.getLogger("dsedge").warning("target profile %s overrides %s, of the same name %r", t.source,
+                                                by_name[t.name].source, t.name)
+        by_name[t.name] = t
+    out = list(by_name.values())
     names = {t.name: t for t in out}
     builtin = {a: t for t in out if Path(t.source).parent == PROFILE_DIR for a in t.aliases}
     for i, t in enumerate(out):

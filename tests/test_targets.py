@@ -59,6 +59,20 @@ def test_user_profile_by_path_and_by_directory(tmp_path, monkeypatch):
         get_target("mine")
 
 
+def test_a_user_profile_named_like_a_builtin_in_another_file_overrides_it_once(tmp_path, monkeypatch, caplog):
+    """Found by a user: name = "t4" in my-t4.toml listed two targets called t4, and `t4` resolved to the built-in."""
+    import logging
+
+    text = open(get_target("t4").source).read().replace('workspace_mb', '# edited\nworkspace_mb', 1)
+    (tmp_path / "my-t4.toml").write_text(text)
+    monkeypatch.setenv("DSEDGE_TARGETS_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="dsedge"):
+        listed = [t for t in list_targets() if t.name == "t4"]
+    assert len(listed) == 1 and listed[0].source == str(tmp_path / "my-t4.toml")
+    assert get_target("t4").source == str(tmp_path / "my-t4.toml")
+    assert "overrides" in caplog.text and "my-t4.toml" in caplog.text
+
+
 def test_a_user_alias_that_is_a_builtin_name_or_alias_is_dropped_with_a_warning(tmp_path, monkeypatch, caplog):
     """Found by a user: aliases = ["t4"] listed the profile as `mycpu (t4)`, and `t4` still meant the built-in
     (a name beats an alias); claiming `jetson` broke the built-in alias ("claimed by" both). The clashing aliases go,

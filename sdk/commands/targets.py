@@ -38,7 +38,8 @@ HEADER = ["target", "arch", "precisions", "engine flags", "DLA", "memory GiB", "
 def targets(name: str | None, as_json: bool) -> None:
     """List target profiles, or show one (NAME, alias, or a profile file ./my-device.toml).
 
-    User profiles: files in $DSEDGE_TARGETS_DIR or ~/.config/dsedge/targets override built-ins of the same file name.
+    User profiles: files in $DSEDGE_TARGETS_DIR or ~/.config/dsedge/targets override built-ins of the same file name
+    or the same target name.
     """
     from rich.console import Console
     from rich.markup import escape
