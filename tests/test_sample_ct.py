@@ -65,7 +65,7 @@ def test_nifti_orientation_and_hu(nifti, shared_data):
     assert m.tolist() == pytest.approx([0.6, 0.6, 0.0, 1.0, 0.0, 1.0])   # missing tags imputed 0 + flag
 
 
-def test_nan_voxels_of_a_nifti_volume_become_air_and_an_all_nan_one_is_refused(shared_data, tmp_path):
+def test_nan_voxels_of_a_nifti_volume_become_air_and_a_slice_or_all_nan_one_is_refused(shared_data, tmp_path):
     import nibabel as nib
 
     img = nib.load(str(shared_data / NIFTI))
@@ -76,9 +76,22 @@ def test_nan_voxels_of_a_nifti_volume_become_air_and_an_all_nan_one_is_refused(s
     vol = read_nifti(tmp_path / "nan.nii.gz")
     assert np.isfinite(vol.hu).all() and vol.meta["nonfinite_voxels"] == 10 * 101 * 112 + 1
     assert (vol.hu == -1024.0).sum() >= 10 * 101 * 112 + 1
+    nib.save(nib.Nifti1Image(np.zeros((8, 8), np.float32), img.affine), str(tmp_path / "slice.nii.gz"))
+    with pytest.raises(SeriesError, match="expected a 3-D volume") as e:  # one slice: not the 4-D series hint
+        read_nifti(tmp_path / "slice.nii.gz")
+    assert "single slice" in e.value.hint
     nib.save(nib.Nifti1Image(np.full((4, 4, 4), np.nan, np.float32), img.affine), str(tmp_path / "all.nii.gz"))
     with pytest.raises(SeriesError, match="every voxel is NaN") as e:
         read_nifti(tmp_path / "all.nii.gz")
+    assert e.value.hint
+
+
+def test_a_missing_volume_is_named_as_given(tmp_path, monkeypatch):
+    from samples.ct.scans import read_volume
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SeriesError, match=r"no such CT volume: nope/scan\.nii\.gz \(nor .*nope/scan\.nii\.gz\)") as e:
+        read_volume("nope/scan.nii.gz")
     assert e.value.hint
 
 

@@ -41,7 +41,8 @@ def read_nifti(path: str | os.PathLike) -> Volume:
         data = data[..., 0]
     if data.ndim != 3:
         raise SeriesError(f"{p}: NIfTI image has shape {data.shape}, expected a 3-D volume",
-                          "split a 4-D series into volumes first")
+                          "split a 4-D series into volumes first" if data.ndim > 3 else
+                          "a single slice is not a volume: pass the whole series (a 3-D .nii or a DICOM folder)")
     zooms = [float(z) for z in img.header.get_zooms()[:3]]
     hu = np.ascontiguousarray(data.transpose(2, 1, 0)[:, ::-1, ::-1])
     bad = ~np.isfinite(hu)

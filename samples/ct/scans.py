@@ -12,7 +12,7 @@ from .dicom import read_dicom_series
 from .nifti import read_nifti
 from .lesions import Lesion, insert_lesions, sample_lesions
 from .preprocess import lung_mask, lung_window, resample
-from .volume import Volume
+from .volume import SeriesError, Volume
 
 REPO = Path(__file__).resolve().parents[2]
 SPACING_MM = 2.0     # common isotropic spacing of every step after reading
@@ -52,6 +52,11 @@ def resolve_data_path(p: str | os.PathLike) -> Path:
 def read_volume(p: str | os.PathLike) -> Volume:
     """A DICOM series directory or a NIfTI file (``SeriesError`` when unreadable)."""
     q = resolve_data_path(p)
+    if not q.exists():  # name the path as given (and where else it was looked for), not only the fallback
+        where = f" (nor {q})" if Path(p) != q else ""
+        raise SeriesError(f"no such CT volume: {p}{where}",
+                          "pass a DICOM series folder or a .nii/.nii.gz file (relative paths count from where you "
+                          "run, or the repository root)")
     return read_dicom_series(q) if q.is_dir() else read_nifti(q)
 
 
