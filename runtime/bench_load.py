@@ -72,6 +72,15 @@ def input_windows(arrays: Mapping[str, np.ndarray], batch: int) -> list[dict[str
     return out
 
 
+def check_iterations(iterations: int | None, concurrency: int) -> None:
+    """BenchError when ``iterations`` (the total over all clients) is fewer than ``concurrency`` clients: each
+    client sends at least one request. The CLI checks it before loading the bundle."""
+    if iterations is not None and iterations < concurrency:
+        raise BenchError(f"--iterations {iterations} is fewer than --concurrency {concurrency}: iterations are the "
+                         "total over all clients, and each client sends at least one request",
+                         f"pass --iterations {concurrency} or more, or --concurrency {iterations}")
+
+
 def measure_concurrent(run: Callable[[Mapping[str, np.ndarray]], Any], feeds: Sequence[Mapping[str, np.ndarray]],
                        settings: Any, concurrency: int) -> tuple[np.ndarray, float]:
     """``concurrency`` closed-loop clients, each calling ``run`` on the next of ``feeds`` as soon as its previous
@@ -86,10 +95,7 @@ def measure_concurrent(run: Callable[[Mapping[str, np.ndarray]], Any], feeds: Se
         What ``run`` raises (the first error of any client).
     """
     total = settings.iterations
-    if total is not None and total < concurrency:
-        raise BenchError(f"--iterations {total} is fewer than --concurrency {concurrency}: iterations are the total "
-                         "over all clients, and each client sends at least one request",
-                         f"pass --iterations {concurrency} or more, or --concurrency {total}")
+    check_iterations(total, concurrency)
     per_client = None if total is None else [total // concurrency + (i < total % concurrency) for i in range(concurrency)]
     duration_ns = int((settings.duration_s or 3.0) * 1e9)
     samples: list[list[int]] = [[] for _ in range(concurrency)]

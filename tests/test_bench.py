@@ -404,6 +404,10 @@ def test_concurrent_iterations_are_the_total_even_below_the_client_count(bundles
     assert code == 2 and "Traceback" not in err, err
     assert "error: --iterations 2 is fewer than --concurrency 4" in err
     assert "hint: pass --iterations 4 or more, or --concurrency 2" in err and not (tmp_path / "r.json").exists()
+    not_a_bundle = tmp_path / "not-a-bundle"
+    not_a_bundle.mkdir()
+    code, _, err = run_cli(capsys, "bench", not_a_bundle, "--iterations", 2, "--concurrency", 4)
+    assert code == 2 and "fewer than --concurrency 4" in err  # refused before the bundle is even opened
     code, out, _ = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 6, "--concurrency", 4, "--seq-len", 16,
                            "--json")
     assert code == 0 and [r["iterations"] for r in json.loads(out)["results"]] == [6]

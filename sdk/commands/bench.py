@@ -21,6 +21,7 @@ from ..runtime.params import FiniteFloat
 from ..runtime.schema import dumps
 
 from ..runtime import bench as core
+from ..runtime.bench_load import check_iterations
 from ..runtime.files import check_output_file, write_bytes_atomic
 from ..runtime.errors import DsedgeError
 from .bench_output import plot_cdf, pyplot, render_report
@@ -109,6 +110,7 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
 
     if duration_s is not None and iterations is not None:
         raise click.UsageError("pass --duration or --iterations, not both")
+    check_iterations(iterations, concurrency)  # before seconds of loading the bundle
     # a path that can never be written (a directory, a file in the way, a file of a bundle: -o BUNDLE/report.json
     # would break its sha256) fails before measuring, not after
     for option, path in (("-o/--output", output), ("--plot", plot)):
