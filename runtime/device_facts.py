@@ -7,6 +7,9 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from .backends.tensorrt import tensorrt_version  # noqa: F401  (re-exported: bench, doctor)
+
+
 def uses_gpu(session: Any) -> bool:
     """True when the session runs on a GPU: the TensorRT backend, or ORT's TensorRT/CUDA execution provider."""
     providers = list(getattr(session, "providers", []))
@@ -49,25 +52,3 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def tensorrt_version() -> str | None:
-    """The installed TensorRT's version, or None. JetPack's system package may lack pip metadata: then it is imported."""
-    import importlib.util
-    from importlib.metadata import PackageNotFoundError, version
-
-    for name in ("tensorrt", "tensorrt-cu12", "tensorrt-cu11"):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-    if importlib.util.find_spec("tensorrt") is None:
-        return None
-    try:
-        import tensorrt
-
-        return str(getattr(tensorrt, "__version__", "installed"))
-    except Exception:  # a broken install: report it as present, the backend says why it cannot run
-        return "installed"
-
-

@@ -63,6 +63,12 @@ class EngineKey:
         sm = "sm" + self.compute_capability.replace(".", "")
         return f"{_slug(self.variant)}-{self.model_sha256[:16]}-{_slug(self.gpu)}-{sm}-{self.sm_count}{SUFFIX}"
 
+    def timing_cache_name(self) -> str:
+        """TensorRT's timing cache is valid for one device and TensorRT version only: one file per GPU and version
+        (a shared one would be refused by, or mislead, another GPU's or version's builder)."""
+        sm = "sm" + self.compute_capability.replace(".", "")
+        return f"timing-{_slug(self.gpu)}-{sm}-{self.sm_count}-trt{_slug(self.tensorrt)}.cache"
+
     def mismatch(self, other: dict[str, Any]) -> str | None:
         """Why an engine with header key ``other`` must not be loaded for this key (one line), or None."""
         o = other
@@ -163,12 +169,24 @@ class EngineCache:
     def put(self, key: EngineKey, plan: bytes, extra: dict[str, Any] | None = None) -> Path:
         return write_engine(self.path_for(key), plan, key, extra)
 
+    def store(self, key: EngineKey, plan: bytes) -> Path | None:
+        """``put``, but a cache that cannot be written (read-only, a file in the way, disk full) only costs the
+        next load a rebuild: logged on ``dsedge.engine``, never raised (the engine in hand is still used)."""
+        try:
+            return self.put(key, plan)
+        except OSError as e:
+            log.warning("engine cache: cannot write %s (%s); the engine is used but not cached, so the next load "
+                        "rebuilds it (set $DSEDGE_ENGINE_CACHE to a writable folder)", self.path_for(key),
+                        e.strerror or type(e).__name__)
+            return None
+
     def get_or_build(self, key: EngineKey, build: Callable[[], bytes],
                      verify: Callable[[bytes], Any] | None = None) -> tuple[bytes, bool]:
         """``(plan, built)``: ``built`` is True when ``build()`` ran.
 
         ``verify(plan)`` runs on a freshly built plan before it is stored (dsedge runs the bundle's golden inputs on
         it); if it raises, nothing is cached and the error propagates, so a wrong engine is never reused.
+        A cache that cannot be written is logged and skipped (see ``store``).
         Raises what ``build`` or ``verify`` raise.
         """
         plan = self.get(key)
@@ -180,5 +198,5 @@ class EngineCache:
         plan = build()
         if verify is not None:
             verify(plan)
-        self.put(key, plan)
+        self.store(key, plan)
         return plan, True

@@ -67,7 +67,10 @@ def _from_cuda_python() -> GpuInfo | None:
             from cuda import cudart  # type: ignore[no-redef]
     except ImportError:
         return None
-    err, props = cudart.cudaGetDeviceProperties(0)
+    try:
+        err, props = cudart.cudaGetDeviceProperties(0)
+    except Exception:  # cuda-python raises (RuntimeError "Failed to dlopen libcudart/libcuda") with no driver here
+        return None
     if int(err) != 0:
         return None
     name = props.name.decode(errors="replace").rstrip("\x00") if isinstance(props.name, bytes) else str(props.name)

@@ -59,3 +59,30 @@ def test_jetson_keeps_the_device_tree_name_without_nvml(tmp_path, monkeypatch):
         assert gpu_info.detect_gpu() == GpuInfo("NVIDIA Jetson AGX Orin Developer Kit", "8.7", 16)
     finally:
         gpu_info.detect_gpu.cache_clear()
+
+
+def test_cuda_python_without_a_driver_means_no_gpu_not_a_crash(monkeypatch, tmp_path):
+    # a [gpu] install in a container started without --gpus: cuda-python imports, its calls cannot load the driver
+    import sys
+
+    rt = types.ModuleType("runtime")
+    rt.__doc__ = "FAKE cuda.bindings.runtime (tests only)"
+
+    def props(i):
+        raise RuntimeError("Failed to dlopen libcuda.so.1")
+
+    rt.cudaGetDeviceProperties = props
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.runtime = rt
+    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", rt)
+    monkeypatch.setattr(gpu_info, "DEVICE_TREE_MODEL", tmp_path / "no-model")
+    monkeypatch.setattr(gpu_info, "from_nvml", lambda nvml=None: None)
+    monkeypatch.setattr(gpu_info, "_from_nvidia_smi", lambda: None)
+    assert gpu_info._from_cuda_python() is None
+    gpu_info.detect_gpu.cache_clear()
+    try:
+        assert gpu_info.detect_gpu() is None
+    finally:
+        gpu_info.detect_gpu.cache_clear()

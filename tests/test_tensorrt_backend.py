@@ -19,11 +19,13 @@ from dsedge.runtime.backends.tensorrt import (TensorRTBackend, build_engine_file
                                                import_tensorrt, open_engine_backend)
 from dsedge.runtime.build_settings import engine_build_settings
 from dsedge.runtime.bundle import IOSpec, Variant, read_manifest, sha256_file, verify_bundle, write_manifest
+from dsedge.runtime import engine_cache as engine_cache_mod
 from dsedge.runtime.engine_cache import EngineCache, read_engine
 from dsedge.runtime.errors import BackendUnavailable, EngineError, TargetError
 from dsedge.runtime.gpu_info import GpuInfo
 from dsedge.targets import get_target
 from dsedge.toolchain.bundle_writer import write_bundle
+from fake_cudart import make_fake_cudart
 from fake_tensorrt import make_fake_tensorrt, plan_record
 
 AGX = GpuInfo("NVIDIA Jetson AGX Orin Developer Kit", "8.7", 16)
@@ -59,6 +61,7 @@ def fake_trt(monkeypatch):
     def install(version="10.3.0.30", **kw):
         fake = make_fake_tensorrt(version, **kw)
         monkeypatch.setitem(sys.modules, "tensorrt", fake)
+        monkeypatch.setattr(trt_backend, "_cudart", make_fake_cudart)  # a TensorRT host has cuda-python too
         return fake
     return install
 
@@ -209,3 +212,80 @@ def test_engine_build_on_the_wrong_gpu_is_refused(tmp_path, onnx_file, fake_trt,
     monkeypatch.setattr(trt_backend, "detect_gpu", lambda: H200)
     with pytest.raises(TargetError, match="sm90.*sm87"):
         build_engine_file(bundle, m, m.variant("int8"), tmp_path / "engines")
+
+
+# ---- a device that is not quite what the target profile says ----------------------------------------------------
+def test_tensorrt_without_cuda_python_falls_back_to_ort_before_building(tmp_path, onnx_file, fake_trt, monkeypatch,
+                                                                         caplog):
+    caplog.set_level(logging.INFO, logger="dsedge.engine")
+    bundle = make_bundle(tmp_path, onnx_file)
+    m = verify_bundle(bundle)
+    fake = fake_trt()
+    monkeypatch.setattr(trt_backend, "_cudart", lambda: (_ for _ in ()).throw(
+        BackendUnavailable("the TensorRT backend needs cuda-python for device buffers", "pip install cuda-python")))
+    assert open_engine_backend(bundle, m, m.variant("int8"), gpu=AGX, cache=EngineCache(tmp_path / "c")) is None
+    assert fake.calls["builds"] == 0 and "cuda-python" in caplog.text and "using ONNX Runtime" in caplog.text
+
+
+def test_engine_settings_follow_the_installed_tensorrt_not_the_profiles(tmp_path, onnx_file, fake_trt, caplog):
+    bundle = make_bundle(tmp_path, onnx_file)   # jetson-orin: profile says TensorRT 10.3; JetPack 6.0 ships 8.6
+    m = verify_bundle(bundle)
+    cache = EngineCache(tmp_path / "c")
+    fake = fake_trt("8.6.2.3")
+    open_engine_backend(bundle, m, m.variant("fp16"), gpu=AGX, cache=cache)
+    (slot,) = cache.root.glob("*.engine")
+    rec = plan_record(read_engine(slot)[1])
+    assert rec["flags"] == ["FP16"] and rec["network_flags"] == 1 << 0  # weakly typed FP16, explicit batch on 8.x
+    assert fake.calls["builds"] == 1
+
+
+@pytest.mark.parametrize("how", ["file", "unwritable"])
+def test_an_unwritable_engine_cache_still_runs_the_engine_and_says_it_is_not_cached(tmp_path, onnx_file, fake_trt,
+                                                                                    monkeypatch, caplog, how):
+    bundle = make_bundle(tmp_path, onnx_file)
+    m = verify_bundle(bundle)
+    fake = fake_trt()
+    root = tmp_path / "cache"
+    if how == "file":
+        root.write_text("not a folder")
+    else:
+        def refuse(*a, **k):
+            raise PermissionError(13, "Permission denied", str(root))
+        monkeypatch.setattr(trt_backend, "write_bytes_atomic", refuse, raising=False)  # the timing cache
+        monkeypatch.setattr(engine_cache_mod, "write_bytes_atomic", refuse)  # the engine
+    b = open_engine_backend(bundle, m, m.variant("int8"), gpu=AGX, cache=EngineCache(root))
+    assert isinstance(b, TensorRTBackend) and fake.calls["builds"] == 1
+    assert "not cached" in caplog.text and "timing cache" in caplog.text
+
+
+def test_timing_cache_is_kept_per_gpu_and_tensorrt_version_and_written_atomically(tmp_path, onnx_file, fake_trt):
+    bundle = make_bundle(tmp_path, onnx_file)
+    m = verify_bundle(bundle)
+    cache = EngineCache(tmp_path / "c")
+    fake_trt("10.3.0.30")
+    open_engine_backend(bundle, m, m.variant("int8"), gpu=AGX, cache=cache)
+    fake_trt("10.4.0.26")
+    open_engine_backend(bundle, m, m.variant("int8"), gpu=AGX, cache=cache)
+    open_engine_backend(bundle, m, m.variant("int8"), gpu=NX, cache=cache)
+    names = sorted(p.name for p in cache.root.glob("timing*"))
+    assert len(names) == 3 and all("trt10-" in n for n in names), names  # no shared file, no temporary left
+
+
+def test_doctor_says_when_an_installed_tensorrt_cannot_be_used(fake_trt, monkeypatch, capsys):
+    import importlib.machinery
+    import json
+
+    from cli_helpers import run_main
+
+    def installed(version):  # as if importable from site-packages (doctor asks importlib for it)
+        fake_trt(version).__spec__ = importlib.machinery.ModuleSpec("tensorrt", None)
+
+    installed("8.4.3.1")  # below dsedge's 8.5 floor: load falls back to ORT
+    code, out, _ = run_main(["doctor"], capsys)
+    assert code == 0 and "8.4.3.1, not usable: TensorRT 8.4.3.1 is too old" in out
+    installed("10.3.0.30")
+    monkeypatch.setattr(trt_backend, "_cudart", lambda: (_ for _ in ()).throw(
+        BackendUnavailable("the TensorRT backend needs cuda-python for device buffers", "pip install cuda-python")))
+    code, out, _ = run_main(["doctor", "--json"], capsys)
+    r = json.loads(out)
+    assert code == 0 and r["tensorrt"] == "10.3.0.30" and "cuda-python" in r["tensorrt_backend"]

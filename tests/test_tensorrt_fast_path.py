@@ -175,3 +175,33 @@ def test_an_engine_dropped_into_a_signed_bundle_later_is_ignored(fakes, golden_b
     build_engine_file(golden_bundle, m, m.variant(), golden_bundle / "engines")  # written after the build: not listed
     open_engine_backend(golden_bundle, m, m.variant(), gpu=AGX, cache=EngineCache(tmp_path / "c"))
     assert trt.calls["builds"] == 2 and "is not in the manifest's hashes; ignoring it" in caplog.text
+
+
+def test_ort_trt_engine_cache_is_kept_per_ort_and_tensorrt_version(golden_bundle, tmp_path, monkeypatch):
+    # ORT's TensorRT EP names cached engines by model and sm only: after a JetPack (TensorRT) upgrade it would find
+    # the old version's engines in the same folder
+    import onnxruntime as ort
+
+    from dsedge.runtime.backends.ort import provider_options
+
+    m = verify_bundle(golden_bundle)
+    monkeypatch.setenv("DSEDGE_ENGINE_CACHE", str(tmp_path))
+    paths = []
+    for version in ("10.3.0.30", "10.7.0.23"):
+        monkeypatch.setattr(trt_backend, "tensorrt_version", lambda v=version: v)
+        (trt_ep,) = provider_options(["TensorrtExecutionProvider"], m, m.variant())
+        paths.append(trt_ep["trt_engine_cache_path"])
+    assert paths[0] != paths[1] and all(p.startswith(str(tmp_path / "ort-trt")) for p in paths)
+    assert f"ort{ort.__version__}-trt10.3.0.30" in paths[0]
+
+
+def test_provider_entries_that_are_not_names_are_refused_as_such():
+    from dsedge.runtime.backends.ort import choose_providers
+    from dsedge.runtime.errors import InputError
+
+    with pytest.raises(InputError, match="provider names \\(str\\), got tuple") as e:
+        choose_providers([("CPUExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})])
+    assert "from the bundle" in e.value.hint
+    with pytest.raises(InputError, match="got NoneType"):
+        choose_providers([None])
+    assert choose_providers(["CPUExecutionProvider"]) == ["CPUExecutionProvider"]

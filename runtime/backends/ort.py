@@ -64,10 +64,16 @@ def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
     """Providers to ask for: ``requested`` (each must exist) or the chain filtered by what is installed.
 
     Raises:
-        BackendUnavailable: a requested provider is not in this onnxruntime build.
+        BackendUnavailable: a requested provider is not in this onnxruntime build. InputError: an entry is not a name.
     """
     have = available_providers()
     if requested:
+        for odd in (p for p in requested if not isinstance(p, str)):  # e.g. ORT's ("Name", {options}) form
+            from ..errors import InputError
+
+            raise InputError(f"providers must be ONNX Runtime provider names (str), got {type(odd).__name__} "
+                             f"{odd!r:.80}", "pass names, e.g. providers=['CUDAExecutionProvider', "
+                             "'CPUExecutionProvider']; dsedge sets the provider options from the bundle")
         missing = [p for p in requested if p not in have]
         if missing:
             raise BackendUnavailable(f"ONNX Runtime provider {missing[0]} is not available here",
@@ -96,7 +102,8 @@ def provider_options(providers: Sequence[str], manifest: Any = None, variant: An
                      cache_dir: str | os.PathLike | None = None) -> list[dict[str, Any]]:
     """ORT provider options, one dict per provider, set from the bundle (ORT's TensorRT / CUDA EP option names).
 
-    TensorRT EP: engine and timing caches on (``cache_dir``, default ``$DSEDGE_ENGINE_CACHE/ort-trt``), FP16 for
+    TensorRT EP: engine and timing caches on (``cache_dir``, default ``$DSEDGE_ENGINE_CACHE/ort-trt/ortX-trtY``, one
+    folder per ONNX Runtime and TensorRT version), FP16 for
     fp16/int8/int4 variants, INT8 for int8 (explicit Q/DQ), the optimization profile from the recipe's shapes
     (``trt_profile_min/opt/max_shapes``), the target's workspace. CUDA EP: device 0, cuDNN heuristic search. Others: {}.
     """
@@ -106,7 +113,7 @@ def provider_options(providers: Sequence[str], manifest: Any = None, variant: An
         if p == "TensorrtExecutionProvider":
             from ..engine_cache import default_cache_dir
 
-            root = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "ort-trt"
+            root = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "ort-trt" / _ort_trt_slot()
             try:
                 root.mkdir(parents=True, exist_ok=True)
             except OSError:  # a read-only home: the EP then builds without a cache
@@ -123,6 +130,17 @@ def provider_options(providers: Sequence[str], manifest: Any = None, variant: An
         else:
             out.append({})
     return out
+
+
+def _ort_trt_slot() -> str:
+    """The TensorRT EP names its cached engines by model hash and GPU (``_sm87``) only, and loads them after a
+    TensorRT or ONNX Runtime upgrade too (its docs: delete the cache then): one folder per ORT and TensorRT version."""
+    import re
+
+    from .tensorrt import tensorrt_version
+
+    ort = import_ort()
+    return re.sub(r"[^A-Za-z0-9.]+", "-", f"ort{ort.__version__}-trt{tensorrt_version() or 'unknown'}")
 
 
 def _trt_profile(manifest: Any, variant: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import numpy as np
 from ..build_settings import EngineBuildSettings, engine_build_settings
 from ..engine_cache import EngineCache, EngineKey, SUFFIX, load_matching, settings_digest, write_engine
 from ..errors import BackendUnavailable, EngineError, TargetError
+from ..files import write_bytes_atomic
 from ..gpu_info import GpuInfo, detect_gpu
 
 log = logging.getLogger("dsedge.engine")
@@ -50,6 +51,37 @@ def import_tensorrt() -> Any:
         raise BackendUnavailable(f"TensorRT {version} is too old: dsedge needs >= {MIN_TRT[0]}.{MIN_TRT[1]}",
                                  "upgrade TensorRT (JetPack 5.1+ on Jetson)")
     return trt
+
+
+def tensorrt_unusable_reason() -> str | None:
+    """Why dsedge's TensorRT backend cannot run here (one line: TensorRT missing, broken or too old, no cuda-python,
+    no GPU), or None when it can. ``dsedge doctor`` prints it: an installed ``tensorrt`` is not a usable one."""
+    try:
+        import_tensorrt()
+        _cudart()
+    except BackendUnavailable as e:
+        return str(e)
+    return None if detect_gpu() is not None else "no NVIDIA GPU found on this machine"
+
+
+def tensorrt_version() -> str | None:
+    """The installed TensorRT's version, or None. JetPack's system package may lack pip metadata: then it is imported."""
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("tensorrt", "tensorrt-cu12", "tensorrt-cu11"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    if importlib.util.find_spec("tensorrt") is None:
+        return None
+    try:
+        import tensorrt
+
+        return str(getattr(tensorrt, "__version__", "installed"))
+    except Exception:  # a broken install: report it as present, the backend says why it cannot run
+        return "installed"
 
 
 def _trt_major(trt: Any) -> int:
@@ -101,15 +133,26 @@ def build_serialized_engine(trt: Any, onnx_path: str | os.PathLike, s: EngineBui
     cache = None
     if timing_cache is not None:
         tc = Path(timing_cache)
-        cache = config.create_timing_cache(tc.read_bytes() if tc.is_file() else b"")
-        config.set_timing_cache(cache, ignore_mismatch=False)
+        try:
+            data = tc.read_bytes() if tc.is_file() else b""
+        except OSError:  # unreadable: time the tactics afresh
+            data = b""
+        cache = config.create_timing_cache(data)
+        if cache is None and data:  # a blob TensorRT cannot read (truncated, foreign): start an empty one
+            log.warning("timing cache %s is unreadable; starting an empty one", tc.name)
+            cache = config.create_timing_cache(b"")
+        if cache is not None:
+            config.set_timing_cache(cache, ignore_mismatch=False)
     plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise EngineError(f"TensorRT failed to build the {s.variant} engine (see the TensorRT log above)",
                           "try a larger workspace or another precision; run build/trtexec.sh --verbose by hand")
     if cache is not None:
-        Path(timing_cache).parent.mkdir(parents=True, exist_ok=True)
-        Path(timing_cache).write_bytes(bytes(cache.serialize()))
+        try:  # atomic: a concurrent build reads the old cache or the new one, never half of one
+            write_bytes_atomic(timing_cache, bytes(cache.serialize()))
+        except OSError as e:  # the timing cache only speeds up the next build
+            log.warning("cannot write the timing cache %s (%s); the next build times its tactics again",
+                        timing_cache, e.strerror or type(e).__name__)
     return bytes(plan)
 
 
@@ -343,8 +386,15 @@ def _variant_dict(variant: Any) -> dict[str, Any]:
     return {"name": variant.name, "precision": variant.precision, "file": variant.file}
 
 
-def _settings(manifest: Any, variant: Any, dla_core: int | None) -> EngineBuildSettings:
-    return engine_build_settings(manifest.target, _variant_dict(variant), [i.to_dict() for i in manifest.inputs],
+def _settings(manifest: Any, variant: Any, dla_core: int | None, trt: Any = None) -> EngineBuildSettings:
+    """Build settings for ``variant``; with ``trt`` (the installed module) they are spelled for the TensorRT that
+    really builds the engine, not the one the target profile names (JetPack 6.0's 8.6 under a 10.3 profile: weak
+    typing with ``FP16``, not a strongly typed network 8.6 cannot make; 8.x refuses BF16/INT4 up front)."""
+    target = manifest.target
+    if trt is not None:
+        installed = ".".join(str(trt.__version__).split(".")[:2])
+        target = {**dict(target), "tensorrt": {**dict(target.get("tensorrt") or {}), "version": installed}}
+    return engine_build_settings(target, _variant_dict(variant), [i.to_dict() for i in manifest.inputs],
                                  manifest.shape_ranges, dla_core=dla_core)
 
 
@@ -372,7 +422,7 @@ def build_engine_file(bundle_dir: str | os.PathLike, manifest: Any, variant: Any
     if gpu is None:
         raise BackendUnavailable("no NVIDIA GPU found on this machine", "build engines on the target device")
     check_gpu_matches_target(gpu, manifest.target)
-    s = _settings(manifest, variant, dla_core)
+    s = _settings(manifest, variant, dla_core, trt)
     root = Path(bundle_dir)
     plan = build_serialized_engine(trt, root / s.onnx_file, s, timing_cache=root / "build" / "timing.cache")
     key = engine_key(trt, gpu, s, manifest.files.get(s.onnx_file) or _sha(root / s.onnx_file))
@@ -437,20 +487,25 @@ def open_engine_backend(bundle_dir: str | os.PathLike, manifest: Any, variant: A
     except BackendUnavailable as e:
         log.info("%s; using ONNX Runtime", e)
         return None
+    try:  # the engine runs on device buffers: without cuda-python, building one would be minutes for nothing
+        _cudart()
+    except BackendUnavailable as e:
+        log.info("TensorRT is installed but %s (%s); using ONNX Runtime", e, e.hint)
+        return None
     gpu = gpu or detect_gpu()
     if gpu is None:
         log.info("TensorRT is installed but no NVIDIA GPU was found; using ONNX Runtime")
         return None
     root = Path(bundle_dir)
     try:
-        s = _settings(manifest, variant, dla_core)
+        s = _settings(manifest, variant, dla_core, trt)
         check = _golden_check(root, manifest, variant)
         key = engine_key(trt, gpu, s, manifest.files.get(s.onnx_file) or _sha(root / s.onnx_file))
         cache = cache or EngineCache()
         verified: dict[str, TensorRTBackend] = {}
 
         def build() -> bytes:
-            return build_serialized_engine(trt, root / s.onnx_file, s, timing_cache=cache.root / "timing.cache")
+            return build_serialized_engine(trt, root / s.onnx_file, s, timing_cache=cache.root / key.timing_cache_name())
 
         def verify(plan: bytes) -> None:  # before the engine enters the cache
             backend = TensorRTBackend(plan, dla_core=s.dla_core)
@@ -473,7 +528,7 @@ def open_engine_backend(bundle_dir: str | os.PathLike, manifest: Any, variant: A
             log.warning("engine for %s: %s; rebuilding", s.variant, e)
             plan = build()
             verify(plan)
-            cache.put(key, plan)
+            cache.store(key, plan)
             return verified["backend"]
     except (EngineError, TargetError) as e:
         if strict:
