@@ -177,3 +177,38 @@ def test_build_threads_must_be_positive(capsys):
     for bad in ("0", "-2"):
         code, _, err = run_main(["build", "--model", "never-read.onnx", "--target", "cpu", "--threads", bad], capsys)
         assert code == 2 and "Invalid value for '--threads'" in err, err
+
+
+def test_a_build_key_that_is_not_a_table_is_one_line(tmp_path, capsys):
+    """`build = 3` at the top of a build.toml crashed with an AttributeError traceback."""
+    path = tmp_path / "build.toml"
+    path.write_text("build = 3\n")
+    with pytest.raises(ConfigError, match="build = 3 is not a table"):
+        read_config_file(path)
+    code, _, err = run_main(["build", "--config", path, "--out", tmp_path / "never"], capsys)
+    assert code == 2 and "Traceback" not in err and "is not a table" in err
+    assert not (tmp_path / "never").exists()
+
+
+def test_calib_and_heldout_dirs_from_a_build_toml_are_checked_before_any_work(tmp_path):
+    """The CLI checks --calib/--heldout itself; from a build.toml a missing directory was found after the export."""
+    from dsedge.runtime.errors import CalibrationError
+
+    for key, what in (("calib", "calibration"), ("heldout", "held-out")):
+        with pytest.raises(CalibrationError, match=f"{what} directory '.*nope' does not exist"):
+            plan_build(BuildConfig(target="cpu", **{key: str(tmp_path / "nope")}))
+
+
+def test_out_inside_a_bundle_is_refused_and_the_bundle_left_as_it_was(tmp_path):
+    """`--model B.dse/models/fp32.onnx --out B.dse` wrote a second bundle (and the scratch dir) into B."""
+    from dsedge.runtime.errors import BundleError
+    from dsedge.toolchain import pipeline
+    from tiny_models import tiny_bundle
+
+    bundle = tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path)
+    before = sorted(p.relative_to(bundle) for p in bundle.rglob("*"))
+    for out in (bundle, bundle / "models" / "sub"):
+        with pytest.raises(BundleError, match="is inside the bundle"):
+            pipeline.build(BuildConfig(model=str(bundle / "models" / "fp32.onnx"), target="cpu", precision="fp32",
+                                       out_dir=str(out)))
+    assert sorted(p.relative_to(bundle) for p in bundle.rglob("*")) == before

@@ -300,3 +300,88 @@ def test_a_checkpoint_marker_naming_files_outside_is_not_loadable(tmp_path):
     (tmp_path / "secret").write_text("x")
     (step / COMPLETE).write_text(json.dumps({"step": 1, "files": {"../../secret": {"bytes": 1, "sha256": "0"}}}))
     assert "leaves the checkpoint" in Checkpointer(tmp_path).verify(step)
+
+
+def test_an_onnx_file_with_external_weights_is_a_source(tmp_path, monkeypatch):
+    """model.onnx + its weights file was refused as "not a valid ONNX model": the checker looked for the weights in
+    the working directory."""
+    from dsedge.toolchain.export import export_onnx
+    from dsedge.toolchain.sources import resolve_source
+
+    d = tmp_path / "m"
+    d.mkdir()
+    model = onnx.load(str(mlp_onnx(tmp_path / "mlp.onnx")))
+    onnx.save(model, str(d / "mlp.onnx"), save_as_external_data=True, location="weights.bin", size_threshold=0)
+    monkeypatch.chdir(tmp_path)
+    source = resolve_source(str(d / "mlp.onnx"))
+    exported = export_onnx(source, tmp_path / "out.onnx")   # weights inside the single exported file
+    assert {i.name for i in onnx.load(str(exported.path), load_external_data=False).graph.initializer
+            if i.data_location == onnx.TensorProto.EXTERNAL} == set()
+    with pytest.raises(SourceError, match="--model is empty"):
+        resolve_source("")
+
+
+def _one_op_onnx(path, op, elem):
+    from onnx import helper
+
+    x = helper.make_tensor_value_info("x", elem, ["batch", 8])
+    y = helper.make_tensor_value_info("y", elem, ["batch", 8])
+    model = helper.make_model(helper.make_graph([helper.make_node(op, ["x"], ["y"])], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.save(model, str(path))
+    return path
+
+
+def test_float64_models_and_nan_outputs_are_source_errors_before_any_file_is_written(tmp_path, monkeypatch):
+    """A float64 model, NaN example inputs and a model whose outputs are NaN on its validation inputs all ran the
+    whole build and failed writing manifest.json / report.json, as "a dsedge bug"."""
+    from dsedge.toolchain import pipeline
+    from dsedge.toolchain.config import BuildConfig
+
+    (tmp_path / "nanmods.py").write_text(
+        "import torch\n"
+        "class Log(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return torch.log(x)\n"
+        "def nan_inputs():\n"
+        "    return torch.nn.Linear(8, 8), (torch.full((2, 8), float('nan')),)\n"
+        "def nan_outputs():\n"
+        "    return Log(), (-torch.ones(2, 8),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = [(str(_one_op_onnx(tmp_path / "dbl.onnx", "Relu", onnx.TensorProto.DOUBLE)), "'x' is float64"),
+             (str(_one_op_onnx(tmp_path / "log.onnx", "Log", onnx.TensorProto.FLOAT)), "output 'y' holds .* NaN/inf"),
+             ("nanmods:nan_inputs", "example inputs: input 'input_0' holds 16 NaN"),
+             ("nanmods:nan_outputs", "outputs hold NaN/inf on its example inputs")]
+    for model, words in cases:
+        out = tmp_path / "out"
+        with pytest.raises(SourceError, match=words):
+            pipeline.build(BuildConfig(model=model, target="cpu", precision="int8", out_dir=str(out)))
+        assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_callable_outputs_and_example_inputs_the_build_cannot_carry_are_one_line(tmp_path, monkeypatch):
+    """A dict or nested-tuple output, a scalar example input and an empty batch each ended in a traceback (or a
+    message about dynamic_axes the user never passed)."""
+    from dsedge.toolchain.sources import resolve_source
+
+    (tmp_path / "oddmods.py").write_text(
+        "import torch\n"
+        "class Odd(torch.nn.Module):\n"
+        "    def __init__(self, kind):\n"
+        "        super().__init__()\n"
+        "        self.kind, self.l = kind, torch.nn.Linear(4, 2)\n"
+        "    def forward(self, x, *rest):\n"
+        "        y = self.l(x)\n"
+        "        return {'a': y} if self.kind == 'dict' else (y, (y, y)) if self.kind == 'nested' else y\n"
+        "def dict_out():\n    return Odd('dict'), (torch.ones(2, 4),)\n"
+        "def nested_out():\n    return Odd('nested'), (torch.ones(2, 4),)\n"
+        "def scalar_in():\n    return Odd('plain'), (torch.ones(2, 4), torch.tensor(2.0))\n"
+        "def empty_batch():\n    return Odd('plain'), (torch.ones(0, 4),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for fn, words in (("dict_out", "returns a dict, not a tensor or a flat tuple"),
+                      ("nested_out", "returns a tuple of Tensor, tuple, not a tensor or a flat tuple"),
+                      ("scalar_in", r"example input 'input_1' has shape \[\], without a batch axis 0"),
+                      ("empty_batch", r"example input 'input_0' has shape \[0, 4\], without a batch axis 0")):
+        with pytest.raises(SourceError, match=words):
+            resolve_source(f"oddmods:{fn}")

@@ -20,6 +20,20 @@ def bundle_path(out_dir: str | os.PathLike, name: str, target: str) -> Path:
     return bundle_dir(out_dir, name, target, BUNDLE_SUFFIX)
 
 
+def check_out_dir(out_dir: str | os.PathLike) -> None:
+    """Refuse an output directory inside a bundle (``--out`` pointed into the bundle a build reads its model from):
+    the new bundle and the build's scratch directory were written into it, files its manifest does not list.
+
+    Raises:
+        BundleError: ``out_dir`` is a bundle or lies inside one.
+    """
+    out = Path(out_dir).resolve()
+    for d in (out, *out.parents):
+        if d.name.endswith(BUNDLE_SUFFIX) and (d / "manifest.json").is_file():
+            raise BundleError(f"--out {out_dir} is inside the bundle {d}; a build does not write into a bundle",
+                              f"pass an output directory outside it, e.g. --out {d.parent}")
+
+
 @storage_errors("writing the bundle")
 def write_bundle(
     dest: str | os.PathLike,

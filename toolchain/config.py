@@ -118,7 +118,11 @@ def read_config_file(path: str | os.PathLike) -> BuildConfig:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p} is not valid TOML ({e})", "see docs/architecture.md for a build.toml example") from None
-    return config_from_mapping(data.get("build", data), what=str(p))
+    table = data.get("build", data)
+    if not isinstance(table, dict):  # `build = 3` crashed with an AttributeError traceback
+        raise ConfigError(f"{p}: build = {table!r:.40} is not a table",
+                          "write the options under a [build] table (see docs/architecture.md)")
+    return config_from_mapping(table, what=str(p))
 
 
 def dump_config(config: BuildConfig) -> str:
@@ -181,6 +185,17 @@ def _check_int4_options(config: BuildConfig) -> None:
                           f"drop {', '.join(given)}, or pass --precision int4 (or auto)")
 
 
+def _check_input_dirs(config: BuildConfig) -> None:
+    """``calib`` / ``heldout`` from a build.toml (the CLI checks its flags itself) were only found missing after
+    the export."""
+    from ..runtime.errors import CalibrationError
+
+    for key, value in (("calib", config.calib), ("heldout", config.heldout)):
+        if value is not None and not Path(value).exists():
+            what = "calibration" if key == "calib" else "held-out"
+            raise CalibrationError(f"{what} directory {value!r} does not exist", "pass a directory of .npz files")
+
+
 def _check_heldout_is_not_calibration(config: BuildConfig) -> None:
     check_heldout_is_not_calibration(config.calib, config.heldout, ", or only --calib (its second half then validates)")
 
@@ -228,6 +243,10 @@ def plan_build(config: BuildConfig) -> BuildPlan:
                           "pass --block-size 32 (or 16, 64, 128)")
     _check_int4_options(config)
     _check_heldout_is_not_calibration(config)
+    _check_input_dirs(config)
+    from .bundle_writer import check_out_dir
+
+    check_out_dir(config.out_dir)
     target = get_target(config.target)
     precision, notes = resolve_precision(target, config.precision, config.fallback)
     check_dla(target, config.dla_core)

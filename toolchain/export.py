@@ -75,6 +75,7 @@ def export_onnx(source: Source, dest: str | os.PathLike, opset: int = EXPORT_OPS
         model = onnx.load(os.fspath(source.onnx_path))
         onnx.save(model, os.fspath(dest))
         ins, outs = io_specs(model)
+        check_io_dtypes(ins, outs)
         return Exported(dest, ins, outs, None, "none (ONNX source)")
 
     import torch
@@ -115,8 +116,26 @@ def export_onnx(source: Source, dest: str | os.PathLike, opset: int = EXPORT_OPS
         model = upgrade_opset(model, opset)
         onnx.save(model, os.fspath(dest))
     ins, outs = io_specs(model)
+    check_io_dtypes(ins, outs)
     diff = parity(source, dest)
     return Exported(dest, ins, outs, diff, exporter)
+
+
+def check_io_dtypes(inputs: list[IOSpec], outputs: list[IOSpec]) -> None:
+    """A bundle's inputs and outputs are of the manifest's dtypes; a float64 model failed only when the manifest was
+    written, as "a dsedge bug".
+
+    Raises:
+        SourceError: an input or output of another dtype (float64, …).
+    """
+    from ..runtime.bundle import _DTYPES
+
+    for kind, specs in (("input", inputs), ("output", outputs)):
+        for s in specs:
+            if s.dtype not in _DTYPES:
+                raise SourceError(f"the model's {kind} {s.name!r} is {s.dtype}, which a bundle cannot carry "
+                                  f"(dtypes: {', '.join(sorted(_DTYPES))})",
+                                  "cast the model and its inputs, e.g. model.float() and float32 example inputs")
 
 
 def parity(source: Source, onnx_path: str | os.PathLike) -> float:
@@ -127,4 +146,9 @@ def parity(source: Source, onnx_path: str | os.PathLike) -> float:
     sess = ort.InferenceSession(os.fspath(onnx_path), providers=["CPUExecutionProvider"])
     got = sess.run(None, feeds)
     want = _torch_outputs(source.module, feeds)
-    return float(max(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64))) for g, w in zip(got, want)))
+    diff = float(max(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64))) for g, w in zip(got, want)))
+    if not np.isfinite(diff):  # NaN/inf outputs: every accuracy figure would be NaN, found only at report.json
+        raise SourceError("the model's outputs hold NaN/inf on its "
+                          + ("validation" if source.validation is not None else "example") + " inputs",
+                          "fix the model's forward(), or return example inputs it is defined for")
+    return diff

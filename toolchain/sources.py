@@ -111,7 +111,8 @@ def _onnx_file(path: Path) -> Source:
 
     try:
         model = onnx.load(os.fspath(path), load_external_data=False)
-        onnx.checker.check_model(model)
+        # by path: external data (model.onnx + weights file) is resolved beside the model, not in the working dir
+        onnx.checker.check_model(os.fspath(path))
     except Exception as e:  # onnx raises DecodeError, ValidationError, …
         raise SourceError(f"{path} is not a valid ONNX model ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
                           "pass a .onnx file written by torch.onnx.export or another ONNX exporter") from None
@@ -162,6 +163,14 @@ def _callable(spec: str) -> Source:
     else:
         example = example if isinstance(example, (tuple, list)) else (example,)
         example_np = {f"input_{i}": _to_numpy(v) for i, v in enumerate(example)}
+    from ..runtime.io import check_finite
+
+    check_finite(example_np, SourceError, where=f"{spec}: example inputs")  # NaN parity failed only at report.json
+    for k, v in example_np.items():  # a scalar or an empty batch failed in the parity check with a traceback
+        if v.ndim == 0 or len(v) == 0:
+            raise SourceError(f"{spec}: example input {k!r} has shape {list(v.shape)}, without a batch axis 0 of at "
+                              "least one row", "return example inputs shaped [batch, …] with batch >= 1, e.g. "
+                              "x.unsqueeze(0) for a single sample; pass a scalar setting as a module attribute")
     dyn = result[2] if len(result) == 3 else {k: {0: "batch"} for k in example_np}
     _check_dynamic_axes(spec, dyn, example_np)
     import torch
@@ -178,7 +187,14 @@ def _callable(spec: str) -> Source:
             raise SourceError(f"{spec}: the model fails on its own example inputs ({shapes}): "
                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                               "return example inputs the model's forward() accepts, in its argument order") from None
-    n_out = len(out) if isinstance(out, (tuple, list)) else 1
+    flat = out if isinstance(out, (tuple, list)) else (out,)
+    if not all(isinstance(o, torch.Tensor) for o in flat):  # a dict, a nested tuple: a traceback at the parity check
+        what = (f"a {type(out).__name__} of " + ", ".join(type(o).__name__ for o in flat)
+                if isinstance(out, (tuple, list)) else f"a {type(out).__name__}")
+        raise SourceError(f"{spec}: the model's forward() returns {what:.80}, not a tensor or a flat tuple of tensors",
+                          "wrap it so that forward() returns a tensor or a tuple of tensors, e.g. "
+                          "tuple(out.values()) for a dict")
+    n_out = len(flat)
     names = ["output"] if n_out == 1 else [f"output_{i}" for i in range(n_out)]
     name = f"{module_name.rsplit('.', 1)[-1]}-{fn_name}".lower().replace("_", "-")
     return Source(kind="callable", name=name, example_inputs=example_np, dynamic_axes=dyn, output_names=names,
@@ -229,6 +245,9 @@ def resolve_source(model: str | None) -> Source:
     """
     if model is None or model == reference.NAME:
         return _reference()
+    if not model.strip():  # Path("") is the working directory: "  is a directory but not a Hugging Face model"
+        raise SourceError("--model is empty", "pass an ONNX file, a HF model directory, a training run directory or "
+                          "module:function, or leave --model out for the reference model")
     path = Path(model)
     if path.exists():
         if path.is_file():

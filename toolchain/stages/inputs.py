@@ -5,6 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pathlib import Path
+
+import numpy as np
+
+from ...runtime.errors import SourceError
 from ..artifacts import Prepared
 from ..config import BuildPlan
 from ..npz_inputs import count_samples, load_calibration_dir, read_npz_dir
@@ -36,4 +41,23 @@ def read_inputs(plan: BuildPlan, model: Prepared) -> Prepared:
         changes["validation_kind"] = f"--heldout {cfg.heldout} ({count_samples(changes['validation'])} samples)"
     source = dataclasses.replace(model.source, **changes)
     validation = source.validation if source.validation is not None else source.example_inputs
+    if changes or model.exported.parity_max_abs_diff is None:  # else the export's parity check ran on them
+        check_finite_outputs(model.reference, validation, source.validation_kind)
     return dataclasses.replace(model, source=source, validation=validation)
+
+
+def check_finite_outputs(reference: Path, validation: dict[str, np.ndarray], kind: str) -> None:
+    """The fp32 model's outputs on the inputs every variant is validated on must be finite: a NaN/inf there made
+    every accuracy figure and golden tolerance NaN, and the build failed only at report.json, as "a dsedge bug".
+
+    Raises:
+        SourceError: an output holds NaN/inf.
+    """
+    from ..evaluate import _run_batches, _session
+
+    for name, out in _run_batches(_session(reference), validation).items():
+        if out.dtype.kind == "f" and not np.isfinite(out).all():
+            bad = int(out.size - np.isfinite(out).sum())
+            raise SourceError(f"the fp32 model's output {name!r} holds {bad} NaN/inf values on {kind}",
+                              "validate on inputs the model is defined for (--heldout DIR of real inputs), or fix "
+                              "the model")
