@@ -25,7 +25,7 @@ MAX_MANIFEST_BYTES = 64 << 20
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"  # detached Ed25519 signature over manifest.json (runtime/signing.py); not hash-listed
 BUNDLE_SUFFIX = ".dse"
-_DTYPES = {"float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool"}
+IO_DTYPES = {"float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool"}  # what a manifest IO spec may be
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ class IOSpec:
                 raise TypeError("shape must be a list of ints and names")
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise BundleError(f"manifest IO spec {d!r} is malformed ({e})", "rebuild the bundle with `dsedge build`") from None
-        if dtype not in _DTYPES:
-            raise BundleError(f"manifest IO spec {name!r} has unknown dtype {dtype!r}", f"use one of {sorted(_DTYPES)}")
+        if dtype not in IO_DTYPES:
+            raise BundleError(f"manifest IO spec {name!r} has unknown dtype {dtype!r}", f"use one of {sorted(IO_DTYPES)}")
         return cls(str(name), str(dtype), tuple(shape), value_range)
 
     def to_dict(self) -> dict[str, Any]:

@@ -128,13 +128,13 @@ def check_io_dtypes(inputs: list[IOSpec], outputs: list[IOSpec]) -> None:
     Raises:
         SourceError: an input or output of another dtype (float64, …).
     """
-    from ..runtime.bundle import _DTYPES
+    from ..runtime.bundle import IO_DTYPES
 
     for kind, specs in (("input", inputs), ("output", outputs)):
         for s in specs:
-            if s.dtype not in _DTYPES:
+            if s.dtype not in IO_DTYPES:
                 raise SourceError(f"the model's {kind} {s.name!r} is {s.dtype}, which a bundle cannot carry "
-                                  f"(dtypes: {', '.join(sorted(_DTYPES))})",
+                                  f"(dtypes: {', '.join(sorted(IO_DTYPES))})",
                                   "cast the model and its inputs, e.g. model.float() and float32 example inputs")
 
 
