@@ -605,7 +605,10 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     open_instances = None
     cpus = instance_cpus(count, per_thread) if own and pin_instances and _on_ort_cpu(backend) else None
     if own:  # opened here, side by side (ORT builds sessions off the GIL): the first submit must not wait
-        prefs = Preferences(providers, per_thread)
+        # the instances run where the session's backend does: one that fell back to ONNX Runtime (no TensorRT or
+        # no GPU here) hands them its providers, so each instance does not probe TensorRT, and log it, again
+        fell_back = not providers and getattr(backend, "name", None) == "onnxruntime"
+        prefs = Preferences(list(backend.providers) if fell_back else providers, per_thread)
         with ThreadPoolExecutor(count, thread_name_prefix="dsedge-open") as pool:
             opened = list(pool.map(lambda _: open_backend(VariantFiles(Path(path), manifest, v), prefs),
                                    range(count)))

@@ -289,3 +289,19 @@ def test_doctor_says_when_an_installed_tensorrt_cannot_be_used(fake_trt, monkeyp
     code, out, _ = run_main(["doctor", "--json"], capsys)
     r = json.loads(out)
     assert code == 0 and r["tensorrt"] == "10.3.0.30" and "cuda-python" in r["tensorrt_backend"]
+
+
+def test_a_bundle_for_a_gpu_target_probes_tensorrt_once_per_load_not_per_instance(tmp_path, onnx_file, monkeypatch,
+                                                                                   caplog):
+    """Found by a user: loading a jetson bundle on a CPU host logged the fall back to ONNX Runtime once for the
+    session's backend and once more for each streaming instance."""
+    import dsedge
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # as on this machine
+    bundle = make_bundle(tmp_path, onnx_file)
+    caplog.set_level(logging.INFO, logger="dsedge.engine")
+    with dsedge.load(bundle, instances=2) as s:
+        lanes = [l for l in s._core().lanes if not l.fallback]
+        assert len(lanes) == 2 and s.providers == ["CPUExecutionProvider"]
+        assert s.submit({"x": np.ones((1, 4), np.float32)}, budget_ms=10_000).result(10).ok
+    assert caplog.text.count("TensorRT is not installed") == 1, caplog.text
