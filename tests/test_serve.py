@@ -541,6 +541,12 @@ def test_a_taken_port_is_a_one_line_error(tmp_path):
             assert p.returncode == 2, (flag, p.stderr)
             assert f"error: cannot bind 127.0.0.1:{port}: Address already in use" in p.stderr.splitlines(), p.stderr
             assert "add_port" not in p.stderr and "Traceback" not in p.stderr and "Exception" not in p.stderr, p.stderr
+            assert "hint: pick another port" in p.stderr, p.stderr
+    for host in ("nosuchhost.invalid", "192.0.2.1"):  # not an address of this machine: the hint says so, not "port"
+        p = subprocess.run([sys.executable, "-m", "dsedge", "serve", str(a), "--host", host, "--http-port", "0",
+                            "--grpc-port", "0", "--metrics-port", "off"], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and f"error: cannot bind {host}:0: " in p.stderr, p.stderr
+        assert "--host must be an address of this machine" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 def test_bad_numbers_are_refused_before_the_server_starts(tmp_path, capsys):
@@ -779,3 +785,28 @@ def test_grpc_way_back_is_timed_to_the_end_of_the_call(tmp_path):
     for (t_added, ms), (t_answer, t_resumed) in zip(samples, by_backend):
         assert t_added >= t_resumed
         assert ms >= (t_resumed - t_answer) * 1e3
+
+
+def test_shared_memory_tensors_are_refused_not_answered_inline(server, client, gclient):
+    """A shared-memory output answered inline left the client reading a region nobody wrote (zeros), with no
+    error; a shared-memory input was refused as "2 raw_input_contents for 1 inputs"-style noise."""
+    import tritonclient.utils.shared_memory as shm
+
+    x = _x(1)
+    region = shm.create_shared_memory_region("dsedge-test-out", "/dsedge_test_shm_out", 40)
+    try:
+        for mod, c, inp, headers in ((httpclient, client, _http_input(x), auth),
+                                     (grpcclient, gclient, _grpc_input(x), gauth)):
+            out = mod.InferRequestedOutput("logits")
+            out.set_shared_memory("dsedge-test-out", 40)
+            with pytest.raises(InferenceServerException, match="shared memory .* is not supported") as e:
+                c.infer("mlp-cpu", [inp], outputs=[out], headers=headers())
+            assert e.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+            i = mod.InferInput("x", [1, 64], "FP32")
+            i.set_shared_memory("dsedge-test-in", 256)
+            with pytest.raises(InferenceServerException, match="input 'x': shared memory .* is not supported") as e:
+                c.infer("mlp-cpu", [i], headers=headers())
+            assert e.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    finally:
+        shm.destroy_shared_memory_region(region)
+    assert client.is_server_ready(headers=auth())

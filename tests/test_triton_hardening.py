@@ -247,3 +247,28 @@ def test_the_kserve_example_is_consistent_with_kserve_and_with_the_export():
     assert names == {default, "fp32"}, names
     docs = (path.parents[2] / "docs" / "triton.md").read_text()
     assert f"t4 bundle\n`all-minilm-l6-v2_{default}`" in docs or f"all-minilm-l6-v2_{default}`" in docs
+
+
+def test_export_stages_outside_the_repository_tritonserver_reads(tmp_path, monkeypatch):
+    """tritonserver takes every folder of its repository for a model, hidden ones too ("failed to load model
+    '.dsedge-export-…'": a server polling the repository during an export, or started after a killed one, failed).
+    The repository only ever holds model folders: the staging folder is beside it."""
+    from dsedge.toolchain.triton import repository
+
+    (tmp_path / "b").mkdir()
+    b = _mlp_bundle(tmp_path / "b")
+    repo = tmp_path / "models"
+    seen: list[list[str]] = []
+    real = repository.to_pbtxt
+
+    def spy(*a, **k):  # called while the models are written, before they are renamed into place
+        seen.append(sorted(p.name for p in repo.iterdir()))
+        return real(*a, **k)
+
+    monkeypatch.setattr(repository, "to_pbtxt", spy)
+    export_triton(b, repo, platform="onnxruntime")
+    export_triton(b, repo, platform="python")  # into an existing repository: the model is replaced
+    assert seen and all(names in ([], ["m_fp32"]) for names in seen), seen
+    assert sorted(p.name for p in repo.iterdir()) == ["m_fp32"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "models"]  # no staging folder left beside it
+    assert parse_config(repo / "m_fp32" / "config.pbtxt").backend == "python"

@@ -27,7 +27,8 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from .models import VERSION, Repository
-from .protocol import NUMPY_OF_V2, ServeError, check_shape, from_list, from_raw, invalid, rejection, v2_datatype
+from .protocol import NUMPY_OF_V2, ServeError, check_no_shared_memory, check_shape, from_list, from_raw, invalid, \
+    rejection, v2_datatype
 
 log = logging.getLogger("dsedge.serve")
 
@@ -57,6 +58,8 @@ def _set_param(p: Any, value: Any) -> None:
 def decode_inputs(request: Any) -> dict[str, np.ndarray]:
     inputs: dict[str, np.ndarray] = {}
     raw = list(request.raw_input_contents)
+    for t in request.inputs:  # before the count check: a region's input has no raw contents of its own
+        check_no_shared_memory(f"input {t.name!r}", t.parameters)
     if raw and len(raw) != len(request.inputs):
         raise invalid(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs")
     for i, t in enumerate(request.inputs):
@@ -136,6 +139,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 m.check_version(request.model_version)  # counted against the model, once known
                 params = {k: _param_value(v) for k, v in request.parameters.items()}
                 for o in request.outputs:
+                    check_no_shared_memory(f"output {o.name!r}", o.parameters)
                     if _param_value(o.parameters["classification"]) if "classification" in o.parameters else False:
                         raise invalid("the classification extension is not supported")
                 names = [o.name for o in request.outputs] or None

@@ -28,7 +28,8 @@ from starlette.routing import Route
 
 from .auth import TokenCheck
 from .models import VERSION, Repository
-from .protocol import ServeError, from_list, from_raw, invalid, not_found, rejection, v2_datatype
+from .protocol import ServeError, check_no_shared_memory, from_list, from_raw, invalid, not_found, rejection, \
+    v2_datatype
 
 log = logging.getLogger("dsedge.serve")
 _HEADER_LEN = "inference-header-content-length"
@@ -121,6 +122,7 @@ def parse_infer_body(body: bytes, header_len: str | None) -> tuple[dict[str, Any
         params = t.get("parameters") or {}
         if not isinstance(params, dict):
             raise invalid(f"input {name!r}: 'parameters' must be an object")
+        check_no_shared_memory(f"input {name!r}", params)
         size = params.get("binary_data_size")
         if size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -163,6 +165,7 @@ def requested_outputs(req: dict[str, Any]) -> tuple[list[str] | None, dict[str, 
         p = o.get("parameters") or {}
         if not isinstance(p, dict):
             raise invalid(f"output {o['name']!r}: 'parameters' must be an object")
+        check_no_shared_memory(f"output {o['name']!r}", p)
         if p.get("classification"):
             raise invalid("the classification extension is not supported")
         names.append(o["name"])

@@ -172,6 +172,17 @@ def deadline(params: Mapping[str, Any], default_ms: float) -> Deadline:
     return Deadline(float(budget), "budget_ms")
 
 
+SHM_PARAM = "shared_memory_region"  # Triton's shared-memory extension (system and CUDA): not served
+
+
+def check_no_shared_memory(where: str, params: Any) -> None:
+    """ServeError(400) when a tensor's parameters name a shared-memory region: the server cannot read or write one,
+    and an output answered inline instead would leave the client reading a region nobody wrote."""
+    if SHM_PARAM in params:
+        raise invalid(f"{where}: shared memory ({SHM_PARAM!r}) is not supported by dsedge serve: send the tensor "
+                      "in the request (binary data or raw_input_contents) and read outputs from the response")
+
+
 def check_unsupported(params: Mapping[str, Any]) -> None:
     for key in UNSUPPORTED_PARAMS:
         if params.get(key) not in (None, 0, "", False):

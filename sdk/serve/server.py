@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import errno
 import gc
 import json
 import logging
@@ -218,8 +219,9 @@ def _socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise ConfigError(f"cannot bind {host}:{port}: {e.strerror}", "pick another port, or 0 for any free one") \
-            from None
+        hint = ("pick another port, or 0 for any free one" if e.errno in (errno.EADDRINUSE, errno.EACCES) else
+                "--host must be an address of this machine, e.g. 127.0.0.1, 0.0.0.0 or ::1 (no brackets)")
+        raise ConfigError(f"cannot bind {host}:{port}: {e.strerror}", hint) from None
     sock.set_inheritable(True)
     return sock
 

@@ -238,15 +238,28 @@ def _check_targets(out: Path, names: list[str], manifest: Manifest) -> None:
 
 
 class _staged_models:
-    """A temporary folder inside the repository; on success each model folder in it replaces the one of the same
-    name (renamed aside, then removed), on failure it is removed and the repository is left as it was."""
+    """A temporary folder beside the repository (inside it only when the folder above is not writable or on
+    another file system, e.g. a mount point: renames cannot cross one); on success each model folder in it replaces
+    the one of the same name (renamed aside, then removed), on failure it is removed and the repository is left as
+    it was. Not inside by default: tritonserver takes every folder of the repository for a model, hidden ones too,
+    so a staging folder there fails a server polling the repository, and one a killed export left behind fails
+    every later start ("failed to load all models")."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
 
     def __enter__(self) -> Path:
         self.out.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".dsedge-export-{os.getpid()}-", dir=self.out))
+        here = Path(os.path.abspath(self.out))  # "." has no name and is its own parent
+        try:
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{here.name}.dsedge-export-{os.getpid()}-", dir=here.parent))
+        except OSError:
+            self.tmp = None
+        if self.tmp is not None and os.stat(self.tmp).st_dev != os.stat(self.out).st_dev:
+            os.rmdir(self.tmp)
+            self.tmp = None
+        if self.tmp is None:
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".dsedge-export-{os.getpid()}-", dir=self.out))
         return self.tmp
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
@@ -269,7 +282,7 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: s
     Args:
         bundle: a ``NAME-TARGET.dse`` directory (verified: manifest and every sha256).
         out: the repository directory: new, empty, or a Triton model repository (every entry a folder with a
-            ``config.pbtxt``). The models are written to a temporary folder inside it, then each is renamed into
+            ``config.pbtxt``). The models are written to a temporary folder beside it, then each is renamed into
             place; a model of the same name is replaced (not one exported for another target: refused), every
             other entry is left as it is.
         platform: ``onnxruntime``, ``tensorrt`` or ``python`` (default: :func:`default_platform`).
