@@ -23,7 +23,8 @@ from typing import Any, Iterable
 
 from .bundle import MANIFEST, SIGNATURE, Manifest, read_manifest_bytes, verify_bundle
 from .files import write_bytes_atomic, write_text_atomic
-from .errors import BackendUnavailable, DsedgeError, InputError, SignatureError, StorageError
+from .errors import BackendUnavailable, DsedgeError, InputError, SignatureError
+from .storage import storage_error
 
 FORMAT = "dsedge-signature-v1"
 DOMAIN = b"dsedge bundle manifest v1\x00"
@@ -60,7 +61,7 @@ def generate_key(prefix: str | os.PathLike) -> tuple[Path, Path]:
     Raises:
         DsedgeError: either path is taken already (a file, a directory or a link, even a dangling one: a key is
             never overwritten, nor written through a link), or ``prefix`` has no file name.
-        StorageError: a file could not be written (nothing is left behind).
+        StorageError: a file could not be written (``runtime/storage.storage_error``; nothing is left behind).
     """
     if not str(prefix).strip() or str(prefix).endswith(("/", os.sep)) or Path(prefix).is_dir():
         raise DsedgeError(f"--out {str(prefix)!r} has no file name for the key pair",
@@ -83,11 +84,10 @@ def generate_key(prefix: str | os.PathLike) -> tuple[Path, Path]:
         write_bytes_atomic(pub_path, pub)
     except BaseException as e:  # an interrupt too
         priv_path.unlink(missing_ok=True)  # this call created it (O_EXCL): remove it, so a rerun can write the pair
-        if not isinstance(e, OSError):
+        err = storage_error(e, "writing the key pair") if isinstance(e, OSError) else None
+        if err is None:
             raise
-        raise StorageError(f"cannot write the key pair {prefix}.key/.pub ({e.strerror or e}: "
-                           f"{e.filename or pub_path}); nothing was left behind",
-                           "check that the folder is writable and has space, then run `dsedge keygen` again") from None
+        raise err from None
     return priv_path, pub_path
 
 
