@@ -22,6 +22,11 @@ def _run_batches(backend: Any, feeds: dict[str, np.ndarray], batch: int = 16) ->
     return {k: np.concatenate(v) for k, v in parts.items()}
 
 
+def model_outputs(onnx_path: str | os.PathLike, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every output of ``onnx_path`` on ``feeds`` (batch axis 0), run in batches of 16 on ORT's CPU provider."""
+    return _run_batches(_session(onnx_path), feeds)
+
+
 def _cos_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = a.reshape(len(a), -1).astype(np.float64)
     b = b.reshape(len(b), -1).astype(np.float64)
@@ -70,8 +75,7 @@ def compare_models(reference_onnx: str | os.PathLike, test_onnx: str | os.PathLi
     diff, and argmax agreement when the first output's last dim is > 1 (classifier logits); for two-class logits
     (last dim 2, e.g. per-cell lesion logits ``[N, cells, 2]``) also ``two_class_metrics``.
     """
-    ref = _run_batches(_session(reference_onnx), feeds)
-    test = _run_batches(_session(test_onnx), feeds)
+    ref, test = model_outputs(reference_onnx, feeds), model_outputs(test_onnx, feeds)
     if task == "sentence-embedding" and embedding_output in ref:
         out = sentence_embedding_metrics(ref[embedding_output], test[embedding_output])
     else:

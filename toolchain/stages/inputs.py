@@ -3,9 +3,8 @@ exported model's inputs), or the source's own calibration and example inputs."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,9 +52,9 @@ def check_finite_outputs(reference: Path, validation: dict[str, np.ndarray], kin
     Raises:
         SourceError: an output holds NaN/inf.
     """
-    from ..evaluate import _run_batches, _session
+    from ..evaluate import model_outputs
 
-    for name, out in _run_batches(_session(reference), validation).items():
+    for name, out in model_outputs(reference, validation).items():
         if out.dtype.kind == "f" and not np.isfinite(out).all():
             bad = int(out.size - np.isfinite(out).sum())
             raise SourceError(f"the fp32 model's output {name!r} holds {bad} NaN/inf values on {kind}",
