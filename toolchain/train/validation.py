@@ -7,6 +7,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ...runtime.errors import ConfigError
+from ...runtime.io import is_real
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -26,10 +27,6 @@ def _positive(value: Any, key: str, source: str, allow_zero: bool = False, finit
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{source}: {key} must be {'a finite number ' if finite else ''}{bound}, got {value!r}",
                           "fix the value in the config file")
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _names(names: list, key: str, source: str, allow_empty: bool) -> None:
@@ -81,7 +78,7 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
     _positive(d.max_batch_size, "[data] max_batch_size", s)
     _positive(d.memory_limit_mb, "[data] memory_limit_mb", s, finite=True)
     _positive(d.bytes_per_token, "[data] bytes_per_token", s, finite=True)
-    if len(cfg.optim.betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in cfg.optim.betas):
+    if len(cfg.optim.betas) != 2 or not all(is_real(b) and 0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"{s}: [optim] betas must be two numbers in [0, 1), got {cfg.optim.betas!r}",
                           "e.g. betas = [0.9, 0.98]")
     _positive(cfg.optim.lr, "[optim] lr", s, finite=True)
@@ -126,7 +123,7 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
         if d.threshold is not None and not math.isfinite(d.threshold):
             raise ConfigError(f"{s}: [domains] threshold must be a finite number, got {d.threshold}",
                               "e.g. threshold = 0.9, or leave it out to keep the mixture fixed")
-        if not all(_number(w) and math.isfinite(w) and w >= 0 for w in d.weights.values()) or \
+        if not all(is_real(w) and math.isfinite(w) and w >= 0 for w in d.weights.values()) or \
                 (d.weights and not any(d.weights.values())):
             raise ConfigError(f"{s}: [domains] weights must be finite numbers >= 0, not all 0, got {d.weights!r}",
                               "e.g. weights = { web = 2, code = 1 }")
@@ -134,7 +131,7 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
             raise ConfigError(f"{s}: [domains] smoothing must be in [0, 1), got {d.smoothing}", "e.g. 1e-3")
     if cfg.augment is not None:
         a = cfg.augment
-        if not a.levels or any(not _number(x) or not math.isfinite(x) for x in a.levels) or \
+        if not a.levels or any(not is_real(x) or not math.isfinite(x) for x in a.levels) or \
                 list(a.levels) != sorted(a.levels):
             raise ConfigError(f"{s}: [augment] levels must be increasing numbers, got {a.levels!r}",
                               "e.g. levels = [0.2, 0.4, 0.6]")
