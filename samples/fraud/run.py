@@ -31,6 +31,7 @@ import numpy as np
 
 import dsedge
 from dsedge.runtime.files import atomic_path, write_text_atomic
+from dsedge.runtime.io import check_request_options
 from dsedge.runtime.storage import storage_error
 
 from .baseline import baseline_scores, fit_baseline
@@ -268,8 +269,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown step(s) {sorted(unknown)}; choose from {STEPS}" if unknown
                  else f"--only names no step; choose from {STEPS}")
     # checked before any step runs: a bad value would otherwise fail only at the stream step, after train and build
-    if not (math.isfinite(args.budget_ms) and 0 < args.budget_ms <= 3.6e6):
-        ap.error(f"--budget-ms must be a finite number of ms in (0, 3600000], got {args.budget_ms}")
+    try:  # the same rule as every budget the SDK takes
+        check_request_options(args.budget_ms, 0, name="--budget-ms")
+    except dsedge.InputError as e:
+        ap.error(str(e))
     if not (math.isfinite(args.speed) and args.speed >= 0):
         ap.error(f"--speed must be a finite number >= 0 (0: as fast as possible), got {args.speed}")
     if args.threads < 1:
