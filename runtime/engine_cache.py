@@ -11,7 +11,8 @@ engine whose key differs from this machine's is stale or foreign and is never lo
 cache logs one line saying why. Files are written to a temporary name and renamed, so a crash leaves no half engine.
 
 The cache lives in ``$DSEDGE_ENGINE_CACHE`` or ``~/.cache/dsedge/engines``; one slot per (variant, model hash,
-GPU), so a TensorRT upgrade on the same device overwrites the old engine instead of piling up.
+GPU, device: the GPU itself or a DLA core), so a TensorRT upgrade on the same device overwrites the old engine instead
+of piling up, and a DLA engine and a GPU engine of one variant are cached side by side.
 """
 from __future__ import annotations
 
@@ -57,11 +58,15 @@ class EngineKey:
     tensorrt: str
     model_sha256: str
     settings_sha256: str
+    dla_core: int | None = None  # the DLA core the engine runs on (Jetson), None: the GPU
 
     def slot(self) -> str:
-        """Cache file name: variant, model and GPU, not the TensorRT version (an upgrade replaces the engine)."""
+        """Cache file name: variant, model, GPU and DLA core, not the TensorRT version (an upgrade replaces the
+        engine). A GPU engine's name has no device part (the name engines had before DLA engines got slots of their
+        own, so prebuilt engines in bundles and cached ones still match); a DLA engine's ends in ``-dla0``/``-dla1``."""
         sm = "sm" + self.compute_capability.replace(".", "")
-        return f"{_slug(self.variant)}-{self.model_sha256[:16]}-{_slug(self.gpu)}-{sm}-{self.sm_count}{SUFFIX}"
+        dla = "" if self.dla_core is None else f"-dla{int(self.dla_core)}"
+        return f"{_slug(self.variant)}-{self.model_sha256[:16]}-{_slug(self.gpu)}-{sm}-{self.sm_count}{dla}{SUFFIX}"
 
     def timing_cache_name(self) -> str:
         """TensorRT's timing cache is valid for one device and TensorRT version only: one file per GPU and version
@@ -77,6 +82,10 @@ class EngineKey:
             return (f"built for GPU {o.get('gpu')!r} (sm{str(o.get('compute_capability', '?')).replace('.', '')}, "
                     f"{o.get('sm_count')} SMs), this is {self.gpu!r} (sm{self.compute_capability.replace('.', '')}, "
                     f"{self.sm_count} SMs)")
+        if o.get("dla_core") != self.dla_core:  # a header written before the field: a GPU engine (None)
+            def where(core: Any) -> str:
+                return "the GPU" if core is None else f"DLA core {core}"
+            return f"built for {where(o.get('dla_core'))}, this run is on {where(self.dla_core)}"
         if o.get("tensorrt") != self.tensorrt:
             return f"built with TensorRT {o.get('tensorrt')}, this is TensorRT {self.tensorrt}"
         if o.get("model_sha256") != self.model_sha256:

@@ -49,9 +49,9 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
 
 def check_output_file(dest: str | os.PathLike, option: str = "-o/--output", example: str = "model.onnx") -> Path:
     """Refuse an output file path that can never be written, before any work is done: an existing directory, a
-    parent that is a file, or a nearest existing parent folder this process may not write (``os.access``: as root
-    only a read-only file system or a folder such as ``/proc/1`` is refused) (``example`` names a file in the hint).
-    Returns ``dest`` as a Path.
+    parent that is a file, or a nearest existing parent folder this process may not write (``os.access``, then an
+    empty temporary file made there and removed: as root ``os.access`` says yes to ``/proc`` and ``/sys``, which
+    refuse every new file) (``example`` names a file in the hint). Returns ``dest`` as a Path.
 
     Raises:
         StorageError: naming ``option`` and the path.
@@ -74,11 +74,22 @@ def check_output_file(dest: str | os.PathLike, option: str = "-o/--output", exam
                                    "not a directory)",
                                    "choose a path whose parents are directories")
             # the nearest folder that exists must take a new entry (the temporary file, or a folder to hold it)
-            if not os.access(parent, os.W_OK | os.X_OK):
+            if not os.access(parent, os.W_OK | os.X_OK) or not _takes_new_files(parent):
                 raise StorageError(f"{option} {str(dest)!r}: the folder {str(parent)!r} is not writable",
                                    "write somewhere you may create files, or change the folder's permissions")
             break
     return dest
+
+
+def _takes_new_files(folder: Path) -> bool:
+    """An empty temporary file can be made in ``folder`` (it is removed at once)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".dsedge-write-check-", dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(tmp)
+    return True
 
 
 def check_report_file(report: str | os.PathLike, output: str | os.PathLike,

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Se
 import numpy as np
 
 from .runtime.backends import Preferences, VariantFiles, open_backend
+from .runtime.backends.ort import AZURE, check_providers_given
 from .runtime.batching import BatchLayout
 from .runtime.decode import GenerationStream
 from .runtime.budget import FALLBACK_BUDGET_MS, resolve_budget
@@ -551,11 +552,13 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         SignatureError: trusted keys are configured and the bundle is unsigned, wrongly signed or was edited.
         OutputMismatchError: ``check_outputs`` and the backend's golden answers are outside tolerance.
         InputError: a bad option (``profile`` not auto/measure/bundle, a non-positive ``max_batch`` or one above
-            the bundle's batch range max, a ``variant`` that is not a str, a flag that is not a bool …).
+            the bundle's batch range max, a ``variant`` that is not a str, a flag that is not a bool, ``providers=[]``
+            …).
     """
     check_session_options(path, budget_ms=budget_ms, max_batch=max_batch, max_queue=max_queue,
                           max_delay_ms=max_delay_ms, profile=profile, threads=threads, instances=instances,
                           worker_nice=worker_nice, reserve_cores=reserve_cores)
+    check_providers_given(providers)  # providers=[]: a mistake, not "the default chain"
     if isinstance(providers, str):
         providers = [providers]
     if variant is not None and not isinstance(variant, str):
@@ -606,8 +609,10 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     cpus = instance_cpus(count, per_thread) if own and pin_instances and _on_ort_cpu(backend) else None
     if own:  # opened here, side by side (ORT builds sessions off the GIL): the first submit must not wait
         # the instances run where the session's backend does: one that fell back to ONNX Runtime (no TensorRT or
-        # no GPU here) hands them its providers, so each instance does not probe TensorRT, and log it, again
-        fell_back = not providers and getattr(backend, "name", None) == "onnxruntime"
+        # no GPU here) hands them its providers, so each instance does not probe TensorRT, and log it, again; so
+        # does one asked for a provider it dropped (AzureExecutionProvider: runtime/backends/ort.py)
+        fell_back = getattr(backend, "name", None) == "onnxruntime" and (
+            not providers or AZURE in providers)
         prefs = Preferences(list(backend.providers) if fell_back else providers, per_thread)
         with ThreadPoolExecutor(count, thread_name_prefix="dsedge-open") as pool:
             opened = list(pool.map(lambda _: open_backend(VariantFiles(Path(path), manifest, v), prefs),

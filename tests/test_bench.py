@@ -307,6 +307,25 @@ def test_cli_output_in_a_folder_that_is_not_writable_fails_before_measuring(bund
         locked.chmod(0o755)
 
 
+def test_cli_output_under_proc_fails_before_measuring_even_as_root(bundles: dict[str, Path],
+                                                                  capsys: pytest.CaptureFixture,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: as root ``os.access`` says /proc is writable, so `-o /proc/x.json` still measured every batch
+    size first and failed at the write. The folder must take a real (temporary) file before anything is measured."""
+    if not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+
+    def measured(*a: object, **k: object) -> None:
+        raise AssertionError("measured before checking the output path")
+
+    monkeypatch.setattr(core, "bench_session", measured)
+    for args in (["-o", "/proc/dsedge-report.json"], ["--plot", "/proc/dsedge-new/cdf.png"]):
+        code, out, err = run_cli(capsys, "bench", bundles["dyn"], "--iterations", 2, "--seq-len", 4, *args)
+        assert code == 2 and out == "" and "Traceback" not in err, err
+        assert "the folder '/proc' is not writable" in err and ".tmp-" not in err, err
+    assert not [p for p in os.listdir("/proc") if p.startswith(".dsedge")]
+
+
 @pytest.mark.parametrize("arrays, words", [
     ({"input_ids": np.ones((4, 8), np.int64), "attention_mask": np.ones((2, 8), np.int64)},
      "the arrays hold input_ids 4, attention_mask 2 rows"),
@@ -329,6 +348,25 @@ def test_cli_inputs_dir_with_mismatched_arrays_is_a_usage_error(bundles: dict[st
     np.savez(d / "b.npz", input_ids=np.ones(6, np.int64), attention_mask=np.ones(6, np.int64))  # one row, no axis 0
     code, out, err = run_cli(capsys, "bench", bundles["dyn"], "--batch", "4", "--iterations", 2, "--inputs", d, "--json")
     assert code == 0 and json.loads(out)["results"][0]["shapes"]["input_ids"] == [4, 8], err
+
+
+def test_cli_inputs_with_fewer_rows_than_the_batch_say_they_are_repeated(bundles: dict[str, Path],
+                                                                         capsys: pytest.CaptureFixture,
+                                                                         tmp_path: Path) -> None:
+    """Found by review: --inputs holding fewer rows than a batch size tiled them into each batch without a word. One
+    line on stderr names rows given vs batch sizes (and the report keeps it); batches they fill say nothing."""
+    d = tmp_path / "inputs"
+    d.mkdir()
+    np.savez(d / "a.npz", input_ids=np.arange(24, dtype=np.int64).reshape(3, 8),
+             attention_mask=np.ones((3, 8), np.int64))
+    code, out, err = run_cli(capsys, "bench", bundles["dyn"], "--batch", "1,3,4,8", "--iterations", 2, "--inputs", d,
+                             "--json")
+    words = f"--inputs {str(d)!r} holds 3 rows, fewer than batch size 4, 8: the rows are repeated to fill each batch"
+    flat = "".join  # rich wraps the stderr line (long paths mid-word), so compare without whitespace
+    assert code == 0 and flat(err.split()).count(flat(words.split())) == 1 and "WARNING" in err, err
+    assert json.loads(out)["notes"] == [words]
+    code, out, err = run_cli(capsys, "bench", bundles["dyn"], "--batch", "1,3", "--iterations", 2, "--inputs", d)
+    assert code == 0 and "repeated" not in err + out, err
 
 
 def test_cli_corrupt_bundle_exits_2(bundles: dict[str, Path], capsys: pytest.CaptureFixture, tmp_path: Path) -> None:

@@ -60,6 +60,20 @@ def test_slot_separates_gpus_and_models_but_not_trt_versions():
     assert KEY.slot().startswith("int8-abababab") and KEY.slot().endswith("-sm87-16.engine")
 
 
+def test_dla_and_gpu_engines_have_slots_of_their_own():
+    """Found by review: an engine for a DLA core and one for the GPU (or another DLA core) shared one cache slot, so
+    each load on the other device rebuilt the engine (minutes on a Jetson) and evicted the other's. The GPU slot
+    keeps the name it had, so prebuilt and cached GPU engines still match."""
+    dla0, dla1 = replace(KEY, dla_core=0), replace(KEY, dla_core=1)
+    assert len({KEY.slot(), dla0.slot(), dla1.slot()}) == 3
+    assert KEY.slot().endswith("-sm87-16.engine") and dla0.slot().endswith("-sm87-16-dla0.engine")
+    from dataclasses import asdict
+    assert KEY.mismatch(asdict(dla0)) == "built for DLA core 0, this run is on the GPU"
+    assert dla1.mismatch(asdict(dla0)) == "built for DLA core 0, this run is on DLA core 1"
+    old_header = {k: v for k, v in asdict(KEY).items() if k != "dla_core"}  # written before the field existed
+    assert KEY.mismatch(old_header) is None and "built for the GPU" in dla0.mismatch(old_header)
+
+
 def test_cache_builds_once_then_reuses_and_rebuilds_stale_with_a_log_line(tmp_path, caplog):
     cache = EngineCache(tmp_path)
     built = []

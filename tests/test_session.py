@@ -1,6 +1,7 @@
 """The SDK: load verifies, picks providers honestly, validates inputs; imports without torch."""
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -74,6 +75,40 @@ def test_unknown_provider_is_refused(tmp_path):
     b = tiny_bundle(tmp_path / "t.dse", tmp_path)
     with pytest.raises(BackendUnavailable, match="NoSuchExecutionProvider"):
         dsedge.load(b, providers=["NoSuchExecutionProvider"])
+
+
+@pytest.mark.parametrize("providers", [[], (), ""])
+def test_empty_providers_are_refused_not_taken_as_the_default(tmp_path, providers):
+    """Found by review: ``providers=[]`` loaded on the default chain without a word (None is "no preference")."""
+    from dsedge.runtime.backends.ort import OrtBackend
+
+    b = tiny_bundle(tmp_path / "t.dse", tmp_path)
+    with pytest.raises(InputError, match="names no provider") as e:
+        dsedge.load(b, providers=providers)
+    assert "\n" not in str(e.value) and "omit providers=" in e.value.hint and "CPUExecutionProvider" in e.value.hint
+    with pytest.raises(InputError, match="names no provider"):
+        OrtBackend(b / "models/fp32.onnx", providers=providers)
+
+
+def test_azure_provider_is_reported_as_the_cpu_it_runs_on(tmp_path, caplog):
+    """Found by review: ORT's CPU wheels offer AzureExecutionProvider; asked for by name, the session reported
+    ["AzureExecutionProvider", "CPUExecutionProvider"] while ORT placed every node on the CPU (Azure EP runs only
+    ONNX Runtime extensions' cloud-invoker ops), with no warning, and was not treated as a CPU session. Real ORT."""
+    import onnxruntime
+
+    if "AzureExecutionProvider" not in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime build has no AzureExecutionProvider")
+    b = tiny_bundle(tmp_path / "t.dse", tmp_path)
+    caplog.set_level(logging.WARNING, logger="dsedge")
+    s = dsedge.load(b)  # the default chain never picks it
+    assert s.providers == ["CPUExecutionProvider"] and "Azure" not in caplog.text
+    s = dsedge.load(b, providers=["AzureExecutionProvider"], instances=2)
+    assert s.providers == ["CPUExecutionProvider"] and s.describe()["instances"] == 2
+    warned = [r.getMessage() for r in caplog.records if "AzureExecutionProvider" in r.getMessage()]
+    assert len(warned) == 1 and "runs locally on CPUExecutionProvider" in warned[0], warned  # not once per instance
+    x = np.ones((2, 64), np.float32)
+    np.testing.assert_array_equal(s.run({"x": x})["logits"], dsedge.load(b).run({"x": x})["logits"])
+    s.close()
 
 
 def test_sdk_imports_and_runs_without_torch(tmp_path):

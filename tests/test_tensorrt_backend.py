@@ -163,6 +163,26 @@ def test_lazy_build_caches_and_rebuilds_only_when_stale(tmp_path, onnx_file, fak
     assert fake.calls["builds"] == 3 and "corrupt or truncated" in caplog.text
 
 
+def test_dla_and_gpu_engines_of_one_variant_are_cached_side_by_side(tmp_path, onnx_file, fake_trt, caplog):
+    """Found by review: a DLA engine and a GPU engine of one variant shared one cache slot, so alternating loads
+    rebuilt (and evicted) each other's engine every time."""
+    caplog.set_level(logging.INFO, logger="dsedge.engine")
+    bundle = make_bundle(tmp_path, onnx_file)
+    m = verify_bundle(bundle)
+    cache = EngineCache(tmp_path / "cache")
+    fake = fake_trt()
+    gpu = open_engine_backend(bundle, m, m.variant("int8"), gpu=AGX, cache=cache)
+    dla = open_engine_backend(bundle, m, m.variant("int8"), gpu=AGX, cache=cache, dla_core=0)
+    assert gpu.providers == ["TensorRT 10.3.0.30"] and dla.providers == ["TensorRT 10.3.0.30 (DLA 0)"]
+    assert fake.calls["builds"] == 2
+    for core in (None, 0, None, 0):  # each from its own slot now
+        open_engine_backend(bundle, m, m.variant("int8"), gpu=AGX, cache=cache, dla_core=core)
+    assert fake.calls["builds"] == 2 and "rebuilding" not in caplog.text
+    records = {read_engine(f)[0]["key"]["dla_core"]: plan_record(read_engine(f)[1])
+               for f in cache.root.glob("*.engine")}
+    assert records[None]["device"] == "GPU" and records[0]["device"] == "DLA" and len(records) == 2
+
+
 def test_undeserializable_cached_plan_is_rebuilt_once(tmp_path, onnx_file, fake_trt, caplog):
     bundle = make_bundle(tmp_path, onnx_file)
     m = verify_bundle(bundle)

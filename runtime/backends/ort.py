@@ -5,6 +5,7 @@ really got (``InferenceSession.get_providers()``), not the ones asked for.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -13,8 +14,13 @@ import numpy as np
 
 from ..errors import BackendUnavailable, BundleError
 
-# Preference order where present: TensorRT EP, CUDA EP, CPU EP.
+log = logging.getLogger("dsedge")
+
+# Preference order where present: TensorRT EP, CUDA EP, CPU EP. Providers outside it are used only when asked for.
 PROVIDER_CHAIN = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+# In ORT's default CPU wheels (1.16+): it runs only ONNX Runtime extensions' cloud-invoker ops (a remote endpoint),
+# none of a dsedge model's, so ORT places every node on the next provider while get_providers() lists it first.
+AZURE = "AzureExecutionProvider"
 
 
 ORT_INSTALL_HINT = ("pip install 'dsedge[cpu]' (CPU), 'dsedge[gpu]' (x86 CUDA: onnxruntime-gpu), or on Jetson the "
@@ -60,12 +66,25 @@ def available_providers() -> list[str]:
     return [p for p in PROVIDER_CHAIN if p in have] + [p for p in have if p not in PROVIDER_CHAIN]
 
 
+def check_providers_given(requested: Sequence[str] | None) -> None:
+    """InputError for ``providers=[]`` (or ``()``, ``""``): a list that names no provider is a mistake, not "no
+    preference" (that is None)."""
+    if requested is not None and not requested:
+        from ..errors import InputError
+
+        raise InputError(f"providers={requested!r} names no provider",
+                         "omit providers= for the default chain (TensorRT → CUDA → CPU, whichever exist), or name "
+                         "one, e.g. providers=['CPUExecutionProvider']")
+
+
 def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
     """Providers to ask for: ``requested`` (each must exist) or the chain filtered by what is installed.
 
     Raises:
-        BackendUnavailable: a requested provider is not in this onnxruntime build. InputError: an entry is not a name.
+        BackendUnavailable: a requested provider is not in this onnxruntime build. InputError: an entry is not a name,
+            or ``requested`` is empty (``check_providers_given``).
     """
+    check_providers_given(requested)
     have = available_providers()
     if requested:
         for odd in (p for p in requested if not isinstance(p, str)):  # e.g. ORT's ("Name", {options}) form
@@ -198,6 +217,11 @@ class OrtBackend:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         opts.log_severity_level = 3
         chosen = choose_providers(providers)
+        if AZURE in chosen:  # asked for by name (never in the chain): the model would run on the next one, unsaid
+            rest = [p for p in chosen if p != AZURE] or ["CPUExecutionProvider"]
+            log.warning("%s runs no node of this model (it serves only ONNX Runtime extensions' cloud-invoker ops); "
+                        "it runs locally on %s instead", AZURE, ", ".join(rest))
+            chosen = rest
         model: str | bytes = os.fspath(model_path)
         self.rewrites = 0
         if chosen and chosen[0] == "CPUExecutionProvider":

@@ -377,7 +377,7 @@ def engine_key(trt: Any, gpu: GpuInfo, s: EngineBuildSettings, model_sha256: str
     """The cache key for settings ``s`` on this GPU and TensorRT."""
     return EngineKey(variant=s.variant, gpu=gpu.name, compute_capability=gpu.compute_capability,
                      sm_count=gpu.sm_count, tensorrt=str(trt.__version__), model_sha256=model_sha256,
-                     settings_sha256=settings_digest(s.digest_fields()))
+                     settings_sha256=settings_digest(s.digest_fields()), dla_core=s.dla_core)
 
 
 def _variant_dict(variant: Any) -> dict[str, Any]:

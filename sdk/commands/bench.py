@@ -130,17 +130,23 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
                                f"({', '.join(f'{i.name} {list(i.shape)}' for i in session.inputs)}); drop --seq-len")
     profile = _target_profile(session.manifest)
     budget, source = core.resolve_budget(budget_ms, session.manifest, profile.default_budget_ms if profile else None)
-    real = None
+    real, tiled = None, []
     if inputs_dir is not None:
         from ..runtime.bench_load import read_inputs_dir
 
         real = read_inputs_dir(inputs_dir, session.inputs)
+        rows = len(next(iter(real.values())))
+        short = [str(b) for b in batches if b > rows]
+        if short:  # said before measuring, and kept in the report's notes: these batches repeat rows
+            tiled = [f"--inputs {str(inputs_dir)!r} holds {rows} row{'s' * (rows != 1)}, fewer than batch size "
+                     f"{', '.join(short)}: the rows are repeated to fill each batch"]
+            log.warning("%s", tiled[0])
     results = core.bench_session(session, batches, seq_len, settings, budget, vocab_size, inputs=real,
                                  inputs_label=str(inputs_dir) if inputs_dir else "synthetic", concurrency=concurrency)
     report = core.build_report(session, results, settings, seq_len=seq_len, threads=threads, budget_source=source,
                                dsedge_version=__version__)
     report["settings"].update({"concurrency": concurrency, "inputs": str(inputs_dir) if inputs_dir else "synthetic"})
-    report["notes"] += _notes(profile, session, report["device"])
+    report["notes"] += tiled + _notes(profile, session, report["device"])
     for n in report["notes"]:
         if "Jetson clocks" in n:
             log.warning("%s", n)
