@@ -810,3 +810,89 @@ def test_shared_memory_tensors_are_refused_not_answered_inline(server, client, g
     finally:
         shm.destroy_shared_memory_region(region)
     assert client.is_server_ready(headers=auth())
+
+
+def test_model_ready_with_a_version_answers_as_triton(server, client, gclient):
+    """tritonserver 2.51 (nvidia-pytriton's), asked about a model whose one version is 1: "1" and "01" ready over
+    both protocols; an unknown version ("2", "0") or model not ready, gRPC status OK with ready false (HTTP 400);
+    "abc" or "-1" INVALID_ARGUMENT over gRPC. gRPC's ModelReady answered NOT_FOUND for an unknown version or model,
+    which tritonclient's is_model_ready raised where Triton's returns False, and "01" was unknown."""
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    for version in ("", "1", "01"):
+        assert client.is_model_ready("mlp-cpu", version, headers=auth()), version
+        assert gclient.is_model_ready("mlp-cpu", version, headers=gauth()), version
+    for name, version in (("mlp-cpu", "2"), ("mlp-cpu", "0"), ("nope", ""), ("nope", "1")):
+        assert not client.is_model_ready(name, version, headers=auth()), (name, version)
+        assert gclient.is_model_ready(name, version, headers=gauth()) is False, (name, version)
+    host, port = server.http.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("GET", "/v2/models/mlp-cpu/versions/2/ready", headers=AUTH)
+    r = conn.getresponse()
+    assert r.status == 404 and "has no version '2' (versions: 1)" in json.loads(r.read())["error"]
+    conn.close()
+    for version in ("abc", "-1"):
+        with pytest.raises(InferenceServerException, match="model version must be an integer") as e:
+            gclient.is_model_ready("mlp-cpu", version, headers=gauth())
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    with grpc.insecure_channel(server.grpc) as ch:  # not ready, and why, in the trailing metadata
+        resp, call = pb_grpc.GRPCInferenceServiceStub(ch).ModelReady.with_call(
+            pb.ModelReadyRequest(name="mlp-cpu", version="2"), metadata=tuple(GRPC_AUTH.items()))
+    assert resp.ready is False and call.code() == grpc.StatusCode.OK
+    assert ("dsedge-reason", "not_found") in tuple(call.trailing_metadata())
+    x = _x(1)  # infer and metadata take "01" as version 1 too
+    r = client.infer("mlp-cpu", [_http_input(x)], model_version="01", headers=auth())
+    assert r.get_response()["model_version"] == "1"
+    assert client.get_model_metadata("mlp-cpu", "01", headers=auth())["versions"] == ["1"]
+
+
+def test_an_output_asked_for_twice_is_answered_once_as_its_first_entry_asks(client, gclient, reference):
+    """tritonserver 2.51 answers an output named twice in ``outputs`` once, with no error, over HTTP and gRPC, binary
+    or JSON as the first entry asks (its core keeps requested outputs in a set). dsedge answered it once too, but
+    as the last entry asked."""
+    x = _x(1, seed=4)
+    want = reference.run({"x": x})["logits"]
+    for first, second in ((True, False), (False, True)):
+        outs = [httpclient.InferRequestedOutput("logits", binary_data=first),
+                httpclient.InferRequestedOutput("logits", binary_data=second)]
+        r = client.infer("mlp-cpu", [_http_input(x)], outputs=outs, headers=auth())
+        entries = r.get_response()["outputs"]
+        assert [e["name"] for e in entries] == ["logits"]
+        assert ("data" not in entries[0]) is first, entries[0]
+        np.testing.assert_allclose(r.as_numpy("logits"), want, rtol=1e-5, atol=1e-6)
+    outs = [grpcclient.InferRequestedOutput("logits"), grpcclient.InferRequestedOutput("logits")]
+    r = gclient.infer("mlp-cpu", [_grpc_input(x)], outputs=outs, headers=gauth())
+    assert [o.name for o in r.get_response().outputs] == ["logits"]
+    np.testing.assert_allclose(r.as_numpy("logits"), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("datatype, fill, message", [
+    ("FP32", lambda c: c.int_contents.extend([0] * 64),
+     "input 'x' (FP32): data in int_contents, expected fp32_contents (the contents field of FP32)"),
+    ("FP32", lambda c: c.fp64_contents.extend([0.0] * 64), "data in fp64_contents, expected fp32_contents"),
+    ("FP32", lambda c: (c.fp32_contents.extend([0.0] * 64), c.int_contents.append(1)),
+     "input 'x' (FP32): data in int_contents and fp32_contents, expected fp32_contents"),
+    ("INT32", lambda c: c.fp32_contents.extend([0.0] * 64),
+     "input 'x' (INT32): data in fp32_contents, expected int_contents"),
+    ("FP32", lambda c: None, "input 'x' (FP32) has no data: send its 64 values in fp32_contents or raw_input_contents"),
+    ("FP32", lambda c: c.fp32_contents.extend([0.0] * 10),
+     "input 'x' (FP32): 10 values in fp32_contents for shape [1, 64] (expected 64)"),
+    ("FP32", lambda c: c.fp32_contents.extend([0.0] * 65),
+     "65 values in fp32_contents for shape [1, 64] (expected 64)"),
+    ("FP16", lambda c: c.fp32_contents.extend([0.0] * 64),
+     "input 'x' (FP16): FP16 has no typed contents field, send it in raw_input_contents"),
+])
+def test_typed_contents_in_the_wrong_field_name_the_input_datatype_and_field(server, datatype, fill, message):
+    """tritonserver names the tensor, the datatype the contents imply and the one expected ("unexpected explicit
+    tensor data for input tensor 'x' … of type 'INT32', expected datatype 'FP32'"). dsedge said "0 values for shape
+    [1, 64]" for data in the wrong field, and answered data in two fields from the right one, ignoring the other."""
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    req = pb.ModelInferRequest(model_name="mlp-cpu")
+    fill(req.inputs.add(name="x", datatype=datatype, shape=[1, 64]).contents)
+    with grpc.insecure_channel(server.grpc) as ch, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, metadata=tuple(GRPC_AUTH.items()))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in e.value.details(), e.value.details()

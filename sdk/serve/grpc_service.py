@@ -18,6 +18,7 @@ callback), so it includes sending the response.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any, Callable
 
@@ -55,6 +56,34 @@ def _set_param(p: Any, value: Any) -> None:
         p.string_param = str(value)
 
 
+def _from_contents(t: Any) -> np.ndarray:
+    """An input's typed ``contents`` → ndarray. Raises ServeError(400) naming the tensor, its datatype and the
+    contents field it needs when the data is in another field (or in several), or missing, or the wrong size: as
+    Triton, which reads only the datatype's own field and refuses data anywhere else."""
+    datatype = t.datatype.upper()
+    field = _CONTENTS.get(datatype)
+    if field is None:
+        if datatype not in NUMPY_OF_V2:
+            from_raw(t.name, t.datatype, list(t.shape), b"")  # raises the datatype error
+        raise invalid(f"input {t.name!r} ({datatype}): {datatype} has no typed contents field, send it in "
+                      "raw_input_contents")
+    shape = check_shape(t.name, list(t.shape))
+    given = [f.name for f, _ in t.contents.ListFields()]  # the non-empty fields, in declaration order
+    if any(g != field for g in given):
+        where = " and ".join(given)
+        raise invalid(f"input {t.name!r} ({datatype}): data in {where}, expected {field} (the contents field of "
+                      f"{datatype}) or raw_input_contents")
+    values = list(getattr(t.contents, field))
+    size = math.prod(shape)
+    if len(values) != size:
+        if not values:
+            raise invalid(f"input {t.name!r} ({datatype}) has no data: send its {size} values in {field} or "
+                          "raw_input_contents")
+        raise invalid(f"input {t.name!r} ({datatype}): {len(values)} values in {field} for shape {list(shape)} "
+                      f"(expected {size})")
+    return from_list(t.name, t.datatype, list(shape), values)
+
+
 def decode_inputs(request: Any) -> dict[str, np.ndarray]:
     inputs: dict[str, np.ndarray] = {}
     raw = list(request.raw_input_contents)
@@ -71,13 +100,7 @@ def decode_inputs(request: Any) -> dict[str, np.ndarray]:
                               "send one or the other")
             inputs[t.name] = from_raw(t.name, t.datatype, list(t.shape), raw[i])
             continue
-        field = _CONTENTS.get(t.datatype.upper())
-        if field is None:
-            if t.datatype.upper() not in NUMPY_OF_V2:
-                from_raw(t.name, t.datatype, list(t.shape), b"")  # raises the datatype error
-            raise invalid(f"input {t.name!r}: {t.datatype} needs raw_input_contents")
-        check_shape(t.name, list(t.shape))
-        inputs[t.name] = from_list(t.name, t.datatype, list(t.shape), list(getattr(t.contents, field)))
+        inputs[t.name] = _from_contents(t)
     if not inputs:
         raise invalid("the request has no inputs")
     return inputs
@@ -110,11 +133,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerMetadataResponse(name=md["name"], version=md["version"], extensions=md["extensions"])
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
+        # as Triton: a version that is not an integer is INVALID_ARGUMENT; an unknown model or version, like one
+        # still loading, is an answer (ready: false, the reason in the trailing metadata), not an error, so a
+        # client polling is_model_ready gets False where Triton's would
+        if request.version and not (request.version.isascii() and request.version.isdigit()):
+            await self._abort(context, invalid(f"model version must be an integer (versions of {request.name!r}: "
+                                               f"{VERSION}), got {request.version!r:.40}"))
         try:
             m = self.repo.get(request.name, request.version)
         except ServeError as e:
-            if e.status == 404:
-                await self._abort(context, e)
+            context.set_trailing_metadata((("dsedge-reason", e.reason),))
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=m.ready and not self.state.draining)
 

@@ -150,7 +150,7 @@ def _flag(params: dict[str, Any], key: str, where: str, default: bool = False) -
 
 
 def requested_outputs(req: dict[str, Any]) -> tuple[list[str] | None, dict[str, bool]]:
-    """The ``outputs`` list (names, or None for all) and which are asked for binary."""
+    """The ``outputs`` list (names, each once, or None for all) and which are asked for binary."""
     params = req.get("parameters") or {}
     default_binary = _flag(params, "binary_data_output", "the request") if isinstance(params, dict) else False
     outs = req.get("outputs")
@@ -168,8 +168,11 @@ def requested_outputs(req: dict[str, Any]) -> tuple[list[str] | None, dict[str, 
         check_no_shared_memory(f"output {o['name']!r}", p)
         if p.get("classification"):
             raise invalid("the classification extension is not supported")
+        flag = _flag(p, "binary_data", f"output {o['name']!r}", default_binary)
+        if o["name"] in names:  # as Triton: a name asked for twice is answered once, as its first entry asks
+            continue
         names.append(o["name"])
-        binary[o["name"]] = _flag(p, "binary_data", f"output {o['name']!r}", default_binary)
+        binary[o["name"]] = flag
     return names, binary
 
 

@@ -132,7 +132,9 @@ class ServedModel:
         return float(s.manifest.latency_budget_ms or 50.0)
 
     def check_version(self, version: str | None) -> None:
-        if version not in (None, "", VERSION):
+        """NOT_FOUND unless ``version`` is empty (the model's one version) or names ``VERSION`` as an integer
+        (``"1"``, or ``"01"`` as Triton reads it)."""
+        if version and not (version.isascii() and version.isdigit() and version.lstrip("0") == VERSION):
             raise not_found(f"model {self.name!r} has no version {version!r} (versions: {VERSION})")
 
     def count_failure(self, protocol: str, e: ServeError) -> None:

@@ -14,7 +14,7 @@ answered               200   OK                  ``Result`` without error
 ``deadline``           503   UNAVAILABLE         the deadline passed (or can no longer be met) while queued
 ``shutdown``           503   UNAVAILABLE         the server is draining (SIGTERM)
 malformed request      400   INVALID_ARGUMENT    datatype, shape, missing input, garbage JSON…
-unknown model/version  404   NOT_FOUND
+unknown model/version  404   NOT_FOUND           (gRPC ModelReady: OK with ready false, as Triton)
 body over the cap      413   RESOURCE_EXHAUSTED
 missing/invalid token  401   UNAUTHENTICATED
 backend failure        500   INTERNAL
