@@ -272,3 +272,40 @@ def test_export_stages_outside_the_repository_tritonserver_reads(tmp_path, monke
     assert sorted(p.name for p in repo.iterdir()) == ["m_fp32"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "models"]  # no staging folder left beside it
     assert parse_config(repo / "m_fp32" / "config.pbtxt").backend == "python"
+
+
+def test_staging_folders_a_killed_export_left_are_removed_and_staging_inside_is_said(tmp_path, monkeypatch, caplog):
+    """A staging folder an export killed mid-way left (its pid no longer runs) fails every later tritonserver start
+    when it is inside the repository: the next export removes it (beside the repository too), keeps one whose process
+    still runs, and says when it has to stage inside (the folder above is on another file system: simulated by
+    ``st_dev``)."""
+    from dsedge.toolchain.triton import repository
+
+    (tmp_path / "b").mkdir()
+    b = _mlp_bundle(tmp_path / "b")
+    repo = tmp_path / "models"
+    repo.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # a pid that has exited
+    stale_inside = repo / f".dsedge-export-{dead}-abc"
+    stale_beside = tmp_path / f".models.dsedge-export-{dead}-xyz"
+    live = repo / f".dsedge-export-{os.getppid()}-live"  # the process running pytest's parent: alive
+    for d in (stale_inside, stale_beside, live):
+        (d / "m_fp32" / "1").mkdir(parents=True)
+    real_stat = os.stat
+
+    def stat(path, *a, **k):  # the folder above the repository is another file system
+        st = real_stat(path, *a, **k)
+        if Path(path).parent == tmp_path and Path(path).name.startswith(".models.dsedge-export-"):
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev + 1, *tuple(st)[3:]))
+        return st
+
+    monkeypatch.setattr(repository.os, "stat", stat)
+    with caplog.at_level("WARNING", logger="dsedge"):
+        export_triton(b, repo, platform="python")
+    assert not stale_inside.exists() and not stale_beside.exists()
+    assert live.is_dir()
+    assert sorted(p.name for p in repo.iterdir() if not p.name.startswith(".")) == ["m_fp32"]
+    assert [p.name for p in repo.iterdir() if p.name.startswith(".")] == [live.name]  # its own staging: removed
+    said = [r.getMessage() for r in caplog.records if "staging the export inside" in r.getMessage()]
+    assert len(said) == 1 and str(repo) in said[0] and "polling" in said[0], said

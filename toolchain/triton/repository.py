@@ -13,7 +13,7 @@ Platforms:
 from __future__ import annotations
 
 import importlib.resources
-
+import logging
 import os
 import re
 import shutil
@@ -31,6 +31,8 @@ from ...runtime.signing import verify_signed
 from .pbtxt import Enum, to_pbtxt
 from .policy import BatchingPolicy, derive_policy, dynamic_batching
 from .warmup import TRITON_DTYPES, _warmup  # noqa: F401  (_warmup: repository._warmup as before)
+
+log = logging.getLogger("dsedge")
 
 PLATFORMS = ("onnxruntime", "tensorrt", "python")
 # Triton ORT backend's TensorRT accelerator takes FP32/FP16/INT8; INT4 is weight-only (W4A16, FP16 activations)
@@ -237,13 +239,29 @@ def _check_targets(out: Path, names: list[str], manifest: Manifest) -> None:
                               "export into another --out, or remove that model folder first")
 
 
+def _remove_stale_staging(folder: Path, prefix: str) -> None:
+    """Remove ``folder``'s ``<prefix><pid>-*`` staging folders whose process is gone (an export killed mid-way):
+    tritonserver would take one inside a repository for a model and fail. One of a running process is kept."""
+    for p in folder.glob(f"{prefix}*"):
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if not (pid.isdigit() and p.is_dir()) or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except OSError:  # exists, another user's (PermissionError), or cannot tell: keep it
+            pass
+
+
 class _staged_models:
     """A temporary folder beside the repository (inside it only when the folder above is not writable or on
     another file system, e.g. a mount point: renames cannot cross one); on success each model folder in it replaces
     the one of the same name (renamed aside, then removed), on failure it is removed and the repository is left as
     it was. Not inside by default: tritonserver takes every folder of the repository for a model, hidden ones too,
     so a staging folder there fails a server polling the repository, and one a killed export left behind fails
-    every later start ("failed to load all models")."""
+    every later start ("failed to load all models"). Staging folders an export killed before its clean-up left (their
+    process no longer runs) are removed first, in both places; staging inside is said on the ``dsedge`` logger."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -251,7 +269,9 @@ class _staged_models:
     def __enter__(self) -> Path:
         self.out.mkdir(parents=True, exist_ok=True)
         here = Path(os.path.abspath(self.out))  # "." has no name and is its own parent
+        _remove_stale_staging(self.out, ".dsedge-export-")
         try:
+            _remove_stale_staging(here.parent, f".{here.name}.dsedge-export-")
             self.tmp = Path(tempfile.mkdtemp(prefix=f".{here.name}.dsedge-export-{os.getpid()}-", dir=here.parent))
         except OSError:
             self.tmp = None
@@ -260,6 +280,9 @@ class _staged_models:
             self.tmp = None
         if self.tmp is None:
             self.tmp = Path(tempfile.mkdtemp(prefix=f".dsedge-export-{os.getpid()}-", dir=self.out))
+            log.warning("staging the export inside %s (the folder above it is not writable or on another file "
+                        "system): a Triton server polling it logs a failed load of %s until the export ends",
+                        self.out, self.tmp.name)
         return self.tmp
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
