@@ -93,3 +93,91 @@ def test_prune_2_4_refuses_an_explicit_sparsity(files, capsys):
     code, _, err = run_main(["prune", files / "mlp.onnx", "-o", files / "s.onnx", "--sparsity", "0.3"], capsys)
     assert code == 2 and "--sparsity applies to --pattern channels" in err and "Traceback" not in err
     assert not (files / "s.onnx").exists()
+
+
+@pytest.mark.parametrize("first", [["--precision", "int4", "--algorithm", "rtn"],
+                                   ["--precision", "int8", "--int8-mode", "dynamic"]])
+def test_quantize_refuses_a_model_that_is_already_quantized(files, capsys, first):
+    """Found by a user: quantizing an INT4 (Q/DQ) or dynamic INT8 (MatMulInteger) model again "succeeded" — INT4 on
+    INT4 wrote the same model back, INT8 dynamic on it wrapped the DequantizeLinear outputs again."""
+    q = files / f"once_{first[1]}.onnx"
+    code, _, _ = run_main(["quantize", files / "mlp.onnx", "-o", q, *first], capsys)
+    assert code == 0
+    for again in (["--precision", "int4", "--algorithm", "rtn"], ["--precision", "int8", "--int8-mode", "dynamic"],
+                  ["--precision", "fp16"]):
+        out = files / "twice.onnx"
+        code, _, err = run_main(["quantize", q, "-o", out, *again], capsys)
+        assert code == 2 and "error: the model is already quantized" in err and "Traceback" not in err, err
+        assert "hint: quantize the fp32 source model it was made from" in err
+        assert not out.exists() and not list(files.glob(".twice.onnx.tmp-*"))
+
+
+def test_compress_refuses_quantized_models_and_keeps_int4_embedding_tables_quantizable(tmp_path):
+    """The Python entry point refuses what `dsedge quantize` refuses (Q/DQ, QLinear*, MatMulNBits, …); a model whose
+    only DequantizeLinear feeds a Gather (an INT4 embedding table, as `dsedge build` quantizes first under a gate)
+    is still float where the quantizers work, and is compressed."""
+    from onnx import TensorProto, helper
+
+    from dsedge.runtime.errors import QuantizationError
+    from dsedge.toolchain.quantize.compress import compress
+    from dsedge.toolchain.quantize.weight_only import quantize_embedding_tables
+    from tiny_models import embedding_onnx
+
+    q = compress(mlp(), "int4-rtn").model
+    with pytest.raises(QuantizationError, match=r"already quantized \(3 DequantizeLinear nodes") as e:
+        compress(q, "int8-dynamic")
+    assert e.value.hint
+    nbits = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], name="mm", domain="com.microsoft", K=64, N=8,
+                          bits=4, block_size=32)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])]))
+    with pytest.raises(QuantizationError, match=r"1 MatMulNBits node, e.g. 'mm'"):
+        compress(nbits, "fp16")
+    emb, tables = quantize_embedding_tables(onnx.load(str(embedding_onnx(tmp_path / "e.onnx"))))
+    assert len(tables) == 1
+    out = compress(emb, "int4-rtn").model
+    assert sum(n.op_type == "DequantizeLinear" for n in out.graph.node) == 2      # the table's and the MatMul's
+
+
+def test_quantize_in_place_replaces_the_model_only_once_the_new_one_is_complete(files, capsys, monkeypatch):
+    """`-o MODEL` (the same file, or a path that resolves to it) is allowed and written atomically: the source is
+    replaced only by a complete quantized model; a failure (a gate not met, a refused model, a write that dies
+    half way) leaves it byte for byte as it was, with no temporary file beside it."""
+    import hashlib
+
+    def digest(p):
+        return hashlib.sha256(p.read_bytes()).hexdigest()
+
+    model = files / "inplace.onnx"
+    onnx.save(mlp(), str(model))
+    before, size = digest(model), model.stat().st_size
+    # a gate the FP16 model cannot meet: nothing written
+    code, _, err = run_main(["quantize", model, "-o", model, "--precision", "fp16", "--heldout", files / "held",
+                             "--accuracy-gate", "cosine:1"], capsys)
+    assert code == 2 and "not met" in err and digest(model) == before
+    # the write itself fails half way (a full disk): the source is intact
+    real_save = onnx.save_model
+
+    def dies_half_way(proto, f, *a, **kw):
+        with open(f, "wb") as fh:
+            fh.write(proto.SerializeToString()[:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(onnx, "save_model", dies_half_way)
+    code, _, err = run_main(["quantize", model, "-o", files / "." / model.name, "--precision", "int4", "--algorithm",
+                             "rtn"], capsys)
+    assert code != 0 and "Traceback" not in err and digest(model) == before, err
+    monkeypatch.setattr(onnx, "save_model", real_save)
+    # success: replaced by the INT4 model; the report still gives the source's size
+    rep = files / "inplace.json"
+    code, stdout, _ = run_main(["quantize", model, "-o", model, "--precision", "int4", "--algorithm", "rtn",
+                                "--report", rep], capsys)
+    assert code == 0 and "wrote" in stdout
+    assert json.loads(rep.read_text())["source_size_bytes"] == size
+    assert any(n.op_type == "DequantizeLinear" for n in onnx.load(str(model)).graph.node)
+    # and a second in-place run is refused (already quantized): the INT4 model stays as it is
+    after = digest(model)
+    code, _, err = run_main(["quantize", model, "-o", model, "--precision", "int4", "--algorithm", "rtn"], capsys)
+    assert code == 2 and "already quantized" in err and digest(model) == after
+    assert not list(files.glob(".inplace.onnx.tmp-*"))

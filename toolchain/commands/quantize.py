@@ -36,7 +36,8 @@ def save_model_atomic(model, dest: Path) -> None:
 
 @click.command("quantize")
 @click.argument("model", type=click.Path(path_type=Path), required=False)
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="Output .onnx path.")
+@click.option("-o", "--output", type=click.Path(path_type=Path),
+              help="Output .onnx path; MODEL itself is allowed (replaced only once the new model is complete).")
 @click.option("--preset", default=None, help="A named compression preset (see --list-presets); the flags below "
               "given on the command line override its fields. Default: from --precision/--algorithm/--int8-mode.")
 @click.option("--list-presets", is_flag=True, help="List the compression presets and exit.")

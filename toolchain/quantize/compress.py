@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from ..artifacts import Compressed
 from .algorithms import get_algorithm
+from .graph import refuse_quantized
 from .presets import Preset, get_preset
 
 
@@ -43,11 +44,14 @@ def compress(model: Any, preset: Preset | str, calibration: Calibration | Any = 
         ``Compressed`` with ``model`` (the compressed ``onnx.ModelProto``; ``path`` None until saved),
         ``precision`` and ``details`` (the algorithm's report: layers, bytes, gate values, …).
     Raises:
-        ConfigError: unknown preset or algorithm. CalibrationError (the algorithm needs calibration data and there is
-            none) / QuantizationError / AccuracyGateError: from the algorithm.
+        ConfigError: unknown preset or algorithm. QuantizationError: the model is quantized already (Q/DQ,
+            MatMulNBits, QLinear*/MatMulInteger/DynamicQuantizeLinear nodes; ``graph.quantized_nodes``), before any
+            work. CalibrationError (the algorithm needs calibration data and there is none) / QuantizationError /
+            AccuracyGateError: from the algorithm.
     """
     p = get_preset(preset) if isinstance(preset, str) else preset
     calib = calibration if isinstance(calibration, Calibration) else Calibration(data=calibration)
     algorithm = get_algorithm(p.precision, p.algorithm)
+    refuse_quantized(model)
     out, details = algorithm.fn(model, p, calib)
     return Compressed(path=None, precision=p.precision, details=details, model=out)

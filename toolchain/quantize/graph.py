@@ -77,6 +77,49 @@ def weight_layers(model: onnx.ModelProto) -> list[WeightLayer]:
     return out
 
 
+# Ops only a quantized graph holds: ONNX Q/DQ and integer ops, ORT's com.microsoft quantized kernels.
+QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger",
+                           "ConvInteger", "MatMulNBits", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QGemm",
+                           "QAttention", "QOrderedMatMul"})
+WEIGHT_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
+
+
+def quantized_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The nodes of the main graph that show ``model`` is quantized already: ``QUANTIZED_OPS`` and ``QLinear*``
+    (their integer initializers feed nothing else). A ``DequantizeLinear`` counts only where it feeds a
+    MatMul/Gemm/Conv (a quantized weight layer): one feeding a ``Gather`` is an INT4 embedding table
+    (``weight_only.quantize_embedding_tables``, which ``dsedge build`` applies before a gated INT4 search), which the
+    weight quantizers never touch, so the model's layers are still float."""
+    readers: dict[str, list[str]] = {}
+    for n in model.graph.node:
+        for name in n.input:
+            readers.setdefault(name, []).append(n.op_type)
+    found = []
+    for n in model.graph.node:
+        if n.op_type not in QUANTIZED_OPS and not n.op_type.startswith("QLinear"):
+            continue
+        if n.op_type == "DequantizeLinear" and not any(r in WEIGHT_OPS for o in n.output for r in readers.get(o, [])):
+            continue
+        found.append(n)
+    return found
+
+
+def refuse_quantized(model: onnx.ModelProto) -> None:
+    """Raises QuantizationError when ``model`` is quantized already (:func:`quantized_nodes`), naming the ops found:
+    compressing it again would quantize quantized weights, or silently skip the layers it could no longer read."""
+    found = quantized_nodes(model)
+    if found:
+        counts: dict[str, int] = {}
+        for n in found:
+            counts[n.op_type] = counts.get(n.op_type, 0) + 1
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        ops = ", ".join(f"{c} {op}" for op, c in ranked)
+        first = next(n for n in found if n.op_type == ranked[0][0])
+        raise QuantizationError(f"the model is already quantized ({ops} node{'s' * (len(found) > 1)}, e.g. "
+                                f"{first.name or first.op_type!r}): compressing it again would double-quantize it",
+                                "quantize the fp32 source model it was made from")
+
+
 def select_layers(model: onnx.ModelProto, nodes: list[str] | None) -> list[WeightLayer]:
     """The weight layers named in ``nodes`` (all when None). Raises QuantizationError for an unknown or
     unsupported node name, naming it."""
