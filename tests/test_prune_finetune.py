@@ -369,3 +369,59 @@ def test_cli_prune_torch_source_with_a_calib_file_is_one_line(net_module, monkey
     assert code == 2 and "Traceback" not in err and "does not exist" not in err, err
     assert "a directory of .npz files (this is a file)" in err and "hint:" in err
     assert not (d / "f.onnx").exists()
+
+
+NAN_NET = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    """An FFN block plus sqrt(g - 1) with g = 1: a finite output, an infinite gradient from the first step."""
+
+    def __init__(self):
+        super().__init__()
+        self.ffn = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8))
+        self.g = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.ffn(x) + torch.sqrt(self.g - 1.0)
+
+
+def make():
+    torch.manual_seed(0)
+    return Net().eval(), {"x": torch.randn(4, 16)}
+'''
+
+
+def test_fine_tune_stops_on_a_non_finite_loss_and_leaves_the_student_finite():
+    """Found by a user: the pruning fine-tune had no NaN guard (`dsedge train` has one): an infinite gradient made
+    every weight NaN, and the run went on to export. Non-finite steps are now skipped, 3 in a row stop it."""
+    from dsedge.runtime.errors import TrainingError
+
+    ns: dict = {}
+    exec(compile(NAN_NET, "nanffn", "exec"), ns)
+    teacher, _ = ns["make"]()
+    student = copy.deepcopy(teacher)
+    with torch.no_grad():
+        student.ffn[0].weight.mul_(0.5)                        # unlike the teacher: a non-zero loss gradient
+    with pytest.raises(TrainingError, match=r"non-finite for 3 steps in a row \(step 3 of 20\)") as e:
+        distill_finetune(student, teacher, _data(0), steps=20)
+    assert e.value.hint and "\n" not in str(e.value)
+    assert all(torch.isfinite(p).all() for p in student.parameters())
+
+
+def test_cli_prune_with_a_nan_fine_tune_says_so_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """`dsedge prune` of a torch source whose fine-tune goes non-finite: one line naming the fine-tune (it said
+    "the model's outputs hold NaN/inf … fix the model's forward()" after exporting the NaN student), exit 2, no
+    model, no report, no temporary file."""
+    (tmp_path / "nanffn.py").write_text(NAN_NET)
+    (tmp_path / "calib").mkdir()
+    np.savez(tmp_path / "calib" / "a.npz", x=np.random.default_rng(0).standard_normal((32, 16)).astype(np.float32))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = _cli(["prune", "nanffn:make", "-o", "p.onnx", "--pattern", "channels", "--sparsity", "0.5",
+                         "--calib", "calib", "--finetune-steps", "5", "--report", "p.json"], capsys)
+    assert code == 2 and "error: fine-tune loss or gradients non-finite for 3 steps in a row" in err, err
+    assert "Traceback" not in err and "hint:" in err
+    assert {p.name for p in tmp_path.iterdir()} - {"__pycache__"} == {"calib", "nanffn.py"}

@@ -12,6 +12,7 @@ torch is imported lazily (toolchain modules must import without it).
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -112,10 +113,14 @@ def distill_finetune(student: Any, teacher: Any, batches: Sequence[Any], *, forw
         ``{"steps", "lr", "loss", "loss_before", "loss_after", "time_s"}`` — losses averaged over all ``batches``.
     Raises:
         CalibrationError: ``batches`` is empty. ConfigError: ``steps`` < 0 or an unknown ``loss``.
+        TrainingError: the loss or the gradients were non-finite for ``HealthConfig.max_nonfinite`` (3) steps in a
+            row (such steps are skipped, as ``dsedge train`` skips them; there is no checkpoint to roll back to), or
+            the loss before or after the fine-tune is non-finite: the student is not to be exported.
     """
     import torch
 
-    from ..runtime.errors import CalibrationError, ConfigError
+    from ..runtime.errors import CalibrationError, ConfigError, TrainingError
+    from .train.config import HealthConfig
 
     if not batches:
         raise CalibrationError("the fine-tune needs training batches and got none", "pass calibration data")
@@ -135,9 +140,17 @@ def distill_finetune(student: Any, teacher: Any, batches: Sequence[Any], *, forw
         with torch.no_grad():
             return float(sum(float(dist(fwd(student, b), t)) for b, t in zip(batches, targets)) / len(batches))
 
+    def refuse(what: str, value: float) -> None:
+        if not math.isfinite(value):
+            raise TrainingError(f"fine-tune loss {what} is {value} (non-finite): the student is not exported",
+                                "check the model and its calibration inputs for NaN/Inf (e.g. a forward that "
+                                "overflows)")
+
     loss_before = mean_loss()
+    refuse("before the first step", loss_before)
     t0 = time.perf_counter()
     trained = list(params) if params is not None else [p for p in student.parameters() if p.requires_grad]
+    max_nonfinite, nonfinite = HealthConfig().max_nonfinite, 0
     if steps and trained:
         opt = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
         for step in range(steps):
@@ -151,6 +164,19 @@ def distill_finetune(student: Any, teacher: Any, batches: Sequence[Any], *, forw
                     target = _detach(fwd(teacher, batch))
             lval = dist(fwd(student, batch), target)
             lval.backward()
+            # as `dsedge train`: a step whose loss or gradients are non-finite is skipped, several in a row stop
+            grads = [p.grad for p in trained if p.grad is not None]
+            gnorm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) \
+                if grads else 0.0
+            if not (math.isfinite(float(lval.detach())) and math.isfinite(gnorm)):
+                nonfinite += 1
+                if nonfinite >= max_nonfinite:
+                    raise TrainingError(f"fine-tune loss or gradients non-finite for {nonfinite} steps in a row "
+                                        f"(step {step + 1} of {steps}): the student is not exported",
+                                        "check the model and its calibration inputs for NaN/Inf, or prune "
+                                        "without a fine-tune (--finetune-steps 0)")
+                continue
+            nonfinite = 0
             opt.step()
             if masks:
                 with torch.no_grad():
@@ -159,7 +185,9 @@ def distill_finetune(student: Any, teacher: Any, batches: Sequence[Any], *, forw
             if log and (step + 1) % max(1, steps // 5) == 0:
                 log(f"fine-tune step {step + 1}/{steps}: loss {float(lval.detach()):.6f}")
     elapsed = time.perf_counter() - t0
-    return {"steps": steps, "lr": lr, "loss": loss, "loss_before": loss_before, "loss_after": mean_loss(),
+    loss_after = mean_loss()
+    refuse("after the fine-tune", loss_after)
+    return {"steps": steps, "lr": lr, "loss": loss, "loss_before": loss_before, "loss_after": loss_after,
             "time_s": round(elapsed, 2)}
 
 
