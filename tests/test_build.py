@@ -105,6 +105,50 @@ def test_calib_dir_is_split_and_reported(tmp_path):
                            precision="int4", calib=str(calib)))
 
 
+def _fp16_onnx(path, io_fp16: bool = True):
+    """``mlp_onnx`` with fp16 weights (and fp16 input/output unless ``io_fp16`` is False: fp32 IO around Casts)."""
+    from onnx import helper, numpy_helper
+
+    m = onnx.load(str(mlp_onnx(path.with_name("src32.onnx"))))
+    for t in m.graph.initializer:
+        t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float16), t.name))
+    if io_fp16:
+        for v in (*m.graph.input, *m.graph.output):
+            v.type.tensor_type.elem_type = TensorProto.FLOAT16
+    else:
+        m.graph.node[0].input[0] = "x16"
+        m.graph.node[-1].output[0] = "logits16"
+        m.graph.node.insert(0, helper.make_node("Cast", ["x"], ["x16"], to=TensorProto.FLOAT16))
+        m.graph.node.append(helper.make_node("Cast", ["logits16"], ["logits"], to=TensorProto.FLOAT))
+    onnx.checker.check_model(m)
+    onnx.save(m, str(path))
+    return path
+
+
+@pytest.mark.parametrize("target, precision, io_fp16", [("jetson", "fp32", True), ("cpu", "fp32", False),
+                                                         ("jetson", "auto", False), ("cpu", "int8", True)])
+def test_fp16_onnx_source_is_refused_not_labelled_fp32(tmp_path, target, precision, io_fp16):
+    """Found by a user: an fp16 ONNX built with `-p fp32` shipped as the variant "fp32" (manifest and report), and
+    `-p auto` / the fp32 variant beside a compressed one did the same; TensorRT and ORT ran it in fp16."""
+    model = _fp16_onnx(tmp_path / "m16.onnx", io_fp16)
+    out = tmp_path / "out"
+    with pytest.raises(SourceError, match=r"the model holds fp16 weights \(2 of 2 float weight tensors, e.g. 'w1'\): "
+                                          r"dsedge build needs the fp32 model") as e:
+        build(BuildOptions(model=str(model), target=target, out_dir=str(out), precision=precision,
+                           latency_iterations=3))
+    assert "-p fp16 makes the fp16 variant" in e.value.hint
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_quantized_onnx_source_is_refused_not_labelled_fp32(tmp_path):
+    from dsedge.toolchain.quantize.compress import compress
+
+    q = tmp_path / "q.onnx"
+    onnx.save(compress(onnx.load(str(mlp_onnx(tmp_path / "m.onnx"))), "int4-rtn").model, str(q))
+    with pytest.raises(SourceError, match=r"holds quantized layers \(2 DequantizeLinear nodes\)"):
+        build(BuildOptions(model=str(q), target="cpu", out_dir=str(tmp_path / "out"), precision="fp32"))
+
+
 def test_callable_source_exports_with_dynamic_batch(tmp_path, monkeypatch):
     (tmp_path / "mymodels.py").write_text(
         "import torch\n"

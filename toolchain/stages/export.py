@@ -19,9 +19,10 @@ def export(plan: BuildPlan, source: Source, work: Path, log: Callable[[str], Non
     """Export ``source`` to ``work/models/fp32.onnx`` and copy it to ``work/reference-fp32.onnx``.
 
     Raises:
-        SourceError: the export fails or its outputs differ from torch's.
+        SourceError: the export fails or its outputs differ from torch's; or it is not fp32 (``check_fp32``).
     """
     exported = export_with_ranges(source, work / "models" / "fp32.onnx")
+    check_fp32(plan, exported.path)
     if exported.parity_max_abs_diff is None:  # an ONNX source: nothing exported, nothing to compare with torch
         log("ONNX source used as is: no export, no torch parity check")
     else:
@@ -29,6 +30,39 @@ def export(plan: BuildPlan, source: Source, work: Path, log: Callable[[str], Non
     reference = work / "reference-fp32.onnx"
     shutil.copyfile(exported.path, reference)
     return Prepared(source=source, exported=exported, reference=reference, validation=source.example_inputs)
+
+
+def check_fp32(plan: BuildPlan, path: Path) -> None:
+    """Refuse an export whose weights are not fp32: fp16/bf16 weight tensors (float initializers of 2 or more dims)
+    or quantized layers (``quantize.graph.quantized_nodes``). The build labels its export ``fp32`` — the variant
+    ``-p fp32`` builds, the one shipped beside a compressed variant, auto's reference — and compresses from it
+    (an fp16 source gave INT4/INT8 graphs ONNX Runtime cannot load, and ``-p fp16`` found nothing to convert).
+
+    Raises:
+        SourceError: naming the weights' type and count; the hint says to build from the fp32 model (``-p fp16``
+            makes the fp16 variant from it).
+    """
+    import onnx
+    from onnx import TensorProto
+
+    from ...runtime.errors import SourceError
+    from ..quantize.graph import quantized_nodes
+
+    model = onnx.load(os.fspath(path), load_external_data=False)
+    floats = [t for t in model.graph.initializer if len(t.dims) >= 2 and t.data_type in
+              (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)]
+    half = [t for t in floats if t.data_type != TensorProto.FLOAT]
+    quantized = quantized_nodes(model)
+    if not half and not quantized:
+        return
+    if half:
+        kinds = sorted({"fp16" if t.data_type == TensorProto.FLOAT16 else "bf16" for t in half})
+        what = f"{'/'.join(kinds)} weights ({len(half)} of {len(floats)} float weight tensors, e.g. {half[0].name!r})"
+    else:
+        what = f"quantized layers ({len(quantized)} {'/'.join(sorted({n.op_type for n in quantized}))} nodes)"
+    raise SourceError(f"the model holds {what}: dsedge build needs the fp32 model (it ships its export as the fp32 "
+                      "variant and compresses from it)", "build from the fp32 model (ONNX or torch): -p fp16 makes "
+                      "the fp16 variant from it, with LayerNorm/Softmax kept fp32")
 
 
 def export_with_ranges(source: Source, dest: str | os.PathLike) -> Exported:
