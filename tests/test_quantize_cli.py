@@ -181,3 +181,22 @@ def test_quantize_in_place_replaces_the_model_only_once_the_new_one_is_complete(
     code, _, err = run_main(["quantize", model, "-o", model, "--precision", "int4", "--algorithm", "rtn"], capsys)
     assert code == 2 and "already quantized" in err and digest(model) == after
     assert not list(files.glob(".inplace.onnx.tmp-*"))
+
+
+@pytest.mark.parametrize("preset", ["int4-rtn", "int8-dynamic", "fp16"])
+def test_compress_refuses_an_fp16_model_naming_its_weights(preset):
+    """Found in review: INT4 of an fp16 model wrote a graph ONNX Runtime cannot load (DequantizeLinear's fp32 output
+    into an fp16 MatMul), and `fp16` of one said only "no float32 tensor". Refused before any work, naming what the
+    weights are."""
+    from onnx import numpy_helper
+
+    from dsedge.runtime.errors import QuantizationError
+    from dsedge.toolchain.quantize.compress import compress
+
+    m = mlp()
+    for t in m.graph.initializer:
+        if len(t.dims) >= 2:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float16), t.name))
+    with pytest.raises(QuantizationError, match=r"the model holds fp16 weights \(\d+ of \d+ float weight tensors") as e:
+        compress(m, preset)
+    assert "fp32 model" in e.value.hint

@@ -104,9 +104,25 @@ def quantized_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return found
 
 
+def half_weights(model: onnx.ModelProto) -> tuple[list[onnx.TensorProto], int]:
+    """The fp16/bf16 weight tensors of ``model`` (float initializers of 2 or more dims) and how many float weight
+    tensors it has in all: an fp16 model is not a source to compress or to build from (its layers are read as
+    weights, and the Q/DQ graph written around fp16 activations does not load in ONNX Runtime)."""
+    floats = [t for t in model.graph.initializer if len(t.dims) >= 2 and t.data_type in
+              (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)]
+    return [t for t in floats if t.data_type != TensorProto.FLOAT], len(floats)
+
+
+def describe_half(half: list[onnx.TensorProto], total: int) -> str:
+    """``"fp16 weights (2 of 2 float weight tensors, e.g. 'w1')"``."""
+    kinds = sorted({"fp16" if t.data_type == TensorProto.FLOAT16 else "bf16" for t in half})
+    return f"{'/'.join(kinds)} weights ({len(half)} of {total} float weight tensors, e.g. {half[0].name!r})"
+
+
 def refuse_quantized(model: onnx.ModelProto) -> None:
     """Raises QuantizationError when ``model`` is quantized already (:func:`quantized_nodes`), naming the ops found:
-    compressing it again would quantize quantized weights, or silently skip the layers it could no longer read."""
+    compressing it again would quantize quantized weights, or silently skip the layers it could no longer read; or
+    when its weights are fp16/bf16 (:func:`half_weights`)."""
     found = quantized_nodes(model)
     if found:
         counts: dict[str, int] = {}
@@ -118,6 +134,11 @@ def refuse_quantized(model: onnx.ModelProto) -> None:
         raise QuantizationError(f"the model is already quantized ({ops} node{'s' * (len(found) > 1)}, e.g. "
                                 f"{first.name or first.op_type!r}): compressing it again would double-quantize it",
                                 "quantize the fp32 source model it was made from")
+    half, total = half_weights(model)
+    if half:
+        raise QuantizationError(f"the model holds {describe_half(half, total)}: compression reads fp32 weights",
+                                "compress the fp32 model it was made from (the fp16 preset makes the fp16 model "
+                                "from it)")
 
 
 def select_layers(model: onnx.ModelProto, nodes: list[str] | None) -> list[WeightLayer]:

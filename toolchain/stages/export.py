@@ -43,21 +43,17 @@ def check_fp32(plan: BuildPlan, path: Path) -> None:
             makes the fp16 variant from it).
     """
     import onnx
-    from onnx import TensorProto
 
     from ...runtime.errors import SourceError
-    from ..quantize.graph import quantized_nodes
+    from ..quantize.graph import describe_half, half_weights, quantized_nodes
 
     model = onnx.load(os.fspath(path), load_external_data=False)
-    floats = [t for t in model.graph.initializer if len(t.dims) >= 2 and t.data_type in
-              (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)]
-    half = [t for t in floats if t.data_type != TensorProto.FLOAT]
+    half, total = half_weights(model)
     quantized = quantized_nodes(model)
     if not half and not quantized:
         return
     if half:
-        kinds = sorted({"fp16" if t.data_type == TensorProto.FLOAT16 else "bf16" for t in half})
-        what = f"{'/'.join(kinds)} weights ({len(half)} of {len(floats)} float weight tensors, e.g. {half[0].name!r})"
+        what = describe_half(half, total)
     else:
         what = f"quantized layers ({len(quantized)} {'/'.join(sorted({n.op_type for n in quantized}))} nodes)"
     raise SourceError(f"the model holds {what}: dsedge build needs the fp32 model (it ships its export as the fp32 "
