@@ -212,3 +212,15 @@ def test_out_inside_a_bundle_is_refused_and_the_bundle_left_as_it_was(tmp_path):
             pipeline.build(BuildConfig(model=str(bundle / "models" / "fp32.onnx"), target="cpu", precision="fp32",
                                        out_dir=str(out)))
     assert sorted(p.relative_to(bundle) for p in bundle.rglob("*")) == before
+
+
+def test_a_decision_logged_during_the_build_is_not_repeated_as_a_note(tmp_path, capsys):
+    """Found by a new user: `dsedge build` printed auto's choice twice, as the decision was made and again among the
+    closing notes. Each is said once; notes not logged during the build (if any) still close the output."""
+    model = mlp_onnx(tmp_path / "m.onnx")
+    code, out, err = run_main(["build", "--target", "cpu", "--model", model, "--out", tmp_path / "o"], capsys)
+    text = " ".join((out + err).split())
+    assert code in (0, None), err
+    assert text.count("auto chose") == 1, text
+    report = json.loads(next((tmp_path / "o").glob("*.dse/report.json")).read_text())
+    assert any("auto chose" in n for n in report["notes"])  # still in the report

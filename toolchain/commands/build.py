@@ -77,7 +77,12 @@ def build(ctx: click.Context, target: str, model: str | None, out_dir: str, prec
                                algorithm=algorithm, accuracy_gate=accuracy_gate, embeddings=not no_embeddings,
                                keep_fp32=not no_fp32, threads=threads, dla_core=dla_core, engine=engine,
                                prune=prune, finetune_steps=finetune_steps, qat_steps=qat_steps)
-    log = (lambda s: None) if quiet else (lambda s: console.print(f"[dim]·[/dim] {s}"))
+    logged: set[str] = set()
+
+    def log(line: str) -> None:
+        logged.add(line)
+        if not quiet:
+            console.print(f"[dim]·[/dim] {line}")
     with stage_progress(console, enabled=not quiet) as progress:
         result = pipeline.build(config, log=log, **({"progress": progress} if progress else {}))
     console.print(summary_table(result.report))
@@ -85,7 +90,8 @@ def build(ctx: click.Context, target: str, model: str | None, out_dir: str, prec
         console.print(line)
     if not quiet:
         for note in result.report["notes"]:
-            console.print(f"note: {note}")
+            if note not in logged:  # a decision already said as it was made (e.g. auto's choice) is not said twice
+                console.print(f"note: {note}")
     console.print(f"validated on {result.report['validation']['inputs']}; "
                   f"build wall time {result.report['wall_time_s']:.1f} s; bundle: {result.bundle}")
     if as_json:
