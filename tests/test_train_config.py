@@ -271,7 +271,31 @@ def test_cli_class_weights_of_the_wrong_length_stop_before_a_step_without_traceb
     n = weights.count(",") + 1
     assert e.value.code == 2 and "Traceback" not in err, err
     assert f"error: [loss] class_weights has {n} weight" in err and "the model gives 2 classes" in err, err
-    assert not (run / "checkpoints").exists() and not (run / "final").exists()
+    assert not run.exists()  # found by a user: OUT/config.toml and metrics.jsonl were written before the check
+
+
+@pytest.mark.parametrize("verb", ["train", "distill"])
+def test_class_weights_of_the_wrong_length_leave_no_run_directory(tmp_path, capsys, verb):
+    """`dsedge train` / `dsedge distill`: the class count is the model's (the config cannot know it), so one sample
+    goes through the model before the run directory is written; a 3-class model with 2 weights leaves nothing."""
+    from dsedge.cli import main
+    from train_models import config
+
+    run = tmp_path / "run"
+    cfg = config(run, loss={"class_weights": [1.0, 2.0]}, device="cpu")
+    if verb == "distill":
+        cfg["distill"] = {"teacher": str(tmp_path / "teacher")}
+        teacher = config(tmp_path / "teacher", steps=1, device="cpu")
+        with pytest.raises(SystemExit) as e:
+            main(["train", str(write(tmp_path, dump_toml(teacher), "teacher.toml"))])
+        assert e.value.code == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([verb, str(write(tmp_path, dump_toml(cfg)))])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert "error: [loss] class_weights has 2 weights but the model gives 3 classes" in err, err
+    assert not run.exists()
 
 
 def test_cli_nan_lr_is_one_line_and_leaves_no_run_directory(tmp_path, capsys, shared_data):
@@ -284,3 +308,74 @@ def test_cli_nan_lr_is_one_line_and_leaves_no_run_directory(tmp_path, capsys, sh
     err = capsys.readouterr().err
     assert e.value.code == 2 and "[optim] lr must be a finite number > 0, got nan" in err and "Traceback" not in err
     assert not run.exists()
+
+
+def _cuda_config(tmp_path):
+    from train_models import config
+
+    return write(tmp_path, dump_toml(config(tmp_path / "run", device="cuda")))
+
+
+def test_a_rank_without_a_gpu_fails_fast_under_torchrun(tmp_path):
+    """A rank as torchrun starts it (LOCAL_RANK 1 of WORLD_SIZE 2) with device = 'cuda' on a host without a usable
+    GPU: one line, exit 2, before init_process_group (where it would wait for the other rank: the timeout says so),
+    and no run directory."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tests = str(Path(__file__).parent)
+    env = dict(os.environ, LOCAL_RANK="1", RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", DSEDGE_PG_TIMEOUT="30",
+               PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "dsedge.cli", "train", str(_cuda_config(tmp_path))], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "device = 'cuda' but no CUDA GPU is visible" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_local_rank_past_the_visible_gpus_is_refused_before_the_process_group(tmp_path, monkeypatch):
+    """More ranks per node than GPUs (LOCAL_RANK 1, one GPU): a ConfigError naming both, not torch's "invalid device
+    ordinal" from set_device, and never init_process_group. The GPU count is faked (this host has none)."""
+    import torch
+
+    from dsedge.toolchain.train import parallel
+
+    def no_group(*a, **kw):
+        raise AssertionError("init_process_group reached")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail(f"set_device({i})"))
+    monkeypatch.setattr(parallel.dist, "init_process_group", no_group)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config(_cuda_config(tmp_path))
+    with pytest.raises(ConfigError, match=r"this process is local rank 1 and only 1 CUDA GPU is visible") as e:
+        parallel.init_distributed(cfg)
+    assert e.value.hint == "start at most 1 process per node (--nproc-per-node 1), one per GPU"
+
+
+def test_more_processes_than_gpus_are_refused_before_torchrun_starts(tmp_path, capsys, monkeypatch):
+    """`dsedge train --nproc-per-node 2` with device = 'cuda' and no GPU: one line from the launcher (it started
+    torchrun, whose ranks each printed the error, then its ChildFailedError traceback)."""
+    from dsedge.cli import main
+    from dsedge.toolchain.commands import train as train_cmd
+
+    import torch
+
+    monkeypatch.setattr(train_cmd, "launch_torchrun", lambda *a: pytest.fail("torchrun launched"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(_cuda_config(tmp_path)), "--nproc-per-node", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert "--nproc-per-node 2 on CUDA and no CUDA GPU visible" in err
+    assert not (tmp_path / "run").exists()

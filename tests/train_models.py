@@ -176,3 +176,29 @@ def config(out, **over):
     for k, v in over.items():
         d[k] = {**d[k], **v} if isinstance(v, dict) and isinstance(d.get(k), dict) else v
     return d
+
+
+def make_dropout(din: int = 8, hidden: int = 32, classes: int = 3, p: float = 0.3) -> nn.Module:
+    """An MLP with dropout: its training steps draw from the global RNG (resume tests)."""
+    return nn.Sequential(nn.Linear(din, hidden), nn.ReLU(), nn.Dropout(p), nn.Linear(hidden, classes))
+
+
+class HalfUsed(nn.Module):
+    """Two heads, of which forward() uses one: fine in one process, not under DDP."""
+
+    def __init__(self, din: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        self.head = nn.Linear(din, classes)
+        self.spare = nn.Linear(din, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+def make_half_used(**kw) -> nn.Module:
+    return HalfUsed(**kw)
+
+
+def make_sequences_val(n: int = 40, val: int = 16):
+    """Variable-length sequences with a validation set of them too."""
+    return Sequences(n), Sequences(val, seed=1)

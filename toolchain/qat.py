@@ -45,16 +45,27 @@ def _fq_linear_class():
     import torch
 
     class FakeQuantLinear(torch.nn.Module):
-        """``nn.Linear`` whose weight is fake-quantized in forward (straight-through gradient)."""
+        """``nn.Linear`` whose weight is fake-quantized in forward (straight-through gradient).
+
+        ``weight`` and ``bias`` read like the Linear's (the weight fake-quantized): parents that use their Linear's
+        weight directly, as ``nn.MultiheadAttention`` does with ``out_proj.weight``, see the same quantized weight
+        (they failed with an AttributeError)."""
 
         def __init__(self, linear: torch.nn.Linear, block_size: int, symmetric: bool) -> None:
             super().__init__()
             self.linear, self.block_size, self.symmetric = linear, block_size, symmetric
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
+        @property
+        def weight(self) -> torch.Tensor:
             w = self.linear.weight
-            wq = w + (fake_quant_weight(w, self.block_size, self.symmetric) - w).detach()
-            return torch.nn.functional.linear(x, wq, self.linear.bias)
+            return w + (fake_quant_weight(w, self.block_size, self.symmetric) - w).detach()
+
+        @property
+        def bias(self) -> torch.Tensor | None:
+            return self.linear.bias
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, self.weight, self.linear.bias)
 
     return FakeQuantLinear
 

@@ -8,12 +8,31 @@ import sys
 import click
 
 
+# torch.distributed.run without its ChildFailedError traceback: the failed rank has printed its own error (one line
+# for a DsedgeError); the launcher exits with that rank's status (2 for a DsedgeError, as in one process)
+_TORCHRUN = """import sys
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+try:
+    run(parse_args(sys.argv[1:]))
+except ChildFailedError as e:
+    rank, failure = e.get_first_failure()
+    code = failure.exitcode
+    if code < 0:
+        print(f"error: rank {rank} was killed by signal {-code}", file=sys.stderr)
+        print("  hint: see the system log (e.g. the OOM killer); --max-restarts N restarts the group", file=sys.stderr)
+    sys.exit(code if 0 < code < 256 else 1)
+"""
+
+
 def launch_torchrun(verb: str, config: str, nproc: int, max_restarts: int) -> int:
-    """Re-run ``dsedge VERB CONFIG`` under ``torch.distributed.run`` on this node (standalone rendezvous).
+    """Re-run ``dsedge VERB CONFIG`` under ``torch.distributed.run`` on this node (standalone rendezvous); returns
+    0, or the exit status of the first rank that failed (2 for a DsedgeError), after its own error line and
+    without torchrun's ChildFailedError traceback.
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with a shared store, restarts after a killed rank hang (measured)."""
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-c", _TORCHRUN, "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "dsedge.cli", verb, config]
     return subprocess.call(cmd, env=env)
 
@@ -28,9 +47,9 @@ def check_launch(verb: str, config: str, nproc: int | None, max_restarts: int): 
 
     Raises:
         click.UsageError: ``--max-restarts`` without ``--nproc-per-node`` (only torchrun restarts).
-        ConfigError: what ``load_config`` raises; a mesh ``--nproc-per-node`` processes cannot hold; a factory that
-            cannot be imported; ``dsedge train`` on a config with a ``[distill]`` section (it would train without
-            the teacher).
+        ConfigError: what ``load_config`` raises; a mesh ``--nproc-per-node`` processes cannot hold; more processes
+            than visible GPUs under CUDA; a factory that cannot be imported; ``dsedge train`` on a config with a
+            ``[distill]`` section (it would train without the teacher).
         SourceError: ``dsedge distill`` whose teacher is not a finished run.
     """
     from ...runtime.errors import ConfigError
@@ -48,6 +67,11 @@ def check_launch(verb: str, config: str, nproc: int | None, max_restarts: int): 
 
         cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
         check_world(cfg, nproc, "cuda" if cuda else "cpu")
+        gpus = torch.cuda.device_count() if cuda and torch.cuda.is_available() else 0
+        if cuda and nproc > gpus:  # each rank would refuse (parallel.pick_device), once per rank, under torchrun
+            raise ConfigError(f"{cfg.source}: --nproc-per-node {nproc} on CUDA and "
+                              + (f"only {gpus} GPU{'s' * (gpus != 1)} visible" if gpus else "no CUDA GPU visible"),
+                              f"use --nproc-per-node {gpus} (one process per GPU)" if gpus else "use device = 'auto'")
         resolve_callable(cfg.model.factory, "[model] factory")
         resolve_callable(cfg.data.factory, "[data] factory")
         if verb == "distill":

@@ -178,7 +178,8 @@ _MISSING_KEY = re.compile(r"Missing key in checkpoint state_dict: ([^\s{}\"']+?)
 def _refuse_other_model(path: Path, err: BaseException) -> None:
     """A checkpoint that loads but does not fit the model (other sizes or another architecture) was written under
     another config: raise ConfigError rather than skip it and start over in the same run directory, whose
-    checkpoints the new run would then overwrite. Any other failure returns (the caller skips it as corrupt)."""
+    checkpoints the new run would then overwrite; one whose optimizer groups differ (``[optim] lamb_threshold``
+    changed) says so. Any other failure returns (the caller skips it as corrupt)."""
     from ...runtime.errors import ConfigError
 
     text = str(err)
@@ -187,6 +188,12 @@ def _refuse_other_model(path: Path, err: BaseException) -> None:
         return
     what = (f"{size.group(3)} is {size.group(1)} there, {size.group(2)} now" if size
             else f"it has no {missing.group(1)}")
+    if not size and missing.group(1).startswith("optim."):
+        # the optimizer's groups differ: [optim] lamb_threshold moved parameters between LAMB and AdamW (or the
+        # model changed); this said "another model" and pointed at [model] alone
+        raise ConfigError(f"{path.parent.parent} holds checkpoints of another optimizer layout ({path.name}: {what})",
+                          "restore the [optim] lamb_threshold (it sorts parameters into LAMB and AdamW) and the "
+                          "[model] section this run was trained with, or set another out_dir") from None
     raise ConfigError(f"{path.parent.parent} holds checkpoints of another model ({path.name}: {what})",
                       "set another out_dir for the changed model, or restore the [model] section this run was "
                       "trained with") from None

@@ -109,7 +109,7 @@ class DistillConfig:
     temperature: float = 4.0
     alpha: float = 0.7
     features: dict = field(default_factory=dict)  # student module fqn -> teacher module fqn (same shape)
-    feature_weight: float = 0.0
+    feature_weight: typing.Optional[float] = None  # required with features (0 turns the matching off)
 
 
 @dataclass

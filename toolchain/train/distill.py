@@ -32,7 +32,14 @@ def _capture(model: torch.nn.Module, names: list[str], store: dict[str, torch.Te
 
 def run(cfg: TrainConfig) -> recipe.RunResult:
     """Distill a student (``[model]``) from the teacher run in ``[distill]``; writes the same run directory layout as
-    `dsedge train`. Raises ConfigError / SourceError / TrainingError."""
+    `dsedge train`.
+
+    Raises:
+        ConfigError: what ``train.run`` raises; at the first step, a teacher that cannot run on the data's inputs,
+            student and teacher outputs of other shapes, a ``features`` module that does not exist or a pair whose
+            outputs differ in shape.
+        SourceError: the teacher is not a finished run. TrainingError: what ``train.run`` raises.
+    """
     d = cfg.distill
     teacher_box: dict[str, Any] = {}
 
@@ -45,7 +52,7 @@ def run(cfg: TrainConfig) -> recipe.RunResult:
         teacher_box["model"] = teacher
 
     def make_forward_loss(hard: Callable) -> recipe.ForwardLoss:
-        kd = DistillLoss(hard, d.temperature, d.alpha, d.feature_weight)
+        kd = DistillLoss(hard, d.temperature, d.alpha, d.feature_weight or 0.0)
         teacher = teacher_box["model"]
         s_feats: dict[str, torch.Tensor] = {}
         t_feats: dict[str, torch.Tensor] = {}
@@ -55,9 +62,18 @@ def run(cfg: TrainConfig) -> recipe.RunResult:
             if d.features and not hooked:
                 _capture(model, list(d.features), s_feats)
                 _capture(teacher, list(d.features.values()), t_feats)
+            try:
+                with torch.no_grad():
+                    t_out = teacher(*x)
+            except (RuntimeError, TypeError, ValueError, IndexError) as e:
+                if hooked or isinstance(e, torch.OutOfMemoryError):  # the data fitted it before: not a config issue
+                    raise
+                shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in x)
+                raise ConfigError(f"{cfg.source}: the teacher {d.teacher} cannot run on this data's inputs ({shapes}):"
+                                  f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                                  "distill on inputs like the teacher's (its final/model.json lists them)") from None
+            if not hooked:  # hooks in place (with features) and the teacher ran on this data once
                 hooked.append(True)
-            with torch.no_grad():
-                t_out = teacher(*x)
             s_out = model(*x)
             t_out = t_out[0] if isinstance(t_out, (tuple, list)) else t_out
             s_out = s_out[0] if isinstance(s_out, (tuple, list)) else s_out
@@ -66,6 +82,11 @@ def run(cfg: TrainConfig) -> recipe.RunResult:
                                   f"{list(t_out.shape)} ({d.teacher}) differ in shape",
                                   "give the student the teacher's number of outputs ([model] kwargs)")
             pairs = [(s_feats[s], t_feats[t]) for s, t in d.features.items()] if d.features else []
+            for (s, t), (sf, tf) in zip(d.features.items(), pairs):
+                if sf.shape != tf.shape:  # MSE would broadcast, or fail with a traceback
+                    raise ConfigError(f"{cfg.source}: [distill] features: the student's {s!r} gives "
+                                      f"{list(sf.shape)} and the teacher's {t!r} {list(tf.shape)}",
+                                      "pair modules whose outputs have the same shape")
             return kd(s_out, t_out, y, pairs)
         return forward_loss
 

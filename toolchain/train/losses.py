@@ -24,12 +24,15 @@ def make_loss(cfg: LossConfig) -> LossFn:
 
     cross_entropy: logits (N, C) float, target (N,) int64 class ids; ``class_weights`` (C floats).
     bce_with_logits: logits and target same shape (a trailing size-1 axis is squeezed), ``pos_weight``.
-    mse: same shape. ``module:function``: the user's function, called as-is.
+    mse: same shape (a trailing size-1 axis is squeezed). ``module:function``: the user's function, called as-is.
     The cross_entropy loss raises ConfigError (on its first call, before any weight moves) when ``class_weights``
-    does not give one weight per class of the logits; the config cannot know C.
+    does not give one weight per class of the logits; the config cannot know C. bce_with_logits and mse raise
+    ConfigError when the logits and the target differ in shape (mse broadcast them: a wrong loss, silently);
+    cross_entropy when targets are not class ids of the logits (every batch on the CPU, the first on a GPU).
     """
     if cfg.kind == "cross_entropy":
         w = torch.tensor(cfg.class_weights, dtype=torch.float32) if cfg.class_weights else None
+        first = [True]
 
         def ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             classes = logits.shape[1 if logits.ndim >= 2 else 0] if logits.ndim else 0  # torch's class axis
@@ -37,6 +40,15 @@ def make_loss(cfg: LossConfig) -> LossFn:
                 raise ConfigError(f"[loss] class_weights has {len(w)} weight{'s' * (len(w) != 1)} but the model gives "
                                   f"{classes} classes (logits {tuple(logits.shape)})",
                                   f"give {classes} weights, one per class")
+            if (first or target.device.type == "cpu") and target.numel():  # on a GPU once (a sync): torch's
+                first.clear()                                                 # IndexError or a CUDA assert otherwise
+                top, low = int(target.max()), int(target.min())
+                if top >= classes or low < 0:
+                    raise ConfigError(f"[loss] kind = 'cross_entropy': a target is class {top if low >= 0 else low} "
+                                      f"and the model gives "
+                                      f"{classes} class{'es' * (classes != 1)} (logits {tuple(logits.shape)})",
+                                      "one output per class (2 for a binary task), or kind = 'bce_with_logits' for a "
+                                      "single logit")
             return F.cross_entropy(logits.float(), target.long(),
                                    weight=None if w is None else w.to(logits.device))
         return ce
@@ -44,14 +56,25 @@ def make_loss(cfg: LossConfig) -> LossFn:
         pw = torch.tensor([cfg.pos_weight], dtype=torch.float32) if cfg.pos_weight is not None else None
 
         def bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            if logits.ndim == target.ndim + 1 and logits.shape[-1] == 1:
-                logits = logits.squeeze(-1)
+            logits = _same_shape(logits, target, "bce_with_logits")
             return F.binary_cross_entropy_with_logits(logits.float(), target.float(),
                                                       pos_weight=None if pw is None else pw.to(logits.device))
         return bce
     if cfg.kind == "mse":
-        return lambda logits, target: F.mse_loss(logits.float(), target.float())
+        return lambda logits, target: F.mse_loss(_same_shape(logits, target, "mse").float(), target.float())
     return resolve_callable(cfg.kind, "[loss] kind")
+
+
+def _same_shape(logits: torch.Tensor, target: torch.Tensor, kind: str) -> torch.Tensor:
+    """``logits`` with a trailing size-1 axis squeezed when the target lacks it; ConfigError if the shapes differ."""
+    if logits.ndim == target.ndim + 1 and logits.shape[-1] == 1:
+        logits = logits.squeeze(-1)
+    if logits.shape != target.shape:
+        raise ConfigError(f"[loss] kind = {kind!r} needs the model's output and the target in the same shape; the "
+                          f"model gives {list(logits.shape)} for targets {list(target.shape)}",
+                          "use kind = 'cross_entropy' for class ids, or make the model give one output per target "
+                          "value")
+    return logits
 
 
 def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:

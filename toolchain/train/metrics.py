@@ -74,8 +74,9 @@ class MetricsLog:
         self.write({"event": name, **fields})
 
     def truncate_after(self, step: int) -> None:
-        """Drop step records after ``step`` (kept: events, earlier steps): the log of a resumed run stays one
-        trajectory. Atomic (temp file + rename)."""
+        """Drop step records and events after ``step`` (a rollback's counts at its ``to_step``; kept: earlier ones and
+        events without a step): the log of a resumed run stays one trajectory, without the abandoned one's
+        ``checkpoint`` / ``finished`` events. Atomic (temp file + rename)."""
         if self.rank != 0 or not self.path.is_file():
             return
         keep = []
@@ -84,7 +85,7 @@ class MetricsLog:
                 rec = json.loads(line)
             except ValueError:
                 continue  # a line cut by a crash
-            if "event" in rec or rec.get("step", 0) <= step:
+            if rec.get("step", rec.get("to_step", 0)) <= step:
                 keep.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in keep))

@@ -108,6 +108,17 @@ class HybridOptimizer:
                 for g in opt.param_groups:
                     g["initial_lr"] = lr
                 self.optimizers.append(opt)
+        # the config's hyper-parameters per group, in order: loading a checkpoint replaces the groups' own
+        self._hparams = [[{"initial_lr": lr, "weight_decay": g["weight_decay"], "betas": tuple(betas), "eps": eps}
+                          for g in o.param_groups] for o in self.optimizers]
+
+    def reset_hparams(self) -> None:
+        """Give every group the constructor's ``initial_lr``, ``weight_decay``, ``betas`` and ``eps`` again, after a
+        checkpoint's state (which holds the hyper-parameters of the run that wrote it) was loaded; the current
+        ``lr`` is left to the schedule."""
+        for o, hparams in zip(self.optimizers, self._hparams):
+            for g, h in zip(o.param_groups, hparams):
+                g.update(h)
 
     def zero_grad(self) -> None:
         for o in self.optimizers:

@@ -63,9 +63,22 @@ class DistEnv:
 
 
 def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` for ``device = 'cuda'`` (or ``auto`` with a GPU), else the CPU.
+
+    Raises:
+        ConfigError: CUDA asked and no GPU is visible, or ``local_rank`` is past the visible GPUs (more processes per
+            node than GPUs) — before ``init_process_group``, where the other ranks would wait for this one.
+    """
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError(f"{cfg.source}: device = 'cuda' but no CUDA GPU is visible", "use device = 'auto'")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ConfigError(f"{cfg.source}: this process is local rank {local_rank} and only {count} CUDA GPU"
+                              f"{'s are' if count != 1 else ' is'} visible (CUDA_VISIBLE_DEVICES="
+                              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+                              f"start at most {count} process{'es' if count != 1 else ''} per node "
+                              f"(--nproc-per-node {count}), one per GPU")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

@@ -79,6 +79,44 @@ def run(cfg: TrainConfig, forward_loss: Callable[[Callable], ForwardLoss] | None
             dist.destroy_process_group()
 
 
+def check_class_weights(model: torch.nn.Module, train_ds: Any, hard_loss: Callable, padded: bool) -> None:
+    """``[loss] class_weights`` against the classes the model really gives, before the run directory is written:
+    the first training sample through the plain model (CPU, eval mode, no grad) into ``hard_loss``.
+
+    Raises:
+        ConfigError: the loss's own, naming both counts. Any other error of this one-sample forward is left to the
+            first training step (a forward may need the device the model is not on yet).
+    """
+    from torch.utils.data import default_collate
+
+    x, y = (pad_collate if padded else default_collate)([train_ds[0]])
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(*as_inputs(x))
+    except Exception:  # not this check's business: the first step reports it, as it always did
+        return
+    finally:
+        model.train(was_training)
+    hard_loss(out[0] if isinstance(out, (tuple, list)) else out, y)
+
+
+def check_all_used(model: torch.nn.Module, cfg: TrainConfig) -> None:
+    """After the first backward under DDP: every trainable parameter got a gradient. DDP (without the costly
+    ``find_unused_parameters``) otherwise fails the next step with a RuntimeError traceback on every rank.
+
+    Raises:
+        ConfigError: naming the parameters ``forward()`` did not use.
+    """
+    unused = [n.removeprefix("module.") for n, q in model.named_parameters() if q.requires_grad and q.grad is None]
+    if unused:
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        raise ConfigError(f"{cfg.source}: [model] {cfg.model.factory}: forward() leaves {', '.join(unused[:5])}{more} "
+                          "unused, which data-parallel training (DDP) cannot reduce",
+                          "use them in forward(), or freeze them (requires_grad_(False)) or delete them in the factory")
+
+
 def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | None) -> RunResult:
     run_dir = Path(cfg.out_dir)
 
@@ -93,6 +131,10 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
     if cfg.model.input_names and len(cfg.model.input_names) != len(example):
         raise ConfigError(f"{cfg.source}: [model] input_names has {len(cfg.model.input_names)} names but the data "
                           f"gives {len(example)} inputs", "list one name per model input")
+    if cfg.checkpoint.activation_checkpointing and not par.blocks(model):  # else silently no recomputation at all
+        raise ConfigError(f"{cfg.source}: [checkpoint] activation_checkpointing needs repeated blocks: the model has "
+                          "no nn.ModuleList and is not an nn.Sequential", "keep the blocks in an nn.ModuleList, or "
+                          "set activation_checkpointing = false")
     domain_weights = build_domain_weights(cfg, train_ds) if isinstance(train_ds, MultiDomain) else None
     sampler = build_sampler(cfg, train_ds, env, domain_weights)
     plateau = None
@@ -103,12 +145,12 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         plateau = PlateauMonitor(cfg.augment.levels, cfg.augment.min_improvement, cfg.augment.patience)
     total_steps = cfg.steps if cfg.steps is not None else sampler.steps_for_epochs(cfg.epochs)
     hard_loss = make_loss(cfg.loss)
+    if cfg.loss.class_weights:
+        check_class_weights(model, train_ds, hard_loss, isinstance(sampler, TokenBudgetBatchSampler))
     forward_loss = forward_loss_factory(hard_loss) if forward_loss_factory else None
     # the run directory only once the model and data could be built: a bad config or a missing data file leaves
-    # nothing behind
-    if env.rank == 0:
-        write_resolved_config(run_dir, cfg)
-    log = MetricsLog(run_dir / "metrics.jsonl", env.rank, progress=cfg.health.progress,
+    # nothing behind (config.toml once the checkpoints, if any, loaded: below)
+    log = MetricsLog(run_dir / "metrics.jsonl", env.rank, total_steps, progress=cfg.health.progress,
                      tensorboard=cfg.health.tensorboard)
 
     # precision, activation checkpointing, parallelism (applied to the plain module, names kept)
@@ -144,7 +186,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
                                 cfg.optim.lamb_threshold)
     lr_schedule = WarmupCosine(total_steps, cfg.schedule.warmup_fraction, cfg.schedule.min_lr_ratio)
     lr_schedulers = lr_schedule.schedulers(optimizer)  # torch.optim.lr_scheduler, stepped once per loop step
-    lr_signature = [lr_schedule.total, lr_schedule.warmup, lr_schedule.min_ratio]
+    lr_signature = [lr_schedule.total, lr_schedule.warmup, lr_schedule.min_ratio, cfg.optim.lr]
     scaler = policy.grad_scaler()
     params = [q for q in model.parameters() if q.requires_grad]
     ckpt = Checkpointer(run_dir, env.rank, cfg.checkpoint.keep, log.message)
@@ -154,8 +196,11 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
 
     def restore() -> dict | None:
         state = ckpt.load_latest(model, optimizer.optimizers)
+        if state is not None:  # the checkpoint's lr, weight_decay, betas, eps replaced the config's: take them back
+            optimizer.reset_hparams()
         if state is not None and scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
+            # the running scale is the checkpoint's; the growth interval the config's (it was silently the old one)
+            scaler.load_state_dict({**state["scaler"], "growth_interval": cfg.precision.growth_interval})
         if state is not None and domain_weights is not None and state.get("domains"):
             domain_weights.load_state_dict(state["domains"])
         if state is not None and plateau is not None and state.get("plateau"):
@@ -171,6 +216,8 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         return state
 
     state = restore()
+    if env.rank == 0:  # not before: a resume refused (checkpoints of another model) left the new config beside them
+        write_resolved_config(run_dir, cfg)
     if state is not None:
         step = state["step"]
         rollbacks = state.get("rollbacks", 0)
@@ -190,8 +237,11 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         epoch, b = sampler.locate(s)
         while True:
             sampler.set_position(epoch, b)
+            # a generator of its own: a loader without one draws its base seed from the global RNG when iterated, and
+            # a resumed run iterates a new loader where the run it resumes did not, so its dropout diverged
+            seeds = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
             yield from DataLoader(train_ds, batch_sampler=sampler, num_workers=cfg.data.num_workers,
-                                  collate_fn=collate, persistent_workers=False)
+                                  collate_fn=collate, persistent_workers=False, generator=seeds)
             epoch, b = epoch + 1, 0
 
     data = batches_from(step)
@@ -226,6 +276,8 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
                     out = model(*x)
                     loss = hard_loss(out[0] if isinstance(out, (tuple, list)) else out, y)
             (scaler.scale(loss) if scaler is not None else loss).backward()
+            if comm is not None and step == start_step:  # DDP, first step of this process
+                check_all_used(model, cfg)
 
         # unscale, measure, clip, step (or skip a non-finite step)
         if scaler is not None:

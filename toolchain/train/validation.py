@@ -71,6 +71,9 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
         raise ConfigError(f"{s}: [loss] class_weights is for kind = 'cross_entropy', not {cfg.loss.kind!r}",
                           "use pos_weight with bce_with_logits, or remove class_weights")
     _positive(cfg.loss.pos_weight, "[loss] pos_weight", s, finite=True)
+    if cfg.loss.pos_weight is not None and cfg.loss.kind != "bce_with_logits":  # else silently unused
+        raise ConfigError(f"{s}: [loss] pos_weight is for kind = 'bce_with_logits', not {cfg.loss.kind!r}",
+                          "use class_weights with cross_entropy, or remove pos_weight")
     _names(cfg.model.input_names, "[model] input_names", s, allow_empty=True)
     _names(cfg.model.output_names, "[model] output_names", s, allow_empty=False)
     d = cfg.data
@@ -105,6 +108,10 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
     _positive(p.powersgd_rank, "[parallel] powersgd_rank", s)
     if p.comm_hook and p.data != "ddp":
         raise ConfigError(f"{s}: [parallel] comm_hook needs data = 'ddp'", "FSDP has no DDP comm hooks; remove it")
+    if p.pipeline > 1 and (cfg.precision.mode == "fp16" or distill):
+        # checked here, not only by the ranks: under --nproc-per-node each rank printed it, then torchrun's traceback
+        raise ConfigError(f"{s}: pipeline parallel supports fp32/bf16 training (no fp16, no distill)",
+                          "set [parallel] pipeline = 1 or precision mode = 'bf16'")
     _positive(cfg.checkpoint.every, "[checkpoint] every", s)
     _positive(cfg.checkpoint.keep, "[checkpoint] keep", s)  # keep = 0 deleted every checkpoint, the last too
     _positive(cfg.health.max_nonfinite, "[health] max_nonfinite", s)
@@ -147,6 +154,16 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
             raise ConfigError(f"{s}: [distill] alpha must be in [0, 1], got {cfg.distill.alpha}", "e.g. alpha = 0.7")
         _positive(cfg.distill.temperature, "[distill] temperature", s, finite=True)
         _positive(cfg.distill.feature_weight, "[distill] feature_weight", s, allow_zero=True, finite=True)
+        feats = cfg.distill.features
+        if not all(isinstance(v, str) and v for v in feats.values()):
+            raise ConfigError(f"{s}: [distill] features must map student module names to teacher module names "
+                              f"(strings), got {feats!r}", 'e.g. features = { "blocks.0" = "blocks.1" }')
+        fw = cfg.distill.feature_weight
+        if (feats and fw is None) or (fw and not feats):  # either alone trained without any feature loss, silently
+            raise ConfigError(f"{s}: [distill] " + ("features needs feature_weight" if feats else
+                                                    f"feature_weight = {fw} needs features"),
+                              "set both (e.g. feature_weight = 1.0 with features = { student_module = "
+                              "\"teacher_module\" }), or neither")
     return cfg
 
 

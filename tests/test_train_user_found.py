@@ -1,0 +1,325 @@
+"""Found by a user trying `dsedge train` / `dsedge distill` (resume, mixed precision, torchrun, distillation
+features): each test failed before its fix. Tiny real models, in one process or under real torchrun (gloo)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_models import config
+
+from dsedge.runtime.errors import ConfigError
+from dsedge.toolchain.train import distill, train
+from dsedge.toolchain.train.config import dump_toml, from_dict
+from dsedge.toolchain.train.metrics import read_metrics
+
+TESTS = str(Path(__file__).parent)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    sys.path.insert(0, TESTS)
+    yield
+    torch.set_num_threads(n)
+    sys.path.remove(TESTS)
+
+
+def losses(run_dir):
+    return [r["loss"] for r in read_metrics(Path(run_dir) / "metrics.jsonl")]
+
+
+def cut_back_to_step_3(run_dir):
+    """What a run killed between its checkpoints at steps 3 and 6 leaves."""
+    shutil.rmtree(run_dir / "checkpoints" / "step_6")
+    shutil.rmtree(run_dir / "final")
+
+
+def test_resume_of_a_model_with_dropout_continues_the_same_trajectory(tmp_path):
+    """The checkpoint's RNG state was defeated: the resumed run's new DataLoader drew its base seed from the global
+    RNG (the uninterrupted run drew none at that step), so every dropout mask after the resume differed."""
+    ref = train.run(from_dict(config(tmp_path / "ref", model={"factory": "train_models:make_dropout"})))
+    shutil.copytree(tmp_path / "ref", tmp_path / "run")
+    cut_back_to_step_3(tmp_path / "run")
+    result = train.run(from_dict(config(tmp_path / "run", model={"factory": "train_models:make_dropout"})))
+    assert result.resumed_from == 3 and result.steps == ref.steps == 6
+    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+    a, b = load_file(tmp_path / "ref" / "final" / "model.safetensors"), load_file(tmp_path / "run" / "final" /
+                                                                                   "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_takes_the_configs_optim_settings_not_the_checkpoints(tmp_path):
+    """Rerunning with another [optim] lr / weight_decay resumed with the checkpoint's (loaded with the optimizer
+    state), silently, while OUT/config.toml recorded the new values."""
+    train.run(from_dict(config(tmp_path / "ref")))
+    ref_lr = [r["lr"] for r in read_metrics(tmp_path / "ref" / "metrics.jsonl")]
+    finals = {}
+    for wd in (0.01, 0.5):
+        run = tmp_path / f"wd{wd}"
+        shutil.copytree(tmp_path / "ref", run)
+        cut_back_to_step_3(run)
+        train.run(from_dict(config(run, optim={"lr": 1e-2, "weight_decay": wd})))
+        lr = [r["lr"] for r in read_metrics(run / "metrics.jsonl")]
+        assert lr[:3] == ref_lr[:3]
+        assert lr[3:] == pytest.approx([10 * x for x in ref_lr[3:]], rel=1e-9)  # the new lr's schedule
+        finals[wd] = load_file(run / "final" / "model.safetensors")
+    assert any(not torch.equal(finals[0.01][k], finals[0.5][k]) for k in finals[0.01])  # weight_decay counts too
+
+
+def test_pipeline_with_fp16_or_distill_is_refused_before_launch(tmp_path, capsys):
+    """Checked only by the ranks: `--nproc-per-node 2` printed it once per rank, then torchrun's ChildFailedError
+    traceback, and left OUT/config.toml."""
+    from dsedge.cli import main
+
+    run = tmp_path / "run"
+    cfg = config(run, device="cpu", model={"factory": "train_models:make_mlp"},
+                 parallel={"data": "fsdp", "pipeline": 2}, precision={"mode": "fp16"})
+    with pytest.raises(ConfigError, match="pipeline parallel supports fp32/bf16 training"):
+        from_dict(cfg)
+    path = tmp_path / "pp.toml"
+    path.write_text(dump_toml(cfg))
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(path), "--nproc-per-node", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert "pipeline parallel supports fp32/bf16 training (no fp16, no distill)" in err
+    assert not run.exists()
+    cfg = config(run, parallel={"data": "fsdp", "pipeline": 2}, distill={"teacher": str(tmp_path / "t")})
+    with pytest.raises(ConfigError, match="no fp16, no distill"):
+        from_dict(cfg, distill=True)
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    out = tmp_path_factory.mktemp("teacher") / "run"
+    train.run(from_dict(config(out, steps=1)))
+    return out
+
+
+def test_distill_features_of_other_shapes_are_one_line(teacher, tmp_path, capsys):
+    """A student/teacher feature pair of other shapes (student d = 8, teacher d = 16) ended in torch's broadcast
+    RuntimeError traceback at the first step."""
+    from dsedge.cli import main
+
+    cfg = config(tmp_path / "run", model={"kwargs": {"d": 8}},
+                 distill={"teacher": str(teacher), "features": {"embed": "embed"}, "feature_weight": 1.0})
+    with pytest.raises(ConfigError, match=r"features: the student's 'embed' gives \[8, 8\] and the teacher's "
+                                          r"'embed' \[8, 16\]"):
+        distill.run(from_dict(cfg, distill=True))
+    path = tmp_path / "d.toml"
+    path.write_text(dump_toml(cfg))
+    with pytest.raises(SystemExit) as e:
+        main(["distill", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and "pair modules whose outputs have the same shape" in err
+
+
+def test_distill_features_and_feature_weight_come_together(teacher, tmp_path):
+    """`features` without `feature_weight` (default 0) trained without any feature loss, and `feature_weight`
+    without `features` was ignored: both silently."""
+    base = config(tmp_path / "run", distill={"teacher": str(teacher)})
+    with pytest.raises(ConfigError, match=r"\[distill\] features needs feature_weight"):
+        from_dict({**base, "distill": {**base["distill"], "features": {"embed": "embed"}}}, distill=True)
+    with pytest.raises(ConfigError, match=r"\[distill\] feature_weight = 0.5 needs features"):
+        from_dict({**base, "distill": {**base["distill"], "feature_weight": 0.5}}, distill=True)
+    off = from_dict({**base, "distill": {**base["distill"], "features": {"embed": "embed"}, "feature_weight": 0.0}},
+                    distill=True)  # an explicit 0 turns the matching off
+    assert off.distill.feature_weight == 0.0
+    with pytest.raises(ConfigError, match=r"features must map student module names to teacher module names"):
+        from_dict({**base, "distill": {**base["distill"], "features": {"embed": 3}, "feature_weight": 1.0}},
+                  distill=True)
+
+
+def test_progress_bar_counts_toward_the_runs_steps(tmp_path, capsys):
+    """`[health] progress = true` drew a bar without a total ("6step [00:00, …]": no fraction, no ETA): the
+    recipe never gave the log its step count."""
+    train.run(from_dict(config(tmp_path / "run", health={"progress": True})))
+    err = capsys.readouterr().err
+    assert "6/6 [" in err, err
+
+
+def torchrun_cli(tmp_path, verb, cfg):
+    """``dsedge VERB CONFIG --nproc-per-node 2`` (the launcher starts torchrun, 2 ranks on gloo)."""
+    path = tmp_path / f"{verb}.toml"
+    path.write_text(dump_toml(cfg))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "dsedge.cli", verb, str(path), "--nproc-per-node", "2"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_parameters_forward_leaves_unused_are_named_under_ddp(tmp_path):
+    """A model with a parameter forward() never uses trains in one process; under `--nproc-per-node 2` DDP's
+    reducer failed the second step with a RuntimeError traceback on every rank (then torchrun's own)."""
+    proc = torchrun_cli(tmp_path, "train", config(tmp_path / "run", device="cpu",
+                                                  model={"factory": "train_models:make_half_used"}))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out
+    assert "forward() leaves spare.weight, spare.bias unused, which data-parallel training (DDP) cannot reduce" in out
+    assert "hint: use them in forward(), or freeze them" in out
+
+
+@pytest.mark.slow
+def test_a_ranks_error_under_the_launcher_ends_without_torchruns_traceback(teacher, tmp_path):
+    """`dsedge distill --nproc-per-node 2` whose ranks stop on a ConfigError: each printed its one line, then the
+    launcher printed torchrun's ChildFailedError traceback and exited 1 (2 in one process)."""
+    cfg = config(tmp_path / "run", device="cpu", model={"kwargs": {"d": 8}},
+                 distill={"teacher": str(teacher), "features": {"embed": "embed"}, "feature_weight": 1.0})
+    proc = torchrun_cli(tmp_path, "distill", cfg)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out and "ChildFailedError" not in out, out
+    assert "error: " in out and "features: the student's 'embed' gives [4, 8] and the teacher's 'embed' [4, 16]" in out
+
+
+def test_resumed_log_drops_the_abandoned_trajectorys_events(tmp_path):
+    """metrics.jsonl after a resume from step 3 still held the abandoned run's `checkpoint` event of step 6 and its
+    `finished` event: two `finished` events and two step-6 validations in "one trajectory"."""
+    import json
+
+    train.run(from_dict(config(tmp_path / "run")))
+    cut_back_to_step_3(tmp_path / "run")
+    train.run(from_dict(config(tmp_path / "run")))
+    events = [e for e in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+              if "event" in e]
+    assert [(e["event"], e["step"]) for e in events] == [("checkpoint", 3), ("resumed", 3), ("checkpoint", 6),
+                                                         ("finished", 6)]
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_distill_on_data_the_teacher_cannot_take_is_one_line(teacher, tmp_path, capsys):
+    """A teacher trained on 8 features and data of 6 (student built for 6): torch's matmul RuntimeError traceback
+    from inside the teacher at the first step."""
+    from dsedge.cli import main
+
+    cfg = config(tmp_path / "run", model={"kwargs": {"din": 6}}, data={"kwargs": {"val": 16, "din": 6}},
+                 distill={"teacher": str(teacher)})
+    path = tmp_path / "d.toml"
+    path.write_text(dump_toml(cfg))
+    with pytest.raises(SystemExit) as e:
+        main(["distill", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert f"the teacher {teacher} cannot run on this data's inputs ([8, 6] float32): RuntimeError: mat1" in err
+    assert "hint: distill on inputs like the teacher's" in err
+
+
+def test_mse_and_bce_take_the_targets_shape_or_say_so(tmp_path, capsys):
+    """`kind = "mse"` with a one-output model ([N, 1]) and targets [N] broadcast to [N, N]: a wrong loss, silently
+    (a learnable linear target stayed at its variance); `bce_with_logits` with a 3-class model ended in torch's
+    ValueError traceback."""
+    from dsedge.cli import main
+    from dsedge.toolchain.train.config import LossConfig
+    from dsedge.toolchain.train.losses import make_loss
+
+    target = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    assert float(make_loss(LossConfig(kind="mse"))(target.unsqueeze(-1), target)) == 0.0  # perfect prediction
+    for kind in ("mse", "bce_with_logits"):
+        with pytest.raises(ConfigError, match=rf"\[loss\] kind = '{kind}' needs the model's output and the target "
+                                              r"in the same shape; the model gives \[4, 3\] for targets \[4\]"):
+            make_loss(LossConfig(kind=kind))(torch.zeros(4, 3), target)
+    path = tmp_path / "bce.toml"
+    path.write_text(dump_toml(config(tmp_path / "run", loss={"kind": "bce_with_logits"})))
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and "use kind = 'cross_entropy' for class ids" in err, err
+
+
+def test_cross_entropy_on_a_single_logit_model_says_so(tmp_path, capsys):
+    """The default loss (cross_entropy) with a one-logit binary model: torch's "IndexError: Target 1 is out of
+    bounds" traceback (a device-side assert on CUDA)."""
+    from dsedge.cli import main
+    from dsedge.toolchain.train.config import LossConfig
+    from dsedge.toolchain.train.losses import make_loss
+
+    with pytest.raises(ConfigError, match=r"a target is class 1 and the model gives 1 class \(logits \(4, 1\)\)"):
+        make_loss(LossConfig())(torch.zeros(4, 1), torch.tensor([0, 1, 1, 0]))
+    with pytest.raises(ConfigError, match=r"a target is class -1 and the model gives 3 classes"):
+        make_loss(LossConfig())(torch.zeros(4, 3), torch.tensor([0, 1, -1, 0]))
+    path = tmp_path / "ce.toml"
+    path.write_text(dump_toml(config(tmp_path / "run", model={"kwargs": {"classes": 1}})))
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and "or kind = 'bce_with_logits' for a single logit" in err
+
+
+def test_resume_with_another_lamb_threshold_names_the_optimizer(tmp_path, capsys):
+    """Rerunning with another [optim] lamb_threshold (parameters move between LAMB and AdamW) said the run "holds
+    checkpoints of another model" and pointed at the [model] section, which had not changed."""
+    from dsedge.cli import main
+
+    train.run(from_dict(config(tmp_path / "run")))
+    cut_back_to_step_3(tmp_path / "run")
+    path = tmp_path / "t.toml"
+    path.write_text(dump_toml(config(tmp_path / "run", optim={"lamb_threshold": 1024})))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert "holds checkpoints of another optimizer layout (step_3: it has no optim." in err
+    assert "hint: restore the [optim] lamb_threshold" in err
+    assert (tmp_path / "run" / "checkpoints" / "step_3").is_dir()
+
+
+def test_token_budget_run_with_a_validation_set_evaluates(tmp_path):
+    """Token-budget batches (variable-length sequences) with a validation set: the evaluation stacked the sequences
+    without padding and the run ended in a RuntimeError traceback at its first checkpoint."""
+    cfg = config(tmp_path / "run", steps=4, checkpoint={"every": 2}, model={"factory": "train_models:make_bag"},
+                 data={"factory": "train_models:make_sequences_val", "kwargs": {}, "max_tokens": 40, "batch_size": 4})
+    train.run(from_dict(cfg))
+    import json
+
+    ev = [e for e in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+          if e.get("event") == "checkpoint"]
+    assert [e["step"] for e in ev] == [2, 4] and all(e["val_loss"] > 0 and 0 <= e["val_accuracy"] <= 1 for e in ev)
+
+
+def test_activation_checkpointing_on_a_model_without_blocks_is_refused(tmp_path):
+    """`activation_checkpointing = true` on a model with no ModuleList (and not a Sequential) wrapped nothing and
+    trained without recomputing anything, silently."""
+    cfg = config(tmp_path / "run", model={"factory": "train_models:make_half_used"},
+                 checkpoint={"activation_checkpointing": True})
+    with pytest.raises(ConfigError, match=r"activation_checkpointing needs repeated blocks: the model has no "
+                                          r"nn.ModuleList and is not an nn.Sequential"):
+        train.run(from_dict(cfg))
+    assert not (tmp_path / "run").exists()
+
+
+def test_pos_weight_without_bce_is_refused(tmp_path):
+    """`pos_weight` with the default cross_entropy loss was silently unused (`class_weights` with another kind was
+    already refused)."""
+    with pytest.raises(ConfigError, match=r"\[loss\] pos_weight is for kind = 'bce_with_logits', not 'cross_entropy'"):
+        from_dict(config(tmp_path / "run", loss={"pos_weight": 4.0}))
+    assert from_dict(config(tmp_path / "run", loss={"kind": "bce_with_logits", "pos_weight": 4.0})).loss.pos_weight == 4
+
+
+def test_fp16_resume_takes_the_configs_growth_interval(tmp_path):
+    """Rerunning an fp16 run with another [precision] growth_interval kept the checkpoint's (the GradScaler state
+    holds it): the loss scale kept growing every 2 steps when the config now said every 1000."""
+    precision = {"mode": "fp16", "initial_scale": 1024.0, "growth_interval": 2}
+    train.run(from_dict(config(tmp_path / "run", precision=precision)))
+    cut_back_to_step_3(tmp_path / "run")
+    train.run(from_dict(config(tmp_path / "run", precision={**precision, "growth_interval": 1000})))
+    scales = [r["loss_scale"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert scales[:3] == [1024.0, 1024.0, 2048.0] and scales[3:] == [2048.0, 2048.0, 2048.0], scales
+
+
+def test_a_refused_resume_keeps_the_runs_config_toml(tmp_path, capsys):
+    """A resume refused because the checkpoints are of another model had already rewritten OUT/config.toml with the
+    new config: the run directory then described a model its checkpoints and final/ are not."""
+    from dsedge.toolchain.train.config import load_config
+
+    train.run(from_dict(config(tmp_path / "run")))
+    cut_back_to_step_3(tmp_path / "run")
+    with pytest.raises(ConfigError, match="holds checkpoints of another model"):
+        train.run(from_dict(config(tmp_path / "run", model={"kwargs": {"hidden": 48}})))
+    assert load_config(tmp_path / "run" / "config.toml").model.kwargs == {}
