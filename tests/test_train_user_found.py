@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,21 +17,7 @@ from dsedge.toolchain.train import distill, train
 from dsedge.toolchain.train.config import dump_toml, from_dict
 from dsedge.toolchain.train.metrics import read_metrics
 
-TESTS = str(Path(__file__).parent)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    sys.path.insert(0, TESTS)
-    yield
-    torch.set_num_threads(n)
-    sys.path.remove(TESTS)
-
-
-def losses(run_dir):
-    return [r["loss"] for r in read_metrics(Path(run_dir) / "metrics.jsonl")]
+from test_train_recipe import TESTS, losses, one_thread  # noqa: F401  (one_thread: the module's autouse fixture)
 
 
 def cut_back_to_step_3(run_dir):
