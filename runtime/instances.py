@@ -78,17 +78,21 @@ def recorded_threads(latency_ms: dict | None) -> int | None:
     return int(t) if isinstance(t, int) and not isinstance(t, bool) and t > 0 else None
 
 
-def instance_cpus(count: int, threads: int | None,
-                  allowed: list[int] | None = None) -> list[frozenset[int]] | None:
+def instance_cpus(count: int, threads: int | None, allowed: list[int] | None = None,
+                  reserve: int = 0) -> list[frozenset[int]] | None:
     """Cores for each of ``count`` instances of ``threads`` intra-op threads: one core of ``allowed`` (default: this
     process's affinity, in order) each when every instance has one thread and there are at least as many cores as
     instances, else None (no pinning: an instance of more threads runs most of its work on ONNX Runtime's own pool
-    threads). See runtime/thread_priority.py for why 1-thread instances are pinned."""
+    threads). See runtime/thread_priority.py for why 1-thread instances are pinned. ``reserve``: the last that many
+    cores of ``allowed`` are the caller's (``load(reserve_cores=)``): no instance is pinned there (2 instances on
+    2 cores with 1 reserved were pinned to both, one onto the reserved core)."""
     if allowed is None:
         try:
             allowed = sorted(os.sched_getaffinity(0))
         except (AttributeError, OSError):  # not Linux
             return None
+    if reserve > 0:
+        allowed = list(allowed)[:max(0, len(allowed) - int(reserve))]
     if threads != 1 or count < 1 or count > len(allowed):
         return None
     return [frozenset({allowed[i]}) for i in range(count)]

@@ -1044,7 +1044,10 @@ class BudgetScheduler:
             else:
                 room = [l for l in group if l.depth < l.max_queue and not l.paused]
                 if not room:
-                    reasons.append((OVERLOAD, f"queue of {lane.name} full ({lane.max_queue} requests)"))
+                    # each instance has a queue of its own, of max_queue (the variant queues up to N x max_queue)
+                    full = (f"queue of {lane.name} full ({lane.max_queue} requests)" if len(group) == 1 else
+                            f"queues of {lane.name}'s {len(group)} instances full ({lane.max_queue} requests each)")
+                    reasons.append((OVERLOAD, full))
                     continue
                 if lane is first and lane.try_inline(req):
                     return req.future

@@ -102,6 +102,7 @@ class Session:
         self._threads_pid: int | None = None  # the process the lane / decode threads were started in
         self._start_lock = threading.Lock()
         self._closed = False
+        self._close_done = threading.Event()  # set when the first close() has finished
 
     @property
     def providers(self) -> list[str]:
@@ -225,7 +226,8 @@ class Session:
 
         Serving does not depend on it: without it, lanes start from the bundle's figures and a warm-up run on
         their own thread. Returns ``{variant: LatencyProfile.to_dict()}`` for every lane (primary, then cascade):
-        per (batch, sequence bucket) point its ``mean_ms`` and ``tail_ms`` (ms) and sample ``count``.
+        per (batch, sequence bucket) point its ``mean_ms`` and ``tail_ms`` (ms) and sample ``count``; the profile
+        of a variant's instances, with that of its fallback lane (``load(instances=)``) under ``"fallback"``.
 
         Raises:
             InputError: on a decoder bundle (``generate_stream`` warms its own loop). SessionClosedError after
@@ -403,7 +405,14 @@ class Session:
     def pause_spare_instances(self, paused: bool) -> None:
         """Stop (or resume) offering new requests to the spare lanes (every instance but the first, and the
         fallback lane); what they have queued still runs. ``dsedge serve`` pauses them while its front end needs the
-        core they would take (docs/serve.md). No-op before streaming has started."""
+        core they would take (docs/serve.md). No-op before streaming has started.
+
+        Raises:
+            InputError: ``paused`` not a bool (``pause_spare_instances("no")`` paused them).
+        """
+        if not isinstance(paused, (bool, np.bool_)):
+            raise InputError(f"paused must be True or False, got {type(paused).__name__} {paused!r}",
+                             "pass pause_spare_instances(True) to pause the spare lanes, False to resume them")
         if self._stream is not None:
             self._stream.pause_spares(paused)
 
@@ -456,7 +465,8 @@ class Session:
         batch already running finishes first, and ``close`` returns after it). Every submitted future is resolved
         when this returns; called from a future's done-callback (the session's own worker thread), the close
         finishes on a helper thread right after the callback. Further ``submit`` calls raise SessionClosedError;
-        ``run`` is no longer available either. Closing again does nothing. Generations (``generate_stream``) are
+        ``run`` is no longer available either. Closing again does nothing (from another thread while the first
+        ``close`` runs, it returns when that one does). Generations (``generate_stream``) are
         drained at most ``timeout_s`` (None: 30 s), then ended with "shutdown", so an unbounded generation whose
         reader is gone cannot hold ``close`` (or a ``with`` block) forever.
 
@@ -471,16 +481,23 @@ class Session:
             raise InputError(f"timeout_s must be None or a finite number of seconds >= 0, got {timeout_s!r}",
                              "pass close(timeout_s=5.0), or None to wait for the queue to drain")
         if self._closed:
+            # a close() racing the first (another thread) returns when that one has, so that its promise holds:
+            # every future resolved. Not on the session's own threads (a done-callback): the first waits for them
+            if not threading.current_thread().name.startswith("dsedge-"):
+                self._close_done.wait()
             return
         self._closed = True
-        for f in self._finalizers:
-            f.detach()
-        with self._start_lock:
-            if self._stream is not None:
-                self._stream.close(drain=drain, timeout_s=timeout_s)
-            if self._decoder is not None:
-                self._decoder.close(drain=drain, timeout_s=timeout_s)
-        self._backend = None
+        try:
+            for f in self._finalizers:
+                f.detach()
+            with self._start_lock:
+                if self._stream is not None:
+                    self._stream.close(drain=drain, timeout_s=timeout_s)
+                if self._decoder is not None:
+                    self._decoder.close(drain=drain, timeout_s=timeout_s)
+            self._backend = None
+        finally:
+            self._close_done.set()
 
     def __enter__(self) -> "Session":
         return self
@@ -510,7 +527,9 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         cascade: let requests that cannot meet their budget on ``variant`` be served by a cheaper variant of the
             bundle (the others are opened and warmed on a background thread when streaming starts).
         max_batch: most rows per batch (default: the bundle's batch range max, else 32; 1 without a batch axis).
-        max_queue: most queued requests per variant before rejecting with "overload".
+        max_queue: most queued requests per lane before rejecting with "overload": each of a variant's
+            ``instances`` has a queue of its own (2 instances queue up to 2 × ``max_queue``), and so does its
+            standby list.
         max_delay_ms: fixed longest hold of a batch open (None: adaptive, see runtime/scheduler.py).
         profile: latency profile source: "auto" (the variant's build-time ``latency_ms`` scaled by a warm-up
             run on this machine), "measure" (this machine only), or "bundle" (the build-time figures as they
@@ -606,7 +625,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     default_scale = thread_scale(measured, min(threads or cores, cores))
     instance_scale = thread_scale(measured, min(per_thread or cores, cores)) if own else default_scale
     open_instances = None
-    cpus = instance_cpus(count, per_thread) if own and pin_instances and _on_ort_cpu(backend) else None
+    cpus = (instance_cpus(count, per_thread, reserve=int(reserve_cores))
+            if own and pin_instances and _on_ort_cpu(backend) else None)
     if own:  # opened here, side by side (ORT builds sessions off the GIL): the first submit must not wait
         # the instances run where the session's backend does: one that fell back to ONNX Runtime (no TensorRT or
         # no GPU here) hands them its providers, so each instance does not probe TensorRT, and log it, again; so

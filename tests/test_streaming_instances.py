@@ -227,6 +227,20 @@ def test_reserve_cores_leaves_cores_to_the_caller(tmp_path, monkeypatch):
         dsedge.load(bundle, reserve_cores=2)  # (it served on 1 instance without a word)
 
 
+def test_reserve_cores_pins_no_instance_on_the_reserved_cores(tmp_path, monkeypatch):
+    """instances=2 with 1 of 2 cores reserved: both were pinned, one onto the core kept for the caller."""
+    from dsedge.runtime.instances import instance_cpus
+    assert instance_cpus(2, 1, [0, 1], reserve=1) is None  # two instances, one core left: not pinned
+    assert instance_cpus(3, 1, [0, 1, 2, 3], reserve=1) == [frozenset({0}), frozenset({1}), frozenset({2})]
+    monkeypatch.setattr("dsedge.session._cores", lambda: 2)
+    monkeypatch.setattr("dsedge.runtime.instances.os.sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    bundle = text_bundle(tmp_path / "b")
+    with dsedge.load(bundle, instances=2, reserve_cores=1) as s:
+        assert s.describe()["instances"] == 2 and s.describe()["instance_cpus"] == []
+        assert s.submit(text_request(np.random.default_rng(0), 8), budget_ms=10_000).result(30).ok
+        assert all(not l.cpus and not l.fallback for l in s._core().lanes)
+
+
 def test_cpu_layout_and_thread_scale():
     from dsedge.runtime.instances import cpu_layout, recorded_threads, reserved_layout, serving_threads, thread_scale
 
@@ -287,6 +301,10 @@ def test_a_paused_spare_instance_takes_no_new_requests(tmp_path, monkeypatch):
         assert all(f.result(30).ok for f in futs)
         assert (second.batches, fallback.batches) == before and first.batches > 0
         s.pause_spare_instances(False)
+        assert not second.paused and not fallback.paused
+        for bad in ("no", 0, None):  # "no" paused them: refused like every other flag
+            with pytest.raises(InputError, match="paused must be True or False"):
+                s.pause_spare_instances(bad)
         assert not second.paused and not fallback.paused
 
 
@@ -372,3 +390,46 @@ def test_among_equally_loaded_instances_a_request_joins_the_one_expected_to_free
         g.set()
     assert long_fut.result(10).ok and short_fut.result(10).ok
     sched.close()
+
+
+def test_warmup_reports_the_instances_profile_and_the_fallbacks_apart(tmp_path, monkeypatch):
+    """The fallback lane has its variant's name: its profile overwrote the instances' in warmup()'s answer."""
+    monkeypatch.setattr("dsedge.session._cores", lambda: 2)
+    bundle = text_bundle(tmp_path / "b", max_batch=2)
+    with dsedge.load(bundle) as s:
+        first, _second, fallback = s._core().lanes
+        first.profile.observe(1, 8, 1234.0)  # marks the instances' profile apart from the fallback's
+        got = s.warmup()
+        assert list(got) == ["fp32"]
+        assert got["fp32"] == {**first.profile.to_dict(), "fallback": fallback.profile.to_dict()}
+
+
+def test_max_queue_is_per_instance_and_the_refusal_says_so(tmp_path, monkeypatch):
+    """load(max_queue=2) with 2 instances queued 4 and refused the 5th as "queue of fp32 full (2 requests)"."""
+    monkeypatch.setattr("dsedge.session._cores", lambda: 2)
+    bundle = text_bundle(tmp_path / "b")
+    x = text_request(np.random.default_rng(0), 8)
+    with dsedge.load(bundle, instances=2, max_queue=2, max_delay_ms=2000, standby=False) as s:
+        s.warmup()  # measured: queued on plans, not as a cold start
+        futs = [s.submit(x, budget_ms=60_000) for _ in range(8)]  # each batch is held open 2 s for more
+        refused = [f.result(0) for f in futs if f.done()]
+        assert len(refused) == 4 and {r.reason for r in refused} == {"overload"}
+        assert "queues of fp32's 2 instances full (2 requests each)" in refused[0].detail, refused[0].detail
+        s.close(drain=False)
+
+
+def test_a_second_close_from_another_thread_returns_once_every_future_is_resolved(tmp_path):
+    """close() promises every submitted future resolved when it returns; a second close() racing the first
+    returned at once while the first was still draining the queue."""
+    bundle = text_bundle(tmp_path / "b", dim=256, variants={"fp32": 8})
+    rng = np.random.default_rng(0)
+    s = dsedge.load(bundle, instances=1, threads=1, max_batch=1)
+    futs = [s.submit(text_request(rng, 128), budget_ms=60_000) for _ in range(300)]
+    first = threading.Thread(target=s.close)
+    first.start()
+    while not s._closed:
+        time.sleep(0.0005)
+    s.close()  # the second: waits for the first to finish
+    unresolved = sum(not f.done() for f in futs)
+    first.join(30)
+    assert unresolved == 0 and all(f.result(0).ok for f in futs)
