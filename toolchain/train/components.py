@@ -10,7 +10,7 @@ from ...runtime.errors import ConfigError
 from . import parallel as par
 from .config import DomainsConfig, TrainConfig, resolve_callable
 from .domains import DomainBatchSampler, DomainWeights, MultiDomain
-from .sampler import ShardedBatchSampler, TokenBudgetBatchSampler
+from .sampler import ShardedBatchSampler, TokenBudgetBatchSampler, token_budget
 
 
 def to_device(x: Any, device: torch.device) -> Any:
@@ -61,7 +61,7 @@ def build_sampler(cfg: TrainConfig, dataset: Any, env: par.DistEnv, weights: Dom
     d = cfg.data
     if weights is not None:
         return DomainBatchSampler(dataset, weights, d.batch_size, env.dp_rank, env.dp, cfg.seed)
-    if d.max_tokens is None and d.memory_limit_mb is None and d.max_batch_size is None:
+    if not token_budget(d):
         return ShardedBatchSampler(len(dataset), d.batch_size, env.dp_rank, env.dp, cfg.seed, d.shuffle)
     lengths = getattr(dataset, "lengths", None)
     if lengths is None:

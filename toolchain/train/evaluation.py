@@ -16,7 +16,7 @@ from .metrics import MetricsLog
 from .plateau import PlateauMonitor
 from .precision import PrecisionPolicy
 from .reductions import global_loss
-from .sampler import pad_collate
+from .sampler import pad_collate, token_budget
 
 
 @torch.no_grad()
@@ -32,7 +32,7 @@ def evaluate(model: torch.nn.Module, dataset: Any, cfg: TrainConfig, env: par.Di
     d = cfg.data
     # variable-length samples (token-budget batches) are padded as in training: stacking them failed at the first
     # evaluation
-    padded = d.max_tokens is not None or d.memory_limit_mb is not None or d.max_batch_size is not None
+    padded = token_budget(d)
     loader = DataLoader(dataset, batch_size=max(1, d.batch_size // env.dp), shuffle=False,
                         drop_last=schedule is not None, collate_fn=pad_collate if padded else None)
     for x, y in loader:

@@ -139,6 +139,12 @@ class TokenBudgetBatchSampler:
         return len(self._batches(self.epoch)) - self.start
 
 
+def token_budget(data) -> bool:
+    """``[data]`` asks for token-budget batches (``max_tokens``, ``memory_limit_mb`` or ``max_batch_size``): samples
+    of different lengths, padded per batch (``pad_collate``)."""
+    return data.max_tokens is not None or data.memory_limit_mb is not None or data.max_batch_size is not None
+
+
 def pad_collate(items: list) -> tuple:
     """Collate ``(inputs, target)`` items whose tensors differ in their first axis: right-pad with 0 to the longest.
 
