@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Se
 import numpy as np
 
 from .runtime.backends import Preferences, VariantFiles, open_backend
-from .runtime.backends.ort import AZURE, check_providers_given
+from .runtime.backends.ort import check_providers_given
 from .runtime.batching import BatchLayout
 from .runtime.decode import GenerationStream
 from .runtime.budget import FALLBACK_BUDGET_MS, resolve_budget
@@ -628,12 +628,11 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     cpus = (instance_cpus(count, per_thread, reserve=int(reserve_cores))
             if own and pin_instances and _on_ort_cpu(backend) else None)
     if own:  # opened here, side by side (ORT builds sessions off the GIL): the first submit must not wait
-        # the instances run where the session's backend does: one that fell back to ONNX Runtime (no TensorRT or
-        # no GPU here) hands them its providers, so each instance does not probe TensorRT, and log it, again; so
-        # does one asked for a provider it dropped (AzureExecutionProvider: runtime/backends/ort.py)
-        fell_back = getattr(backend, "name", None) == "onnxruntime" and (
-            not providers or AZURE in providers)
-        prefs = Preferences(list(backend.providers) if fell_back else providers, per_thread)
+        # the instances run where the session's backend does: an ONNX Runtime backend hands them the providers it
+        # ended up on (after falling back from TensorRT or a GPU, or dropping AzureExecutionProvider), so no
+        # instance probes and logs the same fall-back again
+        on_ort = getattr(backend, "name", None) == "onnxruntime"
+        prefs = Preferences(list(backend.providers) if on_ort else providers, per_thread)
         with ThreadPoolExecutor(count, thread_name_prefix="dsedge-open") as pool:
             opened = list(pool.map(lambda _: open_backend(VariantFiles(Path(path), manifest, v), prefs),
                                    range(count)))
