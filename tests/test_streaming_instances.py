@@ -128,52 +128,87 @@ def test_a_request_too_tight_for_the_instances_alone_goes_to_the_fallback_backen
     sched.close()
 
 
-def test_the_fallback_backend_never_runs_beside_an_instance_and_plans_behind_their_running_batch(backend):
-    """The fallback has all the instances' threads: run beside them it oversubscribed the cores, their measured times
-    rose past the budget and the lane stayed on the fallback (runtime/core_share.py). Its batches run alone, and a
-    request offered to it while an instance's batch runs is planned behind that batch."""
+def _instances_and_a_whole_core_lane(backend, name: str, fallback: bool):
+    """Two 150 ms instances of "fp32" and one 5 ms lane with all the cores (``name``: a fallback or a cascade
+    variant), each run held by a sleep and recorded; (scheduler, instances, that lane, spans)."""
     layout = BatchLayout.of(*TEXT_IO)
     slow = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
     slow.set(1, 8, 150.0, 0.0)  # an instance: 150 ms alone
-    fast = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
-    fast.set(1, 8, 5.0, 0.0)  # the fallback: 5 ms
+    fast = LatencyProfile(name, k_dev=0.0, scale_seeds=False)
+    fast.set(1, 8, 5.0, 0.0)  # the lane with all the cores: 5 ms
     metrics = StreamMetrics()
     spans: list[tuple[str, float, float]] = []
     lock = threading.Lock()
 
-    def timed(name, hold_s):
+    def timed(kind, hold_s):
         def run(feed):
             t0 = time.perf_counter()
             time.sleep(hold_s)
             out = backend.run(feed)
             with lock:
-                spans.append((name, t0, time.perf_counter()))
+                spans.append((kind, t0, time.perf_counter()))
             return out
         return run
 
     first = Lane("fp32", timed("instance", 0.15), slow, layout, metrics, max_batch=1, inline_ms=0.0)
     second = Lane("fp32", timed("instance", 0.15), slow, layout, metrics, max_batch=1, inline_ms=0.0,
                   calibration=first.calibration, instance=1)
-    spare = Lane("fp32", timed("fallback", 0.005), fast, layout, metrics, max_batch=1, inline_ms=0.0,
-                 fallback=True)
-    sched = BudgetScheduler([first, second, spare], layout, metrics)
-    assert first.share is spare.share is second.share is not None and spare.across == (first, second)
+    whole = Lane(name, timed("whole", 0.005), fast, layout, metrics, max_batch=1, inline_ms=0.0, fallback=fallback)
+    return BudgetScheduler([first, second, whole], layout, metrics), (first, second), whole, spans
+
+
+@pytest.mark.parametrize("name, fallback", [("fp32", True), ("int4", False)], ids=["fallback", "cascade"])
+def test_a_lane_with_all_the_cores_never_runs_beside_an_instance_and_plans_behind_their_running_batch(
+        backend, name, fallback):
+    """The variant's fallback, and a cascade variant's lane (opened on the session's thread count), have all the
+    instances' threads: run beside them they oversubscribed the cores, the instances' measured times rose past the
+    budget and the lane stayed off them (runtime/core_share.py). Their batches run alone, and a request offered to
+    them while an instance's batch runs is planned behind that batch."""
+    sched, (first, second), whole, spans = _instances_and_a_whole_core_lane(backend, name, fallback)
+    assert first.share is whole.share is second.share is not None and whole.across == (first, second)
+    assert whole.alone_on_cores and not first.alone_on_cores
     rng = np.random.default_rng(3)
     roomy = sched.submit(text_request(rng, 8), 10_000)  # on an instance, 150 ms
     while not first._running:
         time.sleep(0.001)
-    # 150 ms alone on an instance > 60: offered to the fallback, whose plan waits for the running batch (~150 ms)
+    # 150 ms alone on an instance > 60: offered to the whole-core lane, whose plan waits for the running batch
     tight = sched.submit(text_request(rng, 8), 60).result(10)
     assert tight.reason == "overload" and "fallback" not in tight.detail.split(";")[0], tight.detail
     time.sleep(0.11)  # the instance's batch has about 40 ms left: a 120 ms budget holds behind it
     later = sched.submit(text_request(rng, 8), 120).result(10)
-    assert roomy.result(10).ok and later.ok, later
-    assert spare.batches == 1
-    fb = [(a, b) for n, a, b in spans if n == "fallback"]
+    assert roomy.result(10).ok and later.ok and later.variant == name, later
+    assert whole.batches == 1
+    fb = [(a, b) for n, a, b in spans if n == "whole"]
     inst = [(a, b) for n, a, b in spans if n == "instance"]
     assert fb and inst  # (probes of the refused requests run too: on the same terms)
     assert all(fb_end <= i_start or i_end <= fb_start for fb_start, fb_end in fb for i_start, i_end in inst), spans
     sched.close()
+
+
+def test_a_fallback_not_yet_timed_takes_nothing_and_the_instances_refusal_stands(backend):
+    """With ``profile="measure"`` the fallback has no figures until its warm-up has timed it. Offered a request its
+    instances are too slow for, it used to queue it blind, to be dropped at its deadline (a miss); the request is
+    refused for its budget at once instead."""
+    layout = BatchLayout.of(*TEXT_IO)
+    slow = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    slow.set(1, 8, 150.0, 0.0)
+    metrics = StreamMetrics()
+    first = Lane("fp32", backend.run, slow, layout, metrics, max_batch=1, inline_ms=0.0)
+    second = Lane("fp32", backend.run, slow, layout, metrics, max_batch=1, inline_ms=0.0,
+                  calibration=first.calibration, instance=1)
+    gate = threading.Event()
+    spare = Lane("fp32", _gated(backend, gate), LatencyProfile("fp32", scale_seeds=False), layout, metrics,
+                 max_batch=1, inline_ms=0.0, fallback=True)
+    sched = BudgetScheduler([first, second, spare], layout, metrics)
+    try:
+        t0 = time.perf_counter()
+        r = sched.submit(text_request(np.random.default_rng(0), 8), 60).result(10)
+        assert (time.perf_counter() - t0) < 1.0
+        assert r.reason == "budget" and "predicted 150.0 ms alone on fp32" in r.detail, r
+        assert spare.depth == 0 and metrics.snapshot()["dropped_at_deadline"] == 0
+    finally:
+        gate.set()
+        sched.close()
 
 
 def test_load_with_default_instances_adds_the_fallback_lane_on_the_sessions_own_backend(tmp_path, monkeypatch):
