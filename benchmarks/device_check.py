@@ -109,7 +109,7 @@ def main() -> int:
                          "kwargs": {"din": 256, "d": 512, "hidden": 2048, "classes": 10, "depth": 4}},
                "data": {"factory": "train_models:make_data", "kwargs": {"n": 4096, "din": 256, "classes": 10},
                         "batch_size": 256},
-               "precision": {"mode": mode, "initial_scale": 2.0 ** 16, "growth_interval": 10},
+               "precision": {"mode": mode, **({"initial_scale": 2.0 ** 16, "growth_interval": 10} if mode == "fp16" else {})},
                "checkpoint": {"every": args.steps, "activation_checkpointing": activation_checkpointing},
                "health": {"progress": False}}
         train.run(from_dict(cfg))

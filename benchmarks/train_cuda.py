@@ -46,7 +46,7 @@ def main() -> None:
                    "model": {"factory": "train_models:make_tiny", "kwargs": model_kw},
                    "data": {"factory": "train_models:make_data",
                             "kwargs": {"n": 8192, "din": 256, "classes": 10}, "batch_size": 256},
-                   "precision": {"mode": mode, "initial_scale": 2.0 ** 16, "growth_interval": 20},
+                   "precision": {"mode": mode, **({"initial_scale": 2.0 ** 16, "growth_interval": 20} if mode == "fp16" else {})},
                    "checkpoint": {"every": args.steps}, "health": {"progress": False}}
             train.run(from_dict(cfg))
             recs = read_metrics(Path(t) / mode / "metrics.jsonl")

@@ -31,6 +31,8 @@ def test_qat_on_multihead_attention_quantizes_out_proj_instead_of_crashing():
         for m in expected.modules():
             if isinstance(m, torch.nn.Linear):
                 m.weight.copy_(fake_quant_weight(m.weight, 16))
+            if isinstance(m, torch.nn.MultiheadAttention):  # the packed q/k/v weight too, as the export does
+                m.in_proj_weight.copy_(fake_quant_weight(m.in_proj_weight, 16))
     wrap_linears(model, block_size=16)
     with torch.no_grad():
         got = model(x)
@@ -41,3 +43,36 @@ def test_qat_on_multihead_attention_quantizes_out_proj_instead_of_crashing():
     assert "layer.self_attn.out_proj" in report["layers"]
     assert type(model.layer.self_attn.out_proj).__name__ == "NonDynamicallyQuantizableLinear"  # unwrapped
     assert not torch.equal(model.layer.self_attn.out_proj.weight, before)                    # and trained
+
+
+def test_qat_fake_quantizes_attention_in_proj_weight_with_a_straight_through_gradient():
+    """`nn.MultiheadAttention` keeps its q/k/v projection as a bare Parameter (``in_proj_weight`` [3E, E]), not an
+    nn.Linear: QAT trained it in float while the INT4 export quantizes it (a MatMul weight, blocks along E), so the
+    QAT model never saw the deployed model's error on a third of the attention weights."""
+    torch.manual_seed(0)
+    model = Encoder().train()
+    x = torch.randn(4, 5, 32)
+    expected = copy.deepcopy(model)
+    w0 = model.layer.self_attn.in_proj_weight.detach().clone()
+    with torch.no_grad():
+        for m in expected.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(fake_quant_weight(m.weight, 16))
+        expected.layer.self_attn.in_proj_weight.copy_(fake_quant_weight(w0, 16))
+    layers = wrap_linears(model, block_size=16)
+    assert "layer.self_attn.in_proj_weight" in layers
+    got = model(x)                                                  # training mode, with autograd
+    want = expected(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (got * torch.arange(32.0)).sum().backward()
+    (want * torch.arange(32.0)).sum().backward()
+    grad = model.layer.self_attn.parametrizations.in_proj_weight.original.grad
+    # straight-through: d/dw of w + (fq(w) - w).detach() is 1, so the float weight gets the quantized one's gradient
+    torch.testing.assert_close(grad, expected.layer.self_attn.in_proj_weight.grad, rtol=1e-5, atol=1e-6)
+    unwrap_linears(model)
+    assert type(model.layer.self_attn.in_proj_weight) is torch.nn.Parameter
+    assert torch.equal(model.layer.self_attn.in_proj_weight, w0)   # the float weight back, not its fake-quant
+    report = qat_finetune(model, [x], steps=3, lr=1e-3, block_size=16)
+    assert "layer.self_attn.in_proj_weight" in report["layers"]
+    assert not torch.equal(model.layer.self_attn.in_proj_weight, w0)  # trained
+    assert type(model.layer.self_attn.in_proj_weight) is torch.nn.Parameter

@@ -308,3 +308,122 @@ def test_a_refused_resume_keeps_the_runs_config_toml(tmp_path, capsys):
     with pytest.raises(ConfigError, match="holds checkpoints of another model"):
         train.run(from_dict(config(tmp_path / "run", model={"kwargs": {"hidden": 48}})))
     assert load_config(tmp_path / "run" / "config.toml").model.kwargs == {}
+
+
+def test_a_run_failing_at_its_first_step_leaves_no_run_directory(teacher, tmp_path):
+    """A loss-shape error or a distill teacher/features error at the first step left OUT/config.toml (and
+    metrics.jsonl) behind: the folder looked like a started run. A folder that was there before stays, without it."""
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match="needs the model's output and the target in the same shape"):
+        train.run(from_dict(config(run, loss={"kind": "bce_with_logits"})))
+    assert not run.exists()
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="needs the model's output and the target in the same shape"):
+        train.run(from_dict(config(run, loss={"kind": "bce_with_logits"})))
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    d = tmp_path / "distill"
+    with pytest.raises(ConfigError, match="features: the student's 'embed' gives"):
+        distill.run(from_dict(config(d, model={"kwargs": {"d": 8}}, distill={
+            "teacher": str(teacher), "features": {"embed": "embed"}, "feature_weight": 1.0}), distill=True))
+    assert not d.exists()
+
+
+def make_data_with_a_nan(nan_index: int, **kw):
+    """``train_models.make_data`` whose training sample ``nan_index`` has NaN features."""
+    from train_models import make_data
+
+    train_ds, val = make_data(**kw)
+    train_ds.tensors[0][nan_index] = float("nan")
+    return train_ds, val
+
+
+def test_a_rollback_skips_the_batch_whose_loss_was_not_finite(tmp_path):
+    """A rollback replayed exactly the same batches: one NaN sample in the data came back after every rollback
+    until max_rollbacks was exhausted, and the run ended in a TrainingError instead of costing one rollback."""
+    import json
+
+    from dsedge.toolchain.train.sampler import ShardedBatchSampler
+
+    batches = list(ShardedBatchSampler(64, 8, seed=0))
+    bad = batches[4][0]                                     # a sample of step 5's batch (epoch 0, batch 4)
+    cfg = config(tmp_path / "run", data={"factory": "test_train_user_found:make_data_with_a_nan",
+                                         "kwargs": {"val": 16, "nan_index": bad}},
+                 health={"max_nonfinite": 1, "max_rollbacks": 2})
+    result = train.run(from_dict(cfg))
+    assert result.steps == 6
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rollbacks = [e for e in lines if e.get("event") == "rollback"]
+    assert len(rollbacks) == 1
+    assert rollbacks[0]["from_step"] == 5 and rollbacks[0]["to_step"] == 3
+    skips = [{k: v for k, v in e.items() if k != "time"} for e in lines if e.get("event") == "skipped_batches"]
+    assert skips == [{"event": "skipped_batches", "step": 3, "batches": [{"step": 5, "epoch": 0, "batch": 4}]}]
+    steps = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert [s for s, _ in steps] == [1, 2, 3, 4, 5, 4, 5, 6] and steps[4][1] is None
+    assert all(v is not None for _, v in steps[5:])
+    assert steps[5] == steps[3]                             # step 4 replayed on the same batch (after the rollback)
+    # the checkpoint carries the data position (one batch ahead of the step) and the skip, for a resume
+    trainer = json.loads((tmp_path / "run" / "checkpoints" / "step_6" / "trainer.json").read_text())
+    assert trainer["data_position"] == 7 and trainer["skipped_batches"] == [4]
+
+
+def torchrun_cli_args(tmp_path, verb, cfg, *args):
+    path = tmp_path / f"{verb}.toml"
+    path.write_text(dump_toml(cfg))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "dsedge.cli", verb, str(path), "--nproc-per-node", "2", *args],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.slow
+def test_max_restarts_does_not_restart_a_ranks_config_error(tmp_path):
+    """`--max-restarts 2` restarted the group after a rank's ConfigError (exit 2) twice: the same error three times
+    over, as it fails the same way every time. Now it fails once, with exit status 2, and leaves no run behind."""
+    import time
+
+    t0 = time.perf_counter()
+    proc = torchrun_cli_args(tmp_path, "train", config(tmp_path / "run", device="cpu",
+                                                       model={"factory": "train_models:make_half_used"}),
+                             "--max-restarts", "2")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out
+    assert 1 <= out.count("which data-parallel training (DDP) cannot reduce") <= 2, out  # once per rank, one attempt
+    assert not (tmp_path / "run" / "config.toml").exists()
+    print(f"failed in {time.perf_counter() - t0:.1f} s")
+
+
+@pytest.mark.parametrize("section, key, value, why", [
+    ("parallel", "microbatches", 4, r"\[parallel\] microbatches = 4 has no effect with pipeline = 1"),
+    ("parallel", "tensor_plan", {"blocks.*.up": "colwise"}, r"\[parallel\] tensor_plan has no effect with tensor = 1"),
+    ("precision", "initial_scale", 1024.0, r"\[precision\] initial_scale = 1024.0 has no effect with mode = 'bf16'"),
+    ("precision", "growth_interval", 10, r"\[precision\] growth_interval = 10 has no effect with mode = 'bf16'"),
+])
+def test_settings_without_effect_are_refused_at_load(tmp_path, section, key, value, why):
+    """`microbatches` with pipeline = 1, `tensor_plan` with tensor = 1 and `initial_scale` / `growth_interval` with
+    bf16 (no grad scaler) were silently unused. Their default values stay fine."""
+    over = {section: {key: value, **({"mode": "bf16"} if section == "precision" else {})}}
+    with pytest.raises(ConfigError, match=why) as e:
+        from_dict(config(tmp_path / "run", **over))
+    assert "\n" not in str(e.value) and e.value.hint
+    defaults = {"microbatches": None, "tensor_plan": None, "initial_scale": 65536.0, "growth_interval": 2000}
+    from_dict(config(tmp_path / "run", **{section: {**over[section], key: defaults[key]}}))
+    if section == "parallel":  # where they do have an effect
+        other = {"microbatches": "pipeline", "tensor_plan": "tensor"}[key]
+        from_dict(config(tmp_path / "run", parallel={"data": "fsdp", key: value, other: 2}))
+    else:
+        from_dict(config(tmp_path / "run", precision={"mode": "fp16", key: value}))
+
+
+def test_comm_hook_with_one_process_is_refused(tmp_path):
+    """`comm_hook` with one process (no DDP, nothing to compress) was silently unused."""
+    from dsedge.toolchain.train.validation import check_world
+
+    cfg = from_dict(config(tmp_path / "run", device="cpu", parallel={"comm_hook": "fp16"}))
+    assert check_world(cfg, 2, "cpu") == 2
+    with pytest.raises(ConfigError, match=r"\[parallel\] comm_hook = 'fp16' has no effect with one data-parallel "
+                                          r"process") as e:
+        check_world(cfg, 1, "cpu")
+    assert "remove comm_hook" in e.value.hint
+    with pytest.raises(ConfigError, match="comm_hook = 'fp16' has no effect"):
+        train.run(cfg)
+    assert not (tmp_path / "run").exists()

@@ -1,6 +1,8 @@
 """Quantization-aware fine-tuning (QAT) in torch: fake-quantized INT4 blockwise weights, straight-through gradients.
 
-Every ``nn.Linear`` (weight ``[out, in]``) is wrapped so its forward uses ``w + (fq(w) - w).detach()`` where
+Every ``nn.Linear`` (weight ``[out, in]``), and every ``nn.MultiheadAttention``'s bare projection Parameters
+(``in_proj_weight`` ``[3E, E]``, or ``q/k/v_proj_weight``: MatMul weights of the export too), is wrapped so its forward
+uses ``w + (fq(w) - w).detach()`` where
 ``fq`` is the same blockwise quantizer the ONNX export uses (blocks of ``block_size`` along the input dimension,
 symmetric INT4 codes in [-8, 7] with ``scale = absmax / 7`` per block, or asymmetric UINT4 with a zero point) —
 the straight-through estimator of Bengio et al. (arXiv:1308.3432) as used by QAT (Jacob et al., arXiv:1712.05877).
@@ -70,14 +72,40 @@ def _fq_linear_class():
     return FakeQuantLinear
 
 
+def _fq_parametrization(block_size: int, symmetric: bool) -> Any:
+    """``w -> w + (fq(w) - w).detach()`` as a torch parametrization (for weights that are bare Parameters)."""
+    import torch
+
+    class FakeQuantWeight(torch.nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w + (fake_quant_weight(w, block_size, symmetric) - w).detach()
+
+    return FakeQuantWeight()
+
+
+# nn.MultiheadAttention's input projections: bare Parameters [out, in] that its functional form multiplies with
+# (the export's MatMul weights), unlike out_proj, which is an nn.Linear
+_ATTENTION_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
 def wrap_linears(model: Any, block_size: int = 32, symmetric: bool = True,
                  skip: Sequence[str] = ()) -> list[str]:
-    """Replace every ``nn.Linear`` (names not in ``skip``) by a fake-quant wrapper, in place; returns their names."""
+    """Fake-quantize, in place, every weight the INT4 export quantizes: replace every ``nn.Linear`` by a wrapper,
+    and parametrize each ``nn.MultiheadAttention``'s ``in_proj_weight`` (or ``q/k/v_proj_weight``) ``[out, in]``
+    with the same quantizer (blocks along ``in``). Returns their names (``layer.self_attn.in_proj_weight`` for the
+    latter); names in ``skip`` are left in float."""
     import torch
+    from torch.nn.utils import parametrize
 
     cls = _fq_linear_class()
     names = []
     for name, mod in list(model.named_modules()):
+        if isinstance(mod, torch.nn.MultiheadAttention):
+            for attr in _ATTENTION_WEIGHTS:
+                full = f"{name}.{attr}" if name else attr
+                if isinstance(getattr(mod, attr, None), torch.nn.Parameter) and full not in skip:
+                    parametrize.register_parametrization(mod, attr, _fq_parametrization(block_size, symmetric))
+                    names.append(full)
         for child_name, child in list(mod.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if isinstance(child, torch.nn.Linear) and full not in skip:
@@ -88,11 +116,27 @@ def wrap_linears(model: Any, block_size: int = 32, symmetric: bool = True,
 
 def unwrap_linears(model: Any) -> None:
     """Undo :func:`wrap_linears` (the trained float weights stay), in place."""
-    cls_name = "FakeQuantLinear"
+    from torch.nn.utils import parametrize
+
     for _, mod in list(model.named_modules()):
+        for attr in _ATTENTION_WEIGHTS:
+            if parametrize.is_parametrized(mod, attr):
+                parametrize.remove_parametrizations(mod, attr, leave_parametrized=False)
         for child_name, child in list(mod.named_children()):
-            if type(child).__name__ == cls_name:
+            if type(child).__name__ == "FakeQuantLinear":
                 setattr(mod, child_name, child.linear)
+
+
+def _fake_quant_params(model: Any) -> list:
+    """The float weights :func:`wrap_linears` fake-quantizes (what QAT trains)."""
+    from torch.nn.utils import parametrize
+
+    params = []
+    for mod in model.modules():
+        if type(mod).__name__ == "FakeQuantLinear":
+            params.append(mod.linear.weight)
+        params += [mod.parametrizations[a].original for a in _ATTENTION_WEIGHTS if parametrize.is_parametrized(mod, a)]
+    return params
 
 
 def _cosine(student: Any, teacher: Any, batches: Sequence[Any], fwd: Callable[[Any, Any], Any]) -> float:
@@ -111,7 +155,8 @@ def qat_finetune(model: Any, batches: Sequence[Any], *, forward: Callable[[Any, 
     """Fake-quant INT4 fine-tune of ``model`` (in place) against its own fp32 copy as the teacher.
 
     Args:
-        model: torch module in fp32; its ``nn.Linear`` weights are trained (biases and other parameters are not).
+        model: torch module in fp32; its ``nn.Linear`` weights and attention input projections are trained (biases
+            and other parameters are not).
         batches: calibration batches, cycled; each is passed to ``forward(model, batch)`` (default: ``model(batch)``,
             ``model(*batch)`` for a tuple or ``model(**batch)`` for a dict), which returns the tensor to match
             (e.g. the sentence embedding).
@@ -138,7 +183,7 @@ def qat_finetune(model: Any, batches: Sequence[Any], *, forward: Callable[[Any, 
     layers = wrap_linears(model, block_size, symmetric, skip)
     try:
         cos_before = _cosine(model, teacher, batches, fwd)
-        params = [m.linear.weight for m in model.modules() if type(m).__name__ == "FakeQuantLinear"]
+        params = _fake_quant_params(model)
         rep = distill_finetune(model, teacher, batches, forward=fwd, steps=steps, lr=lr, loss=loss, params=params,
                                masks=masks, seed=seed,
                                log=(lambda s: log("QAT " + s)) if log else None)

@@ -209,8 +209,8 @@ def make_student(source: Source, opts: BuildConfig, spec: PruneSpec | None,
         after = metrics()
         unwrap_linears(student)
         rep.update(layers=len(rep["layers"]), heldout_before=before, heldout_after=after,
-                   what=f"nn.Linear weights fake-quantized to INT4 (block {opts.block_size}, symmetric, the RTN "
-                        "quantizer the export uses); embedding tables not")
+                   what=f"nn.Linear and attention input-projection weights fake-quantized to INT4 (block "
+                        f"{opts.block_size}, symmetric, the RTN quantizer the export uses); embedding tables not")
         _log_change(log, f"QAT ({qat} steps, {rep['time_s']:.0f} s)", rep)
         section["qat"] = rep
     student.eval()

@@ -14,7 +14,8 @@ from .train import check_launch, finished_line, launch_torchrun, under_torchrun
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
               help="Start N processes on this node via torchrun (default: run in this process, or as launched).")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-              help="With --nproc-per-node: restart the group this many times after a failure.")
+              help="With --nproc-per-node: restart the group this many times after a failure (resumes from the "
+                   "latest checkpoint); not after a rank's config or training error (exit status 2).")
 def distill(config: str, nproc: int | None, max_restarts: int) -> None:
     """Distill the [model] student from the [distill] teacher run (KL with temperature + hard-label loss)."""
     cfg = check_launch("distill", config, nproc, max_restarts)

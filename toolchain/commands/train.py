@@ -9,10 +9,23 @@ import click
 
 
 # torch.distributed.run without its ChildFailedError traceback: the failed rank has printed its own error (one line
-# for a DsedgeError); the launcher exits with that rank's status (2 for a DsedgeError, as in one process)
+# for a DsedgeError); the launcher exits with that rank's status (2 for a DsedgeError, as in one process). A rank
+# that exits 2 (a DsedgeError: a config error at its first step fails the same way again) ends the elastic restarts.
 _TORCHRUN = """import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
+try:  # torchrun's agent internals (torch 2.13): without them, restarts happen as torchrun's own
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    _monitor = LocalElasticAgent._monitor_workers
+    def _monitor_workers(self, worker_group):
+        result = _monitor(self, worker_group)
+        if result.state == WorkerState.FAILED and any(f.exitcode == 2 for f in result.failures.values()):
+            self._remaining_restarts = 0
+        return result
+    LocalElasticAgent._monitor_workers = _monitor_workers
+except (ImportError, AttributeError):
+    pass
 try:
     run(parse_args(sys.argv[1:]))
 except ChildFailedError as e:
@@ -28,7 +41,8 @@ except ChildFailedError as e:
 def launch_torchrun(verb: str, config: str, nproc: int, max_restarts: int) -> int:
     """Re-run ``dsedge VERB CONFIG`` under ``torch.distributed.run`` on this node (standalone rendezvous); returns
     0, or the exit status of the first rank that failed (2 for a DsedgeError), after its own error line and
-    without torchrun's ChildFailedError traceback.
+    without torchrun's ChildFailedError traceback. ``max_restarts`` restarts the group after a crash or a killed
+    rank, not after a rank's DsedgeError (exit 2): that would fail the same way each time.
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with a shared store, restarts after a killed rank hang (measured)."""
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -96,7 +110,7 @@ def finished_line(verb: str, result) -> str:  # type: ignore[no-untyped-def]
               help="Start N processes on this node via torchrun (default: run in this process, or as launched).")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="With --nproc-per-node: restart the group this many times after a failure (resumes from the "
-                   "latest checkpoint).")
+                   "latest checkpoint); not after a rank's config or training error (exit status 2).")
 def train(config: str, nproc: int | None, max_restarts: int) -> None:
     """Train the model a config describes; writes OUT/config.toml, metrics.jsonl, checkpoints/, final/."""
     cfg = check_launch("train", config, nproc, max_restarts)

@@ -2,8 +2,8 @@
 
 Each step record: ``step``, ``loss``, ``lr``, ``grad_norm``, ``loss_scale`` (fp16), ``samples_per_s``,
 ``tokens_per_s`` (token-budget batches), ``step_time_ms``, ``data_wait_fraction`` (share of the step spent waiting
-for the data loader), ``skipped`` (non-finite), ``time`` (unix seconds). Events (``resumed``, ``rollback``, ``checkpoint``, ``eval``) are
-records with an ``event`` key.
+for the data loader), ``skipped`` (non-finite), ``time`` (unix seconds). Events (``resumed``, ``rollback``, ``skipped_batches``, ``checkpoint``, ``eval``)
+are records with an ``event`` key.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     set up processes and mesh → build model and data → precision, checkpointing, parallelism → hybrid optimizer
     → resume from the latest complete checkpoint → loop (forward/backward, unscale, clip, skip non-finite, step,
     log, evaluate (per domain) → move the domain mixture / raise augmentation on a plateau → checkpoint, roll back
-    after K non-finite steps) → write ``final/`` (safetensors + model.json)
+    after K non-finite steps, skipping their batches from then on) → write ``final/`` (safetensors + model.json)
 
 Run in one process (``dsedge train CONFIG``) or under torchrun (``torchrun --nproc-per-node N -m dsedge.cli train
 CONFIG``); the distill recipe (distill.py) reuses this loop with its own ``forward_loss``.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 import warnings
 from dataclasses import dataclass
@@ -63,8 +64,14 @@ def run(cfg: TrainConfig, forward_loss: Callable[[Callable], ForwardLoss] | None
         setup_extra: Callable[[par.DistEnv, PrecisionPolicy], None] | None = None) -> RunResult:
     """Train per ``cfg`` (collective under torchrun). ``forward_loss(hard_loss) -> ForwardLoss`` replaces the plain
     ``loss(model(*inputs), target)`` (the distill recipe's teacher + KD loss); ``setup_extra(env, policy)`` runs
-    after the process group is up (e.g. to load a teacher). Raises ConfigError / TrainingError."""
+    after the process group is up (e.g. to load a teacher). Raises ConfigError / TrainingError.
+
+    A run that fails before its first step completes (a loss-shape, teacher or DDP error of that step) removes the
+    run directory when it created it (``config.toml`` is written after that step), so nothing looks like a started
+    run; a directory that was there before (a resume) keeps what it held."""
     env = par.init_distributed(cfg)
+    run_dir = Path(cfg.out_dir)
+    created = env.rank == 0 and not run_dir.exists()
     ok = False
     try:
         if setup_extra is not None:
@@ -75,8 +82,11 @@ def run(cfg: TrainConfig, forward_loss: Callable[[Callable], ForwardLoss] | None
     finally:
         if ok:
             par.teardown(env)
-        elif env.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        else:
+            if created and run_dir.is_dir() and not (run_dir / "config.toml").exists():
+                shutil.rmtree(run_dir, ignore_errors=True)  # only what this run wrote before its first step
+            if env.owns_group and dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def check_class_weights(model: torch.nn.Module, train_ds: Any, hard_loss: Callable, padded: bool) -> None:
@@ -191,8 +201,10 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
     params = [q for q in model.parameters() if q.requires_grad]
     ckpt = Checkpointer(run_dir, env.rank, cfg.checkpoint.keep, log.message)
 
-    # resume from the latest complete checkpoint
+    # resume from the latest complete checkpoint. ``pos``: the data position of the next batch (0-based count of global
+    # batches drawn), ahead of ``step`` by the batches skipped after a rollback (``skipped``: their positions)
     step, nonfinite, rollbacks = 0, 0, 0
+    pos, skipped, streak = 0, set(), []
 
     def restore() -> dict | None:
         state = ckpt.load_latest(model, optimizer.optimizers)
@@ -216,10 +228,11 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         return state
 
     state = restore()
-    if env.rank == 0:  # not before: a resume refused (checkpoints of another model) left the new config beside them
-        write_resolved_config(run_dir, cfg)
+    # config.toml once the first step has completed (below): a resume refused (checkpoints of another model) or a
+    # first step that fails (a loss-shape, teacher or DDP error) left it beside no run, or beside another run's files
     if state is not None:
         step = state["step"]
+        pos, skipped = state.get("data_position", step), set(state.get("skipped_batches", ()))
         rollbacks = state.get("rollbacks", 0)
         log.truncate_after(step)
         log.event("resumed", step=step, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
@@ -234,23 +247,29 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
     collate = pad_collate if isinstance(sampler, TokenBudgetBatchSampler) else None
 
     def batches_from(s: int):
+        """``(data position, batch)`` from data position ``s`` on, without the ``skipped`` positions."""
         epoch, b = sampler.locate(s)
         while True:
             sampler.set_position(epoch, b)
             # a generator of its own: a loader without one draws its base seed from the global RNG when iterated, and
             # a resumed run iterates a new loader where the run it resumes did not, so its dropout diverged
             seeds = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
-            yield from DataLoader(train_ds, batch_sampler=sampler, num_workers=cfg.data.num_workers,
-                                  collate_fn=collate, persistent_workers=False, generator=seeds)
+            for batch in DataLoader(train_ds, batch_sampler=sampler, num_workers=cfg.data.num_workers,
+                                    collate_fn=collate, persistent_workers=False, generator=seeds):
+                if s not in skipped:
+                    yield s, batch
+                s += 1
             epoch, b = epoch + 1, 0
 
-    data = batches_from(step)
+    data = batches_from(pos)
     model.train()
     start_step = step
     last_loss = float("nan")
+    wrote_config = False
     while step < total_steps:
         t0 = time.perf_counter()
-        x, y = next(data)
+        batch_pos, (x, y) = next(data)
+        pos = batch_pos + 1
         x, y = to_device(as_inputs(x), env.device), to_device(y, env.device)
         t_data = time.perf_counter() - t0
         lr = next((float(g["lr"]) for o in optimizer.optimizers for g in o.param_groups), 0.0)
@@ -302,6 +321,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         # under fp16 inf gradients are the scaler's business; only a non-finite loss counts toward a rollback
         bad = not math.isfinite(loss_value) if scaler is not None else not finite
         nonfinite = nonfinite + 1 if bad else 0
+        streak = streak + [(step + 1, batch_pos)] if bad else []
         step += 1
         now = time.perf_counter()
         step_time = now - t0
@@ -318,6 +338,9 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         log.write(record)
         if math.isfinite(loss_value):
             last_loss = loss_value
+        if not wrote_config and env.rank == 0:
+            write_resolved_config(run_dir, cfg)
+            wrote_config = True
 
         if nonfinite >= cfg.health.max_nonfinite:
             if rollbacks >= cfg.health.max_rollbacks:
@@ -331,12 +354,20 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
                                     "lower [optim] lr or checkpoint more often ([checkpoint] every)")
             rollbacks += 1
             log.event("rollback", from_step=step, to_step=state["step"], nonfinite=nonfinite, rollbacks=rollbacks)
-            log.message(f"{nonfinite} non-finite steps in a row: rolled back from step {step} to "
-                        f"step_{state['step']} (rollback {rollbacks}/{cfg.health.max_rollbacks})")
-            step, nonfinite = state["step"], 0
+            # skip the replayed batches of the non-finite steps: a bad batch would fail the same way every rollback
+            from_step, step, pos = step, state["step"], state.get("data_position", state["step"])
+            gone = [(s, p) for s, p in streak if p >= pos]
+            skipped |= set(state.get("skipped_batches", ())) | {p for _, p in gone}
+            where = [{"step": s, "epoch": sampler.locate(p)[0], "batch": sampler.locate(p)[1]} for s, p in gone]
+            log.event("skipped_batches", step=step, batches=where)
+            log.message(f"{nonfinite} non-finite steps in a row: rolled back from step {from_step} to "
+                        f"step_{step} (rollback {rollbacks}/{cfg.health.max_rollbacks}); skipping the batch"
+                        f"{'es' * (len(gone) != 1)} of step{'s' * (len(gone) != 1)} "
+                        f"{', '.join(str(s) for s, _ in gone)}")
+            nonfinite, streak = 0, []
             if plateau is not None:
                 train_ds.set_augment_strength(plateau.strength)
-            data = batches_from(step)
+            data = batches_from(pos)
             continue
 
         if step % cfg.checkpoint.every == 0 or step == total_steps:
@@ -344,8 +375,9 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
             ev = validation_figures(model, val_ds, cfg, env, policy, hard_loss, schedule, step,
                                     share=domain_weights is not None or plateau is not None)
             resample = adapt(ev, step >= total_steps, train_ds, domain_weights, plateau, log)
-            epoch, batch = sampler.locate(step)
+            epoch, batch = sampler.locate(pos)
             trainer = {"epoch": epoch, "batch": batch, "rollbacks": rollbacks,
+                       "data_position": pos, "skipped_batches": sorted(skipped),
                        "scaler": scaler.state_dict() if scaler is not None else None,
                        "lr_schedule": lr_signature, "lr_schedulers": [s.state_dict() for s in lr_schedulers]}
             if domain_weights is not None:
@@ -355,7 +387,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
             ckpt.save(step, model, optimizer.optimizers, trainer)
             log.event("checkpoint", **ev)
             if resample:  # no prefetched batch keeps the old mixture or strength
-                data = batches_from(step)
+                data = batches_from(pos)
 
     state_dict = model_state_for_export(model, env)
     if env.rank == 0:

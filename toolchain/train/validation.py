@@ -108,6 +108,7 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
     _positive(p.powersgd_rank, "[parallel] powersgd_rank", s)
     if p.comm_hook and p.data != "ddp":
         raise ConfigError(f"{s}: [parallel] comm_hook needs data = 'ddp'", "FSDP has no DDP comm hooks; remove it")
+    _unused_settings(cfg)
     if p.pipeline > 1 and (cfg.precision.mode == "fp16" or distill):
         # checked here, not only by the ranks: under --nproc-per-node each rank printed it, then torchrun's traceback
         raise ConfigError(f"{s}: pipeline parallel supports fp32/bf16 training (no fp16, no distill)",
@@ -167,9 +168,31 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
     return cfg
 
 
+def _unused_settings(cfg: TrainConfig) -> None:
+    """ConfigError for a setting that the rest of the config leaves without effect (it was silently unused): one
+    given away from its default only."""
+    from .config import ParallelConfig, PrecisionConfig
+
+    s, p, pr = cfg.source, cfg.parallel, cfg.precision
+    if p.pipeline == 1 and p.microbatches != ParallelConfig.microbatches:
+        raise ConfigError(f"{s}: [parallel] microbatches = {p.microbatches} has no effect with pipeline = 1 (only a "
+                          "pipeline splits its batch into micro-batches)",
+                          "remove microbatches, or set pipeline = 2 or more")
+    if p.tensor == 1 and p.tensor_plan != ParallelConfig.tensor_plan:
+        raise ConfigError(f"{s}: [parallel] tensor_plan has no effect with tensor = 1 (no module is sharded)",
+                          "remove tensor_plan, or set tensor = 2 or more")
+    if pr.mode != "fp16":  # only fp16 has a GradScaler
+        for key in ("initial_scale", "growth_interval"):
+            if getattr(pr, key) != getattr(PrecisionConfig, key):
+                raise ConfigError(f"{s}: [precision] {key} = {getattr(pr, key)} has no effect with mode = "
+                                  f"{pr.mode!r} (only fp16 has a loss scaler)",
+                                  f"remove {key}, or set mode = 'fp16'")
+
+
 def check_world(cfg: TrainConfig, world_size: int, device_type: str | None = None) -> int:
-    """The data-parallel degree for ``world_size`` processes; ConfigError if the mesh cannot be laid out, or (with
-    ``device_type``, ``cpu`` or ``cuda``) if the data-parallel wrapper cannot run it. Checked by the launcher before
+    """The data-parallel degree for ``world_size`` processes; ConfigError if the mesh cannot be laid out, if
+    ``comm_hook`` is set with one data-parallel process (nothing to reduce), or (with ``device_type``, ``cpu`` or
+    ``cuda``) if the data-parallel wrapper cannot run it. Checked by the launcher before
     any process starts and by every rank before the run directory is written."""
     p = cfg.parallel
     model_par = p.tensor * p.pipeline
@@ -178,6 +201,10 @@ def check_world(cfg: TrainConfig, world_size: int, device_type: str | None = Non
             f"{cfg.source}: tensor = {p.tensor} x pipeline = {p.pipeline} does not divide the world size {world_size}",
             f"launch a multiple of {model_par} processes (torchrun --nproc-per-node) or lower the degrees")
     dp = world_size // model_par
+    if dp == 1 and p.comm_hook is not None:
+        raise ConfigError(f"{cfg.source}: [parallel] comm_hook = {p.comm_hook!r} has no effect with one data-parallel "
+                          f"process (world size {world_size}: no gradients to reduce)",
+                          "remove comm_hook, or launch more processes (--nproc-per-node)")
     if cfg.data.batch_size % dp:
         raise ConfigError(f"{cfg.source}: [data] batch_size = {cfg.data.batch_size} is not divisible by the "
                           f"data-parallel degree {dp}", f"use a batch_size that is a multiple of {dp}")
