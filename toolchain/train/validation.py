@@ -171,19 +171,18 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
 def _unused_settings(cfg: TrainConfig) -> None:
     """ConfigError for a setting that the rest of the config leaves without effect (it was silently unused): one
     given away from its default only."""
-    from .config import ParallelConfig, PrecisionConfig
-
     s, p, pr = cfg.source, cfg.parallel, cfg.precision
-    if p.pipeline == 1 and p.microbatches != ParallelConfig.microbatches:
+    par_default, prec_default = type(p), type(pr)  # their class attributes are the defaults (config.py)
+    if p.pipeline == 1 and p.microbatches != par_default.microbatches:
         raise ConfigError(f"{s}: [parallel] microbatches = {p.microbatches} has no effect with pipeline = 1 (only a "
                           "pipeline splits its batch into micro-batches)",
                           "remove microbatches, or set pipeline = 2 or more")
-    if p.tensor == 1 and p.tensor_plan != ParallelConfig.tensor_plan:
+    if p.tensor == 1 and p.tensor_plan != par_default.tensor_plan:
         raise ConfigError(f"{s}: [parallel] tensor_plan has no effect with tensor = 1 (no module is sharded)",
                           "remove tensor_plan, or set tensor = 2 or more")
     if pr.mode != "fp16":  # only fp16 has a GradScaler
         for key in ("initial_scale", "growth_interval"):
-            if getattr(pr, key) != getattr(PrecisionConfig, key):
+            if getattr(pr, key) != getattr(prec_default, key):
                 raise ConfigError(f"{s}: [precision] {key} = {getattr(pr, key)} has no effect with mode = "
                                   f"{pr.mode!r} (only fp16 has a loss scaler)",
                                   f"remove {key}, or set mode = 'fp16'")
