@@ -175,8 +175,13 @@ def test_onnx_source_prunes_without_fine_tune_and_refuses_qat(tmp_path):
 def test_build_prune_channels_with_fine_tune_reports_before_and_after(net_module, monkeypatch):
     d, _ = net_module
     monkeypatch.chdir(d)
+    lines: list[str] = []
     r = build(BuildOptions(model="tinyffn:make", target="cpu", out_dir="out-prune", precision="fp32",
-                           calib="calib", prune="channels:0.5", finetune_steps=60, latency_iterations=2))
+                           calib="calib", prune="channels:0.5", finetune_steps=60, latency_iterations=2),
+              log=lines.append)
+    # the student's parity, formatted like the export's line (it printed the float's every digit)
+    diff = r.report["export"]["parity_max_abs_diff"]
+    assert f"exported the fine-tuned student; parity max abs diff {diff:.3g}" in lines, lines
     comp = r.report["compensation"]["prune"]
     assert comp["spec"] == "channels:0.5" and comp["finetune"]["steps"] == 60
     assert comp["heldout_after"]["cosine_mean"] > comp["heldout_before"]["cosine_mean"]

@@ -427,3 +427,48 @@ def test_comm_hook_with_one_process_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="comm_hook = 'fp16' has no effect"):
         train.run(cfg)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_the_launchers_output_is_clean_and_it_leaves_no_torchelastic_folder(tmp_path):
+    """`dsedge train --nproc-per-node 2` passed torchrun's glog lines through ("W1205 06:12:33.123000 1234
+    torch/distributed/run.py:874] Setting OMP_NUM_THREADS ...") and left a /tmp/torchelastic_* folder per run."""
+    import re
+
+    path, tmp = tmp_path / "train.toml", tmp_path / "tmp"
+    path.write_text(dump_toml(config(tmp_path / "run", device="cpu", steps=2, checkpoint={"every": 2})))
+    tmp.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), TMPDIR=str(tmp))
+    env.pop("OMP_NUM_THREADS", None)  # torchrun's notice about it is what users saw first
+    proc = subprocess.run([sys.executable, "-m", "dsedge.cli", "train", str(path), "--nproc-per-node", "2"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "trained 2 steps, loss " in proc.stdout, out
+    assert not re.search(r"^[IWEC]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ ", out, re.M), out   # no glog prefix
+    assert "OMP_NUM_THREADS" not in out and "*****" not in out, out
+    assert [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "dsedge-"))] == []
+
+
+@pytest.mark.slow
+def test_a_token_budget_run_resumed_on_another_process_count_is_refused(tmp_path):
+    """A token-budget run checkpointed by 1 process resumed under `--nproc-per-node 2`: each step became 2 batches
+    (one per rank) where it had been 1, silently: the resumed run was no longer the run it continued."""
+    import json
+
+    cfg = config(tmp_path / "run", device="cpu", model={"factory": "train_models:make_bag"},
+                 data={"factory": "train_models:make_sequences_val", "kwargs": {}, "max_tokens": 40, "batch_size": 4})
+    train.run(from_dict(cfg))
+    cut_back_to_step_3(tmp_path / "run")
+    trainer = tmp_path / "run" / "checkpoints" / "step_3" / "trainer.json"
+    assert json.loads(trainer.read_text())["world_size"] == 1
+    proc = torchrun_cli(tmp_path, "train", cfg)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out
+    assert ("token-budget run checkpointed by 1 process (step_3) cannot resume on 2 processes: each process "
+            "takes its own batch per step, so a step would take other batches") in out, out
+    assert "hint: resume with --nproc-per-node 1, or set another out_dir for a new run" in out, out
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_3"]
+    # a checkpoint that does not say how many processes wrote it (an older one) resumes as before
+    trainer.write_text(json.dumps({k: v for k, v in json.loads(trainer.read_text()).items() if k != "world_size"}))
+    proc = torchrun_cli(tmp_path, "train", cfg)
+    assert proc.returncode == 0 and "trained 6 steps" in proc.stdout, proc.stdout + proc.stderr

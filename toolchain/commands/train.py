@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 import click
 
@@ -11,9 +12,15 @@ import click
 # torch.distributed.run without its ChildFailedError traceback: the failed rank has printed its own error (one line
 # for a DsedgeError); the launcher exits with that rank's status (2 for a DsedgeError, as in one process). A rank
 # that exits 2 (a DsedgeError: a config error at its first step fails the same way again) ends the elastic restarts.
-_TORCHRUN = """import sys
+# torchrun's own log lines lose their glog prefix ("W1205 06:12:33.123000 1234 torch/distributed/run.py:874]"), and
+# its notices that ask nothing of the user (OMP_NUM_THREADS set to 1, SIGTERM sent to the other ranks) are dropped.
+_TORCHRUN = """import logging, sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
+_NOISE = ("Setting OMP_NUM_THREADS", "Sending process")
+for _handler in logging.getLogger("torch.distributed").handlers + logging.getLogger("torch").handlers:
+    _handler.setFormatter(logging.Formatter("torchrun: %(message)s"))
+    _handler.addFilter(lambda r: not r.getMessage().lstrip("\\n*").startswith(_NOISE))
 try:  # torchrun's agent internals (torch 2.13): without them, restarts happen as torchrun's own
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -44,11 +51,14 @@ def launch_torchrun(verb: str, config: str, nproc: int, max_restarts: int) -> in
     without torchrun's ChildFailedError traceback. ``max_restarts`` restarts the group after a crash or a killed
     rank, not after a rank's DsedgeError (exit 2): that would fail the same way each time.
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with a shared store, restarts after a killed rank hang (measured)."""
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with a shared store, restarts after a killed rank hang (measured). torchrun's
+    log dir (its error files) is a temporary folder removed at the end: by default each run left a
+    ``$TMPDIR/torchelastic_*`` behind."""
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    cmd = [sys.executable, "-c", _TORCHRUN, "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "dsedge.cli", verb, config]
-    return subprocess.call(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="dsedge-torchrun-") as logs:
+        cmd = [sys.executable, "-c", _TORCHRUN, "--standalone", f"--nproc-per-node={nproc}",
+               f"--max-restarts={max_restarts}", f"--log-dir={logs}", "-m", "dsedge.cli", verb, config]
+        return subprocess.call(cmd, env=env)
 
 
 def under_torchrun() -> bool:

@@ -28,7 +28,7 @@ def finetune(plan: BuildPlan, model: Prepared, work: Path, log: Callable[[str], 
         source = dataclasses.replace(source)          # make_student swaps in the student's module
         compensation = make_student(source, plan.config, spec, log)
         exported = export_with_ranges(source, work / "models" / "fp32.onnx")   # the student
-        log(f"exported the fine-tuned student; parity max abs diff {exported.parity_max_abs_diff}")
+        log(f"exported the fine-tuned student; parity max abs diff {exported.parity_max_abs_diff:.3g}")
     else:
         compensation = {"prune": prune_onnx_source(exported.path, spec, source.calibration)}
         notes.append(f"ONNX source: --prune {spec} applied to the ONNX graph without a fine-tune")

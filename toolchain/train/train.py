@@ -89,6 +89,27 @@ def run(cfg: TrainConfig, forward_loss: Callable[[Callable], ForwardLoss] | None
                 dist.destroy_process_group()
 
 
+def check_token_budget_world(state: dict, sampler: Any, world: int, run_dir: Path) -> None:
+    """Refuse to resume a token-budget run on another number of processes than its checkpoint's: each process takes
+    a batch of its own per step, so a step of 1 process is one batch and of 2 processes two. A checkpoint without
+    ``world_size`` (written before it was recorded) is let through.
+
+    Raises:
+        ConfigError: naming both process counts.
+    """
+    saved = state.get("world_size")
+    if not isinstance(sampler, TokenBudgetBatchSampler) or saved is None or saved == world:
+        return
+
+    def procs(n: int) -> str:
+        return f"{n} process{'es' * (n != 1)}"
+
+    raise ConfigError(f"{run_dir}: a token-budget run checkpointed by {procs(saved)} (step_{state['step']}) cannot "
+                      f"resume on {procs(world)}: each process takes its own batch per step, so a step would take "
+                      "other batches",
+                      f"resume with --nproc-per-node {saved}, or set another out_dir for a new run")
+
+
 def check_class_weights(model: torch.nn.Module, train_ds: Any, hard_loss: Callable, padded: bool) -> None:
     """``[loss] class_weights`` against the classes the model really gives, before the run directory is written:
     the first training sample through the plain model (CPU, eval mode, no grad) into ``hard_loss``.
@@ -232,6 +253,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
     # first step that fails (a loss-shape, teacher or DDP error) left it beside no run, or beside another run's files
     if state is not None:
         step = state["step"]
+        check_token_budget_world(state, sampler, env.world_size, run_dir)
         pos, skipped = state.get("data_position", step), set(state.get("skipped_batches", ()))
         rollbacks = state.get("rollbacks", 0)
         log.truncate_after(step)
@@ -377,7 +399,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
             resample = adapt(ev, step >= total_steps, train_ds, domain_weights, plateau, log)
             epoch, batch = sampler.locate(pos)
             trainer = {"epoch": epoch, "batch": batch, "rollbacks": rollbacks,
-                       "data_position": pos, "skipped_batches": sorted(skipped),
+                       "data_position": pos, "skipped_batches": sorted(skipped), "world_size": env.world_size,
                        "scaler": scaler.state_dict() if scaler is not None else None,
                        "lr_schedule": lr_signature, "lr_schedulers": [s.state_dict() for s in lr_schedulers]}
             if domain_weights is not None:
