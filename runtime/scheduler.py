@@ -107,12 +107,14 @@ from .latency_profile import LatencyProfile, seq_bucket
 from .metrics import StreamMetrics
 from .plan_calibration import PlanCalibration
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
+from .caller_load import CallerLoad
 from .core_share import CoreShare
 from .standby import Standby
 from .thread_priority import lower_current_thread, pin_current_thread
 
 _clock = time.perf_counter
 _PROBE_FREE_MS = 10.0  # a probe this short is worth running whatever the budget
+_SLOW = "slow"  # a plan's memo: the factor on its batch times (``Lane.plan``'s ``slow``)
 
 
 _answering = threading.local()  # set while a lane resolves futures: result() inside a done-callback is no wait
@@ -354,7 +356,8 @@ class Lane:
         got = memo.get(key)
         if got is None:
             mid, tail = self.profile.times(rows, seq)
-            got = memo[key] = (mid / 1e3, max(tail - mid, 0.0) / 1e3) if math.isfinite(mid) else (math.inf, 0.0)
+            k = memo.get(_SLOW, 1.0) / 1e3  # the caller's extra CPU use now (runtime/caller_load.py)
+            got = memo[key] = (mid * k, max(tail - mid, 0.0) * k) if math.isfinite(mid) else (math.inf, 0.0)
         return got
 
     # -- admission --------------------------------------------------------------------------------------------
@@ -410,7 +413,8 @@ class Lane:
             if wake:
                 self._cond.notify()
 
-    def plan(self, req: Request, now: float, z: Callable[[int], float] = lambda _ahead: 1.0) -> "Plan":
+    def plan(self, req: Request, now: float, z: Callable[[int], float] = lambda _ahead: 1.0,
+             slow: float = 1.0) -> "Plan":
         """The plan for ``req`` if queued now: its predicted completion (s), expected completion (s) and spread
         (s); ``done`` is ``inf`` when admitting it would break its own deadline or that of a request already
         queued.
@@ -422,7 +426,8 @@ class Lane:
         (tail − median) of the batches add in quadrature, as independent service times' deviations do; a
         completion is planned at ``expected + z(batches ahead) · spread`` (runtime/plan_calibration.py gives it
         per stratum; default 1, the profile's tail). Queues longer than ``plan_limit`` are estimated in
-        closed form (batches of the largest size that fits the budget).
+        closed form (batches of the largest size that fits the budget). ``slow`` (≥ 1) scales every batch's times,
+        the running one's rest too: the caller's CPU use above what the profile saw (runtime/caller_load.py).
         """
         with self._cond:
             queued = [r for _, r in self._queue]
@@ -430,13 +435,13 @@ class Lane:
         for other in self.across:  # the other side's running batch holds the cores (runtime/core_share.py)
             if other._running and other._run_mid > run_end_mid:
                 run_end_mid, run_dev, running = other._run_mid, max(run_dev, other._run_dev), True
-        rem_mid = max(run_end_mid - now, 0.0)
-        rem_var = run_dev * run_dev  # counted while it runs, even past its expected end
+        rem_mid = max(run_end_mid - now, 0.0) * slow
+        rem_var = (run_dev * slow) ** 2  # counted while it runs, even past its expected end
         # a batch on the backend is one batch ahead, even past its expected end with no tail margin left to count
         # (a zero-spread seed, or a slow run): the request's stratum is then 1, not an idle lane's 0 (the running
         # batch's expected end and margin are set and cleared with the running flag, so the flag says it all)
         ahead0 = 1 if running else 0
-        memo: dict = {}
+        memo: dict = {_SLOW: slow}
         if len(queued) > self.plan_limit:
             return self._closed_form(req, queued, now, rem_mid, rem_var, z, memo, ahead0)
         key = (int(req.deadline / self.tie_s), -req.priority)
@@ -993,15 +998,18 @@ class BudgetScheduler:
         standby: each variant's instances share a standby list (runtime/standby.py); False: refusals at once.
         standby_guard_z: with a standby list, added to the calibrated z of plans behind other batches (see the
             module doc); 0: none.
+        caller_weight: how much a core of the calling thread's CPU use slows a batch (``CallerLoad``: plans are
+            scaled while the caller works more than over the profile's horizon); 0: not counted.
     """
 
     def __init__(self, lanes: Sequence[Lane], layout: BatchLayout, metrics: StreamMetrics,
-                 standby: bool = True, standby_guard_z: float = 1.0) -> None:
+                 standby: bool = True, standby_guard_z: float = 1.0, caller_weight: float = 0.0) -> None:
         if not lanes:
             raise ValueError("BudgetScheduler needs at least one lane")
         self.lanes = list(lanes)
         self.standby = bool(standby)
         self.standby_guard_z = float(standby_guard_z)
+        self.caller = CallerLoad(caller_weight)
         self._groups = _instance_groups(self.lanes, self.standby)  # built once per lane set: submit is a hot path
         self.layout = layout
         self.metrics = metrics
@@ -1027,6 +1035,7 @@ class BudgetScheduler:
         rows, seq = layout.rows(feed), layout.seq_len(feed)
         req = Request(rid, feed, rows, seq, layout.group_key(feed), budget_ms, priority, now, now + budget_ms / 1e3)
         self.metrics.on_submit()
+        slow = self.caller.factor()
         groups = self._groups
         first = groups[0][0]
         reasons = []
@@ -1078,7 +1087,7 @@ class BudgetScheduler:
                 # long queue that estimate flattered (98 of its 180 then dropped at their deadline)
                 best = None
                 for inst in sorted(room, key=_join_key):
-                    p = inst.plan(req, now, functools.partial(self._plan_z, inst, now))
+                    p = inst.plan(req, now, functools.partial(self._plan_z, inst, now), slow)
                     if best is None or p.done < best[1].done:
                         best = (inst, p)
                     if p.done <= req.deadline:

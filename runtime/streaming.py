@@ -145,6 +145,8 @@ class StreamingCore:
             order (``runtime/instances.instance_cpus``; empty: none pinned).
         standby: requests refused for overload wait on their variant's standby list for an instance that frees
             up in time (runtime/standby.py); False: refused at once.
+        caller_weight: plans scaled by the submitting thread's CPU use above the profile's (runtime/caller_load.py;
+            1 where the lanes cover every core, 0: not counted).
     Raises:
         ValueError: an unknown ``profile`` mode.
     """
@@ -156,7 +158,7 @@ class StreamingCore:
                  batch_variant_ok: bool = False, instances: Sequence[Callable] = (),
                  fallback: Callable | None = None, instance_seed_scale: float = 1.0, seed_scale: float = 1.0,
                  worker_nice: int = 0, instance_cpus: Sequence[frozenset[int] | None] = (),
-                 standby: bool = True) -> None:
+                 standby: bool = True, caller_weight: float = 0.0) -> None:
         if profile not in PROFILE_MODES:
             raise ValueError(f"profile must be one of {PROFILE_MODES}, got {profile!r}")
         self.manifest = manifest
@@ -182,7 +184,8 @@ class StreamingCore:
         more = [self._make_lane(variant, r, primary, i + 1, cpus=cpus[i + 1]) for i, r in enumerate(instances)]
         if fallback is not None:
             more.append(self._make_lane(variant, fallback, fallback=True, seed_scale=seed_scale))
-        self.scheduler = BudgetScheduler([primary] + more, layout, metrics, standby=standby)
+        self.scheduler = BudgetScheduler([primary] + more, layout, metrics, standby=standby,
+                                         caller_weight=caller_weight)
         self.cascade_ready = threading.Event()
         self._closed = False
         self._cascade_thread: threading.Thread | None = None

@@ -73,7 +73,8 @@ class Session:
                  open_variant: Callable[[str], Any] | None = None, batch_variant_ok: bool = False,
                  open_instances: Callable[[], list] | None = None, fallback: bool = False,
                  instance_seed_scale: float = 1.0, seed_scale: float = 1.0, worker_nice: int = 0,
-                 instance_cpus: Sequence[frozenset[int]] | None = None, standby: bool = True) -> None:
+                 instance_cpus: Sequence[frozenset[int]] | None = None, standby: bool = True,
+                 caller_weight: float = 0.0) -> None:
         self.path = Path(path)
         self.manifest = manifest
         self.variant = variant
@@ -86,7 +87,8 @@ class Session:
         self._stream_opts = dict(cascade=cascade, open_variant=open_variant, max_batch=max_batch,
                                  max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile,
                                  batch_variant_ok=batch_variant_ok, worker_nice=worker_nice,
-                                 instance_cpus=tuple(instance_cpus or ()), standby=bool(standby))
+                                 instance_cpus=tuple(instance_cpus or ()), standby=bool(standby),
+                                 caller_weight=float(caller_weight))
         self._open_instances = open_instances  # () -> the backends the streaming lanes run on (None: self._backend)
         self._instance_backends: list = []
         self._fallback = fallback  # with instances: self._backend (more threads) takes what they are too slow for
@@ -643,7 +645,10 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
                       fallback=(count > 1 and threads is None and not reserve_cores
                                 and (per_thread or cores) < cores),
                       instance_seed_scale=instance_scale, seed_scale=default_scale, worker_nice=int(worker_nice),
-                      instance_cpus=cpus, standby=standby)
+                      instance_cpus=cpus, standby=standby,
+                      # the lanes cover every core: a caller's burst of CPU use takes one from a batch
+                      caller_weight=1.0 if (_on_ort_cpu(backend) and not reserve_cores
+                                            and count * (per_thread or cores) >= cores) else 0.0)
     # the full collection that opening a bundle makes due (its objects count as the old generation's pending ones)
     # runs here rather than in the first seconds of serving, where it held the interpreter lock for 16-33 ms
     # and 4-11 requests of a 3x load around it missed their budget (about a fifth of that window's misses)

@@ -211,6 +211,18 @@ def test_a_fallback_not_yet_timed_takes_nothing_and_the_instances_refusal_stands
         sched.close()
 
 
+def test_load_counts_the_callers_cpu_where_the_lanes_cover_every_core(tmp_path, monkeypatch):
+    """runtime/caller_load.py: on ORT's CPU provider with the lanes over every core, a caller's burst of CPU use
+    takes one from a batch, and plans count it; with a core reserved for the caller, or lanes on fewer threads than
+    cores, they do not."""
+    monkeypatch.setattr("dsedge.session._cores", lambda: 2)
+    monkeypatch.setattr("dsedge.runtime.instances.host_cores", lambda: 2)
+    bundle = text_bundle(tmp_path / "b")
+    for kwargs, weight in (({}, 1.0), ({"reserve_cores": 1}, 0.0), ({"threads": 1}, 0.0)):
+        with dsedge.load(bundle, **kwargs) as s:
+            assert s._core().scheduler.caller.weight == weight, kwargs
+
+
 def test_load_with_default_instances_adds_the_fallback_lane_on_the_sessions_own_backend(tmp_path, monkeypatch):
     monkeypatch.setattr("dsedge.session._cores", lambda: 2)
     bundle = text_bundle(tmp_path / "b")

@@ -285,3 +285,61 @@ def test_a_plan_counts_the_batches_ahead_and_an_idle_lane_admits_at_the_profile_
     gate.set()
     assert isinstance(first.result(10), Result)
     sched.close()
+
+
+def test_a_plan_scales_every_batch_and_the_running_ones_rest_by_the_callers_extra_cpu(backend):
+    """``slow`` (runtime/caller_load.py) scales the planned times of the running batch's rest and of each batch after
+    it: a request behind one 10 ms batch on a 10 ms profile is expected ~20 ms from now at 1, ~40 ms at 2."""
+    layout = BatchLayout.of(*TEXT_IO)
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(1, 8, 10.0, 2.0)
+    prof.observe = lambda *a, **k: None
+    gate = threading.Event()
+
+    def run(feed):
+        gate.wait(10)
+        return backend.run(feed)
+
+    lane = Lane("fp32", run, prof, layout, StreamMetrics(), max_batch=1, inline_ms=0.0)
+    lane.warm.wait(10)
+    sched = BudgetScheduler([lane], layout, lane.metrics)
+    rng = np.random.default_rng(0)
+    first = sched.submit(text_request(rng, 8), 1000)
+    while not lane._running:
+        time.sleep(0.001)
+    feed = text_request(rng, 8)
+    now = time.perf_counter()
+    probe = Request(0, feed, 1, 8, layout.group_key(feed), 1000.0, 0, now, now + 1.0)
+    at1, at2 = lane.plan(probe, now), lane.plan(probe, now, slow=2.0)
+    assert at1.ahead == at2.ahead == 1
+    assert at2.expected - now == pytest.approx(2 * (at1.expected - now), rel=1e-9)
+    assert at2.spread == pytest.approx(2 * at1.spread, rel=1e-9)
+    assert 0.015 < at1.expected - now <= 0.020
+    gate.set()
+    assert isinstance(first.result(10), Result)
+    sched.close()
+
+
+def test_caller_load_rises_with_a_tight_loop_of_submits_and_stays_at_1_for_a_sleeping_caller():
+    """``CallerLoad.factor``: a thread that keeps its core busy between calls, after a second of sleeping ones,
+    gets plans about twice as long (weight 1); one that sleeps between calls, 1; weight 0 is off."""
+    from dsedge.runtime.caller_load import CallerLoad
+
+    def spin(s):
+        end = time.perf_counter() + s
+        while time.perf_counter() < end:
+            pass
+
+    load = CallerLoad(1.0)
+    calm = []
+    for _ in range(100):  # 1 s of a caller that sleeps 10 ms between submits
+        calm.append(load.factor())
+        time.sleep(0.01)
+    busy = []
+    for _ in range(100):  # then 50 ms of a tight loop
+        spin(0.0005)
+        busy.append(load.factor())
+    assert max(calm) < 1.1
+    assert busy[-1] > 1.4 and max(busy) <= load.cap  # (a share under 1 on a loaded machine)
+    off = CallerLoad(0.0)
+    assert [off.factor() for _ in range(3)] == [1.0, 1.0, 1.0]
