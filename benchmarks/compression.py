@@ -62,7 +62,7 @@ def embed(sess, feeds: dict[str, np.ndarray]) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=30)
@@ -72,7 +72,15 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--extra", action="append", default=[])
     ap.add_argument("--slow", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    extras = []
+    for spec in args.extra:
+        name, eq, p = spec.partition("=")
+        if not (eq and name.strip() and p):
+            ap.error(f"--extra {spec!r}: expected NAME=PATH (an ONNX file)")
+        if not Path(p).is_file():
+            ap.error(f"--extra {spec!r}: no such file {p}")
+        extras.append((name.strip(), p))
 
     import onnx
     import torch
@@ -163,8 +171,7 @@ def main() -> None:
     if args.only:
         keep = {s.strip() for s in args.only.split(",")}
         variants = {k: v for k, v in variants.items() if k == "fp32" or any(s in k for s in keep)}
-    for spec in args.extra:
-        name, _, p = spec.partition("=")
+    for name, p in extras:
         variants[name] = (lambda p=p: (onnx.load(p), {}))
     rows = []
     paths = {}
@@ -213,8 +220,12 @@ def main() -> None:
             row[f"b{batch}_ms"] = round(ms, 2)
             row[f"b{batch}_speedup_vs_eager"] = round(eager / ms, 2)
         print(f"eager b{batch}x{seq}: {eager:.2f} ms", flush=True)
+    from streaming import cpu_line  # benchmarks/streaming.py: CPU flags and load
+
     print(f"\nthreads {args.threads}, median of {args.runs}; cosine vs PyTorch eager fp32 on "
-          f"{len(ref)} held-out sentences; block size {bs}")
+          f"{len(ref)} held-out sentences; block size {bs}; size: file size / fp32 ONNX; "
+          f"b1 = batch 1 × seq 32, b32 = batch 32 × seq 64, ×eager = PyTorch eager ms / variant ms")
+    print(cpu_line())
     hdr = (f"{'variant':32s} | {'size':>5} | {'cos mean':>8} | {'cos min':>7} | {'top1':>5} | {'W4A16':>6} | "
            f"{'b1 ms':>6} {'×eager':>6} | {'b32 ms':>7} {'×eager':>6}")
     print(hdr)

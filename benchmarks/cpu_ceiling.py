@@ -13,6 +13,8 @@ ORT's u8s8 kernels (vpmaddubsw) reach about 2× the fp32 FMA rate at most.
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 import tempfile
 from pathlib import Path
 
@@ -50,12 +52,22 @@ def simd_flags() -> str:
     return " ".join(f"{f}{'+' if f in flags else '-'}" for f in want)
 
 
-def main() -> None:
+def quiet_quantize_dynamic_advice() -> None:
+    """onnxruntime.quantization logs this advice (to the root logger) on every quantize_dynamic: noise here."""
+    logging.getLogger().addFilter(
+        lambda r: not r.getMessage().startswith("Please consider to run pre-processing before quantization"))
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", help="a cpu bundle; its default variant is timed beside the floor")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=30)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.bundle and not Path(args.bundle).exists():
+        sys.exit(f"cpu_ceiling.py: bundle {args.bundle} does not exist (build it with `dsedge build`, or leave "
+                 "--bundle out)")
+    quiet_quantize_dynamic_advice()
 
     import onnxruntime as ort
     import torch
@@ -79,7 +91,7 @@ def main() -> None:
         bundle = dsedge.load(args.bundle, threads=args.threads) if args.bundle else None
         print(f"CPU SIMD: {simd_flags()}; threads {args.threads}; median of {args.runs} (batch 32: of "
               f"{max(args.runs // 3, 5)}); all in this process")
-        print(f"{'shape':>8} | {'eager ms':>8} | {'fp32 linears':>12} | {'int8 linears':>12} {'int8/fp32':>9} | "
+        print(f"{'shape':>8} | {'eager ms':>8} | {'fp32 linears':>12} | {'int8 linears':>12} {'fp32/int8':>9} | "
               f"{'floor ×eager':>12} {'goal':>5}" + (f" | {'bundle ' + bundle.variant.name:>12} {'×eager':>7}"
                                                         if bundle else ""))
         rng = np.random.default_rng(0)

@@ -23,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dsedge  # noqa: E402
 from dsedge.toolchain.evaluate import two_class_metrics  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from streaming import cpu_line  # noqa: E402  (benchmarks/streaming.py: CPU flags and load)
+
 VARIANTS = ("student-cpu-fp32", "student-cpu-int8", "student-jetson-fp16", "student-jetson-int8",
             "student-jetson-int4")
 
@@ -32,15 +35,18 @@ def _windows(d: Path) -> dict[str, np.ndarray]:
     return {k: np.concatenate([np.load(f)[k] for f in files]) for k in ("patch", "meta")}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundles", default="runs/bundles")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", default=None, help="also write the JSON here")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     root = Path(a.bundles)
+    if not any((root / "inputs" / "heldout").glob("*.npz")):
+        raise SystemExit(f"ct_int8_latency.py: no held-out windows under {root / 'inputs' / 'heldout'}: run "
+                         "`python -m samples.ct train` then `python -m samples.ct build` first (or pass --bundles)")
     held = _windows(root / "inputs" / "heldout")
     sessions = {}
     for name in VARIANTS:
@@ -83,7 +89,7 @@ def main() -> None:
                    for b in a.batches} for n in names}
     import onnxruntime as ort
 
-    report = {"threads": a.threads, "rounds": a.rounds, "onnxruntime": ort.__version__,
+    report = {"threads": a.threads, "rounds": a.rounds, "onnxruntime": ort.__version__, "cpu": cpu_line()[2:],
               "providers": {n: s.providers for n, s in sessions.items()},
               "note": "ORT CPU on a shared 2-core machine; interleaved rounds, medians; noisy",
               "accuracy_vs_fp32": accuracy, "latency": latency}
@@ -93,6 +99,8 @@ def main() -> None:
         print(f"{n:22s} " + "  ".join(f"b{b}: {latency[n][str(b)]['p50_ms_per_window']:.3f} ms/window "
                                       f"({latency[n][str(b)]['vs_fp32']:.2f}x fp32)" for b in a.batches)
               + f"  cosine {accuracy[n]['cosine_mean']}  dice@0.5 {accuracy[n]['dice_at_0.5']}", file=sys.stderr)
+    print(f"(Nx fp32 = p50 time / fp32's p50 time at the same batch: below 1 is faster; threads {a.threads})\n"
+          f"{cpu_line()}", file=sys.stderr)
     if a.out:
         Path(a.out).write_text(text + "\n")
 

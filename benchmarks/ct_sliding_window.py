@@ -18,9 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from samples.ct.scans import make_scans  # noqa: E402
 from samples.ct.evaluate import ModelEntry, evaluate  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from streaming import cpu_line  # noqa: E402  (benchmarks/streaming.py: CPU flags and load)
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default="runs/bundles/student-cpu-fp32")
     ap.add_argument("--run", default="runs/ct-student")
     ap.add_argument("--volume", default="../shared/data/ct-totalsegmentator-example/example_ct.nii.gz")
@@ -30,8 +33,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=None, help="fixed batch size for both (default: planned)")
     ap.add_argument("--lesions", type=int, default=6)
-    a = ap.parse_args()
-    bundle = next(Path(a.bundle).glob("*.dse")) if not a.bundle.endswith(".dse") else Path(a.bundle)
+    a = ap.parse_args(argv)
+    bundle = (next(Path(a.bundle).glob("*.dse"), None) if not a.bundle.endswith(".dse") else Path(a.bundle))
+    build = "run `python -m samples.ct train` then `python -m samples.ct build` first"
+    if bundle is None or not bundle.exists():
+        raise SystemExit(f"ct_sliding_window.py: no .dse bundle at {a.bundle}: {build} (or pass --bundle)")
+    if not Path(a.run).is_dir():
+        raise SystemExit(f"ct_sliding_window.py: no trained student at {a.run}: {build} (or pass --run)")
+    if not Path(a.volume).exists():
+        raise SystemExit(f"ct_sliding_window.py: no CT volume at {a.volume} (pass --volume)")
     entries = [ModelEntry("bundle", "bundle", str(bundle)), ModelEntry("torch fp32", "torch", a.run, batch_from="bundle")]
     scans = make_scans(a.volume, a.scans, a.lesions, seed=100)
     fixed = {"bundle": a.batch, "torch fp32": a.batch} if a.batch else None
@@ -40,6 +50,7 @@ def main() -> None:
     print(json.dumps({k: {"volume_seconds_median": v["volume_seconds_median"], "patches_per_s": v["patches_per_s"],
                           "batch_size": v["batch_plan"]["batch_size"], "cpm": v["froc"]["cpm"],
                           "sensitivity_at": v["froc"]["sensitivity_at"]} for k, v in m.items()}, indent=2))
+    print(cpu_line())
     print(f"speed-up bundle vs torch fp32: {t['volume_seconds_median'] / b['volume_seconds_median']:.2f}x "
           f"(goal >= 2x); CPM {b['froc']['cpm']} vs {t['froc']['cpm']}")
 

@@ -1,6 +1,6 @@
 """``dsedge data check`` throughput and peak memory on a generated JSONL corpus, single process.
 
-    python benchmarks/datacheck_throughput.py [--mib 1024] [--dir /tmp] [--keep] [--no-near]
+    python benchmarks/datacheck_throughput.py [--mib 1024] [--dir /tmp] [--keep] [--no-near] [--corpus FILE.jsonl]
 
 Generates ``--mib`` MiB of JSON Lines (documents of 150-650 Zipf-distributed words over a 200k-word vocabulary,
 1 % exact copies, 1 % near copies with one word changed), runs the check in a child process (so its peak RSS is the
@@ -63,15 +63,21 @@ def generate(path: Path, mib: int, seed: int = 0) -> int:
     return docs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--no-near", action="store_true", help="exact duplicates only (no MinHash)")
     ap.add_argument("--corpus", help="check this existing corpus instead of generating one (kept)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if a.mib < 1:
+        ap.error("--mib must be at least 1")
+    if a.corpus and not Path(a.corpus).is_file():
+        ap.error(f"--corpus {a.corpus}: no such file")
+    if not a.corpus and not a.child and not Path(a.dir).is_dir():
+        ap.error(f"--dir {a.dir}: no such directory")
     if a.child:
         import datasketch  # noqa: F401  (imported before the RSS baseline)
         import pandas  # noqa: F401
@@ -98,7 +104,11 @@ def main() -> None:
         size = corpus.stat().st_size
         cmd = [sys.executable, __file__, "--child", str(corpus)] + (["--no-near"] if a.no_near else [])
         t = time.perf_counter()
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"datacheck_throughput.py: the check failed (exit {proc.returncode}):\n"
+                             f"{proc.stderr.strip()[-2000:]}")
+        out = proc.stdout
         wall = time.perf_counter() - t
         res = json.loads(out.strip().splitlines()[-1])
         run = res["run"]
@@ -106,7 +116,7 @@ def main() -> None:
               f"{size / 2**20 / run['wall_s']:.2f} MiB/s; CPU {res['cpu_s']:.1f} s = "
               f"{res['docs'] / res['cpu_s']:.0f} docs per CPU-second; peak RSS {res['peak_rss_mib']:.0f} MiB "
               f"(after imports {res['import_rss_mib']:.0f} MiB); dedup index {res['index_bytes_per_doc']} B/doc "
-              f"x {res['docs']} docs = {res['index_bytes_per_doc'] * res['docs'] / 2**20:.0f} MiB")
+              f"x {res['docs']} docs = {res['index_bytes_per_doc'] * res['docs'] / 2**20:.2f} MiB")
         print(json.dumps(res["checks"]))
     finally:
         if not (a.keep or a.corpus) and corpus.exists():

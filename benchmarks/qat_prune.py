@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--qat-steps", default="200,500")
     ap.add_argument("--prune", type=float, default=0.3)
@@ -36,7 +36,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--out", default="out/qat_prune")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    try:
+        steps = [int(x) for x in args.qat_steps.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--qat-steps {args.qat_steps!r}: expected comma-separated step counts, e.g. 200,500")
+    if any(n < 1 for n in steps) or args.prune_steps < 1 or args.runs < 1:
+        ap.error("--qat-steps, --prune-steps and --runs take positive counts")
+    if not 0 < args.prune < 1:
+        ap.error("--prune is the share of FFN channels to remove, between 0 and 1")
 
     import onnx
     import onnxruntime as ort
@@ -152,6 +160,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['variant']:52s} {r['cosine_mean']:8.4f} {r['cosine_min']:8.4f} {r['top1_agreement']:6.3f} "
               f"{r['size_bytes'] / 1e6:6.1f} {r.get('train_s', ''):>8}")
+    from streaming import cpu_line  # benchmarks/streaming.py: CPU flags and load
+
+    print(f"\nORT CPU p50 ms (threads {args.threads}, median of {args.runs}), fp32 vs pruned {args.prune} fp32, "
+          f"one after another:")
+    for k in lat["fp32"]:
+        print(f"  {k}: fp32 {lat['fp32'][k]:.2f} ms, pruned {lat['pruned'][k]:.2f} ms, "
+              f"speed-up {summary['speedup'][k]:.2f}x; size {summary['size_vs_fp32']:.3f}x fp32")
+    print(cpu_line())
 
 
 if __name__ == "__main__":

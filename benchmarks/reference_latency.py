@@ -1,6 +1,6 @@
 """A bundle's default variant (e.g. INT4) vs its fp32 ONNX vs PyTorch eager on the real all-MiniLM-L6-v2, side by side in one run.
 
-    python benchmarks/reference_latency.py [--bundle out/all-minilm-l6-v2-jetson-orin.dse] [--threads 2]
+    python benchmarks/reference_latency.py [--bundle out/all-minilm-l6-v2-jetson-orin.dse] [--threads 2] [--runs 30]
 
 Builds the jetson bundle first when --bundle is not given. Prints median latency (ms) at batch 1 × seq 32 and
 batch 32 × seq 64, and each one's speed-up over PyTorch eager fp32 measured in the same process.
@@ -8,7 +8,9 @@ batch 32 × seq 64, and each one's speed-up over PyTorch eager fp32 measured in 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -19,12 +21,15 @@ def median_ms(fn, runs: int, warmup: int = 3) -> float:
     return time_calls(fn, iterations=runs, warmup=warmup)["p50"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=30)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.bundle and not Path(args.bundle).exists():
+        sys.exit(f"reference_latency.py: bundle {args.bundle} does not exist (build it with `dsedge build`, or leave "
+                 "--bundle out to build the jetson one here)")
 
     import torch
 
@@ -44,8 +49,12 @@ def main() -> None:
     default = dsedge.load(args.bundle, threads=args.threads)
     name = default.variant.name
     sessions = {"fp32": dsedge.load(args.bundle, variant="fp32", threads=args.threads), name: default}
+    from streaming import cpu_line  # benchmarks/streaming.py: CPU flags and load
+
     print(f"{args.bundle}: threads {args.threads}, median of {args.runs}; providers {default.providers}")
-    print(f"{'shape':>10} | {'torch eager ms':>14} | {'fp32 ONNX ms':>12} {'×':>6} | {name + ' bundle ms':>14} {'×':>6}")
+    print(cpu_line())
+    print(f"{'shape':>10} | {'torch eager ms':>14} | {'fp32 ONNX ms':>12} {'×eager':>6} | {name + ' bundle ms':>14} "
+          f"{'×eager':>6}")
     rng = np.random.default_rng(0)
     for batch, seq in ((1, 32), (32, 64)):
         ids = rng.integers(1000, 29000, (batch, seq)).astype(np.int64)

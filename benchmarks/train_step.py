@@ -6,7 +6,7 @@
 3. DDP gradient bytes sent per step with no hook, the fp16 hook and PowerSGD (rank 1), 2 gloo processes.
 4. Time to resume after a killed rank under torchrun --max-restarts 1 (kill -> 'resumed' record, and -> next step).
 
-Usage: python benchmarks/train_step.py [--steps 40] [--skip-dist]
+Usage: python benchmarks/train_step.py [--steps 40] [--skip-dist | --only-dist]
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +30,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 from dsedge.toolchain.train import train  # noqa: E402
 from dsedge.toolchain.train.config import dump_toml, from_dict  # noqa: E402
 from dsedge.toolchain.train.metrics import read_metrics  # noqa: E402
+from streaming import cpu_line  # noqa: E402  (benchmarks/streaming.py: CPU flags and load)
+
+# torch.distributed.checkpoint says so on every single-process save (the trainer's final checkpoint): harmless here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming the "
+                        "intent is to save in a single process", category=UserWarning)
 
 MODEL = {"din": 64, "d": 256, "hidden": 1024, "classes": 10, "depth": 4}
 N, BATCH = 4096, 64
@@ -109,7 +115,7 @@ def activation_memory() -> None:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(x).logsumexp(-1).mean()
         loss.backward()
-        print(f"activation bytes saved for backward, activation_checkpointing={ac}: {saved[0]:,} "
+        print(f"activation bytes saved for backward, activation_checkpointing={ac}: {saved[0]:,} bytes "
               f"(parameters: {sum(p.numel() * 4 for p in model.parameters()):,} bytes)")
 
 
@@ -133,7 +139,8 @@ def comm_bytes(tmp: Path) -> None:
         m = read_metrics(tmp / f"comm_{hook}" / "metrics.jsonl")
         per_step = m[-1]["comm_bytes"] - m[-2]["comm_bytes"]
         base = base or per_step
-        print(f"DDP gradient bytes sent per step per rank, hook={hook}: {per_step:,} ({per_step / base:.3f}x)")
+        print(f"DDP gradient bytes sent per step per rank, hook={hook}: {per_step:,} bytes "
+              f"({per_step / base:.3f}x of hook=none)")
 
 
 def resume_time(tmp: Path) -> None:
@@ -163,14 +170,18 @@ def resume_time(tmp: Path) -> None:
           f"(resumed at step {resumed['step']})")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--skip-dist", action="store_true")
-    ap.add_argument("--only-dist", action="store_true")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=40, help="steps per step-time round (the first 5 are warm-up)")
+    dist = ap.add_mutually_exclusive_group()
+    dist.add_argument("--skip-dist", action="store_true", help="skip parts 3 and 4 (2-process gloo runs)")
+    dist.add_argument("--only-dist", action="store_true", help="run parts 3 and 4 only")
+    args = ap.parse_args(argv)
+    if args.steps <= 5:
+        ap.error("--steps must be more than 5 (the first 5 steps of each round are warm-up, not timed)")
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, 1 thread, load average {os.getloadavg()[0]:.1f}")
+    print(f"torch {torch.__version__}, 1 thread")
+    print(cpu_line())
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         if not args.only_dist:

@@ -1,0 +1,76 @@
+"""benchmarks/*.py as a user first runs them: a missing prerequisite or a wrong option ends in one clear line
+(no traceback), before anything slow starts."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _torch_has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["benchmarks/train_step.py", "--steps", "3"], "--steps must be more than 5"),
+    (["benchmarks/train_step.py", "--skip-dist", "--only-dist"], "not allowed with"),
+    (["benchmarks/compression.py", "--extra", "no-equals-sign"], "expected NAME=PATH"),
+    (["benchmarks/compression.py", "--extra", "x=/no/such/model.onnx"], "no such file"),
+    (["benchmarks/cpu_ceiling.py", "--bundle", "/no/such/bundle.dse"], "does not exist"),
+    (["benchmarks/sdk_overhead.py", "--bundle", "/no/such/bundle.dse"], "does not exist"),
+    (["benchmarks/reference_latency.py", "--bundle", "/no/such/bundle.dse"], "does not exist"),
+    (["benchmarks/ct_int8_latency.py", "--bundles", "/no/such/dir"], "python -m samples.ct build"),
+    (["benchmarks/ct_sliding_window.py", "--bundle", "/no/such/dir"], "python -m samples.ct build"),
+    (["benchmarks/datacheck_throughput.py", "--mib", "1", "--dir", "/no/such/dir"], "no such directory"),
+    (["benchmarks/datacheck_throughput.py", "--corpus", "/no/such/corpus.jsonl"], "no such file"),
+    (["benchmarks/decode_window.py", "--rounds", "0"], "--rounds must be at least 1"),
+    (["benchmarks/qat_prune.py", "--qat-steps", "two hundred"], "expected comma-separated step counts"),
+    (["benchmarks/qat_prune.py", "--prune", "30"], "between 0 and 1"),
+    (["benchmarks/int8_batch_invariance.py", "--rounds", "0"], "must be at least 1"),
+])
+def test_user_mistake_is_one_clear_line(argv, says):
+    r = bench(*argv)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    assert says in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+@pytest.mark.skipif(_torch_has_cuda(), reason="this machine has a CUDA GPU")
+def test_train_cuda_without_a_gpu_says_so_in_one_line():
+    r = bench("benchmarks/train_cuda.py", "--steps", "2")
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert "sees no CUDA GPU" in r.stderr
+
+
+def test_device_check_runs_without_a_gpu(tmp_path):
+    """device_check.py is meant to be tried anywhere: without a GPU the GPU checks are skipped, with reasons."""
+    if _torch_has_cuda():
+        pytest.skip("this machine has a CUDA GPU")
+    out = tmp_path / "dc.json"
+    r = bench("benchmarks/device_check.py", "--out", str(out), timeout=120)
+    assert "Traceback" not in r.stdout + r.stderr
+    assert "train_bf16: skip" in r.stdout and out.is_file()
+
+
+def test_eager_comparison_says_slower_when_slower():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from int8_batch_invariance import _faster
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert _faster(10.0, 5.0) == "2.0x faster"
+    assert _faster(10.0, 12.5) == "1.2x slower"
