@@ -103,12 +103,12 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from .batching import BatchLayout
+from .caller_load import CallerLoad
+from .core_share import CoreShare
 from .latency_profile import LatencyProfile, seq_bucket
 from .metrics import StreamMetrics
 from .plan_calibration import PlanCalibration
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
-from .caller_load import CallerLoad
-from .core_share import CoreShare
 from .standby import Standby
 from .thread_priority import lower_current_thread, pin_current_thread
 
@@ -854,7 +854,8 @@ class Lane:
         return self._cores()
 
     def _cores(self) -> contextlib.AbstractContextManager:
-        # around a run: the cores, shared with the variant's other instances, or alone for its fallback
+        # around a run: the cores, shared with the variant's other instances, or alone for a whole-core lane (its
+        # fallback, a cascade variant's)
         if self.share is None:
             return contextlib.nullcontext()
         return self.share.exclusive() if self.alone_on_cores else self.share.shared()
