@@ -54,11 +54,14 @@ def test_at_a_low_rate_the_calibration_reaches_back_to_min_scores_within_max_hor
     assert sparse.z(now=4.6) == 1.0
 
 
-def _held_lane(backend, gate: threading.Event, ms: float) -> Lane:
-    """A batch-1 lane predicting exactly ``ms`` per request whose backend waits for ``gate``."""
+def _held_lane(backend, gate: threading.Event, ms: float, margin_ms: float = 0.0, fixed: bool = False) -> Lane:
+    """A batch-1 lane predicting exactly ``ms`` per request (tail margin ``margin_ms``; ``fixed``: never re-measured)
+    whose backend waits for ``gate``."""
     layout = BatchLayout.of(*TEXT_IO)
     prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
-    prof.set(1, 8, ms, 0.0)
+    prof.set(1, 8, ms, margin_ms)
+    if fixed:
+        prof.observe = lambda *a, **k: None
 
     def run(feed):
         gate.wait(20)
@@ -251,22 +254,15 @@ def test_calibration_strata_an_idle_lane_plan_keeps_the_profile_tail_and_queued_
 
 
 def test_a_plan_counts_the_batches_ahead_and_an_idle_lane_admits_at_the_profile_tail(backend):
-    layout = BatchLayout.of(*TEXT_IO)
-    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
-    prof.set(1, 8, 10.0, 0.0)
-    prof.observe = lambda *a, **k: None
     gate = threading.Event()
-
-    def run(feed):
-        gate.wait(10)
-        return backend.run(feed)
-
-    lane = Lane("fp32", run, prof, layout, StreamMetrics(), max_batch=1, inline_ms=0.0)
+    lane = _held_lane(backend, gate, 10.0, fixed=True)
+    layout = lane.layout
     lane.calibration = PlanCalibration(min_scores=5, refresh_s=0.0, z_max=50.0)
     for _ in range(5):
         lane.calibration.score(10.0, 50.0, 2.0, stratum=1)  # queued plans were 20 spreads late
     lane.warm.wait(10)
-    sched = BudgetScheduler([lane], layout, lane.metrics)
+    # no standby list: a refusal is answered at once, not when the held batch frees the lane
+    sched = BudgetScheduler([lane], layout, lane.metrics, standby=False)
     rng = np.random.default_rng(0)
     now = time.perf_counter()
     z = lambda k: lane.calibration.z(now, k)  # noqa: E731
@@ -290,17 +286,9 @@ def test_a_plan_counts_the_batches_ahead_and_an_idle_lane_admits_at_the_profile_
 def test_a_plan_scales_every_batch_and_the_running_ones_rest_by_the_callers_extra_cpu(backend):
     """``slow`` (runtime/caller_load.py) scales the planned times of the running batch's rest and of each batch after
     it: a request behind one 10 ms batch on a 10 ms profile is expected ~20 ms from now at 1, ~40 ms at 2."""
-    layout = BatchLayout.of(*TEXT_IO)
-    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
-    prof.set(1, 8, 10.0, 2.0)
-    prof.observe = lambda *a, **k: None
     gate = threading.Event()
-
-    def run(feed):
-        gate.wait(10)
-        return backend.run(feed)
-
-    lane = Lane("fp32", run, prof, layout, StreamMetrics(), max_batch=1, inline_ms=0.0)
+    lane = _held_lane(backend, gate, 10.0, 2.0, fixed=True)
+    layout = lane.layout
     lane.warm.wait(10)
     sched = BudgetScheduler([lane], layout, lane.metrics)
     rng = np.random.default_rng(0)
