@@ -21,7 +21,8 @@ from samples.ct.lesions import Lesion, insert_lesions, lesion_alpha, sample_lesi
 from samples.ct.nifti import read_nifti
 from samples.ct.nms import Detection, detect, nms_3d
 from samples.ct.preprocess import lung_mask, resample
-from samples.ct.scans import cell_labels, make_scan, meta_vector
+from samples import data_path
+from samples.ct.scans import cell_labels, make_scan, meta_vector, resolve_data_path
 from samples.ct.volume import SeriesError, Volume
 
 REPO = Path(__file__).resolve().parents[1]
@@ -522,3 +523,17 @@ def test_plateau_refuses_bad_options_before_reading_the_volume(tmp_path, args, o
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert f"Error: Invalid value for '{option}'" in p.stderr, p.stderr
     assert not (tmp_path / "pl").exists()
+
+
+def test_the_samples_data_defaults_follow_dsedge_data(tmp_path, monkeypatch):
+    """The samples' defaults and configs name ``../shared/data/…``; with ``$DSEDGE_DATA`` set (the tests' rule, and
+    the README's) they are read from there, so a checkout without ``../shared`` beside it runs them. They were not:
+    ``samples.ct build`` in such a checkout failed on the CT volume whatever DSEDGE_DATA said."""
+    (tmp_path / "ct-x").mkdir()
+    monkeypatch.setenv("DSEDGE_DATA", str(tmp_path))
+    assert resolve_data_path("../shared/data/ct-x") == tmp_path / "ct-x"
+    assert data_path("../shared/data/fraud/f.csv") == tmp_path / "fraud" / "f.csv"
+    assert data_path("runs/ct-student") == Path("runs/ct-student")  # not under ../shared/data: as given
+    assert data_path("/abs/x.nii") == Path("/abs/x.nii")
+    monkeypatch.delenv("DSEDGE_DATA")
+    assert data_path("../shared/data/ct-x") == Path("../shared/data/ct-x")

@@ -96,7 +96,7 @@ def dist_runs(references, tmp_path_factory):
         p.write_text(dump_toml(d))
         paths.append(str(p))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(TESTS / "train_dist_driver.py"), *paths]
+           f"--log-dir={root / 'torchrun-logs'}", str(TESTS / "train_dist_driver.py"), *paths]
     proc = subprocess.run(cmd, env=torchrun_env(), cwd=root, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return root
@@ -172,7 +172,7 @@ def test_killed_rank_restarts_and_resumes_identically(tmp_path):
     path = tmp_path / "kill.toml"
     path.write_text(dump_toml(cfg))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", "-m", "dsedge.cli", "train", str(path)]
+           "--max-restarts", "1", f"--log-dir={tmp_path / 'torchrun-logs'}", "-m", "dsedge.cli", "train", str(path)]
     proc = subprocess.Popen(cmd, env=torchrun_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -236,7 +236,7 @@ def test_four_processes_2d_and_3d_meshes(references, tmp_path):
         (tmp_path / f"{name}.toml").write_text(dump_toml(config(tmp_path / name, **over)))
         paths.append(str(tmp_path / f"{name}.toml"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(TESTS / "train_dist_driver.py"), *paths]
+           f"--log-dir={tmp_path / 'torchrun-logs'}", str(TESTS / "train_dist_driver.py"), *paths]
     proc = subprocess.run(cmd, env=torchrun_env(), cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-5000:]
     for name, ref in (("fsdp_tp", "tiny"), ("pp_fsdp", "mlp")):

@@ -141,7 +141,7 @@ def _torchrun(cfg_path: Path, cwd: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(TESTS / "train_dist_driver.py"), str(cfg_path)]
+           f"--log-dir={cwd / 'torchrun-logs'}", str(TESTS / "train_dist_driver.py"), str(cfg_path)]
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import data_path
 from .dicom import read_dicom_series
 from .nifti import read_nifti
 from .lesions import Lesion, insert_lesions, sample_lesions
@@ -42,8 +43,9 @@ class Scan:
 
 
 def resolve_data_path(p: str | os.PathLike) -> Path:
-    """``p`` as given (relative to the cwd), else relative to the repository root (configs use ../shared/data)."""
-    q = Path(p)
+    """``p`` as given (relative to the cwd), else relative to the repository root (configs use ../shared/data); a
+    path under ../shared/data is looked for under ``$DSEDGE_DATA`` when that is set (``samples.data_path``)."""
+    q = data_path(p)
     if q.exists() or q.is_absolute():
         return q
     return REPO / q

@@ -21,6 +21,8 @@ import pandas as pd
 
 from dsedge import InputError
 
+from .. import data_path
+
 V_COLUMNS = [f"V{i}" for i in range(1, 29)]
 FEATURE_COLUMNS = ["Time", *V_COLUMNS, "Amount"]
 COLUMNS = [*FEATURE_COLUMNS, "Class"]
@@ -46,6 +48,7 @@ def load_transactions(csv: str | os.PathLike = DEFAULT_CSV) -> pd.DataFrame:
             than 0 or 1 (the first bad data row is named).
     """
     hint = "pass --csv with the ULB file (Time, V1..V28, Amount, Class; see samples/fraud/README.md)"
+    csv = data_path(csv)  # the default, ../shared/data/…, under $DSEDGE_DATA when that is set
     if Path(csv).is_dir():  # a missing file stays the OSError every caller already turns into its own line
         raise TransactionsError(f"{csv}: a directory, not a CSV file", hint)
     try:
