@@ -1,5 +1,4 @@
-"""The cores a variant's instances share with its fallback backend (and the cascade's variants): one side runs at a
-time, never both.
+"""The cores a variant's instances share with its fallback backend: one runs at a time, never both.
 
 On a CPU, ``dsedge.load`` opens a variant as several instances of a few intra-op threads each (Triton's instance
 group: two 1-thread ORT sessions on 2 cores) plus a fallback backend with all of their threads, which takes the
@@ -15,8 +14,7 @@ A readers–writer lock over the cores: instance batches hold it shared (they ru
 fallback batch holds it exclusively; a waiting fallback batch keeps new instance batches from starting, so it waits
 at most for the batches already running (writer preference, Courtois, Heymans & Parnas, CACM 14(10), 1971). Service
 times are measured after the lock is taken, so the profiles hold run times, not waits; admission plans a request on
-either side behind the other side's running batch (``Lane.plan``). A cascade variant's lane is opened on the
-session's thread count, all of the cores, and takes the fallback's side (``scheduler._instance_groups``).
+either side behind the other side's running batch (``Lane.plan``).
 """
 from __future__ import annotations
 

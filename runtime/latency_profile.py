@@ -28,7 +28,6 @@ batch is not assumed to batch better than what was measured); for a bucket never
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
 import threading
 import time
@@ -332,26 +331,22 @@ def measure(
     seqs: Iterable[int | None] = (None,),
     repeats: int = 3,
     stop_ms: float = math.inf,
-    hold: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> LatencyProfile:
     """Warm up and time ``run`` at each batch size and sequence length; every timed call is observed.
 
     Batch sizes are tried in increasing order; for a sequence length, larger batches are skipped once one takes
     longer than ``stop_ms`` (no budget could use them). The first call per shape is a discarded warm-up (ORT
-    allocates buffers for a new shape on its first run). ``hold``: entered around each call, timed inside it (a
-    lane's ``cores()``: a wait for other backends' runs is not service time).
+    allocates buffers for a new shape on its first run).
     """
     for seq in seqs:
         for b in sorted(set(int(x) for x in batch_sizes)):
             feed = make_inputs(b, seq)
-            with hold():
-                run(feed)
+            run(feed)
             samples: list[float] = []
             for _ in range(max(1, repeats)):
-                with hold():
-                    t0 = _clock()
-                    run(feed)
-                    samples.append((_clock() - t0) * 1e3)
+                t0 = _clock()
+                run(feed)
+                samples.append((_clock() - t0) * 1e3)
             for ms in samples:
                 profile.observe(b, seq, ms)
             if float(np.median(samples)) > stop_ms:

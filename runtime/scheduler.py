@@ -72,9 +72,12 @@ points on average, of admitted unchanged: no loss, a gain within the noise.) A
 request the instances cannot meet even alone (each has fewer intra-op threads) goes to the variant's ``fallback``
 lane, the backend with all of them, when one is there. The fallback and the instances take turns on the cores
 (runtime/core_share.py): a fallback batch runs alone, and each side's plans count the other side's running batch.
-A cascade variant's lane (one backend on the session's thread count) is on the fallback's side, and so are every
-lane's warm-up runs and ``warmup()``'s measurements. A fallback with no figures yet (``profile="measure"``, before
-its warm-up has timed it) is offered nothing: it queued requests blind, to be dropped at their deadline.
+Each lane's warm-up runs at its start take the cores on its side's terms too. A fallback with no figures yet
+(``profile="measure"``, before its warm-up has timed it) is offered nothing: it queued requests blind, to be dropped
+at their deadline. A cascade variant's lane (``cascade=True``) is not in the sharing: with it there, requests the
+cascade took waited for the instances' idle probes and for the other whole-core lanes' turns, and missed by up to
+390 ms (a user's pass, 2026-12-05); ``warmup()``'s measurements are not either (the fallback's, holding the cores
+alone for up to 350 ms a run, made admitted traffic miss).
 Side by side they oversubscribed the cores and could lock the lane onto the fallback: with two CPU burners over the
 first 2 s of cold 10 s windows (MiniLM int8, 2 × 1-thread instances, 2 cores; four interleaved pairs per level), in
 budget of admitted 98.70 → 99.35 % at 0.9× load (12.6 ms budget; worst window 96.56 → 99.04 %), goodput 174.4 →
@@ -323,11 +326,10 @@ class Lane:
         self.from_standby = 0
         self.siblings: tuple["Lane", ...] = ()  # the variant's other instances (set by BudgetScheduler)
         # the cores this lane shares with the other side (instances / the variant's fallback), and the lanes of that
-        # side: a fallback's or cascade lane's batch never runs beside an instance's (runtime/core_share.py; set by
-        # BudgetScheduler)
+        # side: a fallback batch never runs beside an instance's (runtime/core_share.py; set by BudgetScheduler)
         self.share: CoreShare | None = None
         self.across: tuple["Lane", ...] = ()
-        self.alone_on_cores = False  # the exclusive side of ``share`` (a fallback's or a cascade variant's lane)
+        self.alone_on_cores = False  # the exclusive side of ``share`` (the variant's fallback)
         self.stolen = 0
         self.batches = 0
         self.probes = 0
@@ -848,14 +850,8 @@ class Lane:
                     self._busy_until = self._run_mid = self._run_dev = 0.0
                     self._cond.notify_all()
 
-    def cores(self) -> contextlib.AbstractContextManager:
-        """Around a run of this lane's backend from outside its worker (``StreamingCore.warmup``'s measurements):
-        the cores on this lane's terms (runtime/core_share.py); time the run inside it."""
-        return self._cores()
-
     def _cores(self) -> contextlib.AbstractContextManager:
-        # around a run: the cores, shared with the variant's other instances, or alone for a whole-core lane (its
-        # fallback, a cascade variant's)
+        # around a run: the cores, shared with the variant's other instances, or alone for its fallback
         if self.share is None:
             return contextlib.nullcontext()
         return self.share.exclusive() if self.alone_on_cores else self.share.shared()
@@ -940,36 +936,33 @@ class Lane:
 
 
 def _instance_groups(lanes: Sequence[Lane], standby: bool = True) -> list[list[Lane]]:
-    """``lanes`` split into runs of one variant's instances (consecutive lanes sharing a profile), in order.
-
-    A variant laid out as instances takes turns on the cores with every lane that has all of them: its fallback and
-    the cascade's variants (one backend each, on the session's thread count), which run alone, one at a time
-    (runtime/core_share.py). With ``standby``, each run shares one standby list (runtime/standby.py), kept if it
-    had one, except those whole-core lanes: an idle one would take a waiting request at once, then wait for the
-    instances' batches, past the deadline the standby list checked on its own lane only."""
+    """``lanes`` split into runs of one variant's instances (consecutive lanes sharing a profile), in order; with
+    ``standby``, each run but a fallback's shares one standby list (runtime/standby.py), kept if it had one. A
+    variant's fallback and its instances take turns on the cores (runtime/core_share.py)."""
     groups: list[list[Lane]] = []
     for lane in lanes:
         if groups and groups[-1][0].profile is lane.profile:
             groups[-1].append(lane)
         else:
             groups.append([lane])
-    inst = [l for g in groups if len(g) > 1 and not g[0].fallback for l in g]
-    whole = [l for g in groups if len(g) == 1 or g[0].fallback for l in g] if inst else []
-    if whole:
-        share = next((l.share for l in inst + whole if l.share is not None), None) or CoreShare()
-        for lane in inst:
-            lane.share, lane.across, lane.alone_on_cores = share, tuple(whole), False
-        for lane in whole:
-            lane.share, lane.alone_on_cores = share, True
-            lane.across = tuple(inst) + tuple(l for l in whole if l is not lane)
     for group in groups:
         shared = None
-        if standby and not group[0].fallback and group[0] not in whole:
+        if standby and not group[0].fallback:
             shared = next((l.standby for l in group if l.standby is not None), None)
             shared = Standby(group[0].max_queue) if shared is None else shared
         for lane in group:
             lane.standby = shared
             lane.siblings = () if lane.fallback else tuple(l for l in group if l is not lane)
+    for group in groups:  # a fallback and the instances of its variant take turns on the cores
+        if group[0].fallback:
+            inst = next((g for g in groups if not g[0].fallback and g[0].name == group[0].name and len(g) > 1), None)
+            if inst is None:
+                continue
+            share = next((l.share for l in inst + group if l.share is not None), None) or CoreShare()
+            for lane in inst:
+                lane.share, lane.across, lane.alone_on_cores = share, tuple(group), False
+            for lane in group:
+                lane.share, lane.across, lane.alone_on_cores = share, tuple(inst), True
     return groups
 
 

@@ -281,7 +281,7 @@ class StreamingCore:
                 continue  # a second instance shares its variant's profile
             sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= lane.max_batch] + [lane.max_batch]
             measure(lane.profile, lane.run, lambda b, s: example_feed(layout, b, s), sizes, seqs, repeats=3,
-                    stop_ms=2 * self._budget(), hold=lane.cores)
+                    stop_ms=2 * self._budget())
         # the variant's entry is its instances' profile; its fallback lane (same name, a profile of its own) is
         # under "fallback" there (it overwrote the instances' entry: a 2-thread profile shown as the serving one)
         out = {lane.name: lane.profile.to_dict() for lane in self.lanes if not lane.instance and not lane.fallback}

@@ -132,33 +132,6 @@ def test_measure_real_backend_grows_with_batch(backend):
     assert pts[(64, 32)] > pts[(1, 32)] > 0
 
 
-def test_measure_runs_each_call_inside_hold_and_times_only_the_run(backend):
-    """``warmup()`` measures a lane through its ``cores()`` (runtime/core_share.py): every call, the untimed first
-    one too, runs inside ``hold``, and a wait to get in (here 40 ms) is not counted as service time."""
-    import contextlib
-
-    layout = BatchLayout.of(*TEXT_IO)
-    inside, calls = [0], []
-
-    @contextlib.contextmanager
-    def hold():
-        time.sleep(0.04)  # another backend's batch still on the cores
-        inside[0] += 1
-        try:
-            yield
-        finally:
-            inside[0] -= 1
-
-    def run(feed):
-        calls.append(inside[0])
-        return backend.run(feed)
-
-    p = measure(LatencyProfile("fp32"), run, lambda b, s: example_feed(layout, b, s), [1, 2], [8], repeats=3,
-                hold=hold)
-    assert calls == [1] * 8  # 2 sizes x (1 first run + 3 timed)
-    assert all(0 < ms < 40 for ms in p.points().values()), p.points()
-
-
 def test_layout_pads_and_splits_back_exactly(backend):
     layout = BatchLayout.of(*TEXT_IO)
     assert (layout.batch_symbol, layout.seq_symbol, layout.can_pad) == ("batch", "sequence", True)
