@@ -1093,7 +1093,8 @@ class BudgetScheduler:
                     lane.refused(req)  # an idle lane re-measures it: a stale estimate cannot keep refusing
                     said = (f"predicted {(done - now) * 1e3:.1f} ms" if not math.isinf(done)
                             else "no batch meets its deadline and those queued before it")
-                    reasons.append((OVERLOAD, f"{said} with {inst.depth} queued on {lane.name} > budget "
+                    where = f"{lane.name}'s fallback backend" if lane.fallback else lane.name
+                    reasons.append((OVERLOAD, f"{said} with {inst.depth} queued on {where} > budget "
                                               f"{budget_ms:g} ms"))
                     if wait_on is None and lane.standby is not None:
                         wait_on = (lane, lane.last_start(req))

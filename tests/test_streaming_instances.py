@@ -171,6 +171,8 @@ def test_the_fallback_backend_never_runs_beside_an_instance_and_plans_behind_the
     # 150 ms alone on an instance > 60: offered to the fallback, whose plan waits for the running batch (~150 ms)
     tight = sched.submit(text_request(rng, 8), 60).result(10)
     assert tight.reason == "overload" and "fallback" not in tight.detail.split(";")[0], tight.detail
+    # the refusal says which backend planned it behind the running batch (it read "... queued on fp32")
+    assert "queued on fp32's fallback backend > budget 60 ms" in tight.detail, tight.detail
     time.sleep(0.11)  # the instance's batch has about 40 ms left: a 120 ms budget holds behind it
     later = sched.submit(text_request(rng, 8), 120).result(10)
     assert roomy.result(10).ok and later.ok, later
