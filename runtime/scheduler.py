@@ -949,7 +949,8 @@ def _instance_groups(lanes: Sequence[Lane], standby: bool = True) -> list[list[L
         shared = None
         if standby and not group[0].fallback:
             shared = next((l.standby for l in group if l.standby is not None), None)
-            shared = Standby(group[0].max_queue) if shared is None else shared
+            shared = (Standby(group[0].max_queue, on_expire=group[0]._reject_standby) if shared is None
+                      else shared)
         for lane in group:
             lane.standby = shared
             lane.siblings = () if lane.fallback else tuple(l for l in group if l is not lane)
@@ -1163,6 +1164,9 @@ class BudgetScheduler:
         for lane in self.lanes:
             lane.thread.join()
         self._drain_standby()  # what no draining instance took or expired (timed out, or only paused ones)
+        for group in self._groups:
+            if group[0].standby is not None:
+                group[0].standby.close()  # its expiry thread
 
     def _drain_standby(self) -> None:
         for group in self._groups:

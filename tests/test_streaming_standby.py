@@ -212,3 +212,21 @@ def test_with_standby_a_plan_behind_running_work_takes_one_spread_more(backend):
     gate.set()
     assert fut.result(10).ok and blocker.result(10).ok and plain.from_standby == 0
     unguarded.close()
+
+
+def test_a_waiting_request_is_refused_by_its_deadline_while_every_instance_stays_busy(backend):
+    # no submit comes and the running batch does not end: the list's expiry timer refuses it soon after its last
+    # start (≈ 319 ms after its submit), before its 800 ms deadline (before the timer: only once the batch ended)
+    sched, lane, gate, seen, blocker = _blocked(backend)
+    t0 = time.perf_counter()
+    fut = sched.submit(_request(np.random.default_rng(11), 2), 800, id="waits")
+    got = fut.result(5)
+    waited = (time.perf_counter() - t0) * 1e3
+    assert isinstance(got, Rejected) and got.reason == "overload" and not got.admitted
+    assert "no instance free in time" in got.detail
+    assert 300 <= got.latency_ms < 800 and waited < 800 and not gate.is_set() and lane._running
+    assert lane.standby.expired == 1 and seen == []
+    gate.set()
+    assert blocker.result(10).ok
+    sched.close()
+    assert not lane.standby._timer.is_alive()  # close() stopped the expiry thread
