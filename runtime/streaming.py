@@ -188,6 +188,7 @@ class StreamingCore:
                                          caller_weight=caller_weight)
         self.cascade_ready = threading.Event()
         self._closed = False
+        self._closing = threading.Lock()  # orders close() against the cascade thread joining its lanes
         self._cascade_thread: threading.Thread | None = None
         close_at_exit(self)
         if cascade and open_variant is not None and len(manifest.variants) > 1:
@@ -251,9 +252,11 @@ class StreamingCore:
                     cheaper.append((cost, lane))
                 else:
                     lane.close(drain=False)
-            if cheaper and not self._closed:  # most accurate (the dearest of the cheaper ones) first
-                self.scheduler.set_lanes(primaries + [lane for _, lane in sorted(cheaper, key=lambda x: -x[0])])
-            elif cheaper:
+            with self._closing:  # close() cannot slip in between the check and the new lanes (they would leak)
+                joined = bool(cheaper) and not self._closed
+                if joined:  # most accurate (the dearest of the cheaper ones) first
+                    self.scheduler.set_lanes(primaries + [lane for _, lane in sorted(cheaper, key=lambda x: -x[0])])
+            if not joined:  # closed meanwhile (close() waited for this thread at most its timeout)
                 for _, lane in cheaper:
                     lane.close(drain=False)
         finally:
@@ -418,11 +421,13 @@ class StreamingCore:
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop admitting; drain or reject what is queued (``BudgetScheduler.close``). A cascade still being opened
-        is waited for (its lanes run ONNX Runtime on their own threads), at most ``timeout_s`` or 30 s.
+        is waited for (its lanes run ONNX Runtime on their own threads), at most ``timeout_s`` (30 s when None);
+        past that, the cascade thread closes what it opened itself.
 
         Called on a lane's own thread (from a future's done-callback), which cannot wait for itself: admission stops
         at once and the rest runs on a helper thread, so every future still resolves just after the callback."""
-        self._closed = True
+        with self._closing:
+            self._closed = True
         if threading.current_thread() in [getattr(lane, "_thread", None) for lane in self.lanes]:
             threading.Thread(target=self._finish_close, args=(drain, timeout_s), name="dsedge-close",
                              daemon=True).start()
@@ -431,5 +436,5 @@ class StreamingCore:
 
     def _finish_close(self, drain: bool, timeout_s: float | None) -> None:
         if self._cascade_thread is not None:
-            self._cascade_thread.join(min(timeout_s or 30.0, 30.0))
+            self._cascade_thread.join(30.0 if timeout_s is None else min(max(timeout_s, 0.0), 30.0))
         self.scheduler.close(drain=drain, timeout_s=timeout_s)

@@ -205,6 +205,39 @@ def test_cascade_serves_cheaper_variant_when_primary_cannot_meet_budget(bundles)
         assert isinstance(rej, Rejected) and rej.reason == "budget" and "fp32" in rej.detail
 
 
+def test_close_with_a_zero_timeout_does_not_wait_for_a_cascade_still_opening(bundles):
+    # a cascade variant whose backend takes long to open (a TensorRT engine built on the device, say): close(
+    # timeout_s=0) returns at once (it waited 30 s: `0 or 30`), and the lane the cascade thread opens after it is
+    # closed by that thread, not added to a closed scheduler where its worker would run on
+    from dsedge.runtime.backends.ort import OrtBackend
+    from dsedge.runtime.metrics import StreamMetrics
+    from dsedge.runtime.streaming import StreamingCore
+
+    with dsedge.load(bundles["cascade"], threads=1, profile="bundle") as s:
+        manifest, variant, run = s.manifest, s.variant, s._backend.run
+        opening, release = threading.Event(), threading.Event()
+
+        def slow_open(name: str):
+            opening.set()
+            release.wait(20)
+            return OrtBackend(s.path / manifest.variant(name).file, providers=["CPUExecutionProvider"], threads=1)
+
+        core = StreamingCore(manifest, variant, run, StreamMetrics(), default_budget_ms=lambda: 500.0,
+                             cascade=True, open_variant=slow_open, profile="bundle")
+        assert opening.wait(10)
+        t0 = time.perf_counter()
+        core.close(timeout_s=0)
+        assert time.perf_counter() - t0 < 5.0
+        release.set()
+        core._cascade_thread.join(20)
+        assert not core._cascade_thread.is_alive() and core.cascade_ready.is_set()
+        assert [lane.name for lane in core.lanes] == ["fp32"]  # the late lane never joined
+        late = [t for t in threading.enumerate() if t.name.startswith("dsedge-lane-int8")]
+        for t in late:
+            t.join(10)
+        assert not any(t.is_alive() for t in late)
+
+
 def test_batch_variant_variant_is_served_alone_unless_opted_in(bundles, tmp_path):
     import json
     import shutil
