@@ -2,6 +2,8 @@
 (no traceback), before anything slow starts."""
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +66,35 @@ def test_device_check_runs_without_a_gpu(tmp_path):
     r = bench("benchmarks/device_check.py", "--out", str(out), timeout=120)
     assert "Traceback" not in r.stdout + r.stderr
     assert "train_bf16: skip" in r.stdout and out.is_file()
+    if not shutil.which("nvidia-smi"):  # no GPU here: exit 0, but the last line says it is no pass
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.strip().splitlines()[-1] == "[device_check] no GPU here: every GPU check skipped"
+
+
+def test_device_check_exits_2_when_every_gpu_check_skipped_where_a_gpu_is_required(tmp_path):
+    """A CPU-only torch on a GPU box skipped every GPU check and exited 0: a CI job reading the exit status took the
+    device as passed. With --require-gpu (or where nvidia-smi reports a GPU) that is exit 2, with one line why."""
+    if _torch_has_cuda():
+        pytest.skip("this machine has a CUDA GPU")
+    out = tmp_path / "x.json"
+    r = bench("benchmarks/device_check.py", "--out", str(out), "--require-gpu", timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("[device_check] every GPU check skipped: torch "), r.stderr
+    assert "sees no CUDA GPU" in r.stderr and json.loads(out.read_text())["exit"]["code"] == 2
+    # the same checks where nvidia-smi reports a GPU (a CPU-only torch / onnxruntime on a GPU box): exit 2 too,
+    # though `verify` passed on the CPU; a failed check stays exit 1
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from device_check import verdict
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    checks = json.loads(out.read_text())["checks"]
+    assert checks["verify"]["status"] == "pass"
+    assert verdict(checks, gpu_here=True, require_gpu=False)[0] == 2
+    assert verdict(checks, gpu_here=False, require_gpu=False) == (0, "no GPU here: every GPU check skipped")
+    assert verdict({**checks, "verify": {"status": "fail"}}, gpu_here=True, require_gpu=True) == (1, None)
+    assert verdict({**checks, "cuda_buffers": {"status": "pass"}}, gpu_here=True, require_gpu=True) == (0, None)
 
 
 def test_eager_comparison_says_slower_when_slower():
