@@ -626,6 +626,12 @@ class Lane:
             _answering.on = True
             try:
                 req.future.set_result(answer)
+            except BaseException:
+                # a done-callback raised SystemExit (concurrent.futures hands only Exception to its log): on the
+                # session's own threads it must not end the worker, its queue unanswered and the count undone
+                if threading.current_thread() is threading.main_thread():  # e.g. Ctrl-C in an inline answer
+                    self.metrics.on_answer(answer)
+                    raise
             finally:
                 _answering.on = False
         self.metrics.on_answer(answer)

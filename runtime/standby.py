@@ -123,12 +123,13 @@ class Standby:
             return out
 
     def close(self) -> None:
-        """Stop the expiry thread (what is still listed stays: ``drain`` it)."""
+        """Stop the expiry thread (what is still listed stays: ``drain`` it); waits for it, as a session's close
+        waits for its lanes, so that the refusals it was answering (a done-callback may hold it) are answered."""
         with self._lock:
             self._closed = True
             self._cond.notify_all()
         if self._timer is not None and self._timer is not threading.current_thread():
-            self._timer.join(5.0)
+            self._timer.join()
 
     def _due(self) -> float:
         # under self._lock, items present: when the timer sweeps next (s)
@@ -153,5 +154,5 @@ class Standby:
             if gone and self.on_expire is not None:
                 try:
                     self.on_expire(gone)
-                except Exception:  # the answers' callbacks are the callers'; the timer must keep running
+                except BaseException:  # the answers' callbacks are the callers' (even a SystemExit): keep running
                     pass

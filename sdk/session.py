@@ -241,6 +241,10 @@ class Session:
                id: Any = None) -> "Future[Result | Rejected]":
         """Queue one request; thread-safe. The future resolves to a ``Result`` or a ``Rejected``, never raises.
 
+        A done-callback added to the future runs on the thread that answers it: a lane's worker, the standby
+        list's expiry thread (a refusal), or the caller's own (an answer at admission). Keep callbacks short (hand
+        long work to your own executor): while one blocks, the answers that thread owes others wait with it.
+
         Args:
             inputs: numpy arrays keyed by input name (usually one row on the batch axis); copied here, so the
                 caller may refill its buffers for the next request at once.

@@ -230,3 +230,49 @@ def test_a_waiting_request_is_refused_by_its_deadline_while_every_instance_stays
     assert blocker.result(10).ok
     sched.close()
     assert not lane.standby._timer.is_alive()  # close() stopped the expiry thread
+
+
+def test_a_done_callback_raising_systemexit_ends_neither_the_expiry_thread_nor_a_lane(backend):
+    # concurrent.futures hands a callback's Exception to its log, but a SystemExit propagates into the thread that
+    # set the result: it ended the lane's worker (its queue never answered) or the expiry thread, and the answer
+    # went uncounted
+    def leave(_):
+        raise SystemExit(0)
+
+    sched, lane, gate, seen, blocker = _blocked(backend)
+    rng = np.random.default_rng(12)
+    # both wait on the list and expire in one sweep of the expiry thread; the first one's callback leaves
+    first = sched.submit(_request(rng, 2), 800, id="first")
+    second = sched.submit(_request(rng, 3), 801, id="second")
+    first.add_done_callback(leave)
+    assert first.result(5).reason == "overload" and second.result(5).reason == "overload"
+    time.sleep(0.05)
+    assert lane.standby._timer.is_alive()
+    blocker.add_done_callback(leave)  # answered on the lane's worker
+    queued = sched.submit(_request(rng, 4), 600_000, id="queued")  # behind the blocker, on the same lane
+    gate.set()
+    assert blocker.result(10).ok and queued.result(10).ok and lane.thread.is_alive()
+    snap = lane.metrics.snapshot()
+    assert snap["in_flight"] == 0 and snap["answered"] == 2 and snap["rejected_at_admission"] == {"overload": 2}
+    sched.close()
+
+
+def test_close_waits_for_a_slow_callback_on_the_expiry_thread_and_answers_every_waiting_request(backend):
+    # close(timeout_s=0) returned after a fixed 5 s join with the expiry thread still inside the callback and the
+    # refusals after it unanswered; now it waits for that thread as it waits for the lanes, and every future is done
+    sched, lane, gate, seen, blocker = _blocked(backend)
+    rng = np.random.default_rng(13)
+    inside = threading.Event()
+
+    def slow(_):
+        inside.set()
+        time.sleep(2.6)
+
+    futs = [sched.submit(_request(rng, 10 + i), 800, id=i) for i in range(2)]  # expire together, in one sweep
+    for f in futs:
+        f.add_done_callback(slow)  # 5.2 s on the expiry thread in all
+    assert inside.wait(5)
+    threading.Timer(0.05, gate.set).start()
+    sched.close(timeout_s=0)
+    assert all(f.done() for f in futs) and blocker.done()
+    assert not lane.standby._timer.is_alive()
