@@ -15,8 +15,10 @@ Exit status (a CI job may read only this):
   0  no check failed, and some GPU check passed, or no GPU here (no `nvidia-smi` GPU) and no --require-gpu: the last
      line then says "[device_check] no GPU here: every GPU check skipped", which is not a pass of the device
   1  a check failed
-  2  no GPU check passed (every one skipped) on a machine where `nvidia-smi` reports a GPU, or with --require-gpu;
-     one stderr line says why: "every GPU check skipped: <the first skip reason>"
+  2  a usage error (argparse's: a mistyped flag, a missing value): nothing ran
+  3  no GPU check passed (every one skipped) on a machine where `nvidia-smi` reports a GPU, or where it is installed
+     but fails (a driver error), or with --require-gpu; one stderr line says why: "every GPU check skipped: <the
+     first skip reason>"
 The GPU checks are train_bf16, train_fp16, nccl_one_rank, cuda_buffers and ort_cuda; gpu_facts only detects the GPU
 and verify runs on whatever provider is here (the CPU included), so neither counts as the GPU passing.
 """
@@ -73,17 +75,22 @@ GPU_CHECKS = ("train_bf16", "train_fp16", "nccl_one_rank", "cuda_buffers", "ort_
 
 
 def nvidia_smi_sees_a_gpu() -> bool:
-    """True when `nvidia-smi -L` lists a GPU (the driver is there, whatever this Python's torch/ORT can use)."""
-    try:
-        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
+    """True when `nvidia-smi -L` lists a GPU, or when nvidia-smi is installed but fails or hangs (a GPU box whose
+    driver is broken is not a machine without a GPU); False where there is no nvidia-smi."""
+    import shutil
+
+    if shutil.which("nvidia-smi") is None:
         return False
-    return r.returncode == 0 and "GPU" in r.stdout
+    try:
+        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return r.returncode != 0 or "GPU" in r.stdout
 
 
 def verdict(checks: dict, gpu_here: bool, require_gpu: bool) -> tuple[int, str | None]:
     """The exit status for ``checks`` (name -> {"status", "reason"?, ...}) and the line that explains it (None when
-    there is nothing to say): 1 if any check failed; 2 if no GPU check passed where a GPU is expected (``gpu_here``
+    there is nothing to say): 1 if any check failed; 3 if no GPU check passed where a GPU is expected (``gpu_here``
     or ``require_gpu``); else 0, with a "no GPU here" line when every GPU check skipped."""
     if any(c["status"] == "fail" for c in checks.values()):
         return 1, None
@@ -92,8 +99,8 @@ def verdict(checks: dict, gpu_here: bool, require_gpu: bool) -> tuple[int, str |
         return 0, None
     reason = next((c.get("reason") for c in gpu if c.get("reason")), "no GPU check ran")
     if gpu_here or require_gpu:
-        why = "nvidia-smi reports a GPU" if gpu_here else "--require-gpu"
-        return 2, f"every GPU check skipped: {reason} ({why})"
+        why = "nvidia-smi is here" if gpu_here else "--require-gpu"
+        return 3, f"every GPU check skipped: {reason} ({why})"
     return 0, "no GPU here: every GPU check skipped"
 
 
@@ -102,7 +109,7 @@ def main() -> int:
     ap.add_argument("--out", default="device_check.json")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--require-gpu", action="store_true",
-                    help="exit 2 when no GPU check passed, even where nvidia-smi reports no GPU")
+                    help="exit 3 when no GPU check passed, even where nvidia-smi reports no GPU")
     args = ap.parse_args()
     results: dict = {}
     report = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
@@ -313,7 +320,7 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"[device_check] wrote {args.out}: {report['summary']}", flush=True)
-    if code == 2:
+    if code == 3:
         print(f"[device_check] {why}", file=sys.stderr)
     elif why:
         print(f"[device_check] {why}")

@@ -6,9 +6,9 @@
 # stream, CUDA graph replay; ORT's CUDA EP with IOBinding), and `dsedge verify` on whatever provider is here
 # (TensorRT when installed). Every check is pass / fail / skip (with the reason) in one JSON.
 # Exit status: 0 no check failed and a GPU check passed (or no GPU here: the last line then says "no GPU here: every
-# GPU check skipped", not a pass); 1 a check failed; 2 every GPU check skipped on a machine where nvidia-smi reports a
-# GPU (or with --require-gpu), e.g. a CPU-only torch and onnxruntime on a GPU box, with one stderr line saying why;
-# 124 device_check.py ran past 460 s.
+# GPU check skipped", not a pass); 1 a check failed; 2 a usage error (nothing ran); 3 every GPU check skipped on a
+# machine where nvidia-smi reports a GPU or is installed but fails (or with --require-gpu), e.g. a CPU-only torch and
+# onnxruntime on a GPU box, with one stderr line saying why; 124 device_check.py ran past 460 s.
 # Needs: the repo installed (pip install torch==2.13.0 -e ".[toolchain,dev]"; for the GPU paths also
 # onnxruntime-gpu / cuda-python / nvidia-ml-py, i.e. the [gpu] extra in an environment without CPU onnxruntime).
 set -uo pipefail

@@ -71,18 +71,19 @@ def test_device_check_runs_without_a_gpu(tmp_path):
         assert r.stdout.strip().splitlines()[-1] == "[device_check] no GPU here: every GPU check skipped"
 
 
-def test_device_check_exits_2_when_every_gpu_check_skipped_where_a_gpu_is_required(tmp_path):
+def test_device_check_exits_3_when_every_gpu_check_skipped_where_a_gpu_is_required(tmp_path):
     """A CPU-only torch on a GPU box skipped every GPU check and exited 0: a CI job reading the exit status took the
-    device as passed. With --require-gpu (or where nvidia-smi reports a GPU) that is exit 2, with one line why."""
+    device as passed. With --require-gpu (or where nvidia-smi is installed) that is exit 3, with one line why;
+    exit 2 stays argparse's usage error (a mistyped flag ran nothing)."""
     if _torch_has_cuda():
         pytest.skip("this machine has a CUDA GPU")
     out = tmp_path / "x.json"
     r = bench("benchmarks/device_check.py", "--out", str(out), "--require-gpu", timeout=120)
-    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.returncode == 3, r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("[device_check] every GPU check skipped: torch "), r.stderr
-    assert "sees no CUDA GPU" in r.stderr and json.loads(out.read_text())["exit"]["code"] == 2
-    # the same checks where nvidia-smi reports a GPU (a CPU-only torch / onnxruntime on a GPU box): exit 2 too,
+    assert "sees no CUDA GPU" in r.stderr and json.loads(out.read_text())["exit"]["code"] == 3
+    # the same checks where nvidia-smi reports a GPU (a CPU-only torch / onnxruntime on a GPU box): exit 3 too,
     # though `verify` passed on the CPU; a failed check stays exit 1
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -91,10 +92,12 @@ def test_device_check_exits_2_when_every_gpu_check_skipped_where_a_gpu_is_requir
         sys.path.remove(str(ROOT / "benchmarks"))
     checks = json.loads(out.read_text())["checks"]
     assert checks["verify"]["status"] == "pass"
-    assert verdict(checks, gpu_here=True, require_gpu=False)[0] == 2
+    assert verdict(checks, gpu_here=True, require_gpu=False)[0] == 3
     assert verdict(checks, gpu_here=False, require_gpu=False) == (0, "no GPU here: every GPU check skipped")
     assert verdict({**checks, "verify": {"status": "fail"}}, gpu_here=True, require_gpu=True) == (1, None)
     assert verdict({**checks, "cuda_buffers": {"status": "pass"}}, gpu_here=True, require_gpu=True) == (0, None)
+    typo = bench("benchmarks/device_check.py", "--out", str(tmp_path / "y.json"), "--requre-gpu", timeout=60)
+    assert typo.returncode == 2 and not (tmp_path / "y.json").exists()  # argparse's code: not "no GPU check passed"
 
 
 def test_eager_comparison_says_slower_when_slower():
