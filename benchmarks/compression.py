@@ -10,9 +10,14 @@ an ONNX file (e.g. the int4 model of a bundle built with ``dsedge build --accura
 For each variant: size vs the fp32 ONNX, cosine mean/min and top-1 neighbour agreement of the mean-pooled
 embeddings vs PyTorch eager fp32 on the 60 committed held-out sentences (the 60 calibration sentences are
 separate), and ORT CPU median latency (``--threads``, median of ``--runs``) at batch 1 × seq 32 and batch 32 ×
-seq 64 with the speed-up over PyTorch eager measured in the same process. Latency rows are measured
-one variant after another (ORT's spinning thread pools make interleaved sessions fight); read them as
-ratios measured in one run, not absolutes.
+seq 64 with the speed-up over PyTorch eager measured in the same process. Latency is timed side by side: after
+3 warm-up calls per path, each of ``--runs`` rounds calls every variant's session and PyTorch eager once, rotating
+the order, and the median per path is kept, so the ``×eager`` ratios are measured side by side (a host whose speed
+drifts during the run moves both sides alike). The timing sessions don't spin-wait between runs
+(``session.intra_op.allow_spinning`` 0, as dsedge's runtime opens its sessions), so an idle ORT pool doesn't take
+the cores from the path timed next. Read the figures as ratios measured in one run, not absolutes.
+``--only`` keeps fp32 and every variant whose name contains one of its comma-separated values (``--extra`` files
+are always kept); a value that matches no variant is an error that lists the choices.
 Sessions get the runtime's load-time rewrite (INT4 embedding DequantizeLinear → Gather becomes GatherBlockQuantized).
 ORT runs 4-bit Q/DQ as MatMulNBits, whose default accuracy level 4 quantizes activations to INT8 on the fly;
 ``cos mean W4A16`` is the same model at accuracy level 1 (float activations, what TensorRT's W4A16 computes).
@@ -28,14 +33,17 @@ from pathlib import Path
 import numpy as np
 
 
-def median_ms(fn, runs: int, warmup: int = 3) -> float:
-    from dsedge.runtime.latency import time_calls
+# the variants' names, known before anything is imported or built (--only is checked against them)
+VARIANTS = ("fp32", "int4 rtn (int4.py, mse scale)", "int4 rtn (calibrated clip)", "int4 awq", "int4 gptq",
+            "int8 dynamic fused (cpu)", "int8 dynamic (no fusion)", "int8 static W8A8 Q/DQ minmax",
+            "int8 static W8A8 + SmoothQuant", "int8 static W8A8 + SQ, gate cosine:0.99", "fp16 + fp32 islands")
+SLOW_VARIANTS = ("int4 awq+gptq", "mixed rtn, gate cosine:0.99", "mixed gptq, gate cosine:0.99")  # with --slow
+WARMUP = 3  # untimed calls per path before the timed rounds
 
-    return time_calls(fn, iterations=runs, warmup=warmup)["p50"]
 
-
-def session(path: Path, threads: int, accuracy_level: int | None = None):
-    """ORT CPU session as dsedge's runtime makes it (INT4 embedding DQ → Gather rewritten to GatherBlockQuantized)."""
+def session(path: Path, threads: int, accuracy_level: int | None = None, spin: bool = True):
+    """ORT CPU session as dsedge's runtime makes it (INT4 embedding DQ → Gather rewritten to GatherBlockQuantized);
+    ``spin=False``: intra-op threads don't spin-wait between runs (as the runtime's ``OrtBackend`` opens them)."""
     import onnx
     import onnxruntime as ort
 
@@ -45,6 +53,8 @@ def session(path: Path, threads: int, accuracy_level: int | None = None):
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
+    if not spin:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if accuracy_level is not None:
         so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy_level))
     model = onnx.load(str(path))
@@ -67,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--out", default="out/compression")
-    ap.add_argument("--only", help="comma-separated variant names")
+    ap.add_argument("--only", help="comma-separated parts of variant names (fp32 is always kept)")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--extra", action="append", default=[])
@@ -81,6 +91,16 @@ def main(argv: list[str] | None = None) -> None:
         if not Path(p).is_file():
             ap.error(f"--extra {spec!r}: no such file {p}")
         extras.append((name.strip(), p))
+    only = None
+    if args.only is not None:
+        names = VARIANTS + (SLOW_VARIANTS if args.slow else ()) + tuple(n for n, _ in extras)
+        only = [s.strip() for s in args.only.split(",") if s.strip()]
+        unknown = [s for s in only if not any(s in k for k in names)]
+        if not only or unknown:
+            slow = [s for s in unknown if any(s in k for k in SLOW_VARIANTS)]
+            ap.error(f"--only {', '.join(map(repr, unknown)) if only else repr(args.only)} matches no variant"
+                     + (f" ({', '.join(map(repr, slow))} only with --slow)" if slow else "")
+                     + f"; choose from (any part of a name): {', '.join(map(repr, names))}")
 
     import onnx
     import torch
@@ -168,9 +188,9 @@ def main(argv: list[str] | None = None) -> None:
         variants |= {"int4 awq+gptq": int4("awq+gptq"),
                      "mixed rtn, gate cosine:0.99": mixed("rtn", "cosine:0.99"),
                      "mixed gptq, gate cosine:0.99": mixed("gptq", "cosine:0.99")}
-    if args.only:
-        keep = {s.strip() for s in args.only.split(",")}
-        variants = {k: v for k, v in variants.items() if k == "fp32" or any(s in k for s in keep)}
+    assert tuple(variants) == VARIANTS + (SLOW_VARIANTS if args.slow else ()), "update VARIANTS / SLOW_VARIANTS"
+    if only is not None:
+        variants = {k: v for k, v in variants.items() if k == "fp32" or any(s in k for s in only)}
     for name, p in extras:
         variants[name] = (lambda p=p: (onnx.load(p), {}))
     rows = []
@@ -196,10 +216,10 @@ def main(argv: list[str] | None = None) -> None:
               f"  top1 {acc['top1_agreement']:.3f}  (W4A16 {exact['cosine_mean']:.4f})  built in {build_s:.0f} s",
               flush=True)
 
-    # latency: for each shape, each variant (and eager) in its own block of runs
+    # latency: for each shape, every variant and eager once per round (rotating the order), median per path
     tok = reference.load_tokenizer(reference.verified_model_dir())
     rng = np.random.default_rng(0)
-    sessions = {name: session(p, args.threads) for name, p in paths.items()}
+    sessions = {name: session(p, args.threads, spin=False) for name, p in paths.items()}
     for batch, seq in ((1, 32), (32, 64)):
         ids = rng.integers(1000, 29000, (batch, seq)).astype(np.int64)
         ids[:, 0], ids[:, -1] = tok.cls_token_id, tok.sep_token_id
@@ -210,19 +230,28 @@ def main(argv: list[str] | None = None) -> None:
                for name, s in sessions.items()}
         with torch.inference_mode():
             fns["eager"] = lambda: source.module(*tt)
-            # one variant at a time: ORT's idle thread pools spin after each run, so interleaving sessions on
-            # 2 cores makes them fight each other (and torch)
-            for name, fn in fns.items():
-                samples[name] = [median_ms(fn, args.runs)]
+            order = list(fns)
+            for fn in fns.values():
+                for _ in range(WARMUP):
+                    fn()
+            # interleaved: a host that speeds up or slows down during the run moves every path alike, so the
+            # ×eager ratios are measured side by side (the sessions don't spin between runs: see session())
+            for r in range(args.runs):
+                for name in order[r % len(order):] + order[:r % len(order)]:
+                    t0 = time.perf_counter()
+                    fns[name]()
+                    samples[name].append((time.perf_counter() - t0) * 1e3)
         eager = statistics.median(samples["eager"])
         for row in rows:
             ms = statistics.median(samples[row["variant"]])
             row[f"b{batch}_ms"] = round(ms, 2)
             row[f"b{batch}_speedup_vs_eager"] = round(eager / ms, 2)
+            row["latency_timing"] = "interleaved"
         print(f"eager b{batch}x{seq}: {eager:.2f} ms", flush=True)
     from streaming import cpu_line  # benchmarks/streaming.py: CPU flags and load
 
-    print(f"\nthreads {args.threads}, median of {args.runs}; cosine vs PyTorch eager fp32 on "
+    print(f"\nthreads {args.threads}, median of {args.runs} interleaved rounds (every variant and eager once per "
+          f"round, rotating the order: ×eager is measured side by side); cosine vs PyTorch eager fp32 on "
           f"{len(ref)} held-out sentences; block size {bs}; size: file size / fp32 ONNX; "
           f"b1 = batch 1 × seq 32, b32 = batch 32 × seq 64, ×eager = PyTorch eager ms / variant ms")
     print(cpu_line())

@@ -35,6 +35,8 @@ def cpu_line() -> str:
 
 
 def generate(path: Path, mib: int, seed: int = 0) -> int:
+    """Write the corpus, stopping at the document that reaches ``mib`` MiB (so it is over by less than one
+    document), and return the number of documents."""
     rng = np.random.default_rng(seed)
     vocab = np.array([f"w{i}" for i in range(200_000)])
     target = mib << 20
@@ -46,7 +48,7 @@ def generate(path: Path, mib: int, seed: int = 0) -> int:
             ids = np.minimum(rng.zipf(1.1, int(lens.sum())) - 1, vocab.size - 1)
             words = vocab[ids]
             lines, pos = [], 0
-            for i, n in enumerate(lens):
+            for n in lens:
                 text = " ".join(words[pos:pos + n])
                 pos += n
                 u = rng.random()
@@ -55,11 +57,12 @@ def generate(path: Path, mib: int, seed: int = 0) -> int:
                 elif recent and u < 0.02:
                     text = recent[int(rng.integers(len(recent)))] + " extra"
                 recent = (recent + [text])[-500:]
-                lines.append(json.dumps({"id": docs, "text": text}))
+                lines.append(json.dumps({"id": docs, "text": text}) + "\n")  # ASCII: characters are bytes
                 docs += 1
-            block = "\n".join(lines) + "\n"
-            f.write(block)
-            written += len(block)
+                written += len(lines[-1])
+                if written >= target:  # the last block ends here, not after its 2,000 documents
+                    break
+            f.write("".join(lines))
     return docs
 
 
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         if not a.corpus:
             t = time.perf_counter()
             docs = generate(corpus, a.mib)
-            print(f"generated {docs} docs, {corpus.stat().st_size / 2**20:.0f} MiB in {time.perf_counter() - t:.0f} s")
+            print(f"generated {docs} docs, {corpus.stat().st_size / 2**20:.2f} MiB in {time.perf_counter() - t:.0f} s")
         size = corpus.stat().st_size
         cmd = [sys.executable, __file__, "--child", str(corpus)] + (["--no-near"] if a.no_near else [])
         t = time.perf_counter()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 import subprocess
 import sys
@@ -108,3 +110,43 @@ def test_eager_comparison_says_slower_when_slower():
         sys.path.remove(str(ROOT / "benchmarks"))
     assert _faster(10.0, 5.0) == "2.0x faster"
     assert _faster(10.0, 12.5) == "1.2x slower"
+
+
+def test_compression_only_matching_no_variant_is_one_clear_line():
+    """`--only int3` matched nothing and ran fp32 alone, printing a table as if asked for; now it names the value
+    and the valid choices, before anything slow starts."""
+    r = bench("benchmarks/compression.py", "--only", "rtn,int3")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "int3" in last and "int4 gptq" in last and "fp16 + fp32 islands" in last, r.stderr
+    assert "rtn" not in last.split("choose from")[0], r.stderr  # only the value that matched nothing is named
+    assert not r.stdout
+
+
+def test_compression_times_eager_side_by_side(tmp_path):
+    """PyTorch eager was timed in a block of its own, so its ×eager ratio moved with the host between blocks; now
+    every path is called once per round (rotating the order) and the output says so."""
+    r = bench("benchmarks/compression.py", "--only", "fp32", "--runs", "3", "--out", str(tmp_path), timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    hdr = next(i for i, ln in enumerate(lines) if ln.startswith("variant") and "×eager" in ln)
+    table = [ln for ln in lines[hdr + 2:] if "|" in ln]
+    assert table and table[0].startswith("fp32 ")
+    for ln in table:
+        ratios = [float(x) for x in re.findall(r"([0-9.]+)×", ln)]
+        assert len(ratios) == 2 and all(math.isfinite(x) and x > 0 for x in ratios), ln
+    assert "interleaved" in r.stdout
+    rows = json.loads((tmp_path / "compression.json").read_text())
+    assert {row["latency_timing"] for row in rows} == {"interleaved"}
+    assert all(row["b1_speedup_vs_eager"] > 0 and row["b32_speedup_vs_eager"] > 0 for row in rows)
+
+
+def test_datacheck_corpus_is_the_size_asked_for(tmp_path):
+    """The corpus was written in blocks of 2,000 documents (about 4 MiB each), so `--mib 1` built 4 MiB."""
+    r = bench("benchmarks/datacheck_throughput.py", "--mib", "1", "--dir", str(tmp_path), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"generated (\d+) docs, ([0-9.]+) MiB", r.stdout)
+    assert m, r.stdout
+    assert abs(float(m[2]) - 1) <= 0.05, r.stdout
+    assert not list(tmp_path.iterdir())  # deleted afterwards (no --keep)
