@@ -1041,10 +1041,6 @@ class BudgetScheduler:
         first = groups[0][0]
         reasons = []
         wait_on = None  # (lane, last start s): the standby list to wait on if every lane refuses for overload
-        if first.standby is not None and len(first.standby):
-            gone = first.standby.sweep(now)
-            if gone:
-                first._reject_standby(gone)
         for group in groups:
             lane = group[0]  # the instances of one variant share its profile and calibration
             if lane.fallback and not (reasons and reasons[-1][0] == BUDGET):

@@ -13,10 +13,10 @@ is empty when its batch ends takes from the list, before waiting for new arrival
 entries that meets every member's deadline planned on the idle instance (the profile's tail: stratum 0 of
 runtime/plan_calibration.py). The request is admitted then, with what it has left of its budget. Entries whose
 deadline no idle instance could meet any more expire: they are answered ``Rejected("overload")`` then (their
-``latency_ms`` says how long they waited), at the next submit or batch end of their variant, or by the list's
-expiry timer (``on_expire``): a thread that wakes ``grace_ms`` after the earliest last start (at most half the
-time from it to the entry's deadline), so a refusal reaches its caller before the deadline even when no submit
-comes and every instance runs a long batch. Before the timer, expiries waited for the next such event: at 1.5×
+``latency_ms`` says how long they waited), by the list's expiry thread (``on_expire``), which wakes ``grace_ms``
+after the earliest last start (at most half the time from it to the entry's deadline), or at a batch end of their
+variant if that comes first: a refusal reaches its caller before the deadline even when nothing is submitted and
+every instance runs a long batch. Before the thread, expiries waited for the next submit or batch end: at 1.5×
 the batch-1 capacity (MiniLM int8, 2 × 1-thread instances, 40 ms budget, bursty open-loop arrivals, 10 s) 42 of
 738 refusals reached their callers after the budget had passed, the latest 65 ms after its submit. Nothing on the
 list was ever admitted: an expiry is a refusal, not a budget miss.
@@ -58,6 +58,7 @@ class Standby:
         self.on_expire = on_expire
         self.grace_s = max(float(grace_ms), 0.0) / 1e3
         self._timer: threading.Thread | None = None
+        self._wake_at = float("inf")  # when the expiry thread wakes next (inf: when an entry comes)
         self._closed = False
 
     def __len__(self) -> int:
@@ -73,7 +74,7 @@ class Standby:
                     self._timer = threading.Thread(target=self._expire_loop, name="dsedge-standby-expiry",
                                                    daemon=True)
                     self._timer.start()
-                elif not self._items or last_start < min(it[0] for it in self._items):
+                elif last_start < self._wake_at:
                     self._cond.notify()  # the timer waits for nothing, or for a later entry
             self._items.append((last_start, req, detail))
             out = []
@@ -143,13 +144,11 @@ class Standby:
                 while True:
                     if self._closed:
                         return
-                    if not self._items:
-                        self._cond.wait()
-                        continue
-                    wait = self._due() - _clock()
+                    self._wake_at = self._due() if self._items else float("inf")
+                    wait = self._wake_at - _clock()
                     if wait <= 0:
                         break
-                    self._cond.wait(wait)
+                    self._cond.wait(wait if self._items else None)
             gone = self.sweep(_clock())
             if gone and self.on_expire is not None:
                 try:
