@@ -34,7 +34,8 @@ distribution shift (Gibbs & Candès, NeurIPS 2021). It cannot lock: α moves by 
 is in the plan, so late answers it caused leave the residual at ≈ 0; ``z`` is clamped to ``[0, z_max]``; and
 scores older than ``horizon_s`` stop counting once ``min_scores`` newer ones exist, and none older than
 ``max_horizon_s`` ever counts, so a lane that rejected everything, or came out of a stall, is back to the profile's
-own tail (``z = default_z``) within ``max_horizon_s`` (2 s). The longer reach is for low rates: at 35 requests/s a
+own tail (``z = default_z``, or the scheduler's overload prior while arrivals exceed the instances: ``z``'s
+``cold_z``) within ``max_horizon_s`` (2 s). The longer reach is for low rates: at 35 requests/s a
 one-second horizon never holds 50 scores, and the plan would run on the profile's tail, uncalibrated, however
 often it missed. It is kept short because a stall's residuals outlive the stall: with 5 s, the scores of requests
 planned at the stall's onset kept z at its cap for 1.5–2.8 s after a 2 s CPU burner ended (MiniLM fp32, 0.5×
@@ -107,6 +108,7 @@ class PlanCalibration:
         self._scores: collections.deque = collections.deque(maxlen=int(window))
         self._lock = threading.Lock()
         self._z = [self.default_z] * STRATA  # per stratum
+        self._known = [True] * STRATA  # per stratum: False while its z is ``default_z`` for want of scores
         self._t_z = -math.inf
 
     def score(self, expected_ms: float, actual_ms: float, spread_ms: float, now: float | None = None,
@@ -126,10 +128,12 @@ class PlanCalibration:
             a = self.alpha + self.gamma * (self.target_miss - (1.0 if missed else 0.0))
             self.alpha = min(max(a, self.alpha_min), self.alpha_max)
 
-    def z(self, now: float | None = None, stratum: int | None = None) -> float:
+    def z(self, now: float | None = None, stratum: int | None = None, cold_z: float | None = None) -> float:
         """The multiplier of a plan's spread for a request with ``stratum`` batches planned ahead of its own
         (None: the pooled one, reported only): ``default_z`` for stratum 0, always; for the others their own
-        quantile, else that of strata 1 and 2+ together, else ``default_z`` (see the module doc)."""
+        quantile, else that of strata 1 and 2+ together, else ``cold_z`` when given (the scheduler's prior for
+        plans behind a queue while arrivals exceed what the instances serve: see the module doc), else
+        ``default_z``."""
         t = _clock() if now is None else now
         if stratum is None:  # reports only: not on admission's path
             with self._lock:
@@ -140,11 +144,14 @@ class PlanCalibration:
                 queued = self._quantile(self._recent(t, queued=True))
                 # not the pooled one: idle-lane plans' spreads are mostly the 20 % floor, so the same absolute
                 # noise scores 2-4x higher there than behind a batch (see the module doc)
+                known = queued is not None
                 queued = self.default_z if queued is None else queued
                 own = [self._quantile(self._recent(t, k)) for k in range(1, STRATA)]
                 self._z = [self.default_z] + [queued if q is None else q for q in own]
+                self._known = [True] + [known or q is not None for q in own]
                 self._t_z = t
-        return self._z[min(max(int(stratum), 0), STRATA - 1)]
+        k = min(max(int(stratum), 0), STRATA - 1)
+        return self._z[k] if cold_z is None or self._known[k] else cold_z
 
     def _quantile(self, recent: list[float]) -> float | None:
         n = len(recent)

@@ -58,7 +58,10 @@ cheaper variants — the cascade):
     expected + z · spread, where z is the lane's calibration (runtime/plan_calibration.py): 1 (the profile's own
     tail) for a request planned alone on an idle lane; behind other batches, a rolling quantile of the
     standardized residuals of admitted requests planned as many batches deep, its level steered to the miss rate
-    seen (normalized, adaptive, Mondrian conformal prediction). It is admitted only if that meets its deadline
+    seen (normalized, adaptive, Mondrian conformal prediction); while a depth has no quantile yet and arrivals
+    (runtime/arrival_rate.py) exceed what the variant's instances serve at batch 1, ``overload_cold_z`` (3)
+    instead of 1 (docs/streaming.md, "A prior for the cold queue under overload": misses in a server's first
+    150 ms under a 3× flood went from 3–29 to 0–6 per window). It is admitted only if that meets its deadline
     and no request queued before it loses its place.
 A variant may run on several instances (Triton's instance group): consecutive lanes sharing one profile, each a backend
 with its own queue and worker, sharing the variant's profile and calibration; admission plans the request on each
@@ -105,6 +108,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from .arrival_rate import ArrivalRate
 from .batching import BatchLayout
 from .caller_load import CallerLoad
 from .core_share import CoreShare
@@ -1001,16 +1005,22 @@ class BudgetScheduler:
             module doc); 0: none.
         caller_weight: how much a core of the calling thread's CPU use slows a batch (``CallerLoad``: plans are
             scaled while the caller works more than over the profile's horizon); 0: not counted.
+        overload_cold_z: the z of a plan behind other batches whose stratum has no calibration yet, while arrivals
+            (``ArrivalRate``) exceed what the variant's unpaused instances serve at batch 1 (see the module doc);
+            None: the calibration's ``default_z`` then too.
     """
 
     def __init__(self, lanes: Sequence[Lane], layout: BatchLayout, metrics: StreamMetrics,
-                 standby: bool = True, standby_guard_z: float = 1.0, caller_weight: float = 0.0) -> None:
+                 standby: bool = True, standby_guard_z: float = 1.0, caller_weight: float = 0.0,
+                 overload_cold_z: float | None = 3.0) -> None:
         if not lanes:
             raise ValueError("BudgetScheduler needs at least one lane")
         self.lanes = list(lanes)
         self.standby = bool(standby)
         self.standby_guard_z = float(standby_guard_z)
         self.caller = CallerLoad(caller_weight)
+        self.arrivals = ArrivalRate()
+        self.overload_cold_z = overload_cold_z
         self._groups = _instance_groups(self.lanes, self.standby)  # built once per lane set: submit is a hot path
         self.layout = layout
         self.metrics = metrics
@@ -1036,6 +1046,7 @@ class BudgetScheduler:
         rows, seq = layout.rows(feed), layout.seq_len(feed)
         req = Request(rid, feed, rows, seq, layout.group_key(feed), budget_ms, priority, now, now + budget_ms / 1e3)
         self.metrics.on_submit()
+        self.arrivals.add(now, rows)
         slow = self.caller.factor()
         groups = self._groups
         first = groups[0][0]
@@ -1083,8 +1094,9 @@ class BudgetScheduler:
                 # lengths differ, and a burst of 300 mixed-length requests all went to the one instance whose
                 # long queue that estimate flattered (98 of its 180 then dropped at their deadline)
                 best = None
+                prior = self._cold_prior(now, rows, alone, group)
                 for inst in sorted(room, key=_join_key):
-                    p = inst.plan(req, now, functools.partial(self._plan_z, inst, now), slow)
+                    p = inst.plan(req, now, functools.partial(self._plan_z, inst, now, prior), slow)
                     if best is None or p.done < best[1].done:
                         best = (inst, p)
                     if p.done <= req.deadline:
@@ -1140,12 +1152,24 @@ class BudgetScheduler:
         self.metrics.on_answer(rej)
         return req.future
 
-    def _plan_z(self, lane: Lane, now: float, ahead: int) -> float:
-        # the calibrated z of the plan's stratum; behind other batches, with a standby list, ``standby_guard_z``
-        # more: a request the plan refuses is not lost there (it waits for an idle instance, where it is planned
-        # at the profile's own tail), so admission behind running work can be stricter than the calibration's
-        # level, whose misses come in clusters it follows late (module doc)
-        z = lane.calibration.z(now, ahead)
+    def _cold_prior(self, now: float, rows: int, alone_ms: float, group: Sequence[Lane]) -> float | None:
+        # ``overload_cold_z`` while arrivals exceed what the unpaused instances of the variant serve at batch 1
+        # (``alone_ms`` for this request's ``rows``), else None (the calibration's own default)
+        if self.overload_cold_z is None:
+            return None
+        rate = self.arrivals.rows_per_s(now)
+        if rate is None:
+            return None
+        serving = max(1, sum(1 for l in group if not l.paused))
+        return self.overload_cold_z if rate * alone_ms / (1e3 * max(rows, 1) * serving) > 1.0 else None
+
+    def _plan_z(self, lane: Lane, now: float, prior: float | None, ahead: int) -> float:
+        # the calibrated z of the plan's stratum (``prior`` while a stratum behind other batches has none yet and
+        # arrivals exceed the instances: ``_cold_prior``); behind other batches, with a standby list,
+        # ``standby_guard_z`` more: a request the plan refuses is not lost there (it waits for an idle instance,
+        # where it is planned at the profile's own tail), so admission behind running work can be stricter than
+        # the calibration's level, whose misses come in clusters it follows late (module doc)
+        z = lane.calibration.z(now, ahead, prior)
         return z + self.standby_guard_z if ahead >= 1 and lane.standby is not None else z
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from dsedge.runtime.arrival_rate import ArrivalRate
 from dsedge.runtime.batching import BatchLayout
 from dsedge.runtime.latency_profile import LatencyProfile
 from dsedge.runtime.metrics import StreamMetrics
@@ -331,3 +332,62 @@ def test_caller_load_rises_with_a_tight_loop_of_submits_and_stays_at_1_for_a_sle
     assert busy[-1] > 1.4 and max(busy) <= load.cap  # (a share under 1 on a loaded machine)
     off = CallerLoad(0.0)
     assert [off.factor() for _ in range(3)] == [1.0, 1.0, 1.0]
+
+
+def test_arrival_rate_reads_rows_per_second_over_its_window_and_nothing_from_too_few_arrivals():
+    rate = ArrivalRate(window_s=0.25, min_span_s=0.02, min_count=10)
+    for i in range(9):
+        rate.add(i * 0.001)
+    assert rate.rows_per_s(0.009) is None  # 9 arrivals: too few to read
+    rate.add(0.009)
+    assert rate.rows_per_s(0.009) is None  # 10, but within 9 ms: too short a span
+    for i in range(10, 100):
+        rate.add(i * 0.001, rows=2)  # 2 rows every ms from 10 ms on
+    # rows after the first arrival over the span from it: 9 single rows then 90 double ones, over 99 ms
+    assert rate.rows_per_s(0.099) == pytest.approx((9 * 1 + 90 * 2) / 0.099)
+    # at 300 ms only the last 250 ms count: arrivals from 50 ms on (2 rows each), the first of them excluded
+    assert rate.rows_per_s(0.3) == pytest.approx(2 * 49 / 0.25)
+    assert rate.rows_per_s(0.5) is None  # every arrival older than the window: nothing left to read
+
+
+def test_calibration_cold_z_stands_in_only_for_a_queued_stratum_with_no_quantile_yet():
+    cal = PlanCalibration(quantile=0.9, min_scores=10, refresh_s=0.0, z_max=50.0)
+    assert cal.z(now=0.0, stratum=0, cold_z=3.0) == 1.0  # an idle lane's plan: the profile's tail, always
+    assert cal.z(now=0.0, stratum=1, cold_z=3.0) == 3.0 and cal.z(now=0.0, stratum=2, cold_z=3.0) == 3.0
+    assert cal.z(now=0.0, stratum=1) == 1.0  # no prior given: default_z
+    for i in range(10):
+        cal.score(10.0, 10.0 + 0.1 * i, 1.0, now=0.0, stratum=1)  # queued plans 0..0.9 spreads late
+    # its own quantile now, for stratum 2 too (strata 1 and 2+ together): the prior no longer applies
+    assert cal.z(now=0.0, stratum=1, cold_z=3.0) == pytest.approx(0.8)
+    assert cal.z(now=0.0, stratum=2, cold_z=3.0) == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("flood, cold_z, admitted", [(False, 5.0, True), (True, 5.0, False), (True, None, True)])
+def test_a_plan_behind_a_batch_takes_the_overload_prior_only_while_arrivals_exceed_the_instances(
+        backend, flood, cold_z, admitted):
+    """No calibration yet for plans behind a batch: at z = 1 the request fits its 300 ms budget (at most 100 ms left
+    of the running batch, 100 ms its own, a spread of about 40 ms: ~240 ms); at the prior z = 5 it cannot (~370 ms
+    with the running batch ~30 ms in). The prior applies while arrivals (refused ones too) exceed what the lane
+    serves at batch 1 (here 10 rows/s)."""
+    gate = threading.Event()
+    lane = _held_lane(backend, gate, 100.0, 20.0, fixed=True)
+    lane.warm.wait(10)
+    sched = BudgetScheduler([lane], lane.layout, lane.metrics, standby=False, overload_cold_z=cold_z)
+    rng = np.random.default_rng(0)
+    blocker = sched.submit(text_request(rng, 8), 60_000)
+    deadline = time.perf_counter() + 5
+    while lane.depth and time.perf_counter() < deadline:  # on the backend, held at the gate: a batch ahead
+        time.sleep(0.001)
+    if flood:  # 12 requests over ~24 ms, each refused at once ("budget": 50 ms < 100 ms alone), all arrivals
+        for _ in range(12):
+            assert sched.submit(text_request(rng, 8), 50).result(1).reason == "budget"
+            time.sleep(0.002)
+    late = sched.submit(text_request(rng, 8), 300)
+    assert late.done() is not admitted  # a refusal is answered at once (no standby list), an admission waits
+    if not admitted:
+        assert isinstance(late.result(), Rejected) and late.result().reason == "overload"
+    gate.set()
+    assert isinstance(blocker.result(10), Result)
+    if admitted:
+        assert isinstance(late.result(10), Result)
+    sched.close()
