@@ -672,6 +672,38 @@ def test_unimplemented_methods_and_out_of_range_budgets_get_clean_errors(server,
     assert "Traceback" not in server.log() and "NotImplementedError" not in server.log()
 
 
+def test_the_clients_side_of_the_way_back_is_reserved_and_a_call_left_only_the_servers_side_is_refused(tmp_path):
+    """The budget left for the scheduler excludes the way back on both sides of the call (this side measured, the
+    client's taken as ``client_share`` times it); a call with time for this side's half only is refused ``budget``,
+    not dropped as a miss."""
+    import asyncio
+
+    from dsedge.serve.metrics import ServeMetrics
+    from dsedge.serve.models import Repository, ServeError
+
+    repo = Repository([mlp_bundle(tmp_path / "mlp-cpu.dse", tmp_path, "cpu")], ServeMetrics(), threads=1)
+    repo.load()
+    model = repo.get("mlp")
+    model.way_back.at = lambda now: 20.0  # this side's recent p99: 20 ms
+
+    async def call(budget_ms: float):
+        return await model.infer({"x": _x(1)}, {"budget_ms": budget_ms}, None, "grpc")
+
+    try:
+        with pytest.raises(ServeError) as e:  # 30 ms: ~10 left after this side's 20, none after the client's 20
+            asyncio.run(call(30.0))
+        assert e.value.reason == "budget" and "40 ms the answer needs to get back" in e.value.message, e.value.message
+        with pytest.raises(ServeError) as e:  # 15 ms: under this side's way back alone
+            asyncio.run(call(15.0))
+        assert e.value.reason == "budget" and "20 ms the answer needs to get back" in e.value.message
+        answer = asyncio.run(call(80.0))  # 40 ms left for the scheduler: the MLP answers at once
+        assert answer.parameters["budget_ms"] == 80.0 and answer.outputs
+        model.way_back.client_share = 0.0  # the old reserve: this side only
+        assert asyncio.run(call(30.0)).outputs
+    finally:
+        repo.close(5.0)
+
+
 def test_a_call_cancelled_while_it_waits_is_counted(tmp_path):
     """A gRPC deadline (or a client leaving) cancels the handler while it waits for a slot: the call still counts."""
     import asyncio
