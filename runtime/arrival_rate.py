@@ -33,8 +33,12 @@ class ArrivalRate:
         self._lock = threading.Lock()
 
     def add(self, now: float, rows: int = 1) -> None:
-        """One request of ``rows`` rows arrived at ``now`` (``time.perf_counter()`` s, non-decreasing)."""
+        """One request of ``rows`` rows arrived at ``now`` (``time.perf_counter()`` s). Submitting threads read
+        the clock before this lock, so an arrival may come in a little older than the last: it is stored at the
+        last one's time, which keeps the window ordered (what ages out first is at its head)."""
         with self._lock:
+            if self._arrivals and not now >= self._arrivals[-1][0]:  # older, or NaN
+                now = self._arrivals[-1][0]
             self._arrivals.append((now, rows))
             self._rows += rows
             old = now - self.window_s
@@ -50,6 +54,6 @@ class ArrivalRate:
             if n < self.min_count:
                 return None
             span = now - self._arrivals[0][0]
-            if span < self.min_span_s:
+            if not span >= self.min_span_s or span <= 0.0:  # too short (or NaN): not a rate yet
                 return None
             return (self._rows - self._arrivals[0][1]) / span

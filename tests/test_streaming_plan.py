@@ -391,3 +391,20 @@ def test_a_plan_behind_a_batch_takes_the_overload_prior_only_while_arrivals_exce
     if admitted:
         assert isinstance(late.result(10), Result)
     sched.close()
+
+
+def test_arrival_rate_keeps_its_window_ordered_when_threads_add_out_of_order_and_never_divides_by_zero():
+    rate = ArrivalRate(window_s=0.25, min_span_s=0.0, min_count=2)
+    for _ in range(12):
+        rate.add(5.0)
+    assert rate.rows_per_s(5.0) is None  # twelve arrivals at one instant: no span, no rate (was a ZeroDivisionError)
+    late = ArrivalRate(window_s=0.25, min_span_s=0.02, min_count=10)
+    late.add(1.0)
+    late.add(0.5)  # read the clock before another thread's add: stored at 1.0, not left behind at the tail
+    for i in range(12):
+        late.add(1.0 + i * 0.002)
+    assert late.rows_per_s(1.03) == pytest.approx(13 / 0.03)  # 14 arrivals from 1.0 s on, the first excluded
+    late.add(float("nan"))  # stored at the last time too: the count goes on
+    assert late.rows_per_s(1.03) == pytest.approx(14 / 0.03) and late.rows_per_s(float("nan")) is None
+    # at 1.3 s nothing is within the window: the out-of-order 0.5 s entry did not linger at the tail
+    assert late.rows_per_s(1.3) is None and len(late._arrivals) == 0

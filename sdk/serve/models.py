@@ -61,8 +61,8 @@ class WayBack:
 
     The client's side of the way back (its transport and its own callback getting a core) is not measured here;
     it is taken as ``client_share`` (1) times this side's reserve and also left out of the scheduler's budget. A
-    call with time left only for this side's half is refused ``budget`` (not counted a miss: its time was not
-    spent yet). Measured through ``dsedge serve`` with benchmarks/triton_baseline.py's client at 3× (MiniLM int8,
+    call with time left only for this side's half is refused ``budget``, as the scheduler refused such calls
+    before (too little left for any batch). Measured through ``dsedge serve`` with benchmarks/triton_baseline.py's client at 3× (MiniLM int8,
     50 ms, 2 cores, the client on the same cores; 16 interleaved pairs of cold 8 s windows, `/tmp` driver):
     answers leaving the server in time and reaching the client late went from 5.0 / 6.4 to 2.9 / 4.4 per window, in budget
     of admitted by the client's clock was higher in 12 of 16 pairs (means 96.5 → 98.4 % and 98.4 → 98.8 % in two
@@ -195,9 +195,11 @@ class ServedModel:
 
     def _left_ms(self, dl: Deadline, t_arrive: float, waited: bool) -> tuple[float, float, float]:
         """``(budget left for the scheduler, ms spent since arrival, way-back reserve)``, all ms; raises the
-        ``budget`` or ``deadline`` refusal when nothing is left: ``deadline`` (a miss) when what is left of the
-        budget is under the way back measured on this side of the call, ``budget`` when it is under that and the
-        client's side (``WayBack.client_ms``) together."""
+        ``budget`` or ``deadline`` refusal when nothing is left. Under the way back measured on this side of the
+        call: ``deadline`` (a miss) when the call waited in the priority gate or its budget is its gRPC deadline
+        (time spent in the server's queues), else ``budget``. Under that and the client's side
+        (``WayBack.client_ms``) together: ``budget``, as the scheduler refused such calls before (too little left
+        for any batch)."""
         now = time.perf_counter()
         waited_ms, reserve = (now - t_arrive) * 1e3, self.way_back.at(now)
         left = dl.budget_ms - waited_ms - reserve
