@@ -44,7 +44,9 @@ then serves them in deadline order and drops, as counted misses, those that can 
 
 Admission (``BudgetScheduler.submit``), against predicted latency, in the order of lanes (primary first, then
 cheaper variants — the cascade):
-  * alone the request cannot meet its budget → next lane, else ``Rejected("budget")``;
+  * alone the request cannot meet its budget → next lane, else ``Rejected("budget")``; alone at the profile's
+    median, or at its tail on an instance with nothing running or queued (whose last start has passed: nothing
+    waits on the standby list for it). Only the first goes on to the variant's fallback lane;
   * the queue is full, or its plan misses the deadline → next lane, else ``Rejected("overload")`` — at once, or,
     when only what runs ahead of it broke the plan, after waiting unadmitted on the variant's standby list for an
     instance that frees in time (it is admitted then; runtime/standby.py). With the list, a plan behind other
@@ -1051,10 +1053,11 @@ class BudgetScheduler:
         groups = self._groups
         first = groups[0][0]
         reasons = []
+        idle_tail_at = -1  # len(reasons) after a refusal on an idle instance at its tail (not the fallback's to take)
         wait_on = None  # (lane, last start s): the standby list to wait on if every lane refuses for overload
         for group in groups:
             lane = group[0]  # the instances of one variant share its profile and calibration
-            if lane.fallback and not (reasons and reasons[-1][0] == BUDGET):
+            if lane.fallback and not (reasons and reasons[-1][0] == BUDGET and len(reasons) != idle_tail_at):
                 continue  # the variant's fallback backend takes only what its instances are too slow for alone
             if lane.paused:  # the first lane of a group pauses only when the whole group does (a fallback)
                 continue
@@ -1106,9 +1109,21 @@ class BudgetScheduler:
                 if done > req.deadline:
                     req.plan_ms = req.spread_ms = 0.0
                     lane.refused(req)  # an idle lane re-measures it: a stale estimate cannot keep refusing
+                    where = f"{lane.name}'s fallback backend" if lane.fallback else lane.name
+                    if (plan.ahead == 0 and inst.outstanding == 0 and not any(o._running for o in inst.across)
+                            and (lane.standby is None or lane.last_start(req) <= now)):
+                        # nothing runs or waits there, and its own batch misses at the profile's tail, alone (its
+                        # last start has passed: the standby list would refuse it at once too). The caller can act
+                        # on "budget" (a larger one), not on "overload" (backing off changes nothing). It is not
+                        # offered to the fallback lane, as it was not before (that rule is for requests too slow at
+                        # the median). A miss from the caller's CPU load (``slow``) keeps the standby list's wait
+                        said = f"{(done - now) * 1e3:.1f} ms" if not math.isinf(done) else "its batch"
+                        reasons.append((BUDGET, f"predicted {said} alone on idle {where} at its tail > budget "
+                                                f"{budget_ms:g} ms"))
+                        idle_tail_at = len(reasons)
+                        continue
                     said = (f"predicted {(done - now) * 1e3:.1f} ms" if not math.isinf(done)
                             else "no batch meets its deadline and those queued before it")
-                    where = f"{lane.name}'s fallback backend" if lane.fallback else lane.name
                     reasons.append((OVERLOAD, f"{said} with {inst.depth} queued on {where} > budget "
                                               f"{budget_ms:g} ms"))
                     if wait_on is None and lane.standby is not None:

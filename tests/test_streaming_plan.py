@@ -179,8 +179,8 @@ def test_calibration_default_target_keeps_the_level_at_its_floor_between_sparse_
 
 def test_a_lane_refusing_by_plan_re_measures_and_admits_again(backend):
     """An estimate of 25 ms on a backend that takes ~1 ms: alone it fits a 28 ms budget, its plan (with the spread)
-    does not, so every request is refused for overload and none runs to correct the estimate — unless the idle lane
-    re-runs a refused one as a probe."""
+    does not, so every request is refused (``budget``: its batch alone misses at the tail on the idle lane) and none
+    runs to correct the estimate — unless the idle lane re-runs a refused one as a probe."""
     layout = BatchLayout.of(*TEXT_IO)
     prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
     prof.set(1, 8, 25.0, 0.0)
@@ -188,7 +188,7 @@ def test_a_lane_refusing_by_plan_re_measures_and_admits_again(backend):
     sched = BudgetScheduler([lane], layout, lane.metrics)
     rng = np.random.default_rng(0)
     first = sched.submit(text_request(rng, 8), 28).result(10)
-    assert isinstance(first, Rejected) and first.reason == "overload"
+    assert isinstance(first, Rejected) and first.reason == "budget" and "alone on idle" in first.detail
     t0, answered = time.perf_counter(), None
     while time.perf_counter() - t0 < 5.0 and answered is None:
         ans = sched.submit(text_request(rng, 8), 28).result(10)
@@ -408,3 +408,47 @@ def test_arrival_rate_keeps_its_window_ordered_when_threads_add_out_of_order_and
     assert late.rows_per_s(1.03) == pytest.approx(14 / 0.03) and late.rows_per_s(float("nan")) is None
     # at 1.3 s nothing is within the window: the out-of-order 0.5 s entry did not linger at the tail
     assert late.rows_per_s(1.3) is None and len(late._arrivals) == 0
+
+
+def test_a_request_whose_own_batch_misses_at_the_tail_on_an_idle_lane_is_refused_budget_at_once(backend):
+    """Alone at the median it fits (10 ms + the margin < 11 ms), at the profile's tail it does not (10 + 2 ms): with
+    nothing running or queued anywhere, backing off changes nothing, so the refusal says ``budget`` (a user's pass
+    found an idle server refusing such calls ``overload``); it comes at once, with a standby list too."""
+    gate = threading.Event()
+    gate.set()
+    lane = _held_lane(backend, gate, 10.0, 2.0, fixed=True)
+    lane.probe_interval_s = 3600.0  # a refused request is not re-run as a probe: the lane stays idle
+    lane.warm.wait(10)
+    sched = BudgetScheduler([lane], lane.layout, lane.metrics)  # with a standby list
+    rng = np.random.default_rng(0)
+    fut = sched.submit(text_request(rng, 8), 11.0)
+    assert fut.done()
+    r = fut.result()
+    assert isinstance(r, Rejected) and r.reason == "budget" and "alone on idle fp32 at its tail" in r.detail, r
+    ok = sched.submit(text_request(rng, 8), 30.0).result(10)  # room for its tail: answered
+    assert isinstance(ok, Result)
+    sched.close()
+
+
+def test_the_fallback_lane_takes_requests_too_slow_at_the_median_not_those_missing_only_at_an_idle_tail(backend):
+    """The variant's fallback backend is offered what its instances cannot meet alone at the median (9 ms against
+    10 ms), as before; a request that fits the median but not the idle instance's tail (11 ms against 10 + 2 ms) is
+    refused ``budget`` there and not offered to the fallback, as it was not when it was refused ``overload``."""
+    gate = threading.Event()
+    gate.set()
+    inst = _held_lane(backend, gate, 10.0, 2.0, fixed=True)
+    inst.probe_interval_s = 3600.0  # a refused request is not re-run as a probe: the instance stays idle
+    layout = inst.layout
+    fast = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    fast.set(1, 8, 1.0, 0.1)
+    fast.observe = lambda *a, **k: None
+    fallback = Lane("fp32", backend.run, fast, layout, inst.metrics, max_batch=1, inline_ms=0.0, fallback=True)
+    inst.warm.wait(10)
+    fallback.warm.wait(10)
+    sched = BudgetScheduler([inst, fallback], layout, inst.metrics, standby=False)
+    rng = np.random.default_rng(0)
+    slow_at_median = sched.submit(text_request(rng, 8), 9.0).result(10)
+    assert isinstance(slow_at_median, Result) and slow_at_median.ok
+    tail_only = sched.submit(text_request(rng, 8), 11.0).result(10)
+    assert isinstance(tail_only, Rejected) and tail_only.reason == "budget" and "alone on idle" in tail_only.detail
+    sched.close()
