@@ -62,11 +62,11 @@ class WayBack:
     The client's side of the way back (its transport and its own callback getting a core) is not measured here;
     it is taken as ``client_share`` (1) times this side's reserve and also left out of the scheduler's budget. A
     call with time left only for this side's half is refused ``budget``, as the scheduler refused such calls
-    before (too little left for any batch). Measured through ``dsedge serve`` with benchmarks/triton_baseline.py's client at 3× (MiniLM int8,
-    50 ms, 2 cores, the client on the same cores; 16 interleaved pairs of cold 8 s windows, `/tmp` driver):
-    answers leaving the server in time and reaching the client late went from 5.0 / 6.4 to 2.9 / 4.4 per window, in budget
-    of admitted by the client's clock was higher in 12 of 16 pairs (means 96.5 → 98.4 % and 98.4 → 98.8 % in two
-    rounds of 8), goodput within noise (141 / 166 against 151 / 176 per s)."""
+    before (too little left for any batch). Measured through ``dsedge serve`` with benchmarks/triton_baseline.py's
+    client at 3× (MiniLM int8, 50 ms, 2 cores, the client on the same cores; 16 interleaved pairs of cold 8 s
+    windows, `/tmp` driver): answers leaving the server in time and reaching the client late went from 5.0 / 6.4
+    to 2.9 / 4.4 per window, in budget of admitted by the client's clock was higher in 12 of 16 pairs (means
+    96.5 → 98.4 % and 98.4 → 98.8 % in two rounds of 8), goodput within noise (141 / 166 against 151 / 176 per s)."""
 
     def __init__(self, window: int = 256, every: int = 32, initial_ms: float = 1.0, quantile: float = 99.0,
                  horizon_s: float = 2.0, min_samples: int = 8, client_share: float = 1.0) -> None:
