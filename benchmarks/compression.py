@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     import onnx
     import torch
 
+    from dsedge.runtime.latency import time_interleaved
     from dsedge.toolchain import reference
     from dsedge.toolchain.evaluate import sentence_embedding_metrics
     from dsedge.toolchain.export import export_onnx
@@ -225,22 +226,13 @@ def main(argv: list[str] | None = None) -> None:
         ids[:, 0], ids[:, -1] = tok.cls_token_id, tok.sep_token_id
         feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
         tt = [torch.from_numpy(v) for v in feeds.values()]
-        samples = {name: [] for name in sessions} | {"eager": []}
         fns = {name: (lambda s=s: s.run(None, {i.name: feeds[i.name] for i in s.get_inputs()}))
                for name, s in sessions.items()}
         with torch.inference_mode():
             fns["eager"] = lambda: source.module(*tt)
-            order = list(fns)
-            for fn in fns.values():
-                for _ in range(WARMUP):
-                    fn()
             # interleaved: a host that speeds up or slows down during the run moves every path alike, so the
             # ×eager ratios are measured side by side (the sessions don't spin between runs: see session())
-            for r in range(args.runs):
-                for name in order[r % len(order):] + order[:r % len(order)]:
-                    t0 = time.perf_counter()
-                    fns[name]()
-                    samples[name].append((time.perf_counter() - t0) * 1e3)
+            samples = time_interleaved(fns, rounds=args.runs, warmup=WARMUP)
         eager = statistics.median(samples["eager"])
         for row in rows:
             ms = statistics.median(samples[row["variant"]])

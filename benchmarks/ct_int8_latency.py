@@ -4,16 +4,16 @@ their accuracy vs fp32 on the same held-out windows.
     python benchmarks/ct_int8_latency.py [--bundles runs/bundles] [--batches 1 32] [--threads 2] [--out FILE]
 
 Every bundle is loaded with ``dsedge.load(threads=N)`` on the CPU provider; the inputs are real held-out windows
-(``runs/bundles/inputs/heldout``, written by ``python -m samples.ct build``). Timing is interleaved: each round runs
-every variant once at each batch size (rotating the order), ``--rounds`` rounds after a warm-up, median kept, so load
-from other processes falls on all variants alike. Prints ms per batch and per window and each variant's ratio to fp32.
+(``runs/bundles/inputs/heldout``, written by ``python -m samples.ct build``). Timing is interleaved
+(``runtime.latency.time_interleaved``): each round runs every variant once at each batch size, the order rotated
+each round, ``--rounds`` rounds after a warm-up, median kept, so load from other processes falls on all variants
+alike. Prints ms per batch and per window and each variant's ratio to fp32.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dsedge  # noqa: E402
+from dsedge.runtime.latency import time_interleaved  # noqa: E402
 from dsedge.toolchain.evaluate import two_class_metrics  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,16 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     feeds = {b: {k: np.ascontiguousarray(np.resize(v, (b,) + v.shape[1:])) for k, v in held.items()}
              for b in a.batches}
     names = list(sessions)
-    samples = {(n, b): [] for n in names for b in a.batches}
-    for n in names:
-        for b in a.batches:
-            sessions[n].run(feeds[b])
-    for r in range(a.rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            for b in a.batches:
-                t0 = time.perf_counter()
-                sessions[n].run(feeds[b])
-                samples[(n, b)].append((time.perf_counter() - t0) * 1e3)
+    samples = time_interleaved({(n, b): (lambda s=sessions[n], f=feeds[b]: s.run(f)) for n in names for b in a.batches},
+                               rounds=a.rounds, warmup=1)
     latency = {n: {str(b): {"p50_ms_per_batch": round(float(np.median(samples[(n, b)])), 3),
                             "min_ms_per_batch": round(float(np.min(samples[(n, b)])), 3),
                             "p50_ms_per_window": round(float(np.median(samples[(n, b)])) / b, 3),

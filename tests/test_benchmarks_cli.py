@@ -150,3 +150,14 @@ def test_datacheck_corpus_is_the_size_asked_for(tmp_path):
     assert m, r.stdout
     assert abs(float(m[2]) - 1) <= 0.05, r.stdout
     assert not list(tmp_path.iterdir())  # deleted afterwards (no --keep)
+
+
+def test_time_interleaved_rotates_the_order_each_round_after_the_warmup():
+    from dsedge.runtime.latency import time_interleaved
+
+    calls = []
+    samples = time_interleaved({k: (lambda k=k: calls.append(k)) for k in "abc"}, rounds=3, warmup=2)
+    assert calls[:6] == list("aabbcc")  # warm-up: each path's own untimed calls
+    assert calls[6:] == list("abc") + list("bca") + list("cab")  # one call per path per round, rotated
+    assert {k: len(v) for k, v in samples.items()} == {"a": 3, "b": 3, "c": 3}
+    assert all(ms >= 0.0 for v in samples.values() for ms in v)
