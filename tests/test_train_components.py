@@ -169,3 +169,30 @@ def test_token_budget_locate_walks_epochs():
     assert s.locate(0) == (0, 0) and s.locate(n0 - 1) == (0, n0 - 1)
     assert s.locate(n0) == (1, 0) and s.locate(n0 + n1) == (2, 0)
     assert s.steps_for_epochs(2) == n0 + n1
+
+
+def test_a_single_process_checkpoint_round_trips_without_warnings(tmp_path):
+    """torch's DCP warns on every save and load without a process group, even when told ``no_dist=True``: a
+    single-process ``dsedge train`` printed it at each checkpoint. The state still round-trips exactly."""
+    import warnings
+
+    from dsedge.toolchain.train.checkpoint import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    ck = Checkpointer(tmp_path, log=lambda _m: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.save(1, model, [opt], {"note": "x"})
+        fresh = torch.nn.Linear(4, 3)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        trainer = ck.load_latest(fresh, [fresh_opt])
+    assert [str(w.message) for w in caught if "torch.distributed" in str(w.message)] == []
+    assert trainer["step"] == 1 and trainer["note"] == "x"
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    assert fresh_opt.state_dict()["state"][0]["step"] == 1

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +25,17 @@ from ...runtime.files import sha256_file
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 COMPLETE = "COMPLETE"
+# DCP warns on every single-process save and load, even when told so with ``no_dist=True``
+_SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+
+
+def _dcp_call(fn: Callable, state: dict, **kwargs: Any) -> Any:
+    # DCP's save/load; in a single process (no process group) as one, without its warning
+    no_dist = not dist.is_initialized()
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        return fn(state, no_dist=no_dist, **kwargs)
 
 
 def _all_true(ok: bool) -> bool:
@@ -90,8 +102,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self._barrier()
         msd, osd = get_state_dict(model, optimizers)
-        save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(tmp, sync_files=True),
-             no_dist=not dist.is_initialized())
+        _dcp_call(save, {"model": msd, "optim": osd}, storage_writer=FileSystemWriter(tmp, sync_files=True))
         torch.save(rng_state(), tmp / f"rng_rank{self.rank}.pt")
         self._barrier()
         if self.rank == 0:
@@ -152,7 +163,7 @@ class Checkpointer:
                         o.zero_grad(set_to_none=True)
                     msd, osd = get_state_dict(model, optimizers)
                     state = {"model": msd, "optim": osd}
-                    load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())
+                    _dcp_call(load, state, storage_reader=FileSystemReader(path))
                     ok = True
                 except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
                     _refuse_other_model(path, e)  # any other failure: try the next older checkpoint
