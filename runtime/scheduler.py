@@ -49,7 +49,9 @@ cheaper variants — the cascade):
     waits on the standby list for it). Only the first goes on to the variant's fallback lane;
   * the queue is full, or its plan misses the deadline → next lane, else ``Rejected("overload")`` — at once, or,
     when only what runs ahead of it broke the plan, after waiting unadmitted on the variant's standby list for an
-    instance that frees in time (it is admitted then; runtime/standby.py). With the list, a plan behind other
+    instance that frees in time, or for a batch held open for arrivals while they exceed what the variant's
+    instances serve at batch 1, which takes the entries that fit it before it waits (it is admitted then;
+    runtime/standby.py; docs/streaming.md has the measurement). With the list, a plan behind other
     batches takes ``standby_guard_z`` (1) more than its calibrated z: such a refusal is not lost (in budget of
     admitted at 3× load, 36 ms budget, five interleaved pairs of 10 s windows in process: 99.03–99.61 % with it
     against 97.94–98.76 % without, goodput 305–333 against 296–330/s; at 0.5×, 13.5 ms: 99.32–99.82 % against
@@ -330,6 +332,12 @@ class Lane:
         self._served: dict[tuple[int, int], float] = {}  # (rows, length bucket) -> end of its latest real batch
         self.standby: Standby | None = None  # the variant's standby list (set by BudgetScheduler; runtime/standby.py)
         self.from_standby = 0
+        self.joined = 0  # of those, joined a batch held open (``_join_standby``)
+        self._join_expired: list[tuple[Request, str]] = []  # standby entries expired while a held batch took from
+        # the list: refused by the worker at the top of its loop, outside the lock (worker thread only)
+        # whether arrivals exceed what the variant's instances serve at batch 1: ``(now, rows, alone ms)`` -> bool
+        # (set by BudgetScheduler; None: never, and a held batch takes nothing from the standby list)
+        self.flooded: Callable[[float, int, float], bool] | None = None
         self.siblings: tuple["Lane", ...] = ()  # the variant's other instances (set by BudgetScheduler)
         # the cores this lane shares with the other side (instances / the variant's fallback), and the lanes of that
         # side: a fallback batch never runs beside an instance's (runtime/core_share.py; set by BudgetScheduler)
@@ -394,6 +402,43 @@ class Lane:
                 return cands[:feasible[self._choose(feasible)][0]], dead
             dead.append(head)
         return [], dead
+
+    def _join_pick(self, now: float, entries: list[Request]) -> tuple[list[Request], list[Request]]:
+        # (the standby entries that join the batch held open now, none expired): most recent first, each kept if
+        # the queue plus the entries kept so far plus it still form one batch meeting every member's deadline, as
+        # an idle lane's plan does (the profile's tail: the rule by which an idle lane takes from the list)
+        queued = [r for _, r in self._queue]
+        chosen: list[Request] = []
+        for e in entries:
+            if e.group != queued[0].group:
+                continue
+            trial = sorted(queued + chosen + [e], key=lambda r: r.deadline)
+            cands = self._candidates(trial)
+            if len(cands) < len(trial):
+                break  # max_batch reached
+            feasible = self._feasible(cands, now, now, 0.0)
+            if feasible and feasible[-1][0] == len(cands):
+                chosen.append(e)
+        return chosen, []
+
+    def _join_standby(self, now: float) -> bool:
+        # under self._cond, the queue's batch held open for arrivals under a flood: the standby entries that fit
+        # it join it now (admitted now), instead of the backend idling while refused requests wait on the list;
+        # True if any joined or expired (the worker then picks again)
+        head = self._queue[0][1]
+        if self.flooded is None or not self.flooded(now, head.rows, self.alone_ms(head)):
+            return False
+        taken, expired = self.standby.take(now, functools.partial(self._join_pick, now))
+        self._join_expired += expired
+        for r in taken:  # admitted without a plan of its own, as _take_standby's: not scored
+            self._insert(r)
+        if taken:
+            self._t_admit = now
+            self.from_standby += len(taken)
+            self.joined += len(taken)
+            if any(r is self._refused for r in taken):
+                self._refused = None
+        return bool(taken or expired)
 
     def _take_standby(self) -> list[tuple[Request, str]]:
         # under self._cond, the lane idle with an empty queue: queue the standby batch that fits now (admitted
@@ -785,8 +830,10 @@ class Lane:
             if self.siblings and self._steal():
                 continue
             probe, expired = None, []
+            if self._join_expired:
+                expired, self._join_expired = self._join_expired, []
             with self._cond:
-                if (not self._running and not self._queue and self._standby_waiting()
+                if not expired and (not self._running and not self._queue and self._standby_waiting()
                         and (not self._closing or self._drain)):
                     expired = self._take_standby()  # draining, too: what waits there was sent before close()
             if expired:
@@ -842,6 +889,8 @@ class Lane:
                                                   f"{expected:.1f} ms on {self.name}")
                         continue
                     if not batch:
+                        if self._standby_waiting() and self._join_standby(now):
+                            continue
                         self._cond.wait(timeout=wait)
                         continue
                     chosen = set(map(id, batch))
@@ -1023,7 +1072,7 @@ class BudgetScheduler:
         self.caller = CallerLoad(caller_weight)
         self.arrivals = ArrivalRate()
         self.overload_cold_z = overload_cold_z
-        self._groups = _instance_groups(self.lanes, self.standby)  # built once per lane set: submit is a hot path
+        self._groups = self._wire(_instance_groups(self.lanes, self.standby))  # once per lane set: submit is hot
         self.layout = layout
         self.metrics = metrics
         self._ids = itertools.count()
@@ -1032,7 +1081,14 @@ class BudgetScheduler:
     def set_lanes(self, lanes: Sequence[Lane]) -> None:
         """Replace the lanes (the primary stays first); submitters see the new list at their next request."""
         lanes = list(lanes)
-        self._groups, self.lanes = _instance_groups(lanes, self.standby), lanes
+        self._groups, self.lanes = self._wire(_instance_groups(lanes, self.standby)), lanes
+
+    def _wire(self, groups: list[list[Lane]]) -> list[list[Lane]]:
+        # each instance lane reads the flood condition of its own variant's instances (``Lane.flooded``)
+        for group in groups:
+            for lane in group:
+                lane.flooded = functools.partial(self._flooded, group=group)
+        return groups
 
     def submit(self, feed: dict[str, np.ndarray], budget_ms: float, priority: int = 0, id: Any = None) -> Future:
         """Admit or reject one validated request; returns a Future resolving to ``Result`` or ``Rejected``.
@@ -1167,16 +1223,21 @@ class BudgetScheduler:
         self.metrics.on_answer(rej)
         return req.future
 
+    def _flooded(self, now: float, rows: int, alone_ms: float, group: Sequence[Lane]) -> bool:
+        # arrivals (``ArrivalRate``) exceed what the unpaused instances of the variant serve at batch 1
+        # (``alone_ms`` for ``rows`` rows); False while the rate is not known yet
+        rate = self.arrivals.rows_per_s(now)
+        if rate is None:
+            return False
+        serving = max(1, sum(1 for l in group if not l.paused))
+        return rate * alone_ms / (1e3 * max(rows, 1) * serving) > 1.0
+
     def _cold_prior(self, now: float, rows: int, alone_ms: float, group: Sequence[Lane]) -> float | None:
         # ``overload_cold_z`` while arrivals exceed what the unpaused instances of the variant serve at batch 1
         # (``alone_ms`` for this request's ``rows``), else None (the calibration's own default)
         if self.overload_cold_z is None:
             return None
-        rate = self.arrivals.rows_per_s(now)
-        if rate is None:
-            return None
-        serving = max(1, sum(1 for l in group if not l.paused))
-        return self.overload_cold_z if rate * alone_ms / (1e3 * max(rows, 1) * serving) > 1.0 else None
+        return self.overload_cold_z if self._flooded(now, rows, alone_ms, group) else None
 
     def _plan_z(self, lane: Lane, now: float, prior: float | None, ahead: int) -> float:
         # the calibrated z of the plan's stratum (``prior`` while a stratum behind other batches has none yet and

@@ -21,6 +21,12 @@ the batch-1 capacity (MiniLM int8, 2 × 1-thread instances, 40 ms budget, bursty
 738 refusals reached their callers after the budget had passed, the latest 65 ms after its submit. Nothing on the
 list was ever admitted: an expiry is a refusal, not a budget miss.
 
+Under a flood (arrivals above what the variant's instances serve at batch 1: runtime/arrival_rate.py), an instance
+whose batch would be held open for more arrivals takes its batch-mates from the list first, by the same rule: the
+most recent entries that still meet every member's deadline in that batch. Traced at 1.5× the batch-1 capacity
+before that (MiniLM int8, 2 × 1-thread instances, 36 ms budget), an instance held a 1-row batch open for 5.5 ms
+while four entries that fit it waited here and then expired.
+
 Most recent first (last in, first out) among the entries that can still make it: under overload the freshest
 request has the most slack, so it is the least likely to miss, and the older ones would expire soon anyway
 (adaptive LIFO under overload: Maurer, "Fail at Scale", ACM Queue 13(8), 2015; deadline-aware load shedding as

@@ -403,16 +403,18 @@ class StreamingCore:
     def lane_stats(self) -> dict[str, dict[str, int]]:
         """Per variant: ``queue_depth`` (requests queued now, on all its instances), ``max_queue_depth`` (the
         deepest any one instance's queue has been: each instance batches its own queue), ``batches``, ``inline``,
-        ``probes``, ``from_standby`` and ``stolen`` (requests an idle instance took from a busy one's queue; summed
-        over its instances), ``standby_expired``, ``max_batch`` and ``instances``."""
+        ``probes``, ``from_standby`` (of which ``joined``: taken into a batch held open under a flood) and
+        ``stolen`` (requests an idle instance took from a busy one's queue; summed over its instances),
+        ``standby_expired``, ``max_batch`` and ``instances``."""
         out: dict[str, dict[str, int]] = {}
         for l in self.lanes:  # a variant's instances add up
             got = out.setdefault(l.name, {"queue_depth": 0, "max_queue_depth": 0, "batches": 0, "inline": 0,
                                           "probes": 0, "max_batch": l.max_batch, "instances": 0,
-                                          "from_standby": 0, "stolen": 0, "standby_expired": 0})
+                                          "from_standby": 0, "joined": 0, "stolen": 0,
+                                          "standby_expired": 0})
             got["queue_depth"] += l.depth
             got["max_queue_depth"] = max(got["max_queue_depth"], l.max_depth)
-            for k in ("batches", "inline", "probes", "from_standby", "stolen"):
+            for k in ("batches", "inline", "probes", "from_standby", "joined", "stolen"):
                 got[k] += getattr(l, k)
             got["instances"] += 0 if l.fallback else 1
             if l.standby is not None and l.instance == 0 and not l.fallback:  # one list per variant
