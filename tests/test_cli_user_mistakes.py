@@ -457,3 +457,59 @@ def test_providers_that_name_no_provider_are_refused(tmp_path, capsys, command):
     code, _, err = run_main([command, bundle, "--providers", "CPUExecutionProvider", *(
         ["--iterations", 2] if command == "bench" else [])], capsys)
     assert "names no provider" not in err and (code == 0 or "no golden I/O" in err), err  # (this bundle has none)
+
+
+def _graphless(path):
+    import onnx
+
+    model = onnx.ModelProto()
+    model.ir_version = 8
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+@pytest.mark.parametrize("command", [["quantize", "--algorithm", "rtn"], ["quantize", "--precision", "int8",
+                                                                          "--int8-mode", "dynamic"], ["prune"]])
+@pytest.mark.parametrize("make", ["empty", "graphless"])
+def test_an_empty_or_graphless_onnx_file_is_refused_like_a_build_source(tmp_path, capsys, command, make):
+    """An empty file parses as an empty ModelProto: quantize ended in a traceback from the opset converter or ORT,
+    prune wrote an invalid model and said 'wrote p.onnx: 2:4 sparsity on 0 layers', exit 0 (a user's pass)."""
+    src = tmp_path / "m.onnx"
+    src.write_bytes(b"") if make == "empty" else _graphless(src)
+    code, _, err = run_main([command[0], src, "-o", tmp_path / "out.onnx", *command[1:]], capsys)
+    _one_line_error(code, err, "is not a valid ONNX model", "torch.onnx.export")
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_a_model_with_nothing_to_quantize_or_prune_is_written_with_a_warning(tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "add", [x], [y])
+    src = tmp_path / "add.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), src)
+    code, out, err = run_main(["quantize", src, "-o", tmp_path / "q.onnx", "--algorithm", "rtn"], capsys)
+    assert code == 0 and "warning: no layer of" in err and "was quantized" in err, err
+    code, out, err = run_main(["prune", src, "-o", tmp_path / "p.onnx"], capsys)
+    assert code == 0 and "warning: nothing in" in err and "was pruned" in err, err
+    assert (tmp_path / "q.onnx").is_file() and (tmp_path / "p.onnx").is_file()
+
+
+@pytest.mark.parametrize("kind", ["file", "directory"])
+def test_a_bundle_destination_that_is_not_a_bundle_is_refused_before_the_export(mlp, tmp_path, capsys, kind,
+                                                                               monkeypatch):
+    """It was refused only when the bundle was written, after the export, the fits and the timings (about 22 s
+    for the reference model) (a user's pass)."""
+    from dsedge.toolchain import pipeline
+
+    def no_export(*_a, **_k):
+        raise AssertionError("the export ran")
+
+    monkeypatch.setattr(pipeline, "export", no_export)
+    dest = tmp_path / "mlp-cpu.dse"
+    dest.write_text("x") if kind == "file" else (dest.mkdir(), (dest / "notes.txt").write_text("x"))
+    code, _, err = run_main(["build", "--model", mlp, "--target", "cpu", "--out", tmp_path], capsys)
+    _one_line_error(code, err, "is not a dsedge bundle; refusing to replace it", "--out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp-cpu.dse"]

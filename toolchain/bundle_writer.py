@@ -34,6 +34,19 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
                               f"pass an output directory outside it, e.g. --out {d.parent}")
 
 
+def check_replaceable(dest: str | os.PathLike) -> None:
+    """Refuse a bundle destination that exists and is not a bundle (a file, or a directory without a manifest):
+    a build replaces only a bundle.
+
+    Raises:
+        BundleError: ``dest`` exists and is not a dsedge bundle.
+    """
+    dest = Path(dest)
+    if dest.exists() and not (dest / "manifest.json").is_file():
+        raise BundleError(f"{dest} exists and is not a dsedge bundle; refusing to replace it",
+                          "move it away or choose another --out directory")
+
+
 @storage_errors("writing the bundle")
 def write_bundle(
     dest: str | os.PathLike,
@@ -64,9 +77,7 @@ def write_bundle(
         ``dest`` as a Path. Nothing exists at ``dest`` unless every file and the manifest were written.
     """
     dest = Path(dest)
-    if dest.exists() and not (dest / "manifest.json").is_file():
-        raise BundleError(f"{dest} exists and is not a dsedge bundle; refusing to replace it",
-                          "move it away or choose another --out directory")
+    check_replaceable(dest)
     with atomic_directory(dest) as tmp:
         for rel, src in models.items():
             p = inside(tmp, rel, "bundle file", BundleError)

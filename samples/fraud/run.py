@@ -228,8 +228,9 @@ def stream(out: Path, bundle: Path, pre: Preprocessor, threshold: float, csv: Pa
     with dsedge.load(bundle, threads=None) as burst_session:
         burst = stream_burst(burst_session, inputs, budget_ms) if hasattr(burst_session, "stream") else None
     session_metrics = session.metrics() if hasattr(session, "metrics") else None
+    providers = list(session.providers)  # read while open: a closed session has none
     session.close()
-    return {"bundle": str(bundle), "variant": session.variant.name, "providers": session.providers,
+    return {"bundle": str(bundle), "variant": session.variant.name, "providers": providers,
             "serving_api": "session.submit" if hasattr(session, "submit") else "session.run (timed)",
             "budget_ms": budget_ms, "speed": speed, "load_average_1min": [load_before, os.getloadavg()[0]],
             "rows_in": len(rows), "wall_s": wall,

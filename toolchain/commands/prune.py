@@ -102,6 +102,10 @@ def prune(ctx: click.Context, model: str, output: Path, pattern: str, sparsity: 
     if report_path:
         write_text_atomic(report_path, json.dumps(report, indent=2) + "\n")
     say = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
+    if not report["layers" if pattern == "2:4" else "blocks"]:
+        click.echo(f"warning: nothing in {model} was pruned: it has no "
+                   + ("weight 2:4 sparsity applies to" if pattern == "2:4" else "Linear → activation → Linear block"),
+                   err=True)
     if pattern == "2:4":
         say(f"wrote {output}: 2:4 sparsity on {len(report['layers'])} layers"
             + (f" (skipped {len(report['skipped'])})" if report["skipped"] else ""))

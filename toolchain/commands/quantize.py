@@ -19,10 +19,19 @@ def _load(path: Path):
     if not path.is_file():
         raise SourceError(f"ONNX model {str(path)!r} not found", "pass the path of an .onnx file")
     try:
-        return onnx.load(str(path))
+        model = onnx.load(str(path))
     except Exception as e:  # protobuf raises DecodeError and friends
         raise SourceError(f"{str(path)!r} is not a readable ONNX model: {str(e).splitlines()[0]}",
                           "export the model to ONNX first") from None
+    try:  # an empty file parses as an empty ModelProto: checked as dsedge build checks its ONNX sources
+        onnx.checker.check_model(str(path))  # by path: external data resolved beside the model
+        if not model.graph.node:
+            raise ValueError("the graph has no nodes")
+    except Exception as e:  # onnx raises ValidationError, …
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise SourceError(f"{str(path)!r} is not a valid ONNX model ({type(e).__name__}: {first})",
+                          "pass a .onnx file written by torch.onnx.export or another ONNX exporter") from None
+    return model
 
 
 def save_model_atomic(model, dest: Path) -> None:
@@ -100,6 +109,12 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
     on_step = (lambda msg: click.echo(f"  {msg}", err=True)) if searched else None
     out = compress(m, chosen, Calibration(calib, heldout=heldout, on_step=on_step))
     checked = _check_gate(m, out.model, chosen, heldout) if chosen.accuracy_gate and not searched else {}
+    if chosen.precision in ("int4", "int8"):
+        from ..quantize.graph import quantized_nodes
+
+        if not quantized_nodes(out.model):  # nothing it converts (no MatMul/Gemm weights, or --nodes none of them)
+            click.echo(f"warning: no layer of {model} was quantized: it has none that {chosen.precision} "
+                       f"({chosen.algorithm}) converts; the output is the model as it was", err=True)
     save_model_atomic(out.model, output)
     report = {"source": str(model), "output": str(output), "precision": chosen.precision,
               "size_bytes": output.stat().st_size, "source_size_bytes": source_size, **out.details,

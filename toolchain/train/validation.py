@@ -60,7 +60,8 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
     for name, sec in (("model", cfg.model), ("data", cfg.data)):
         if not sec.factory or ":" not in sec.factory:
             raise ConfigError(f"{s}: [{name}] factory must be 'module:function', got {sec.factory!r}",
-                              f'e.g. factory = "samples.fraud.{name}:make_{name}"')
+                              'e.g. factory = "samples.fraud.model:make_teacher"' if name == "model"
+                              else 'e.g. factory = "samples.fraud.datasets:make_datasets"')
     _positive(cfg.data.batch_size, "[data] batch_size", s)
     _positive(cfg.data.num_workers, "[data] num_workers", s, allow_zero=True)
     if cfg.loss.kind not in ("cross_entropy", "bce_with_logits", "mse") and ":" not in cfg.loss.kind:
