@@ -114,7 +114,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
 
         if not quantized_nodes(out.model):  # nothing it converts (no MatMul/Gemm weights, or --nodes none of them)
             click.echo(f"warning: no layer of {model} was quantized: it has none that {chosen.precision} "
-                       f"({chosen.algorithm}) converts; the output is the model as it was", err=True)
+                       f"({chosen.algorithm}) converts; it is written unquantized", err=True)
     save_model_atomic(out.model, output)
     report = {"source": str(model), "output": str(output), "precision": chosen.precision,
               "size_bytes": output.stat().st_size, "source_size_bytes": source_size, **out.details,
