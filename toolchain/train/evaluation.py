@@ -33,8 +33,12 @@ def evaluate(model: torch.nn.Module, dataset: Any, cfg: TrainConfig, env: par.Di
     # variable-length samples (token-budget batches) are padded as in training: stacking them failed at the first
     # evaluation
     padded = token_budget(d)
+    # a generator of its own, as the training loader has: without one, iterating draws the loader's base seed from
+    # the global RNG, and every evaluation moved the dropout masks of the steps after it (runs differing only in
+    # [checkpoint] every trained differently)
     loader = DataLoader(dataset, batch_size=max(1, d.batch_size // env.dp), shuffle=False,
-                        drop_last=schedule is not None, collate_fn=pad_collate if padded else None)
+                        drop_last=schedule is not None, collate_fn=pad_collate if padded else None,
+                        generator=torch.Generator().manual_seed(0))
     for x, y in loader:
         x, y = to_device(as_inputs(x), env.device), to_device(y, env.device)
         with policy.autocast():
