@@ -404,21 +404,21 @@ class Lane:
         return [], dead
 
     def _join_pick(self, now: float, entries: list[Request]) -> tuple[list[Request], list[Request]]:
-        # (the standby entries that join the batch held open now, none expired): most recent first, each kept if
-        # the queue plus the entries kept so far plus it still form one batch meeting every member's deadline, as
-        # an idle lane's plan does (the profile's tail: the rule by which an idle lane takes from the list)
+        # (the standby entries that join the batch held open now, none expired): most recent first, each kept while
+        # the queue plus those kept still form one batch meeting every member's deadline, as an idle lane's plan
+        # does (the profile's tail: the rule by which an idle lane takes from the list). The first that does not
+        # fit ends it: the entries after it are older (or of lower priority), and a batch of that size misses the
+        # older ones' deadlines too
         queued = [r for _, r in self._queue]
         chosen: list[Request] = []
         for e in entries:
             if e.group != queued[0].group:
                 continue
-            trial = sorted(queued + chosen + [e], key=lambda r: r.deadline)
-            cands = self._candidates(trial)
-            if len(cands) < len(trial):
-                break  # max_batch reached
-            feasible = self._feasible(cands, now, now, 0.0)
-            if feasible and feasible[-1][0] == len(cands):
-                chosen.append(e)
+            cands = self._candidates(queued + chosen + [e])
+            feasible = self._feasible(cands, now, now, 0.0) if len(cands) == len(queued) + len(chosen) + 1 else []
+            if not feasible or feasible[-1][0] < len(cands):
+                break  # max_batch reached, or it misses a deadline
+            chosen.append(e)
         return chosen, []
 
     def _join_standby(self, now: float) -> bool:
@@ -430,14 +430,8 @@ class Lane:
             return False
         taken, expired = self.standby.take(now, functools.partial(self._join_pick, now))
         self._join_expired += expired
-        for r in taken:  # admitted without a plan of its own, as _take_standby's: not scored
-            self._insert(r)
-        if taken:
-            self._t_admit = now
-            self.from_standby += len(taken)
-            self.joined += len(taken)
-            if any(r is self._refused for r in taken):
-                self._refused = None
+        self._admit_from_standby(taken, now)
+        self.joined += len(taken)
         return bool(taken or expired)
 
     def _take_standby(self) -> list[tuple[Request, str]]:
@@ -445,14 +439,19 @@ class Lane:
         # now); returns the expired entries for the caller to reject outside the lock
         now = _clock()
         taken, expired = self.standby.take(now, functools.partial(self._standby_pick, now))
-        for r in taken:  # admitted without a plan of its own (refused ones carry none): not scored
+        self._admit_from_standby(taken, now)
+        return expired
+
+    def _admit_from_standby(self, taken: list[Request], now: float) -> None:
+        # under self._cond: standby entries admitted now, into the queue (without a plan of their own: refused
+        # ones carry none, so they are not scored)
+        for r in taken:
             self._insert(r)
         if taken:
             self._t_admit = now
             self.from_standby += len(taken)
             if any(r is self._refused for r in taken):
                 self._refused = None  # it runs for real: no probe of it
-        return expired
 
     def refused(self, req: Request) -> None:
         """``req`` was refused here (its budget, or its plan): keep it as the next re-measuring probe, unless it is
