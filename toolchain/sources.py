@@ -106,16 +106,31 @@ def _hf_dir(path: Path) -> Source:
     return _text_source("hf", name, path, _fingerprint(weights))
 
 
-def _onnx_file(path: Path) -> Source:
+def load_onnx_source(path: str | os.PathLike, external_data: bool = True) -> Any:
+    """The ``onnx.ModelProto`` at ``path``, checked as a source: readable, valid by ``onnx.checker`` and with at
+    least one node (an empty file parses as an empty ModelProto). ``external_data``: load the weights kept beside
+    the model too.
+
+    Raises:
+        SourceError: any of those fails (one line, the checker's first).
+    """
     import onnx
 
     try:
-        model = onnx.load(os.fspath(path), load_external_data=False)
+        model = onnx.load(os.fspath(path), load_external_data=external_data)
         # by path: external data (model.onnx + weights file) is resolved beside the model, not in the working dir
         onnx.checker.check_model(os.fspath(path))
+        if not model.graph.node:
+            raise ValueError("the graph has no nodes")
     except Exception as e:  # onnx raises DecodeError, ValidationError, …
-        raise SourceError(f"{path} is not a valid ONNX model ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise SourceError(f"{path} is not a valid ONNX model ({type(e).__name__}: {first})",
                           "pass a .onnx file written by torch.onnx.export or another ONNX exporter") from None
+    return model
+
+
+def _onnx_file(path: Path) -> Source:
+    model = load_onnx_source(path, external_data=False)
     from .export import io_specs
 
     from ..runtime.bench import synthetic_inputs

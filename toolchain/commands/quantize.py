@@ -14,24 +14,11 @@ from ...runtime.params import FiniteFloat
 
 
 def _load(path: Path):
-    import onnx
+    from ..sources import load_onnx_source
 
     if not path.is_file():
         raise SourceError(f"ONNX model {str(path)!r} not found", "pass the path of an .onnx file")
-    try:
-        model = onnx.load(str(path))
-    except Exception as e:  # protobuf raises DecodeError and friends
-        raise SourceError(f"{str(path)!r} is not a readable ONNX model: {str(e).splitlines()[0]}",
-                          "export the model to ONNX first") from None
-    try:  # an empty file parses as an empty ModelProto: checked as dsedge build checks its ONNX sources
-        onnx.checker.check_model(str(path))  # by path: external data resolved beside the model
-        if not model.graph.node:
-            raise ValueError("the graph has no nodes")
-    except Exception as e:  # onnx raises ValidationError, …
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        raise SourceError(f"{str(path)!r} is not a valid ONNX model ({type(e).__name__}: {first})",
-                          "pass a .onnx file written by torch.onnx.export or another ONNX exporter") from None
-    return model
+    return load_onnx_source(path)
 
 
 def save_model_atomic(model, dest: Path) -> None:
