@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -77,7 +78,6 @@ GPU_CHECKS = ("train_bf16", "train_fp16", "nccl_one_rank", "cuda_buffers", "ort_
 def nvidia_smi_sees_a_gpu() -> bool:
     """True when `nvidia-smi -L` lists a GPU, or when nvidia-smi is installed but fails or hangs (a GPU box whose
     driver is broken is not a machine without a GPU); False where there is no nvidia-smi."""
-    import shutil
 
     if shutil.which("nvidia-smi") is None:
         return False
@@ -313,6 +313,7 @@ def main() -> int:
                 "variants": [{k: v.get(k) for k in ("variant", "backend", "providers", "passed", "failures")}
                              for v in rep["variants"]]}
 
+    shutil.rmtree(work, ignore_errors=True)  # the bundles and models the checks wrote
     statuses = [c["status"] for c in results.values()]
     report["summary"] = {s: statuses.count(s) for s in ("pass", "fail", "skip")}
     code, why = verdict(results, nvidia_smi_sees_a_gpu(), args.require_gpu)

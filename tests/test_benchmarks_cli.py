@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -15,8 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def bench(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def _torch_has_cuda() -> bool:
@@ -64,10 +66,14 @@ def test_device_check_runs_without_a_gpu(tmp_path):
     """device_check.py is meant to be tried anywhere: without a GPU the GPU checks are skipped, with reasons."""
     if _torch_has_cuda():
         pytest.skip("this machine has a CUDA GPU")
-    out = tmp_path / "dc.json"
-    r = bench("benchmarks/device_check.py", "--out", str(out), timeout=120)
+    out, tmp = tmp_path / "dc.json", tmp_path / "tmp"
+    tmp.mkdir()
+    r = bench("benchmarks/device_check.py", "--out", str(out), timeout=120, env={"TMPDIR": str(tmp)})
     assert "Traceback" not in r.stdout + r.stderr
     assert "train_bf16: skip" in r.stdout and out.is_file()
+    assert "verify: pass" in r.stdout, r.stdout + r.stderr  # it built a bundle in its work directory ...
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("dsedge")] == []  # ... and removed it (each run
+    # left one behind in /tmp; onnxruntime's own `.ses` file there is not ours)
     if not shutil.which("nvidia-smi"):  # no GPU here: exit 0, but the last line says it is no pass
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.strip().splitlines()[-1] == "[device_check] no GPU here: every GPU check skipped"
