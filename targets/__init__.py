@@ -94,6 +94,8 @@ class Target:
         for k, v in d.items():
             if isinstance(v, tuple):
                 d[k] = list(v)
+        if Path(self.source).parent == PROFILE_DIR:  # a bundle names dsedge's own profile, not this machine's path
+            d["source"] = f"builtin:{Path(self.source).name}"
         return d
 
 

@@ -27,6 +27,11 @@ def test_reference_bundle_layout_and_manifest(reference_build):
     assert set(m.files) >= {"models/int4.onnx", "models/fp32.onnx", "build/trtexec.sh", "report.json"}
     assert m.source["sha256"] == "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
     assert m.target["name"] == "jetson-orin" and m.latency_budget_ms > 0
+    # where it came from, without this machine's paths (site-packages, the checkout): a bundle moves between hosts
+    assert m.source["ref"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert m.target["source"] == "builtin:jetson-orin.toml"
+    text = (b / "manifest.json").read_text() + (b / "report.json").read_text()
+    assert "site-packages" not in text and str(dsedge.__file__).rsplit("/", 2)[0] not in text
 
 
 def test_reference_int4_model_has_dq_on_every_weight_and_is_small(reference_build):

@@ -17,6 +17,7 @@ from ..runtime.bundle import sha256_file
 from ..runtime.errors import SourceError
 
 NAME = "all-minilm-l6-v2"
+UPSTREAM = "sentence-transformers/all-MiniLM-L6-v2"  # the manifest's source.ref: not this machine's site-packages
 UPSTREAM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
 DATA = Path(__file__).parent / "data"
 HIDDEN = 384

@@ -64,7 +64,7 @@ def _fingerprint(paths: list[Path], extra: str = "") -> str:
     return h.hexdigest()
 
 
-def _text_source(kind: str, name: str, model_path: Path, fingerprint: str) -> Source:
+def _text_source(kind: str, name: str, model_path: Path, fingerprint: str, ref: str = "") -> Source:
     tok = reference.load_tokenizer(model_path)
     ranges = _text_value_ranges(model_path, int(tok.vocab_size))
     if len(tok) > ranges["input_ids"][1] + 1:
@@ -79,7 +79,7 @@ def _text_source(kind: str, name: str, model_path: Path, fingerprint: str) -> So
                   output_names=["last_hidden_state", "sentence_embedding"],
                   module=reference.sentence_encoder(model_path), calibration=calib, validation=val,
                   validation_kind="held-out real inputs (60 sentences)", task="sentence-embedding",
-                  fingerprint=fingerprint, ref=str(model_path), vocab_size=int(tok.vocab_size),
+                  fingerprint=fingerprint, ref=ref or str(model_path), vocab_size=int(tok.vocab_size),
                   value_ranges=ranges)
 
 
@@ -97,7 +97,7 @@ def _text_value_ranges(model_path: Path, vocab_size: int) -> dict[str, tuple[int
 
 def _reference() -> Source:
     d = reference.verified_model_dir()
-    return _text_source("reference", reference.NAME, d, reference.UPSTREAM_SHA256)
+    return _text_source("reference", reference.NAME, d, reference.UPSTREAM_SHA256, ref=reference.UPSTREAM)
 
 
 def _hf_dir(path: Path) -> Source:
