@@ -54,16 +54,19 @@ def save_model_atomic(model, dest: Path) -> None:
 @click.option("--smooth-alpha", type=FiniteFloat(0, 1), default=None,
               help="INT8 static: SmoothQuant (arXiv:2211.10438) with this alpha first (e.g. 0.5).")
 @click.option("--nodes", help="Comma-separated node names to quantize (default: all MatMul/Gemm weights).")
+@click.option("--embeddings/--no-embeddings", default=None,
+              help="INT4: word-embedding tables (Gather tables of 1024+ rows) INT4 too, blockwise along the hidden "
+              "dim, as dsedge build does. Default: on, unless --nodes picks the layers.")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout (last thing printed).")
 @click.pass_context
 def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset: str | None, list_presets: bool,
              precision: str, algorithm: str, block_size: int, asymmetric: bool, calib: Path | None,
              heldout: Path | None, gate: str | None, method: str, int8_mode: str, smooth_alpha: float | None,
-             nodes: str | None, report_path: Path | None, as_json: bool) -> None:
+             nodes: str | None, embeddings: bool | None, report_path: Path | None, as_json: bool) -> None:
     """Quantize an ONNX MODEL and write the result to --output (written atomically)."""
     from ..config import check_heldout_is_not_calibration
-    from ..quantize.compress import Calibration, compress
+    from ..quantize.compress import Calibration
 
     if list_presets:
         _print_presets(as_json)
@@ -77,6 +80,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
                                 asymmetric=asymmetric, gate=gate, method=method, int8_mode=int8_mode,
                                 smooth_alpha=smooth_alpha, nodes=nodes)
     _check_flags_apply(ctx, chosen)
+    tables_too = chosen.precision == "int4" and (embeddings if embeddings is not None else chosen.nodes is None)
     if chosen.nodes is not None and chosen.precision != "int4":
         raise ConfigError(f"--nodes selects the layers of INT4 weight-only quantization; {chosen.precision} "
                           f"({chosen.algorithm}) converts every layer it supports",
@@ -94,7 +98,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
     searched = chosen.accuracy_gate and (chosen.precision == "int4" or chosen.algorithm == "static")
     say = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
     on_step = (lambda msg: click.echo(f"  {msg}", err=True)) if searched else None
-    out = compress(m, chosen, Calibration(calib, heldout=heldout, on_step=on_step))
+    out = _compress(m, chosen, Calibration(calib, heldout=heldout, on_step=on_step), tables_too, bool(searched))
     checked = _check_gate(m, out.model, chosen, heldout) if chosen.accuracy_gate and not searched else {}
     if chosen.precision in ("int4", "int8"):
         from ..quantize.graph import quantized_nodes
@@ -117,6 +121,33 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
             say(f"  kept float: {r['node']} — {r['reason']}")
     if as_json:
         click.echo(json.dumps(report, default=float))
+
+
+def _compress(model, preset, calibration, embedding_tables: bool, gated: bool):  # type: ignore[no-untyped-def]
+    """``compress`` and, with ``embedding_tables``, INT4 word-embedding tables in the order ``dsedge build`` uses
+    (toolchain/stages/compressors.py): before a gated search, so the gate measures the final model against the
+    float source, else after the weight quantizer (whose calibration then runs on the float tables). The tables
+    are listed in ``details["embeddings"]``."""
+    from ..quantize.compress import compress
+    from ..quantize.weight_only import quantize_embedding_tables
+
+    if not embedding_tables:
+        return compress(model, preset, calibration)
+    tables: list = []
+    if gated:
+        import dataclasses
+
+        import onnx
+
+        base = onnx.ModelProto()
+        base.CopyFrom(model)
+        base, tables = quantize_embedding_tables(base, block_size=preset.block_size, symmetric=False)
+        out = compress(base, preset, dataclasses.replace(calibration, reference=model))
+    else:
+        out = compress(model, preset, calibration)
+        out.model, tables = quantize_embedding_tables(out.model, block_size=preset.block_size, symmetric=False)
+    out.details["embeddings"] = tables
+    return out
 
 
 def _check_gate(source, compressed, preset, heldout: Path) -> dict:  # type: ignore[no-untyped-def]
@@ -149,7 +180,8 @@ def _check_flags_apply(ctx: click.Context, chosen) -> None:  # type: ignore[no-u
                "algorithm": ("INT4", chosen.precision == "int4"),
                "smooth_alpha": ("INT8 static", static8), "method": ("INT8 static", static8),
                "int8_mode": ("INT8", chosen.precision == "int8"),
-               "asymmetric": ("INT4 and INT8", chosen.precision in ("int4", "int8"))}
+               "asymmetric": ("INT4 and INT8", chosen.precision in ("int4", "int8")),
+               "embeddings": ("INT4", chosen.precision == "int4")}
     for param, (what, ok) in applies.items():
         if not ok and ctx.get_parameter_source(param) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
             flag = "--" + param.replace("_", "-")
