@@ -244,6 +244,23 @@ def test_way_back_reserve_is_the_recent_p99_and_a_burst_ages_out():
     assert p90.at(0.0) == pytest.approx(8.1)
 
 
+def test_one_large_answers_way_back_does_not_refuse_the_small_ones():
+    """A 12.6 MB answer's 80 ms way back set the reserve of every call for 2 s, so calls of a few tokens with 50 ms
+    budgets were refused (a user's pass): a sample counts for calls expecting an answer of its size class or more."""
+    from dsedge.serve.models import WayBack
+
+    w = WayBack(window=256, every=32, min_samples=8)
+    assert [w.size_class(n) for n in (0, 65536, 65537, 262144, 262145, 16 * 512 * 384 * 4)] == [0, 0, 1, 1, 2, 4]
+    for i in range(50):
+        w.add(0.5 + 0.01 * i, now=0.0, nbytes=4 * 384 * 4)
+    w.add(80.0, now=0.0, nbytes=16 * 512 * 384 * 4)  # one big answer, slow on its way back
+    assert w.at(0.1, 4 * 384 * 4) < 1.0  # a small call: the small answers' p99
+    for _ in range(8):
+        w.add(75.0, now=0.1, nbytes=16 * 512 * 384 * 4)
+    assert w.at(0.1, 16 * 512 * 384 * 4) > 70.0  # a call expecting a big answer reserves the big ones' way back
+    assert w.at(0.1, 4 * 384 * 4) < 1.0
+
+
 def test_unmeetable_budget_is_503_and_unavailable(client, gclient):
     with pytest.raises(InferenceServerException) as e:
         client.infer("mlp-cpu", [_http_input(_x(1))], headers=auth(), parameters={"budget_ms": 0.001})
@@ -684,7 +701,7 @@ def test_the_clients_side_of_the_way_back_is_reserved_and_a_call_left_only_the_s
     repo = Repository([mlp_bundle(tmp_path / "mlp-cpu.dse", tmp_path, "cpu")], ServeMetrics(), threads=1)
     repo.load()
     model = repo.get("mlp")
-    model.way_back.at = lambda now: 20.0  # this side's recent p99: 20 ms
+    model.way_back.at = lambda now, nbytes=0: 20.0  # this side's recent p99: 20 ms
 
     async def call(budget_ms: float):
         return await model.infer({"x": _x(1)}, {"budget_ms": budget_ms}, None, "grpc")
@@ -814,7 +831,7 @@ def test_grpc_way_back_is_timed_to_the_end_of_the_call(tmp_path):
     # one sample per call the backend answered, each taken after that call's handler had its answer back (the
     # call's end comes later) and covering at least answer -> resume
     assert len(samples) == len(by_backend)
-    for (t_added, ms), (t_answer, t_resumed) in zip(samples, by_backend):
+    for (t_added, ms, _), (t_answer, t_resumed) in zip(samples, by_backend):
         assert t_added >= t_resumed
         assert ms >= (t_resumed - t_answer) * 1e3
 

@@ -184,7 +184,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             # the answer's way back, to the call's end (response and status handed to the transport), for the
             # reserve taken out of later budgets
             t_answer, way_back = answer.answered_at, m.way_back
-            context.add_done_callback(lambda _: way_back.add((time.perf_counter() - t_answer) * 1e3))
+            nbytes = sum(a.nbytes for a in answer.outputs.values())
+            context.add_done_callback(lambda _: way_back.add((time.perf_counter() - t_answer) * 1e3, nbytes=nbytes))
         resp = pb.ModelInferResponse(model_name=m.name, model_version=VERSION, id=request.id)
         for k, v in answer.parameters.items():
             _set_param(resp.parameters[k], v)
