@@ -54,7 +54,8 @@ class ServeProcess:
         return self.proc.pid
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # kill() closes it: a start that failed reports the log after that
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def rss_mb(self) -> float:

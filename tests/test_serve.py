@@ -945,3 +945,106 @@ def test_typed_contents_in_the_wrong_field_name_the_input_datatype_and_field(ser
         pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, metadata=tuple(GRPC_AUTH.items()))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in e.value.details(), e.value.details()
+
+
+def test_max_connections_lets_that_many_in_and_max_queue_0_serves(tmp_path):
+    """``--max-connections 1`` answered every HTTP request 503 (uvicorn counts the connection being served, so N let
+    N - 1 in), and ``--max-queue 0`` (no waiting: the help's lower bound) failed after the listeners bound, with a
+    hint naming a Python argument (a user's pass)."""
+    proc = ServeProcess([mlp_bundle(tmp_path / "mlp-cpu.dse", tmp_path, "cpu")],
+                        ["--max-connections", "2", "--max-queue", "0", "--threads", "1"], tmp_path / "serve.log")
+    try:
+        host, port = proc.http.rsplit(":", 1)
+
+        def connect() -> http.client.HTTPConnection:
+            return http.client.HTTPConnection(host, int(port), timeout=10)
+
+        def status(c: http.client.HTTPConnection, method: str = "GET", path: str = "/v2/health/ready",
+                   body: bytes | None = None) -> int:
+            c.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
+            r = c.getresponse()
+            r.read()
+            return r.status
+
+        a, b, c = connect(), connect(), connect()
+        assert status(a) == 200 and status(b) == 200  # two kept-alive connections: both in
+        assert status(c) == 503  # a third: over the limit
+        a.close()
+        time.sleep(0.2)
+        d = connect()
+        body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64],
+                                       "data": _x(1).ravel().tolist()}]}).encode()
+        assert status(d, "POST", "/v2/models/mlp/infer", body) == 200  # --max-queue 0 serves what it admits
+        for conn in (b, c, d):
+            conn.close()
+    finally:
+        log = proc.log()
+        code, _ = proc.terminate()
+    assert code == 0, log[-2000:]
+
+
+
+def test_a_client_that_sent_its_body_and_left_while_it_waited_counts_as_cancelled(tmp_path):
+    """An HTTP client that sent its whole request and closed the connection while the call waited was answered
+    into the closed socket and counted ``ok`` (a user's pass): the wait is cancelled, its place in the queue freed,
+    and it is counted ``cancelled``, as a gRPC call is."""
+    import asyncio
+    import socket
+
+    import uvicorn
+
+    from dsedge.serve.http import build_app
+    from dsedge.serve.metrics import ServeMetrics
+    from dsedge.serve.models import Repository
+    from dsedge.serve.server import ServerState
+
+    metrics = ServeMetrics()
+    repo = Repository([mlp_bundle(tmp_path / "mlp-cpu.dse", tmp_path, "cpu")], metrics, threads=1, max_inflight=1)
+    repo.load()
+    model = repo.get("mlp")
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64], "data": _x(1).ravel().tolist()}],
+                       "parameters": {"budget_ms": 60000}}).encode()
+    count = lambda outcome, reason="": metrics.registry.get_sample_value(  # noqa: E731
+        "dsedge_requests_total", {"model": "mlp", "protocol": "http", "outcome": outcome, "reason": reason}) or 0.0
+
+    async def main() -> tuple[int, int]:
+        model.gate.inflight = model.gate.max_inflight  # every slot taken: the call waits in the gate
+        app = build_app(repo, ServerState(), max_body=1 << 20, auth=None, server_metadata=lambda: {})
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", access_log=False))
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        host, port = sock.getsockname()
+        _, writer = await asyncio.open_connection(host, port)
+        writer.write(f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+        t0 = time.monotonic()
+        while model.gate.waiting == 0 and time.monotonic() - t0 < 5:  # the whole body is in; the call waits
+            await asyncio.sleep(0.01)
+        waiting = model.gate.waiting
+        writer.close()
+        while count("rejected", "cancelled") == 0 and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.01)
+        server.should_exit = True
+        await serving
+        return waiting, model.gate.waiting
+
+    try:
+        waiting, after = asyncio.run(main())
+    finally:
+        repo.close(5.0)
+    assert waiting == 1 and after == 0
+    assert count("rejected", "cancelled") == 1.0 and count("ok") == 0.0
+
+
+def test_a_call_to_a_model_still_loading_is_a_refusal_not_a_server_error():
+    """Clients polling a starting server were counted ``error`` (as a backend failure) per call: ``not_ready`` is
+    ``rejected``, like ``shutdown``; a backend failure stays ``error``."""
+    from dsedge.serve.models import failure_outcome
+    from dsedge.serve.protocol import ServeError
+
+    assert failure_outcome(ServeError(503, "UNAVAILABLE", "model 'm' is still loading", "not_ready")) == "rejected"
+    assert failure_outcome(ServeError(500, "INTERNAL", "the backend failed", "backend_error")) == "error"

@@ -64,7 +64,7 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
               help="Requests per model inside its scheduler at once (default: 2 batches per variant); more wait in "
                    "the priority queue.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=1024, show_default=True,
-              help="Requests per model waiting for a slot; one more gets 429.")
+              help="Requests per model waiting for a slot; one more gets 429 (0: none wait).")
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=64 * 1024 * 1024, show_default=True,
               help="Largest HTTP request body (compressed and inflated) and gRPC message.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,

@@ -94,6 +94,38 @@ async def _read_body(request: Request, cap: int, timeout_s: float = BODY_TIMEOUT
     return body
 
 
+async def _unless_the_client_leaves(request: Request, work: Any) -> Any:
+    """``await work`` (a coroutine), or, if the client closes its connection first, cancel it and return None:
+    ``ServedModel.infer`` counts a call cancelled while it waits as ``cancelled``, as gRPC's are. The body has been
+    read, so the connection's next ASGI message is ``http.disconnect``; before this, a client that sent its whole
+    body and left was answered into a closed socket and counted ``ok``, its batch run for nobody. (About 13 µs a
+    call: a task watching the connection.)"""
+    task = asyncio.ensure_future(work)
+    left: list[bool] = []
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        left.append(True)
+        task.cancel()
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if left and not _cancelling():
+            return None
+        raise
+    finally:
+        watch.cancel()
+
+
+def _cancelling() -> int:
+    """How many cancellations of the running task are pending (the handler's own, e.g. at shutdown)."""
+    t = asyncio.current_task()
+    return t.cancelling() if t is not None else 0
+
+
 def parse_infer_body(body: bytes, header_len: str | None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """A v2 infer request body → (the JSON header, numpy inputs). Raises ServeError(400)."""
     if header_len is not None:
@@ -246,7 +278,9 @@ def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck |
                 if not isinstance(params, dict):
                     raise invalid("'parameters' must be an object")
                 names, binary = requested_outputs(req)
-                answer = await m.infer(inputs, params, names, "http")
+                answer = await _unless_the_client_leaves(request, m.infer(inputs, params, names, "http"))
+                if answer is None:  # counted by infer(); the connection is closed, so nothing is sent
+                    return Response(status_code=499)
             except ServeError as e:
                 (m if m is not None else repo).count_failure("http", e)
                 log.debug("infer refused", extra={"fields": {"model": name, "status": e.status, "reason": e.reason,

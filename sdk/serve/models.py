@@ -314,9 +314,9 @@ class ServedModel:
 
 def failure_outcome(e: ServeError) -> str:
     """``dsedge_requests_total``'s outcome for a request that ended with ``e``: ``rejected`` for a refusal or a
-    client that went away (``cancelled``, mid-body as while queued), ``error`` for a server fault, else
-    ``invalid``."""
-    return "rejected" if e.reason in ("overload", "budget", "deadline", "shutdown", "cancelled") else (
+    client that went away (``cancelled``, mid-body as while queued) or a model still loading (``not_ready``: a
+    start-up's polling clients are not server faults), ``error`` for a server fault, else ``invalid``."""
+    return "rejected" if e.reason in ("overload", "budget", "deadline", "shutdown", "cancelled", "not_ready") else (
         "error" if e.status >= 500 else "invalid")
 
 
@@ -367,7 +367,7 @@ class Repository:
             s = dsedge.load(path, variant=self._opts["variant"], providers=self._opts["providers"],
                             threads=self._opts["threads"], budget_ms=self._opts["budget_ms"],
                             cascade=self._opts["cascade"], max_batch=self._opts["max_batch"],
-                            max_queue=self._max_queue, instances=self._opts["instances"],
+                            max_queue=max(1, self._max_queue), instances=self._opts["instances"],
                             worker_nice=self._opts["worker_nice"], reserve_cores=self._opts["reserve_cores"],
                             pin_instances=self._opts["pin_instances"], standby=self._opts["standby"])
             try:

@@ -315,7 +315,8 @@ async def serve(cfg: ServeConfig) -> int:
     def http_server(app: Any, port: int, kind: str) -> None:
         sock = _socket(cfg.host, port)
         conf = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", loop="asyncio", http=cfg.http_impl,
-                              limit_concurrency=cfg.max_connections, timeout_keep_alive=5,
+                              # uvicorn counts the connection being served: N + 1 lets N in, not N - 1
+                              limit_concurrency=cfg.max_connections + 1, timeout_keep_alive=5,
                               # after the drain: a connection still open (a half-sent body) is closed 2 s on
                               timeout_graceful_shutdown=2.0,
                               ssl_certfile=cfg.tls_cert if kind == "http" else None,
