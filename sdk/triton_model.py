@@ -16,6 +16,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
+def _error(message, invalid):
+    """A response error: INVALID_ARG for a request the model cannot take (HTTP 400, as Triton's own backends answer a
+    bad input), INTERNAL for a failure running it; a stub without error codes (before Triton 23.04) has INTERNAL."""
+    code = getattr(pb_utils.TritonError, "INVALID_ARG" if invalid else "INTERNAL", None)
+    return pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         import dsedge
@@ -31,7 +38,7 @@ class TritonPythonModel:
         self.output_names = [o.name for o in self.session.outputs]
 
     def execute(self, requests):
-        from dsedge.runtime.errors import DsedgeError
+        from dsedge.runtime.errors import DsedgeError, InputError
         from dsedge.runtime.io import validate_inputs
 
         responses = [None] * len(requests)
@@ -47,7 +54,7 @@ class TritonPythonModel:
                 feeds.append(validate_inputs(self.session.inputs, feed, self.session.manifest.shape_ranges))
                 slots.append(i)
             except DsedgeError as e:
-                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+                responses[i] = pb_utils.InferenceResponse(error=_error(str(e), invalid=True))
         if feeds:
             groups = {}
             for feed, slot in zip(feeds, slots):  # only requests that can share a batch are stacked together
@@ -58,8 +65,9 @@ class TritonPythonModel:
                     batch, _ = self.layout.stack(group_feeds)
                     parts = self.layout.split(self.session.run(batch), group_feeds)
                 except DsedgeError as e:
+                    invalid = isinstance(e, InputError)
                     for _, slot in members:
-                        responses[slot] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+                        responses[slot] = pb_utils.InferenceResponse(error=_error(str(e), invalid))
                     continue
                 for (_, slot), part in zip(members, parts):
                     responses[slot] = pb_utils.InferenceResponse(

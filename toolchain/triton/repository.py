@@ -374,7 +374,7 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: s
                         *policy.derived_from, *model.notes]
             if platform == "python":
                 comments.append("production: parameters { key: \"EXECUTION_ENV_PATH\" value: { string_value: "
-                                "\"$$TRITON_MODEL_DIRECTORY/env.tar.gz\" } } names a conda-pack'd env with numpy<2, "
+                                "\"$$TRITON_MODEL_DIRECTORY/dsedge-stub.tar.gz\" } } names a conda-pack'd env with numpy<2, "
                                 "onnxruntime, onnx, dsedge")
             (model_dir / "config.pbtxt").write_text(to_pbtxt(config, comments), encoding="utf-8")
             model.files = sorted(p.relative_to(tmp).as_posix() for p in model_dir.rglob("*") if p.is_file()
