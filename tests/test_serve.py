@@ -1048,3 +1048,21 @@ def test_a_call_to_a_model_still_loading_is_a_refusal_not_a_server_error():
 
     assert failure_outcome(ServeError(503, "UNAVAILABLE", "model 'm' is still loading", "not_ready")) == "rejected"
     assert failure_outcome(ServeError(500, "INTERNAL", "the backend failed", "backend_error")) == "error"
+
+
+@pytest.mark.parametrize("datatype, data, says", [
+    ("INT64", [True, False], "true/false for INT64"),               # was taken as 1, 0
+    ("FP32", [True], "true/false for FP32"),
+    ("INT64", [10 ** 30, 1], "an integer out of INT64's range"),    # was "not numbers"
+    ("INT32", [2 ** 40], "out of INT32's range [-2147483648, 2147483647]"),  # was wrapped to 0, silently
+    ("UINT8", [-1], "out of UINT8's range [0, 255]"),               # was 255
+    ("INT8", [300], "out of INT8's range"),                         # gRPC's int_contents for INT8 come here too
+])
+def test_json_and_typed_values_a_datatype_cannot_hold_are_refused_not_converted(datatype, data, says):
+    from dsedge.serve.protocol import ServeError, from_list
+
+    with pytest.raises(ServeError) as e:
+        from_list("ids", datatype, [len(data)], data)
+    assert e.value.status == 400 and says in e.value.message, e.value.message
+    assert from_list("ids", "BOOL", [2], [True, False]).tolist() == [True, False]
+    assert from_list("ids", "INT64", [2], [2 ** 62, -1]).tolist() == [2 ** 62, -1]

@@ -113,16 +113,36 @@ def from_raw(name: str, datatype: str, shape: Any, raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=dt).reshape(shp)
 
 
+def _all_integers(data: Any) -> bool:
+    """True when ``data`` (nested lists) holds Python ints only, bools not counted as ints."""
+    stack = [data]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, list):
+            stack.extend(x)
+        elif not isinstance(x, int) or isinstance(x, bool):
+            return False
+    return True
+
+
 def from_list(name: str, datatype: str, shape: Any, data: Any) -> np.ndarray:
     """JSON ``data`` (flat or nested, row-major) → ndarray of ``shape``."""
     dt = numpy_dtype(datatype, name)
     shp = check_shape(name, shape)
     try:
         arr = np.asarray(data)
+        if arr.dtype == object and _all_integers(data):
+            raise ValueError(f"an integer out of {datatype}'s range")
         if arr.dtype == object or (arr.size and arr.dtype.kind not in "biuf"):
             raise ValueError("not numbers")
+        if arr.size and arr.dtype.kind == "b" and dt.kind != "b":
+            raise ValueError(f"true/false for {datatype}")
         if dt.kind in "iub" and arr.size and arr.dtype.kind == "f":
             raise ValueError(f"non-integer values for {datatype}")
+        if dt.kind in "iu" and arr.size and arr.dtype.kind in "iu":
+            info = np.iinfo(dt)  # astype would wrap 2**40 into INT32 silently
+            if arr.min() < info.min or arr.max() > info.max:
+                raise ValueError(f"an integer out of {datatype}'s range [{info.min}, {info.max}]")
         arr = arr.astype(dt, casting="unsafe").reshape(-1)
     except (ValueError, TypeError) as e:
         raise invalid(f"input {name!r}: data is not a list of {datatype} values ({e})") from None
