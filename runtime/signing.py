@@ -121,8 +121,10 @@ def load_public_key(data: Any) -> Any:
         data = data.encode()
     if not isinstance(data, (bytes, str, os.PathLike)):
         raise InputError(f"a trusted key is a {type(data).__name__} ({str(data)[:40]!r}), not a public key", _KEYS_HINT)
+    where = "a trusted key"  # PEM bytes given directly; a file is named
     if not isinstance(data, bytes):
         p = Path(data)
+        where = f"trusted key file {str(p)!r}"
         if not str(data).strip() or not p.is_file():
             raise SignatureError(f"trusted key file {str(p)!r} not found", f"check trusted_keys / ${ENV}")
         try:
@@ -133,10 +135,10 @@ def load_public_key(data: Any) -> Any:
     try:
         key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as e:
-        raise SignatureError(f"a trusted key is not a PEM public key ({str(e).splitlines()[0][:80] if str(e) else e})",
+        raise SignatureError(f"{where} is not a PEM public key ({str(e).splitlines()[0][:80] if str(e) else e})",
                              "pass the .pub file `dsedge keygen` wrote") from None
     if not isinstance(key, ed25519.Ed25519PublicKey):
-        raise SignatureError("a trusted key is not an Ed25519 public key", "make keys with `dsedge keygen`")
+        raise SignatureError(f"{where} is not an Ed25519 public key", "make keys with `dsedge keygen`")
     return key
 
 

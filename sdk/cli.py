@@ -101,6 +101,13 @@ def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # unwinds like Ctrl-C, so temporary build directories are removed
 
 
+def _command_name(argv: list) -> str:
+    """``"dsedge sign"``, ``"dsedge data check"``: the (sub)command ``argv`` runs, for an error's first words."""
+    words = [str(a) for a in argv if not str(a).startswith("-")]
+    group = cli.get_command(click.Context(cli), words[0]) if words and words[0] in COMMANDS else None
+    return " ".join(["dsedge", *words[:2 if isinstance(group, click.Group) else 1]])
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors exit non-zero with one line and a hint; usage errors exit 2."""
     import signal
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         report_error(e)
         sys.exit(e.exit_code)
     except OSError as e:  # a full disk, a quota, a read-only --out: one line, no traceback
-        err = storage_error(e, "dsedge")
+        err = storage_error(e, _command_name(sys.argv[1:] if argv is None else argv))  # "dsedge sign failed: …"
         if err is None:
             raise
         report_error(err)

@@ -513,3 +513,19 @@ def test_a_bundle_destination_that_is_not_a_bundle_is_refused_before_the_export(
     code, _, err = run_main(["build", "--model", mlp, "--target", "cpu", "--out", tmp_path], capsys)
     _one_line_error(code, err, "is not a dsedge bundle; refusing to replace it", "--out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp-cpu.dse"]
+
+
+def test_a_storage_error_names_the_command_that_failed(tmp_path, capsys):
+    """It said "dsedge failed: …" whatever ran (a user's pass): now the command, a group's subcommand included."""
+    from tiny_models import tiny_bundle
+
+    bundle = tiny_bundle(tmp_path / "m-cpu.dse", tmp_path)
+    (bundle / "manifest.sig").mkdir()  # in the way of the signature file
+    assert run_main(["keygen", "--out", tmp_path / "k"], capsys)[0] == 0
+    code, _, err = run_main(["sign", bundle, "--key", tmp_path / "k.key"], capsys)
+    assert code == 2 and err.startswith("error: dsedge sign failed: the path is a directory"), err
+    (tmp_path / "f").write_text("a file\n")
+    csv = tmp_path / "d.csv"
+    csv.write_text("a,b\n1,2\n3,4\n")
+    code, _, err = run_main(["data", "check", csv, "--html", tmp_path / "f" / "x.html"], capsys)
+    assert code == 2 and err.startswith("error: dsedge data check failed: a file is in the way"), err

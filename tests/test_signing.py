@@ -260,8 +260,15 @@ def test_wrong_trusted_keys_types_are_input_errors(bundle, keys, monkeypatch):
         with pytest.raises(dsedge.runtime.errors.InputError, match=msg) as e:
             dsedge.load(bundle, trusted_keys=bad)
         assert "\n" not in str(e.value) and e.value.hint
-    with pytest.raises(SignatureError, match="not a PEM public key"):
+    with pytest.raises(SignatureError, match="^a trusted key is not a PEM public key"):
         dsedge.load(bundle, trusted_keys=[b"not a key"])
+    junk = bundle.parent / "other-keys" / "junk.pub"  # a folder of keys with one bad file: that file is named
+    junk.parent.mkdir()
+    junk.write_text("not a key\n")
+    monkeypatch.setenv(ENV, str(junk.parent))
+    with pytest.raises(SignatureError, match=f"^trusted key file '{junk}' is not a PEM public key"):
+        dsedge.load(bundle)
+    monkeypatch.delenv(ENV)
     s = dsedge.load(bundle, trusted_keys=[private.public_key()], instances=1)  # a public key object is fine
     s.close()
 
