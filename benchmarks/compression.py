@@ -4,7 +4,9 @@
         [--reuse] [--extra "mixed gate=out/all-minilm-l6-v2-jetson-orin.dse/models/int4.onnx"] [--slow]
 
 ``--reuse`` loads variants already written to ``--out`` instead of rebuilding them; ``--extra NAME=PATH`` adds
-an ONNX file (e.g. the int4 model of a bundle built with ``dsedge build --accuracy-gate cosine:0.99``);
+an ONNX file, measured where it is, ``--reuse`` or not (e.g. the int4 model of a bundle built with ``dsedge build
+--accuracy-gate cosine:0.99``, or the cpu bundle's per-row INT8: ``--extra "cpu int8=out/all-minilm-l6-v2-cpu.dse/
+models/int8.onnx"``; "int8 dynamic fused (per-tensor)" is the form the cpu bundle shipped before 2026-12-05);
 ``--slow`` adds AWQ+GPTQ and the mixed-precision runs (each re-runs its INT4 algorithm: minutes on 2 cores).
 
 For each variant: size vs the fp32 ONNX, cosine mean/min and top-1 neighbour agreement of the mean-pooled
@@ -35,7 +37,7 @@ import numpy as np
 
 # the variants' names, known before anything is imported or built (--only is checked against them)
 VARIANTS = ("fp32", "int4 rtn (int4.py, mse scale)", "int4 rtn (calibrated clip)", "int4 awq", "int4 gptq",
-            "int8 dynamic fused (cpu)", "int8 dynamic (no fusion)", "int8 static W8A8 Q/DQ minmax",
+            "int8 dynamic fused (per-tensor)", "int8 dynamic (no fusion)", "int8 static W8A8 Q/DQ minmax",
             "int8 static W8A8 + SmoothQuant", "int8 static W8A8 + SQ, gate cosine:0.99", "fp16 + fp32 islands")
 SLOW_VARIANTS = ("int4 awq+gptq", "mixed rtn, gate cosine:0.99", "mixed gptq, gate cosine:0.99")  # with --slow
 WARMUP = 3  # untimed calls per path before the timed rounds
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         "int4 rtn (calibrated clip)": int4("rtn"),
         "int4 awq": int4("awq"),
         "int4 gptq": int4("gptq"),
-        "int8 dynamic fused (cpu)": lambda: quantize_int8_dynamic(fp32, fuse="bert"),
+        "int8 dynamic fused (per-tensor)": lambda: quantize_int8_dynamic(fp32, fuse="bert"),
         "int8 dynamic (no fusion)": lambda: quantize_int8_dynamic(fp32, fuse=None),
         "int8 static W8A8 Q/DQ minmax": lambda: quantize_int8_static(fp32, calib),
         "int8 static W8A8 + SmoothQuant": lambda: quantize_int8_static(fp32, calib, smooth_alpha=0.5),
@@ -192,8 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     assert tuple(variants) == VARIANTS + (SLOW_VARIANTS if args.slow else ()), "update VARIANTS / SLOW_VARIANTS"
     if only is not None:
         variants = {k: v for k, v in variants.items() if k == "fp32" or any(s in k for s in only)}
-    for name, p in extras:
-        variants[name] = (lambda p=p: (onnx.load(p), {}))
+    given = {name: Path(p) for name, p in extras}  # measured where they are: never copied, never --reuse'd
+    for name in given:
+        variants[name] = None
     rows = []
     paths = {}
     for name, make in variants.items():
@@ -201,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         t = time.perf_counter()
         if name == "fp32":
             path, extra = fp32_path, {}
+        elif name in given:
+            path, extra = given[name], {"file": str(given[name])}
         elif args.reuse and path.exists():
             extra = {"reused": True}
         else:
@@ -214,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
                "cosine_mean_w4a16": exact["cosine_mean"], "build_s": round(build_s, 1), **extra}
         rows.append(row)
         print(f"{name:32s} size {row['size_ratio']:.3f}  cos {acc['cosine_mean']:.4f} / min {acc['cosine_min']:.4f}"
-              f"  top1 {acc['top1_agreement']:.3f}  (W4A16 {exact['cosine_mean']:.4f})  built in {build_s:.0f} s",
+              f"  top1 {acc['top1_agreement']:.3f}  (W4A16 {exact['cosine_mean']:.4f})  "
+              + (f"from {path}" if name in given else "reused" if extra.get("reused") else f"built in {build_s:.0f} s"),
               flush=True)
 
     # latency: for each shape, every variant and eager once per round (rotating the order), median per path

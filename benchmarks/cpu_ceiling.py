@@ -59,7 +59,7 @@ def quiet_quantize_dynamic_advice() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # the first paragraph, not half a sentence
     ap.add_argument("--bundle", help="a cpu bundle; its default variant is timed beside the floor")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=30)

@@ -30,7 +30,7 @@ def cpu_line() -> str:
         return platform.processor()
     model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
     flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    keep = [f for f in flags if f in ("avx", "avx2", "avx512f", "avx512bw", "fma", "sse4_2", "bmi2")]
+    keep = [f for f in flags if f in ("avx", "avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "fma", "sse4_2", "bmi2")]
     return f"{model}; {os.cpu_count()} logical CPUs; flags {' '.join(keep)}"
 
 

@@ -15,7 +15,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-device_check.json}"
 [ "$#" -gt 0 ] && shift  # what follows OUT.json (e.g. --require-gpu) goes to device_check.py
-export DSEDGE_ENGINE_CACHE="${DSEDGE_ENGINE_CACHE:-$(mktemp -d)/engines}"
+if [ -z "${DSEDGE_ENGINE_CACHE:-}" ]; then  # a cache of this run's own, removed at its end
+  cache_root="$(mktemp -d)"
+  trap 'rm -rf "$cache_root"' EXIT
+  export DSEDGE_ENGINE_CACHE="$cache_root/engines"
+fi
 echo "[device_check] $(date -u +%FT%TZ) on $(hostname); output: $out"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python - <<'PY'

@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         opts.intra_op_num_threads = args.threads
         opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
+    # no spin-waiting between runs, as dsedge's runtime opens its sessions: the forms share one process, and an idle
+    # session's spinning pool took the cores from the one timed next (fp32-fused measured 10.9 against 6.0 ms at b1)
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sessions = {n: ort.InferenceSession(str(forms[n]), opts, providers=["CPUExecutionProvider"])
                 for n in order if n in forms}
     rng = np.random.default_rng(0)

@@ -2,12 +2,15 @@
 
     python benchmarks/reference_latency.py [--bundle out/all-minilm-l6-v2-jetson-orin.dse] [--threads 2] [--runs 30]
 
-Builds the jetson bundle first when --bundle is not given. Prints median latency (ms) at batch 1 × seq 32 and
-batch 32 × seq 64, and each one's speed-up over PyTorch eager fp32 measured in the same process.
+Builds the jetson bundle into ``out/`` under the current directory first when --bundle is not given. Prints median
+latency (ms) at batch 1 × seq 32 and batch 32 × seq 64, and each one's speed-up over PyTorch eager fp32: after 3
+untimed calls each, every round calls eager, the fp32 ONNX and the bundle once, the order rotated
+(``dsedge.runtime.latency.time_interleaved``).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -15,14 +18,8 @@ from pathlib import Path
 import numpy as np
 
 
-def median_ms(fn, runs: int, warmup: int = 3) -> float:
-    from dsedge.runtime.latency import time_calls
-
-    return time_calls(fn, iterations=runs, warmup=warmup)["p50"]
-
-
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=30)
@@ -34,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     import dsedge
+    from dsedge.runtime.latency import time_interleaved
     from dsedge.toolchain import reference
 
     torch.set_num_threads(args.threads)
@@ -61,10 +59,10 @@ def main(argv: list[str] | None = None) -> None:
         ids[:, 0], ids[:, -1] = tok.cls_token_id, tok.sep_token_id
         feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
         tt = [torch.from_numpy(v) for v in feeds.values()]
-        with torch.inference_mode():
-            t_eager = median_ms(lambda: eager(*tt), args.runs)
-        t32 = median_ms(lambda: sessions["fp32"].run(feeds), args.runs)
-        t4 = median_ms(lambda: sessions[name].run(feeds), args.runs)
+        with torch.inference_mode():  # every path once per round, the order rotated: side by side, not in turn
+            got = time_interleaved({"eager": lambda: eager(*tt), "fp32": lambda: sessions["fp32"].run(feeds),
+                                    name: lambda: sessions[name].run(feeds)}, rounds=args.runs)
+        t_eager, t32, t4 = (statistics.median(got[k]) for k in ("eager", "fp32", name))
         print(f"{batch:>4}×{seq:<5} | {t_eager:14.2f} | {t32:12.2f} {t_eager / t32:5.2f}× | {t4:14.2f} {t_eager / t4:5.2f}×")
 
 

@@ -129,3 +129,10 @@ def exact_knowledge(arrivals_ms: Sequence[float], budget_ms: float, t_ms: Mappin
     return {"offered": n, "within_budget": within, "rejected": rejected,
             "in_budget_of_offered": round(within / n, 4) if n else None,
             "goodput_per_s": round(within / window_s, 1)}
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit("schedule_bound.py is the module benchmarks/streaming.py imports for its exact-knowledge rows; run "
+             "python benchmarks/streaming.py --bundle BUNDLE")

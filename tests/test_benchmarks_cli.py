@@ -45,6 +45,7 @@ def _torch_has_cuda() -> bool:
     (["benchmarks/qat_prune.py", "--qat-steps", "two hundred"], "expected comma-separated step counts"),
     (["benchmarks/qat_prune.py", "--prune", "30"], "between 0 and 1"),
     (["benchmarks/int8_batch_invariance.py", "--rounds", "0"], "must be at least 1"),
+    (["benchmarks/schedule_bound.py"], "run python benchmarks/streaming.py"),  # a module: it printed nothing, exit 0
 ])
 def test_user_mistake_is_one_clear_line(argv, says):
     r = bench(*argv)
@@ -146,6 +147,15 @@ def test_compression_times_eager_side_by_side(tmp_path):
     rows = json.loads((tmp_path / "compression.json").read_text())
     assert {row["latency_timing"] for row in rows} == {"interleaved"}
     assert all(row["b1_speedup_vs_eager"] > 0 and row["b32_speedup_vs_eager"] > 0 for row in rows)
+    # --extra NAME=PATH is measured at PATH even with --reuse: a file of that name left in --out by an earlier run
+    # (here a stale one that is no model at all) was measured instead, as the figures of a rebuilt bundle
+    (tmp_path / "again.onnx").write_bytes(b"stale")
+    r = bench("benchmarks/compression.py", "--only", "fp32", "--runs", "1", "--out", str(tmp_path), "--reuse",
+              "--extra", f"again={tmp_path / 'fp32.onnx'}", timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    again = next(row for row in json.loads((tmp_path / "compression.json").read_text()) if row["variant"] == "again")
+    assert again["file"] == str(tmp_path / "fp32.onnx") and again["size_ratio"] == 1.0
+    assert f"from {tmp_path / 'fp32.onnx'}" in r.stdout
 
 
 def test_datacheck_corpus_is_the_size_asked_for(tmp_path):
