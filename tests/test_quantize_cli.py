@@ -242,3 +242,36 @@ def test_quantize_int4_takes_the_word_embedding_table_too_as_build_does(tmp_path
     code, _, err = run_main(["quantize", src, "-o", tmp_path / "i8.onnx", "--precision", "int8", "--embeddings"],
                             capsys)
     assert code == 2 and "--embeddings applies to INT4 quantization" in err
+    code, _, err = run_main(["quantize", src, "-o", tmp_path / "h.onnx", "--precision", "bf16", "--no-embeddings"],
+                            capsys)  # the flag as given, and no converter registry key ("bf16 (bf16 float16)")
+    assert code == 2 and "--no-embeddings applies to INT4 quantization, and this run is bf16 (bf16)" in err, err
+
+
+def test_an_integer_table_a_gather_reads_is_not_an_embedding_to_quantize(tmp_path, capsys):
+    """A vocabulary-sized INT32 table behind a Gather was quantized as if it were float: the INT4 model wrote a
+    float DequantizeLinear where the graph takes integers and did not load (a user's pass)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    table = rng.integers(-50, 50, (2048, 8)).astype(np.int32)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["e"], name="ga", axis=0),
+         helper.make_node("Cast", ["e"], ["f"], name="cast", to=TensorProto.FLOAT),
+         helper.make_node("MatMul", ["f", "w"], ["out"], name="proj")], "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 4])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 4, 8])],
+        [numpy_helper.from_array(table, "table"), numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.save(model, str(tmp_path / "int.onnx"))
+    code, _, err = run_main(["quantize", tmp_path / "int.onnx", "-o", tmp_path / "q.onnx", "--algorithm", "rtn"],
+                            capsys)
+    assert code == 0, err
+    q = onnx.load(str(tmp_path / "q.onnx"))
+    assert np.array_equal(numpy_helper.to_array(next(t for t in q.graph.initializer if t.name == "table")), table)
+    ids = rng.integers(0, 2048, (2, 4), dtype=np.int64)
+    want = ort.InferenceSession(str(tmp_path / "int.onnx"), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})
+    got = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})
+    assert cosine(want[0], got[0]) > 0.98  # the MatMul is INT4; the table is untouched

@@ -255,6 +255,7 @@ def test_one_large_answers_way_back_does_not_refuse_the_small_ones():
         w.add(0.5 + 0.01 * i, now=0.0, nbytes=4 * 384 * 4)
     w.add(80.0, now=0.0, nbytes=16 * 512 * 384 * 4)  # one big answer, slow on its way back
     assert w.at(0.1, 4 * 384 * 4) < 1.0  # a small call: the small answers' p99
+    assert w.at(0.1, 16 * 512 * 384 * 4) == 80.0  # a big call: not lost among the 50 small ones
     for _ in range(8):
         w.add(75.0, now=0.1, nbytes=16 * 512 * 384 * 4)
     assert w.at(0.1, 16 * 512 * 384 * 4) > 70.0  # a call expecting a big answer reserves the big ones' way back
@@ -1051,12 +1052,18 @@ def test_a_call_to_a_model_still_loading_is_a_refusal_not_a_server_error():
 
 
 @pytest.mark.parametrize("datatype, data, says", [
-    ("INT64", [True, False], "true/false for INT64"),               # was taken as 1, 0
-    ("FP32", [True], "true/false for FP32"),
-    ("INT64", [10 ** 30, 1], "an integer out of INT64's range"),    # was "not numbers"
+    ("INT64", [True, False], "true/false among the values of INT64"),  # was taken as 1, 0
+    ("INT64", [101, True, 2001, 102], "true/false among"),             # one among numbers, too
+    ("FP32", [True], "true/false among the values of FP32"),
+    ("BOOL", [0, 1, 2], "numbers for BOOL"),                           # 2 was read as true
+    ("INT64", [10 ** 30, 1], "an integer out of INT64's range"),       # was "not numbers"
+    ("INT64", [2 ** 63, -1], "an integer out of INT64's range"),       # was "non-integer values"
+    ("UINT64", [2 ** 63, -1], "an integer out of UINT64's range"),
     ("INT32", [2 ** 40], "out of INT32's range [-2147483648, 2147483647]"),  # was wrapped to 0, silently
-    ("UINT8", [-1], "out of UINT8's range [0, 255]"),               # was 255
-    ("INT8", [300], "out of INT8's range"),                         # gRPC's int_contents for INT8 come here too
+    ("UINT8", [-1], "out of UINT8's range [0, 255]"),                  # was 255
+    ("INT8", [300], "out of INT8's range"),                            # gRPC's int_contents for INT8 come here too
+    ("FP16", [70000.0], "a value out of FP16's range (±65504)"),      # was inf, silently
+    ("FP32", [1e300], "a value out of FP32's range"),
 ])
 def test_json_and_typed_values_a_datatype_cannot_hold_are_refused_not_converted(datatype, data, says):
     from dsedge.serve.protocol import ServeError, from_list
@@ -1066,3 +1073,5 @@ def test_json_and_typed_values_a_datatype_cannot_hold_are_refused_not_converted(
     assert e.value.status == 400 and says in e.value.message, e.value.message
     assert from_list("ids", "BOOL", [2], [True, False]).tolist() == [True, False]
     assert from_list("ids", "INT64", [2], [2 ** 62, -1]).tolist() == [2 ** 62, -1]
+    assert from_list("ids", "FP32", [1], [10 ** 30]).tolist() == [pytest.approx(1e30, rel=1e-6)]  # FP32 holds it
+    assert from_list("ids", "UINT64", [1], [2 ** 64 - 1]).tolist() == [2 ** 64 - 1]

@@ -113,38 +113,59 @@ def from_raw(name: str, datatype: str, shape: Any, raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=dt).reshape(shp)
 
 
-def _all_integers(data: Any) -> bool:
-    """True when ``data`` (nested lists) holds Python ints only, bools not counted as ints."""
+def _value_types(data: Any) -> set[type]:
+    """The Python types of the values in ``data`` (nested lists; the lists themselves not counted)."""
+    out: set[type] = set()
     stack = [data]
     while stack:
         x = stack.pop()
         if isinstance(x, list):
-            stack.extend(x)
-        elif not isinstance(x, int) or isinstance(x, bool):
-            return False
-    return True
+            kinds = set(map(type, x))
+            if list in kinds:
+                stack.extend(v for v in x if isinstance(v, list))
+                kinds.discard(list)
+            out |= kinds
+        else:
+            out.add(type(x))
+    return out
 
 
 def from_list(name: str, datatype: str, shape: Any, data: Any) -> np.ndarray:
-    """JSON ``data`` (flat or nested, row-major) → ndarray of ``shape``."""
+    """JSON ``data`` (flat or nested, row-major), or a gRPC typed contents field, → ndarray of ``shape``.
+
+    Raises ServeError(400): values that are not numbers, ``true``/``false`` anywhere in a numeric tensor (JSON
+    booleans would read as 1/0) or numbers in a BOOL one, non-integers for an integer datatype, and any value the
+    datatype cannot hold (an integer outside its range, which ``astype`` would wrap; a finite float that would become
+    infinite, e.g. 70000 as FP16); or a count that does not match ``shape``."""
     dt = numpy_dtype(datatype, name)
     shp = check_shape(name, shape)
     try:
+        kinds = _value_types(data)
+        if bool in kinds and dt.kind != "b":
+            raise ValueError(f"true/false among the values of {datatype}")
+        if dt.kind == "b" and not kinds <= {bool}:
+            raise ValueError("numbers for BOOL (send true/false)")
         arr = np.asarray(data)
-        if arr.dtype == object and _all_integers(data):
-            raise ValueError(f"an integer out of {datatype}'s range")
+        if arr.size and kinds <= {int} and arr.dtype.kind not in "iub":  # past int64/uint64: object or float
+            if dt.kind != "f":
+                raise ValueError(f"an integer out of {datatype}'s range")
+            arr = np.asarray(data, dtype=np.float64)  # a float type holds it (float64 up to ~1.8e308)
         if arr.dtype == object or (arr.size and arr.dtype.kind not in "biuf"):
             raise ValueError("not numbers")
-        if arr.size and arr.dtype.kind == "b" and dt.kind != "b":
-            raise ValueError(f"true/false for {datatype}")
-        if dt.kind in "iub" and arr.size and arr.dtype.kind == "f":
+        if dt.kind in "iu" and arr.size and arr.dtype.kind == "f":
             raise ValueError(f"non-integer values for {datatype}")
-        if dt.kind in "iu" and arr.size and arr.dtype.kind in "iu":
-            info = np.iinfo(dt)  # astype would wrap 2**40 into INT32 silently
-            if arr.min() < info.min or arr.max() > info.max:
+        if dt.kind in "iu" and arr.size:
+            info = np.iinfo(dt)
+            if int(arr.min()) < info.min or int(arr.max()) > info.max:
                 raise ValueError(f"an integer out of {datatype}'s range [{info.min}, {info.max}]")
-        arr = arr.astype(dt, casting="unsafe").reshape(-1)
-    except (ValueError, TypeError) as e:
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = arr.astype(dt, casting="unsafe").reshape(-1)
+        if dt.kind == "f" and arr.size:
+            grew = ~np.isfinite(out) & np.isfinite(arr.reshape(-1).astype(np.float64))
+            if grew.any():
+                raise ValueError(f"a value out of {datatype}'s range (±{float(np.finfo(dt).max):.6g})")
+        arr = out
+    except (ValueError, TypeError, OverflowError) as e:
         raise invalid(f"input {name!r}: data is not a list of {datatype} values ({e})") from None
     size = math.prod(shp)
     if arr.size != size:

@@ -182,12 +182,15 @@ def _check_flags_apply(ctx: click.Context, chosen) -> None:  # type: ignore[no-u
                "int8_mode": ("INT8", chosen.precision == "int8"),
                "asymmetric": ("INT4 and INT8", chosen.precision in ("int4", "int8")),
                "embeddings": ("INT4", chosen.precision == "int4")}
+    # the algorithm only where a precision has several ("bf16 (bf16 float16)" named the converter's registry key)
+    run = chosen.precision + (f" {chosen.algorithm}" if chosen.precision in ("int4", "int8") else "")
     for param, (what, ok) in applies.items():
         if not ok and ctx.get_parameter_source(param) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
-            flag = "--" + param.replace("_", "-")
-            raise ConfigError(f"{flag} applies to {what} quantization, and this run is {chosen.name} "
-                              f"({chosen.precision} {chosen.algorithm})", f"drop {flag}, or pick a preset or "
-                              f"--precision it applies to (dsedge quantize --list-presets)")
+            flag = "--" + ("no-" if ctx.params.get(param) is False and param == "embeddings" else "") \
+                + param.replace("_", "-")
+            raise ConfigError(f"{flag} applies to {what} quantization, and this run is {chosen.name} ({run})",
+                              f"drop {flag}, or pick a preset or --precision it applies to "
+                              "(dsedge quantize --list-presets)")
 
 
 def _preset_from_flags(ctx: click.Context, name: str | None, *, precision: str, algorithm: str, block_size: int,

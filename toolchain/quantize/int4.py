@@ -69,10 +69,12 @@ def find_weight_sites(model: Any, embeddings: bool = True, min_vocab: int = 1024
                       nodes: Iterable[str] | None = None) -> list[WeightSite]:
     """MatMul/Gemm weight initializers (rank 2) and, with ``embeddings``, Gather tables with >= ``min_vocab`` rows.
 
-    Position and token-type tables stay in float: they are small and accuracy-sensitive. ``nodes`` restricts the
-    search to those node names. Each initializer appears once (its first consumer decides the axis).
+    Position and token-type tables stay in float: they are small and accuracy-sensitive. Only fp32 initializers are
+    weights here: an integer table a Gather reads (ids, a lookup) is data, and a DequantizeLinear in its place would
+    feed float where the graph takes integers. ``nodes`` restricts the search to those node names. Each initializer
+    appears once (its first consumer decides the axis).
     """
-    from onnx import helper
+    from onnx import TensorProto, helper
 
     inits = {t.name: t for t in model.graph.initializer}
     wanted = set(nodes) if nodes is not None else None
@@ -83,13 +85,13 @@ def find_weight_sites(model: Any, embeddings: bool = True, min_vocab: int = 1024
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in inits:
             t = inits[node.input[1]]
-            if len(t.dims) != 2:
+            if len(t.dims) != 2 or t.data_type != TensorProto.FLOAT:
                 continue
             axis = 1 if (node.op_type == "Gemm" and attrs.get("transB", 0)) else 0
             sites.setdefault(t.name, WeightSite(t.name, node.op_type, node.name, axis, tuple(t.dims)))
         elif embeddings and node.op_type == "Gather" and node.input[0] in inits and attrs.get("axis", 0) == 0:
             t = inits[node.input[0]]
-            if len(t.dims) == 2 and t.dims[0] >= min_vocab:
+            if len(t.dims) == 2 and t.dims[0] >= min_vocab and t.data_type == TensorProto.FLOAT:
                 sites.setdefault(t.name, WeightSite(t.name, "Gather", node.name, 1, tuple(t.dims)))
     return list(sites.values())
 
