@@ -124,3 +124,30 @@ def test_sdk_imports_and_runs_without_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "(2, 4)"
+
+
+def test_a_run_past_the_profiles_opt_shape_gives_the_cpu_arena_back(tmp_path):
+    """ORT's CPU arena kept what the largest run took for the process's life (one 64 × 512-token MiniLM batch: 1,338
+    MB held afterwards against 140 MB before, 202 MB with this): a run whose input is past the bundle's ``opt``
+    shape asks ORT to shrink the arena after it; runs at or under ``opt`` keep it (shrinking costs there)."""
+    from dsedge.runtime.backends.ort import OrtBackend
+    from dsedge.runtime.bundle import verify_bundle
+
+    bundle = tiny_bundle(tmp_path / "m.dse", tmp_path)  # batch opt 8, x[batch, 64]
+    m = verify_bundle(bundle)
+    backend = OrtBackend(bundle / "models" / "fp32.onnx", threads=1, bundle=(m, m.variants[0]))
+    assert backend.shrink_above == ("x", 8 * 64)
+    asked: list = []
+    real = backend.session.run
+
+    def spy(names, feeds, run_options=None):  # the real session runs; this notes what it was asked
+        asked.append(None if run_options is None
+                     else run_options.get_run_config_entry("memory.enable_memory_arena_shrinkage"))
+        return real(names, feeds, run_options)
+
+    backend.session.run = spy
+    x = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
+    big, opt = backend.run({"x": x}), backend.run({"x": x[:8]})
+    assert asked == ["cpu:0", None]
+    np.testing.assert_allclose(big["logits"][:8], opt["logits"], rtol=1e-5, atol=1e-6)
+    assert OrtBackend(bundle / "models" / "fp32.onnx", threads=1).shrink_above is None  # no bundle: no profile

@@ -6,6 +6,7 @@ really got (``InferenceSession.get_providers()``), not the ones asked for.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -151,6 +152,24 @@ def provider_options(providers: Sequence[str], manifest: Any = None, variant: An
     return out
 
 
+def _shrink_above(manifest: Any) -> tuple[str, int] | None:
+    """The input with the most elements at the bundle's optimization-profile ``opt`` point (its shape ranges) and
+    that count, or None (no shape ranges, or no input all of whose dims they bound).
+
+    A run with a larger input gives ORT's CPU arena back what it took (``memory.enable_memory_arena_shrinkage``),
+    so one outlier request does not keep its peak for the process's life: after one 64 × 512-token MiniLM batch a
+    1-thread session held 1,319 MB against 107 MB before it, and 171 MB with the shrink (the batch itself as fast:
+    7.70 against 7.75 s). Runs at or under ``opt`` keep the arena: shrinking after every 8 × 128-token run cost 6 %
+    (182.1 against 171.6 ms p50), after 1 × 32 nothing measurable (2-core AMD EPYC, ORT 1.32)."""
+    ranges = getattr(manifest, "shape_ranges", None) or {}
+    sizes = []
+    for spec in getattr(manifest, "inputs", None) or ():
+        dims = [ranges.get(d, {}).get("opt") if isinstance(d, str) else d for d in spec.shape]
+        if dims and all(isinstance(d, int) and d > 0 for d in dims):
+            sizes.append((math.prod(dims), spec.name))
+    return (max(sizes)[1], max(sizes)[0]) if sizes else None
+
+
 def _ort_trt_slot() -> str:
     """The TensorRT EP names its cached engines by model hash and GPU (``_sm87``) only, and loads them after a
     TensorRT or ONNX Runtime upgrade too (its docs: delete the cache then): one folder per ORT and TensorRT version."""
@@ -239,6 +258,12 @@ class OrtBackend:
         gpu = first in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
         self.iobinding = gpu if iobinding is None else bool(iobinding)
         self._device = "cuda" if gpu else "cpu"
+        # (input, elements): a run whose input is larger gives the CPU arena back what it took (``_shrink_above``)
+        self.shrink_above = _shrink_above(bundle[0] if bundle else None) if first == "CPUExecutionProvider" else None
+        self._shrink = None
+        if self.shrink_above is not None:
+            self._shrink = ort.RunOptions()
+            self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one batch. Inputs/outputs are numpy arrays keyed by IO name."""
@@ -250,5 +275,6 @@ class OrtBackend:
                 io.bind_output(name, self._device)
             self.session.run_with_iobinding(io)
             return dict(zip(self.output_names, io.copy_outputs_to_cpu()))
-        values = self.session.run(self.output_names, inputs)
+        big = self._shrink is not None and np.size(inputs.get(self.shrink_above[0], ())) > self.shrink_above[1]
+        values = self.session.run(self.output_names, inputs, self._shrink if big else None)
         return dict(zip(self.output_names, values))
