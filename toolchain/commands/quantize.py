@@ -66,7 +66,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
              nodes: str | None, embeddings: bool | None, report_path: Path | None, as_json: bool) -> None:
     """Quantize an ONNX MODEL and write the result to --output (written atomically)."""
     from ..config import check_heldout_is_not_calibration
-    from ..quantize.compress import Calibration
+    from ..quantize.compress import Calibration, compress, compress_int4_with_tables
 
     if list_presets:
         _print_presets(as_json)
@@ -98,7 +98,9 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
     searched = chosen.accuracy_gate and (chosen.precision == "int4" or chosen.algorithm == "static")
     say = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
     on_step = (lambda msg: click.echo(f"  {msg}", err=True)) if searched else None
-    out = _compress(m, chosen, Calibration(calib, heldout=heldout, on_step=on_step), tables_too, bool(searched))
+    calibration = Calibration(calib, heldout=heldout, on_step=on_step)
+    out = (compress_int4_with_tables(m, chosen, calibration, tables=tables_too) if chosen.precision == "int4"
+           else compress(m, chosen, calibration))
     checked = _check_gate(m, out.model, chosen, heldout) if chosen.accuracy_gate and not searched else {}
     if chosen.precision in ("int4", "int8"):
         from ..quantize.graph import quantized_nodes
@@ -121,33 +123,6 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
             say(f"  kept float: {r['node']} — {r['reason']}")
     if as_json:
         click.echo(json.dumps(report, default=float))
-
-
-def _compress(model, preset, calibration, embedding_tables: bool, gated: bool):  # type: ignore[no-untyped-def]
-    """``compress`` and, with ``embedding_tables``, INT4 word-embedding tables in the order ``dsedge build`` uses
-    (toolchain/stages/compressors.py): before a gated search, so the gate measures the final model against the
-    float source, else after the weight quantizer (whose calibration then runs on the float tables). The tables
-    are listed in ``details["embeddings"]``."""
-    from ..quantize.compress import compress
-    from ..quantize.weight_only import quantize_embedding_tables
-
-    if not embedding_tables:
-        return compress(model, preset, calibration)
-    tables: list = []
-    if gated:
-        import dataclasses
-
-        import onnx
-
-        base = onnx.ModelProto()
-        base.CopyFrom(model)
-        base, tables = quantize_embedding_tables(base, block_size=preset.block_size, symmetric=False)
-        out = compress(base, preset, dataclasses.replace(calibration, reference=model))
-    else:
-        out = compress(model, preset, calibration)
-        out.model, tables = quantize_embedding_tables(out.model, block_size=preset.block_size, symmetric=False)
-    out.details["embeddings"] = tables
-    return out
 
 
 def _check_gate(source, compressed, preset, heldout: Path) -> dict:  # type: ignore[no-untyped-def]

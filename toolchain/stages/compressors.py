@@ -72,7 +72,7 @@ def compress_int4(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
     """INT4 (W4A16) with the chosen algorithm, optional accuracy gate, and INT4 embedding tables."""
     import onnx
 
-    from ..quantize.weight_only import quantize_embedding_tables
+    from ..quantize.compress import compress_int4_with_tables
 
     opts = plan.config
     algorithm = opts.algorithm
@@ -84,27 +84,21 @@ def compress_int4(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
     if calib is None and (algorithm != "rtn" or gate):
         calib = _calibration(source, f"INT4 {algorithm}" + (f" with --accuracy-gate {gate}" if gate else ""))
     preset = get_preset(f"int4-{algorithm}").replace(block_size=opts.block_size)
-    tables: list = []
+    # after QAT: absmax scales without clip search, the quantizer the fake-quant fine-tune trained for
+    qat = not gate and opts.qat_steps > 0 and algorithm == "rtn"
     if gate:
         heldout = source.validation if source.validation is not None else source.example_inputs
-        base = onnx.ModelProto()
-        base.CopyFrom(model)
-        if opts.embeddings:                      # first, so the gate measures the final model
-            base, tables = quantize_embedding_tables(base, block_size=opts.block_size, symmetric=False)
-        out = compress(base, preset.replace(accuracy_gate=gate),
-                       Calibration(calib, heldout=heldout, reference=_gate_reference(exported, model),
-                                   output=_embedding_output(exported, source)))
-        q, details = out.model, out.details
+        out = compress_int4_with_tables(
+            model, preset.replace(accuracy_gate=gate),
+            Calibration(calib, heldout=heldout, reference=_gate_reference(exported, model),
+                        output=_embedding_output(exported, source)), tables=opts.embeddings)
     else:
-        # after QAT: absmax scales without clip search, the quantizer the fake-quant fine-tune trained for
-        qat = opts.qat_steps > 0 and algorithm == "rtn"
-        out = compress(model, preset.replace(clip_search=not qat), Calibration(calib))
-        q, details = out.model, out.details
-        if qat:
-            details["clip_search"] = False
-        if opts.embeddings:
-            q, tables = quantize_embedding_tables(q, block_size=opts.block_size, symmetric=False)
-    details["embeddings"] = tables
+        out = compress_int4_with_tables(model, preset.replace(clip_search=not qat), Calibration(calib),
+                                        tables=opts.embeddings)
+    q, details = out.model, out.details
+    if qat:
+        details["clip_search"] = False
+    tables = details["embeddings"]
     if tables:
         int4_bytes = sum(int(t["shape"][0] * t["shape"][1] // 2 + t["shape"][0] * (t["shape"][1] // opts.block_size) * 4.5)
                          for t in tables)                  # codes + fp32 scale and uint4 zero point per block
