@@ -248,6 +248,26 @@ def verify_bundle(bundle: str | os.PathLike, manifest_bytes: bytes | None = None
     return m
 
 
+def verify_variant_files(bundle: str | os.PathLike, manifest: Manifest, variant: Variant) -> None:
+    """Check again, just before a backend opens it, the sha256 of ``variant``'s model file and of every external-data
+    file it reads: for a variant opened after ``load()`` verified the bundle (a cascade variant, opened on first
+    use), so a file replaced since is refused, not run.
+
+    Raises:
+        BundleIntegrityError: such a file is missing, differs from its manifest hash, or is not covered by one.
+    """
+    root = Path(bundle)
+    for rel in [variant.file, *check_external_data(root / variant.file, root, manifest.files)]:
+        p = inside(root, rel, "manifest's file", BundleIntegrityError)
+        expected = manifest.files.get(rel)
+        actual = sha256_file(p) if p.is_file() else None
+        if expected is None or actual != expected:
+            raise BundleIntegrityError(
+                f"bundle file {rel!r} changed after the bundle was loaded"
+                + (" (it is missing)" if actual is None else f" (sha256 {actual[:12]}…)"),
+                "do not edit a bundle while it is served: copy a new one elsewhere and load that")
+
+
 def check_model_io(manifest: Manifest, model_path: Path) -> None:
     """The ONNX graph's inputs and outputs must be the manifest's (names, dtypes, ranks, and every dim that both
     give as a number). Raises BundleError.

@@ -53,9 +53,14 @@ def has_golden(manifest: Manifest) -> bool:
     return INPUTS_FILE in manifest.files and OUTPUTS_FILE in manifest.files
 
 
+# golden rows are at most 256 KiB uncompressed when dsedge build writes them (toolchain/golden.py): a file that
+# declares far more is not one, whatever its hash says
+_MAX_GOLDEN_BYTES = 64 << 20
+
+
 def _npz(path: Path) -> dict[str, np.ndarray]:
     try:
-        return read_npz(path)
+        return read_npz(path, max_bytes=_MAX_GOLDEN_BYTES)
     except (OSError, ValueError) as e:
         raise BundleError(f"golden file {path.name} is unreadable ({e})", "rebuild the bundle") from None
 

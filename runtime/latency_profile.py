@@ -309,14 +309,20 @@ class LatencyProfile:
             try:
                 b, _, s = str(key).partition("x")
                 batch, seq = int(b), int(s) if s else None
+                if batch < 1 or (seq is not None and seq < 1):
+                    continue
                 if isinstance(val, Mapping):
                     shapes = [v for v in (val.get("shape") or {}).values() if isinstance(v, list) and len(v) == 2]
                     if seq is None and shapes:
                         seq = int(shapes[0][1])
                     p50 = float(val.get("p50", val.get("median", val.get("mean"))))
                     p99 = float(val.get("p99", p50 * 1.3))
+                    if not (math.isfinite(p50) and math.isfinite(p99) and p50 > 0):
+                        continue
                     prof.set(batch, seq, p50, max(p99 - p50, 0.05 * p50) / max(prof.k_dev, 1e-9))
                 else:
+                    if not (math.isfinite(float(val)) and float(val) > 0):
+                        continue
                     prof.set(batch, seq, float(val))
             except (TypeError, ValueError):
                 continue  # an unknown entry in the bundle is not worth failing a load for

@@ -119,6 +119,7 @@ from .core_share import CoreShare
 from .latency_profile import LatencyProfile, seq_bucket
 from .metrics import StreamMetrics
 from .plan_calibration import PlanCalibration
+from .errors import SessionClosedError
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
 from .standby import Standby
 from .thread_priority import lower_current_thread, pin_current_thread
@@ -280,7 +281,7 @@ class Lane:
                  calibration: PlanCalibration | None = None, instance: int = 0, fallback: bool = False,
                  nice: int = 0, warm_gate: WarmUpGate | None = None, warm_quiet_ms: float = 500.0,
                  explore_interval_ms: float = 250.0, cpus: frozenset[int] | None = None,
-                 probe_limit: float = 4.0) -> None:
+                 probe_limit: float = 4.0, start_gate: threading.Event | None = None) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -350,6 +351,7 @@ class Lane:
         self.inline = 0
         self.max_depth = 0
         label = f"dsedge-lane-{name}" + (f"-{instance}" if instance else "") + ("-fallback" if fallback else "")
+        self._start_gate = start_gate
         self._thread = threading.Thread(target=self._loop, name=label, daemon=True)
         self._thread.start()
 
@@ -822,6 +824,8 @@ class Lane:
             pass
 
     def _loop(self) -> None:
+        if self._start_gate is not None:  # set once the caller has made every lane (StreamingCore)
+            self._start_gate.wait()
         self.niced = lower_current_thread(self.nice)
         self.pinned = pin_current_thread(self.cpus) if self.cpus else False
         self._warm_up()
@@ -957,6 +961,13 @@ class Lane:
         self._thread.join(timeout_s)
         self.stop_draining()
         self._thread.join()
+        self.release()
+
+    def release(self) -> None:
+        """After the worker ended: drop the backend (an ONNX Runtime session, its memory and intra-op threads), so
+        it goes with the caller's last reference to it, not with the lane, which metrics() still reads."""
+        if not self._thread.is_alive():
+            self.run = _closed_run
 
     def begin_close(self, drain: bool = True) -> None:
         """The first step of ``close``: stop admitting, and without ``drain`` reject what is queued; returns at
@@ -993,6 +1004,10 @@ class Lane:
         # from the closing thread, while a batch may still run: answered "shutdown" now, not after it
         for r in pending:
             self._reject(r, SHUTDOWN, "session closed before this request ran")
+
+
+def _closed_run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    raise SessionClosedError("this lane is closed: its backend was released", "load the bundle again")
 
 
 def _instance_groups(lanes: Sequence[Lane], standby: bool = True) -> list[list[Lane]]:
@@ -1089,8 +1104,11 @@ class BudgetScheduler:
                 lane.flooded = functools.partial(self._flooded, group=group)
         return groups
 
-    def submit(self, feed: dict[str, np.ndarray], budget_ms: float, priority: int = 0, id: Any = None) -> Future:
+    def submit(self, feed: dict[str, np.ndarray], budget_ms: float, priority: int = 0, id: Any = None,
+               arrived: float | None = None) -> Future:
         """Admit or reject one validated request; returns a Future resolving to ``Result`` or ``Rejected``.
+        ``arrived``: when the caller handed it over (``time.perf_counter()`` s; default now): its latency and
+        deadline count from there (a first ``Session.submit`` builds the streaming core before it gets here).
 
         Raises:
             RuntimeError: after ``close()`` (callers turn it into their own error type).
@@ -1098,10 +1116,11 @@ class BudgetScheduler:
         now = _clock()
         if self._closed:
             raise RuntimeError("scheduler is closed")
+        t0 = now if arrived is None else min(arrived, now)
         rid = next(self._ids) if id is None else id
         layout = self.layout
         rows, seq = layout.rows(feed), layout.seq_len(feed)
-        req = Request(rid, feed, rows, seq, layout.group_key(feed), budget_ms, priority, now, now + budget_ms / 1e3)
+        req = Request(rid, feed, rows, seq, layout.group_key(feed), budget_ms, priority, t0, t0 + budget_ms / 1e3)
         self.metrics.on_submit()
         self.arrivals.add(now, rows)
         slow = self.caller.factor()
@@ -1264,6 +1283,7 @@ class BudgetScheduler:
             lane.stop_draining()
         for lane in self.lanes:
             lane.thread.join()
+            lane.release()
         self._drain_standby()  # what no draining instance took or expired (timed out, or only paused ones)
         for group in self._groups:
             if group[0].standby is not None:

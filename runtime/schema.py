@@ -219,15 +219,26 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:  # RFC 8259 leaves a repeated name to the reader: two readers could see two documents
+            raise ValueError(f"key {k!r} appears twice in one object")
+        out[k] = v
+    return out
+
+
 def loads(text: str, error: type[DsedgeError] = DsedgeError, what: str = "document",
           hint: str = "rewrite the file as standard JSON") -> Any:
-    """Parse standard JSON: ``NaN``, ``Infinity`` and ``-Infinity`` (which Python's ``json`` accepts) are refused.
+    """Parse standard JSON: ``NaN``, ``Infinity`` and ``-Infinity`` (which Python's ``json`` accepts) are refused,
+    and so is a key repeated within one object (Python's ``json`` keeps the last; another reader may keep the
+    first, so a signed manifest could read one way here and another elsewhere).
 
     Raises:
-        error: not JSON, or a non-standard constant.
+        error: not JSON, a non-standard constant, or a repeated key.
     """
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except ValueError as e:  # JSONDecodeError is a ValueError
         raise error(f"{what} is not valid JSON ({getattr(e, 'msg', e)})", hint) from None
     except RecursionError:

@@ -234,7 +234,11 @@ def _read(root: Path) -> dict[str, Any] | None:
     try:
         if not p.is_file():
             raise ValueError("not a file")
-        doc = json.loads(p.read_bytes()[:1 << 20].decode("utf-8"))
+        with open(p, "rb") as f:  # a signature is under 1 KiB: never read a huge file whole
+            data = f.read((1 << 20) + 1)
+        if len(data) > 1 << 20:
+            raise ValueError("over 1 MiB, not a signature")
+        doc = json.loads(data.decode("utf-8"))
         if not isinstance(doc, dict):
             raise ValueError(f"a JSON {type(doc).__name__}, not an object")
         if doc.get("format") != FORMAT or doc.get("algorithm") != "ed25519":

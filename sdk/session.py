@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +20,7 @@ from .runtime.backends.ort import check_providers_given
 from .runtime.batching import BatchLayout
 from .runtime.decode import GenerationStream
 from .runtime.budget import FALLBACK_BUDGET_MS, resolve_budget
-from .runtime.bundle import IOSpec, Manifest, Variant
+from .runtime.bundle import IOSpec, Manifest, Variant, verify_variant_files
 from .runtime.errors import DsedgeError, InferenceError, InputError, SessionClosedError
 from .runtime.golden import check_backend
 from .runtime.instances import host_cores, instance_cpus, recorded_threads, reserved_layout, thread_scale
@@ -79,7 +81,11 @@ class Session:
         self.manifest = manifest
         self.variant = variant
         self._backend = backend
-        self.inputs: list[IOSpec] = list(manifest.inputs)
+        # an input the manifest gives no range for, whose ids the backend's model no longer checks (ORT CPU's
+        # block-quantized Gather): the range the graph's tables allow, checked here like the manifest's
+        graph = getattr(backend, "value_ranges", None) or {}
+        self.inputs: list[IOSpec] = [dataclasses.replace(s, value_range=graph[s.name])
+                                     if s.value_range is None and s.name in graph else s for s in manifest.inputs]
         self.outputs: list[IOSpec] = list(manifest.outputs)
         # streaming (submit/stream/infer_async): the core starts on first use, see _core()
         self.budget_ms = budget_ms
@@ -257,6 +263,7 @@ class Session:
             SessionClosedError: the session is closed, or its worker threads were started in another process
                 (this one is a fork of it: load the bundle again here).
         """
+        arrived = time.perf_counter()  # its latency counts from here (a first submit builds the core first)
         core = self._stream or self._core()
         if self._closed:
             self._check_open()
@@ -264,9 +271,10 @@ class Session:
         checked = validate_inputs(self.inputs, inputs, self.manifest.shape_ranges)
         budget, priority = check_request_options(budget_ms, priority, self.default_budget_ms)
         # the request runs later, on another thread: an array the caller still holds (and may refill for the
-        # next request) is copied now; one made here from a list is not
-        checked = {k: v.copy() if v is inputs[k] or v.base is not None else v for k, v in checked.items()}
-        return self._queue(core, checked, budget, priority, id)
+        # next request) is copied now, as is whatever an array-like's __array__ handed over (it may be the
+        # object's own buffer); one made here from a list or tuple is not
+        checked = {k: v if isinstance(inputs[k], (list, tuple)) else v.copy() for k, v in checked.items()}
+        return self._queue(core, checked, budget, priority, id, arrived)
 
     def submit_validated(self, checked: dict[str, np.ndarray], budget_ms: float, priority: int = 0,
                          id: Any = None) -> "Future[Result | Rejected]":
@@ -287,13 +295,13 @@ class Session:
         return self._queue(core, checked, budget_ms, priority, id)
 
     def _queue(self, core: StreamingCore, checked: dict[str, np.ndarray], budget_ms: float, priority: int,
-               id: Any) -> "Future[Result | Rejected]":
+               id: Any, arrived: float | None = None) -> "Future[Result | Rejected]":
         rows, most = core.layout.rows(checked), core.scheduler.lanes[0].max_batch
         if rows > most:  # as Triton refuses a request above max_batch_size: batches never exceed it
             raise InputError(f"the request has {rows} rows; this session batches at most {most}",
                              "split it, or load(max_batch=…) up to the bundle's batch range")
         try:
-            return core.submit(checked, budget_ms, priority, id)
+            return core.submit(checked, budget_ms, priority, id, arrived)
         except RuntimeError:
             raise SessionClosedError("this session is closed", "call dsedge.load() again") from None
 
@@ -501,7 +509,11 @@ class Session:
                     self._stream.close(drain=drain, timeout_s=timeout_s)
                 if self._decoder is not None:
                     self._decoder.close(drain=drain, timeout_s=timeout_s)
+            # the backends go now (ONNX Runtime sessions: their memory and intra-op threads), not when the Session
+            # object is collected; metrics() still reads the closed lanes
             self._backend = None
+            self._instance_backends = []
+            self._open_instances = None
         finally:
             self._close_done.set()
 
@@ -593,12 +605,22 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
                        ("pin_instances", pin_instances), ("standby", standby)):
         if not isinstance(flag, (bool, np.bool_)):
             raise InputError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}", f"pass {name}=True")
+    cores = _cores()
+    if instances is not None and int(instances) > 4 * cores:  # before anything is opened
+        raise InputError(f"instances={instances} is more than 4 per core ({cores} cores here): each instance is "
+                         f"a whole backend (its own copy of the model in memory)",
+                         f"pass instances={min(2, cores)} (the default here), or up to {4 * cores}")
     manifest, _ = verify_signed(path, trusted_keys)  # one read of manifest.json: signed bytes = parsed bytes
+    path = Path(os.path.abspath(path))  # a later os.chdir must not change what a variant opened later reads
     v = manifest.variant(variant)
     check_max_batch(manifest, max_batch)
+    loaded = threading.Event()
 
     def open_variant(name: str) -> Any:  # the target's backend (TensorRT when here), else ONNX Runtime
-        return open_backend(VariantFiles(Path(path), manifest, manifest.variant(name)), Preferences(providers, threads))
+        files = VariantFiles(path, manifest, manifest.variant(name))
+        if loaded.is_set():  # a cascade variant, opened on first use: its files are checked again first
+            verify_variant_files(path, manifest, files.variant)
+        return open_backend(files, Preferences(providers, threads))
 
     backend = open_variant(v.name)
     if check_outputs:
@@ -607,11 +629,6 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             and _on_ort_cpu(backend)):
         log.warning("bundle for %s runs on ONNX Runtime's CPU provider here (no TensorRT/CUDA found)",
                  manifest.target.get("name"))
-    cores = _cores()
-    if instances is not None and int(instances) > 4 * cores:
-        raise InputError(f"instances={instances} is more than 4 per core ({cores} cores here): each instance is "
-                         f"a whole backend (its own copy of the model in memory)",
-                         f"pass instances={min(2, cores)} (the default here), or up to {4 * cores}")
     if reserve_cores and int(reserve_cores) >= cores and _on_ort_cpu(backend):
         raise InputError(f"reserve_cores={reserve_cores} leaves none of this machine's {cores} cores to the "
                          "streaming lanes", f"reserve at most {cores - 1}" if cores > 1 else "reserve none here")
@@ -657,6 +674,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     # runs here rather than in the first seconds of serving, where it held the interpreter lock for 16-33 ms
     # and 4-11 requests of a 3x load around it missed their budget (about a fifth of that window's misses)
     gc.collect()
+    loaded.set()
     return session
 
 

@@ -102,6 +102,24 @@ def test_bundle_without_golden_is_reported_not_passed(mlp_bundle, tmp_path, caps
         dsedge.load(old, check_outputs=True)
 
 
+def _zip(path, members):
+    import zipfile
+
+    path.unlink()
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+
+
+def _npy_header(shape, descr):
+    """The bytes of a ``.npy`` header (magic included) declaring ``shape`` of ``descr``, and no data after it."""
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
 @pytest.mark.parametrize("tamper, words", [
     (lambda g: (g / "golden.json").write_text("{"), "golden/golden.json is not valid JSON"),
     (lambda g: (g / "golden.json").write_text("[1, 2]"), "holds a list, not a JSON object"),
@@ -111,6 +129,9 @@ def test_bundle_without_golden_is_reported_not_passed(mlp_bundle, tmp_path, caps
     (lambda g: np.savez(g / "inputs.npz", x=np.zeros((0, 64), np.float32)), "x 0, logits 8 rows"),
     (lambda g: np.savez(g / "outputs.npz", logits=np.zeros((8, 4), np.float32), probs=np.zeros((8, 4), np.float32)),
      "golden output 'probs' is not an output of the bundle"),
+    (lambda g: _zip(g / "inputs.npz", {"x.npy": b"not an npy"}), "member 'x' is not a .npy array"),
+    (lambda g: _zip(g / "inputs.npz", {"x.npy": _npy_header((1 << 20, 1 << 10), "<f4")}),  # declares 4 GiB
+     "its arrays declare 4294967296 bytes, more than the 67108864 allowed here"),
 ])
 def test_malformed_golden_io_cannot_be_checked_exit_2(mlp_bundle, tmp_path, capsys, tamper, words):
     """Found by a user: golden files that are hash-listed but malformed (written by hand or by another tool, then

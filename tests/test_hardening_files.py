@@ -67,6 +67,11 @@ def test_written_documents_carry_their_schema_names(bundle):
     (lambda d: d["variants"][0].update(name="../x"), "variants[0].name"),
     (lambda d: d.update(name="/../../ESCAPED"), "name"),
     (lambda d: d.update(surprise=1), "(root)"),
+    # build-time latency: a batch of 0 made submit() divide by zero; a negative figure was taken as a speed
+    (lambda d: d["variants"][0].update(latency_ms={"0": {"p50": 1.0}}), "variants[0].latency_ms"),
+    (lambda d: d["variants"][0].update(latency_ms={"1": {"p50": -1.0}}), "variants[0].latency_ms.1"),
+    (lambda d: d["variants"][0].update(latency_ms={"8x0": 2.0}), "variants[0].latency_ms"),
+    (lambda d: d["variants"][0].update(latency_ms={"1": -2.0}), "variants[0].latency_ms.1"),
 ])
 def test_numbers_and_names_in_a_rehashed_manifest_are_refused_naming_the_field(bundle, edit, field):
     rewrite_manifest(bundle, edit)
@@ -81,6 +86,15 @@ def test_non_standard_json_numbers_are_refused(bundle, constant):
     assert constant in (bundle / MANIFEST).read_text()
     with pytest.raises(BundleError, match="not valid JSON"):
         read_manifest(bundle)
+
+
+def test_a_key_repeated_in_the_manifest_is_refused(bundle):
+    """A user's pass: {"name": "a", ..., "name": "b"} loaded as "b" (Python keeps the last; another reader, or a
+    signer, may keep the first)."""
+    text = (bundle / MANIFEST).read_text()
+    (bundle / MANIFEST).write_text(text.replace('"schema":', '"latency_budget_ms": 5.0, "schema":', 1))
+    with pytest.raises(BundleError, match="key 'latency_budget_ms' appears twice in one object"):
+        dsedge.load(bundle)
 
 
 def test_huge_batch_range_never_reaches_an_allocation(bundle):

@@ -84,6 +84,63 @@ def test_embedding_table_quantized_and_rewritten_for_ort_cpu(tmp_path):
     assert {layer["op"] for layer in r2["layers"]} == {"MatMul"}
 
 
+def test_an_id_past_an_int4_table_is_refused_at_the_input_not_answered_from_the_rewritten_gather(tmp_path):
+    """ORT CPU's GatherBlockQuantized (what the INT4 table's Gather becomes at load) answers an index past its table
+    with finite numbers where Gather fails; a bundle whose manifest gives the ids no range is checked against the
+    table's size instead (a user's pass: the fraud student's int4 variant scored sparse id 10**6)."""
+    import dsedge
+    from dsedge.runtime.bundle import IOSpec, Variant
+    from dsedge.runtime.errors import InputError
+    from dsedge.toolchain.bundle_writer import write_bundle
+
+    q, _ = quantize_int4(onnx.load(str(embedding_onnx(tmp_path / "emb.onnx"))), block_size=32, embeddings=True)
+    qpath = tmp_path / "q.onnx"
+    onnx.save(q, str(qpath))
+    bad = np.array([[5, 10**6]], np.int64)
+    rewritten = OrtBackend(qpath, providers=["CPUExecutionProvider"])
+    assert rewritten.rewrites == 1 and rewritten.value_ranges == {"ids": (0, 2047)}
+    assert np.isfinite(rewritten.run({"ids": bad})["out"]).all()  # what the rewrite alone would answer
+    with pytest.raises(Exception, match="out of data bounds"):  # what the model as built does
+        ort.InferenceSession(str(qpath), providers=["CPUExecutionProvider"]).run(None, {"ids": bad})
+    bundle = write_bundle(
+        tmp_path / "emb.dse", name="emb", target={"name": "cpu"},
+        inputs=[IOSpec("ids", "int64", ("batch", "sequence"))],  # no value_range, as bundles built before
+        outputs=[IOSpec("out", "float32", ("batch", "sequence", 64))],
+        models={"models/int4.onnx": qpath}, variants=[Variant("int4", "int4", "models/int4.onnx")],
+        default_variant="int4", shape_ranges={"batch": {"min": 1, "opt": 1, "max": 8},
+                                              "sequence": {"min": 1, "opt": 8, "max": 16}}, latency_budget_ms=50.0)
+    with dsedge.load(bundle) as s:
+        assert [i.value_range for i in s.inputs] == [(0, 2047)]
+        with pytest.raises(InputError, match="holds 1000000, outside the model's range \\[0, 2047\\]"):
+            s.run({"ids": bad})
+        with pytest.raises(InputError, match="outside the model's range"):
+            s.submit({"ids": bad}, budget_ms=1000)
+        good = np.array([[5, 2047]], np.int64)
+        np.testing.assert_allclose(s.run({"ids": good})["out"], rewritten.run({"ids": good})["out"], rtol=1e-6)
+
+
+def test_a_build_records_the_range_of_ids_that_index_a_table_when_the_source_gives_none(tmp_path):
+    import torch
+
+    from dsedge.toolchain.sources import Source
+    from dsedge.toolchain.stages.export import export_with_ranges
+
+    class Scorer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(300, 8)
+            self.fc = torch.nn.Linear(8 + 3, 2)
+
+        def forward(self, dense, sparse_ids):
+            return self.fc(torch.cat([dense, self.emb(sparse_ids).mean(1)], 1))
+
+    ex = {"dense": np.zeros((2, 3), np.float32), "sparse_ids": np.zeros((2, 4), np.int64)}
+    source = Source(kind="run", name="scorer", example_inputs=ex, output_names=["logits"], module=Scorer().eval(),
+                    dynamic_axes={"dense": {0: "batch"}, "sparse_ids": {0: "batch"}})
+    exported = export_with_ranges(source, tmp_path / "fp32.onnx")
+    assert {i.name: i.value_range for i in exported.inputs} == {"dense": None, "sparse_ids": (0, 299)}
+
+
 def test_scale_search_never_worse_than_absmax():
     w = np.random.default_rng(3).standard_t(3, (256, 64)).astype(np.float32)  # heavy tails
     c0, s0, _ = quantize_site(w, 0, 32, scale_search=False)

@@ -249,6 +249,21 @@ def test_submit_copies_the_callers_buffers_before_they_are_refilled(heavier_text
         for f, want in zip(futures, expected):  # queued requests used to read the buffer's last contents
             np.testing.assert_allclose(f.result(30).outputs["sentence_embedding"], want, rtol=1e-5, atol=1e-6)
 
+        class Buffer:  # an array-like whose __array__ hands over its own storage (a user's pass: not copied)
+            def __init__(self, a):
+                self.a = a
+
+            def __array__(self, dtype=None, copy=None):
+                return self.a
+
+        buf = Buffer(np.ones((1, 16), np.int64))
+        futures = []
+        for v in range(1, 9):
+            buf.a[:] = v
+            futures.append(s.submit({"input_ids": buf, "attention_mask": mask}))
+        for f, want in zip(futures, expected):
+            np.testing.assert_allclose(f.result(30).outputs["sentence_embedding"], want, rtol=1e-5, atol=1e-6)
+
 
 def test_close_with_a_bad_argument_refuses_before_closing_anything(text):
     s = dsedge.load(text)

@@ -90,6 +90,25 @@ def test_empty_providers_are_refused_not_taken_as_the_default(tmp_path, provider
         OrtBackend(b / "models/fp32.onnx", providers=providers)
 
 
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(providers=123), "providers must be a list of ONNX Runtime provider names, got int 123"),
+    (dict(providers={"CPUExecutionProvider": {}}), "providers must be a list of ONNX Runtime provider names"),
+    (dict(instances=10**6), "instances=1000000 is more than 4 per core"),
+])
+def test_option_errors_come_before_anything_is_opened(tmp_path, monkeypatch, kwargs, words):
+    """A user's pass: providers=123 raised a bare TypeError from inside the provider choice, and instances= past
+    4 per core was refused only after the backend had been opened."""
+    from dsedge.runtime import backends
+
+    b = tiny_bundle(tmp_path / "t.dse", tmp_path)
+    opened = []
+    real = backends.open_backend
+    monkeypatch.setattr(dsedge.session, "open_backend", lambda *a: opened.append(a) or real(*a))
+    with pytest.raises(InputError, match=words):
+        dsedge.load(b, **kwargs)
+    assert opened == []
+
+
 def test_azure_provider_is_reported_as_the_cpu_it_runs_on(tmp_path, caplog):
     """Found by review: ORT's CPU wheels offer AzureExecutionProvider; asked for by name, the session reported
     ["AzureExecutionProvider", "CPUExecutionProvider"] while ORT placed every node on the CPU (Azure EP runs only

@@ -212,7 +212,7 @@ def _sig(bundle) -> dict:
     return json.loads((bundle / "manifest.sig").read_text())
 
 
-@pytest.mark.parametrize("content", ["[]", "{", '"x"', "null", "FORGE31", "FORGEsig", "\xff"])
+@pytest.mark.parametrize("content", ["[]", "{", '"x"', "null", "FORGE31", "FORGEsig", "\xff", "HUGE"])
 def test_a_malformed_signature_is_one_line_and_breaks_no_plain_load(bundle, keys, monkeypatch, capsys, caplog,
                                                                      content):
     import base64
@@ -220,10 +220,14 @@ def test_a_malformed_signature_is_one_line_and_breaks_no_plain_load(bundle, keys
     (priv, pub), _ = keys
     monkeypatch.delenv(ENV, raising=False)
     dsedge.runtime.signing.sign_bundle(bundle, priv)
+    huge = False
     if content == "FORGE31":  # a 31-byte public key
         doc = _sig(bundle)
         doc["public_key"] = base64.b64encode(b"x" * 31).decode()
         content = json.dumps(doc)
+    elif content == "HUGE":  # 2 MiB: read whole before (a 2 GB one took 6.5 s and 2 GB of memory)
+        content = json.dumps({**_sig(bundle), "pad": "x" * (2 << 20)})
+        huge = True
     elif content == "FORGEsig":  # a signature that is not a string
         doc = _sig(bundle)
         doc["signature"] = 5
@@ -235,6 +239,7 @@ def test_a_malformed_signature_is_one_line_and_breaks_no_plain_load(bundle, keys
     assert any("manifest.sig of m-cpu.dse is malformed" in r.getMessage() for r in caplog.records)
     info = check_signature(bundle)
     assert info is not None and info.valid is False and "malformed" in info.error
+    assert ("over 1 MiB" in info.error) == huge, info.error
     with pytest.raises(SignatureError, match="manifest.sig of m-cpu.dse is malformed"):
         dsedge.load(bundle, trusted_keys=[pub])
     monkeypatch.setenv(ENV, os.fspath(pub))

@@ -67,6 +67,42 @@ def test_load_and_first_submit_do_not_block(bundles):
     s.close()
 
 
+def test_close_releases_every_backend_once_streaming_ran(bundles):
+    """A user's pass: after submit(), close() kept every ONNX Runtime session (memory, intra-op threads: 34 OS
+    threads at threads=32) until the Session object itself was collected; metrics() still works after close."""
+    import gc
+    import weakref
+
+    rng = np.random.default_rng(3)
+    for kw in ({"threads": 2}, {"instances": 2, "threads": 1}):
+        s = dsedge.load(bundles["text"], **kw)
+        assert isinstance(s.submit(text_request(rng, 8), budget_ms=5000).result(30), Result)
+        held = [weakref.ref(b) for b in [s._backend, *s._instance_backends]]
+        s.close()
+        gc.collect()
+        assert [w() for w in held] == [None] * len(held), kw
+        assert s.metrics()["answered"] == 1
+        with pytest.raises(dsedge.SessionClosedError):
+            s.run(text_request(rng, 8))
+
+
+def test_the_first_submits_latency_counts_the_core_it_builds(bundles, monkeypatch):
+    """A user's pass: the first submit() built the streaming core (1.4-16 ms on a busy host) before its clock
+    started, so latency_ms said 0.74 ms of a call that took 16.5 ms. The time now counts from the call."""
+    from dsedge.runtime import streaming
+
+    build = streaming.StreamingCore.__init__
+
+    def slow_build(self, *a, **kw):
+        time.sleep(0.05)
+        build(self, *a, **kw)
+
+    monkeypatch.setattr(streaming.StreamingCore, "__init__", slow_build)
+    with dsedge.load(bundles["text"], threads=1) as s:
+        first = s.submit(text_request(np.random.default_rng(4), 8), budget_ms=5000).result(30)
+    assert isinstance(first, Result) and first.latency_ms >= 50.0, first
+
+
 def test_load_leaves_no_full_collection_due(bundles):
     """load() runs the full garbage collection that opening a bundle makes due, so it does not pause the first
     seconds of serving (it held the interpreter lock 16-33 ms there, and requests around it missed their budget)."""
@@ -203,6 +239,35 @@ def test_cascade_serves_cheaper_variant_when_primary_cannot_meet_budget(bundles)
     with dsedge.load(bundles["cascade"], threads=1, profile="bundle") as s:  # cascade off: explicit rejection
         rej = s.submit(text_request(rng, 8), budget_ms=20).result()
         assert isinstance(rej, Rejected) and rej.reason == "budget" and "fp32" in rej.detail
+
+
+def test_a_cascade_variant_replaced_after_load_is_not_served_and_a_later_chdir_changes_nothing(bundles, tmp_path,
+                                                                                               monkeypatch, caplog):
+    """The cascade opens its other variants on first use, after load() checked every hash: it checks them again
+    then, and reads them where load() found the bundle (a user's pass: an int8 model swapped in after load was served
+    by the cascade, and a relative path plus os.chdir opened another bundle's file)."""
+    import shutil
+
+    rng = np.random.default_rng(8)
+    copy = tmp_path / "b" / "cascade.dse"
+    shutil.copytree(bundles["cascade"], copy)
+    monkeypatch.chdir(copy.parent.parent)
+    with dsedge.load("b/cascade.dse", threads=1, cascade=True, profile="bundle") as s:
+        (copy / "models" / "int8.onnx").write_bytes((copy / "models" / "fp32.onnx").read_bytes())  # a swap
+        with caplog.at_level("WARNING", logger="dsedge.streaming"):
+            answer = s.submit(text_request(rng, 8), budget_ms=20).result(10)
+            s.warmup()
+        assert isinstance(answer, Rejected) and answer.reason == "budget"  # fp32 alone (45 ms) cannot: no int8
+        assert [lane.name for lane in s._stream.scheduler.lanes] == ["fp32"]
+        assert "variant 'int8' is not served: bundle file 'models/int8.onnx' changed after the bundle was loaded" \
+            in caplog.text
+    shutil.copy(bundles["cascade"] / "models" / "int8.onnx", copy / "models" / "int8.onnx")
+    other = tmp_path / "elsewhere" / "b"
+    other.mkdir(parents=True)
+    with dsedge.load("b/cascade.dse", threads=1, cascade=True, profile="bundle") as s:
+        monkeypatch.chdir(other.parent)  # "b/cascade.dse" names nothing from here
+        assert list(s.warmup()) == ["fp32", "int8"]
+        assert s.submit(text_request(rng, 8), budget_ms=20).result(10).variant == "int8"
 
 
 def test_close_with_a_zero_timeout_does_not_wait_for_a_cascade_still_opening(bundles):

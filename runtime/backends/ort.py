@@ -69,10 +69,13 @@ def available_providers() -> list[str]:
 
 def check_providers_given(requested: Sequence[str] | None) -> None:
     """InputError for ``providers=[]`` (or ``()``, ``""``): a list that names no provider is a mistake, not "no
-    preference" (that is None)."""
-    if requested is not None and not requested:
-        from ..errors import InputError
+    preference" (that is None); and for anything but a str, list or tuple (``providers=123``)."""
+    from ..errors import InputError
 
+    if requested is not None and not isinstance(requested, (str, list, tuple)):
+        raise InputError(f"providers must be a list of ONNX Runtime provider names, got {type(requested).__name__} "
+                         f"{requested!r:.80}", "pass e.g. providers=['CPUExecutionProvider'], or omit it")
+    if requested is not None and not requested:
         raise InputError(f"providers={requested!r} names no provider",
                          "omit providers= for the default chain (TensorRT → CUDA → CPU, whichever exist), or name "
                          "one, e.g. providers=['CPUExecutionProvider']")
@@ -102,20 +105,25 @@ def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
     return [p for p in have if p in PROVIDER_CHAIN]
 
 
-def _cpu_rewrites(path: str) -> tuple[str | bytes, int]:
-    """Apply ORT-CPU load-time rewrites; returns the serialized model if anything changed, else the path."""
+def _cpu_rewrites(path: str) -> tuple[str | bytes, int, dict[str, tuple[int, int]]]:
+    """Apply ORT-CPU load-time rewrites; returns the serialized model if anything changed (else the path), the
+    number of rewrites, and, when a Gather became a ``GatherBlockQuantized`` (which answers an index past its table
+    with finite garbage where ``Gather`` fails), the valid range of each integer input that indexes a table
+    (runtime/token_bounds.py), for the session to check at the input."""
     try:
         import onnx
     except ModuleNotFoundError:  # the rewrites are a speed-up, never required
-        return path, 0
+        return path, 0, {}
+    from ..token_bounds import graph_value_ranges
     from .ort_rewrites import gather_block_quantized
 
     try:
         model = onnx.load(path)
     except Exception:  # let ORT report an unreadable model with its own message
-        return path, 0
+        return path, 0, {}
+    ranges = graph_value_ranges(model)
     n = gather_block_quantized(model)
-    return (model.SerializeToString(), n) if n else (path, 0)
+    return (model.SerializeToString(), n, ranges) if n else (path, 0, {})
 
 
 def provider_options(providers: Sequence[str], manifest: Any = None, variant: Any = None,
@@ -247,8 +255,11 @@ class OrtBackend:
             chosen = rest
         model: str | bytes = os.fspath(model_path)
         self.rewrites = 0
+        # {input: (lo, hi)} an input must hold, beyond the manifest's, because a rewrite dropped the check the
+        # model's own op made (Session fills its input specs' missing value_range from it)
+        self.value_ranges: dict[str, tuple[int, int]] = {}
         if chosen and chosen[0] == "CPUExecutionProvider":
-            model, self.rewrites = _cpu_rewrites(model)
+            model, self.rewrites, self.value_ranges = _cpu_rewrites(model)
         try:
             options = provider_options(chosen, *(bundle or (None, None)))
             self.session = ort.InferenceSession(model, sess_options=opts, providers=list(zip(chosen, options)))

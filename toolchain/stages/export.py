@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from ...runtime.bundle import IOSpec
+from ...runtime.token_bounds import graph_value_ranges
 from ..artifacts import Prepared
 from ..config import BuildPlan
 from ..export import Exported, export_onnx
@@ -62,7 +63,16 @@ def check_fp32(plan: BuildPlan, path: Path) -> None:
 
 
 def export_with_ranges(source: Source, dest: str | os.PathLike) -> Exported:
-    """``export_onnx`` with the source's value ranges (e.g. token ids < vocab size) on the input specs."""
+    """``export_onnx`` with value ranges on the input specs: the source's (e.g. token ids < vocab size), else what
+    the exported graph says (an integer input that indexes an embedding table: runtime/token_bounds.py), so an id
+    past a table is refused at the input, not answered from a block-quantized Gather that does not check it."""
     exported = export_onnx(source, dest)
-    return dataclasses.replace(exported, inputs=[IOSpec(s.name, s.dtype, s.shape, source.value_ranges.get(s.name))
+    ranges = {**_graph_ranges(exported.path), **source.value_ranges}
+    return dataclasses.replace(exported, inputs=[IOSpec(s.name, s.dtype, s.shape, ranges.get(s.name))
                                                  for s in exported.inputs])
+
+
+def _graph_ranges(path: Path) -> dict[str, tuple[int, int]]:
+    import onnx
+
+    return graph_value_ranges(onnx.load(os.fspath(path), load_external_data=False))
