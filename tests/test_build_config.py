@@ -66,10 +66,18 @@ def test_config_file_round_trips_and_refuses_unknown_keys_and_wrong_types(tmp_pa
     path.write_text('[build]\nthreads = -4\n')
     with pytest.raises(ConfigError, match="threads = -4 is not an integer >= 1"):
         read_config_file(path)
-    for n in (0, -3):  # was accepted: the build timed a single run and wrote it as every percentile
+    for n in (0, -3, 10**20):  # was accepted: the build timed a single run and wrote it as every percentile, or
+        # ran until it was killed
         path.write_text(f'[build]\nlatency_iterations = {n}\n')
-        with pytest.raises(ConfigError, match=f"latency_iterations = {n} is not an integer >= 1"):
+        with pytest.raises(ConfigError, match=f"latency_iterations = {n} is not an integer from 1 to 100000"):
             read_config_file(path)
+    path.write_text('target = "cpu"\n[build]\nprecision = "int8"\n')  # a key above [build]: was dropped silently
+    with pytest.raises(ConfigError, match="key 'target' is outside \\[build\\], and only \\[build\\] is read") as e:
+        read_config_file(path)
+    assert "move 'target' under [build]" in e.value.hint
+    path.write_text('[build]\nprecision = "int8"\n[extra]\nfoo = 1\n')
+    with pytest.raises(ConfigError, match="table 'extra' is outside \\[build\\]"):
+        read_config_file(path)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.precision = "int4"  # type: ignore[misc]
 
@@ -194,9 +202,13 @@ def test_calib_and_heldout_dirs_from_a_build_toml_are_checked_before_any_work(tm
     """The CLI checks --calib/--heldout itself; from a build.toml a missing directory was found after the export."""
     from dsedge.runtime.errors import CalibrationError
 
+    (tmp_path / "a.npz").write_bytes(b"")
     for key, what in (("calib", "calibration"), ("heldout", "held-out")):
         with pytest.raises(CalibrationError, match=f"{what} directory '.*nope' does not exist"):
             plan_build(BuildConfig(target="cpu", **{key: str(tmp_path / "nope")}))
+        # a file: it failed after the export, saying the (existing) file "does not exist"
+        with pytest.raises(CalibrationError, match=f"{key} = '.*a.npz' is a file, not a {what} directory"):
+            plan_build(BuildConfig(target="cpu", **{key: str(tmp_path / "a.npz")}))
 
 
 def test_out_inside_a_bundle_is_refused_and_the_bundle_left_as_it_was(tmp_path):

@@ -98,7 +98,7 @@ def test_run_reports_bad_data_and_arguments_in_one_line_before_any_step(shared_d
     (tmp_path / "afile").write_text("x")
     out = tmp_path / "out"
     csv = str(shared_data / CSV)
-    for args, words in ((["--csv", str(tmp_path / "none.csv")], "no such file or directory (" + str(tmp_path / "none.csv")),
+    for args, words in ((["--csv", str(tmp_path / "none.csv")], f"no transactions file at {str(tmp_path / 'none.csv')!r}"),
                         (["--csv", str(tmp_path / "noclass.csv")], "missing column(s) ['Class']"),
                         (["--csv", str(tmp_path / "stream_only.csv")], "only 0 transaction(s) after Time 3641 s"),
                         (["--csv", csv, "--budget-ms", "-1"], "--budget-ms must be a finite number"),
@@ -111,6 +111,13 @@ def test_run_reports_bad_data_and_arguments_in_one_line_before_any_step(shared_d
         err = capsys.readouterr().err
         assert e.value.code == 2 and words in err and "Traceback" not in err, err
         assert not out.exists()
+    # the default --csv is read under $DSEDGE_DATA by every step (the stream step read ../shared/data itself)
+    monkeypatch.setenv("DSEDGE_DATA", str(tmp_path / "nodata"))
+    with pytest.raises(SystemExit):
+        run.main(["--out", str(out), "--only", "prepare"])
+    err = capsys.readouterr().err
+    assert f"no transactions file at '{tmp_path / 'nodata' / 'creditcard-fraud-ulb'}" in err
+    assert f"(DSEDGE_DATA={tmp_path / 'nodata'})" in err
 
 
 # ---------------------------------------------------------------- features

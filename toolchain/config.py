@@ -32,6 +32,8 @@ PRECISION_CHOICES = ("auto", "int4", "int8", "fp16", "bf16", "fp32")
 BLOCK_SIZES = (16, 32, 64, 128)
 
 
+MAX_LATENCY_ITERATIONS = 100_000  # timed runs per variant at build (default 50): 17 min at 10 ms a run
+
 @dataclass(frozen=True)
 class BuildConfig:
     """What ``dsedge build`` was asked for (CLI flags map one to one; ``dsedge build --help`` says each)."""
@@ -93,9 +95,10 @@ def config_from_mapping(data: Mapping[str, Any], what: str = "build config") -> 
             raise ConfigError(f"{what}: {key} = {value!r} is not {kind}", f"write {key} as {kind}")
         if name == "threads" and value is not None and value < 1:
             raise ConfigError(f"{what}: threads = {value!r} is not an integer >= 1", "write threads = 2, or leave it out")
-        if name == "latency_iterations" and value < 1:  # 0 or -3 timed one run and shipped it as the p50/p99
-            raise ConfigError(f"{what}: latency_iterations = {value!r} is not an integer >= 1",
-                              "write latency_iterations = 50, or leave it out")
+        if name == "latency_iterations" and not 1 <= value <= MAX_LATENCY_ITERATIONS:
+            # 0 or -3 timed one run and shipped it as the p50/p99; 10**20 ran until killed
+            raise ConfigError(f"{what}: latency_iterations = {value!r} is not an integer from 1 to "
+                              f"{MAX_LATENCY_ITERATIONS}", "write latency_iterations = 50, or leave it out")
         clean[name] = value
     return BuildConfig(**clean)
 
@@ -122,6 +125,12 @@ def read_config_file(path: str | os.PathLike) -> BuildConfig:
     if not isinstance(table, dict):  # `build = 3` crashed with an AttributeError traceback
         raise ConfigError(f"{p}: build = {table!r:.40} is not a table",
                           "write the options under a [build] table (see docs/architecture.md)")
+    if "build" in data and len(data) > 1:  # `target = "cpu"` above [build] was dropped without a word
+        other = next(k for k in data if k != "build")
+        where = "table" if isinstance(data[other], dict) else "key"
+        raise ConfigError(f"{p}: {where} {other!r} is outside [build], and only [build] is read",
+                          f"move {other!r} under [build] (keys above the first [table] header belong to no table)"
+                          if where == "key" else f"remove [{other}]; a build.toml holds one [build] table")
     return config_from_mapping(table, what=str(p))
 
 
@@ -191,9 +200,12 @@ def _check_input_dirs(config: BuildConfig) -> None:
     from ..runtime.errors import CalibrationError
 
     for key, value in (("calib", config.calib), ("heldout", config.heldout)):
+        what = "calibration" if key == "calib" else "held-out"
         if value is not None and not Path(value).exists():
-            what = "calibration" if key == "calib" else "held-out"
             raise CalibrationError(f"{what} directory {value!r} does not exist", "pass a directory of .npz files")
+        if value is not None and not Path(value).is_dir():  # a file passed here failed after the export, "missing"
+            raise CalibrationError(f"{key} = {value!r} is a file, not a {what} directory",
+                                   "pass the directory that holds the .npz files")
 
 
 def _check_heldout_is_not_calibration(config: BuildConfig) -> None:

@@ -27,7 +27,8 @@ def read_npz_dir(path: str | os.PathLike, specs: list[IOSpec], what: str = "cali
     input_names = [s.name for s in specs]
     d = Path(path)
     if not d.is_dir():
-        raise CalibrationError(f"{what} directory {str(d)!r} does not exist", "pass a directory of .npz files")
+        raise CalibrationError(f"{what} directory {str(d)!r} " + ("is a file" if d.exists() else "does not exist"),
+                               "pass a directory of .npz files")
     files = sorted(d.glob("*.npz"))
     if not files:
         raise CalibrationError(f"{what} directory {str(d)!r} has no .npz files",

@@ -34,6 +34,7 @@ from dsedge.runtime.files import atomic_path, write_text_atomic
 from dsedge.runtime.io import check_request_options
 from dsedge.runtime.storage import storage_error
 
+from .. import data_path
 from .baseline import baseline_scores, fit_baseline
 from .data import DEFAULT_CSV, REAL_BASE_RATE, STREAM_END_S, load_transactions, split_by_time
 from .features import Preprocessor, SparseEncoder
@@ -280,6 +281,13 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--threads must be >= 1, got {args.threads}")
     if args.out.exists() and not args.out.is_dir():
         ap.error(f"--out {str(args.out)!r} is a file; every step writes into a directory there")
+    # every step reads the same file: the default (../shared/data/…) under $DSEDGE_DATA when that is set (the stream
+    # step read the default path itself and failed after training and building)
+    args.csv = data_path(args.csv)
+    if not args.csv.exists():
+        where = f" (DSEDGE_DATA={os.environ['DSEDGE_DATA']})" if os.environ.get("DSEDGE_DATA") else ""
+        ap.error(f"no transactions file at {str(args.csv)!r}{where}: pass --csv with the ULB file, or set "
+                 "DSEDGE_DATA to the folder that holds creditcard-fraud-ulb/ (samples/fraud/README.md)")
     try:
         _run(args, steps)
     except (dsedge.DsedgeError, OSError) as e:  # a user error (a missing or malformed --csv, a broken bundle, a
