@@ -110,6 +110,31 @@ def test_calib_dir_is_split_and_reported(tmp_path):
                            precision="int4", calib=str(calib)))
 
 
+def test_a_bf16_build_is_validated_on_its_fp32_emulation_and_says_so(tmp_path):
+    """A user's pass: every `--precision bf16` build failed (ORT CPU: "Could not find an implementation for Add(14)")
+    on every target that lists it. The build validates, times and writes golden outputs from its host twin."""
+    from click.testing import CliRunner
+
+    from dsedge.cli import cli
+
+    model = mlp_onnx(tmp_path / "m.onnx")
+    r = CliRunner().invoke(cli, ["build", "--target", "a100", "--model", str(model), "--precision", "bf16",
+                                 "--out", str(tmp_path / "out"), "--json", "-q"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    bundle = tmp_path / "out" / report["bundle"]
+    manifest = verify_bundle(bundle)
+    bf16 = manifest.variant("bf16")
+    assert onnx.load(str(bundle / bf16.file)).graph.initializer[0].data_type == TensorProto.BFLOAT16
+    assert bf16.accuracy["cosine_mean"] > 0.999 and bf16.latency_ms
+    assert any("FP32 emulation" in n for n in bf16.notes)
+    with pytest.raises(dsedge.BundleError, match="NOT_IMPLEMENTED") as e:  # on this CPU host: said plainly
+        dsedge.load(bundle)
+    assert "a BF16 variant is for GPUs" in e.value.hint
+    with dsedge.load(bundle, variant="fp32") as s:
+        assert s.variant.name == "fp32"
+
+
 def _fp16_onnx(path, io_fp16: bool = True):
     """``mlp_onnx`` with fp16 weights (and fp16 input/output unless ``io_fp16`` is False: fp32 IO around Casts)."""
     from onnx import helper, numpy_helper

@@ -151,6 +151,44 @@ def test_bf16_and_bad_precision():
         convert_float16(model, dtype="fp8")
 
 
+def test_a_bf16_model_runs_on_the_host_as_its_fp32_emulation(tiny, tmp_path):
+    """ORT CPU has no BF16 Add/MatMul/Gemm kernels, so every bf16 build failed validation (a user's pass): the build
+    runs the model's twin with BF16 tensors made FP32 and BF16 rounding kept at its casts."""
+    import ml_dtypes
+    import onnxruntime as ort
+
+    from dsedge.toolchain.evaluate import host_backend
+    from dsedge.toolchain.quantize.bf16_host import has_bf16, host_model_file, host_twin
+
+    model, batches = tiny
+    batch = batches[0]
+    q, _ = convert_float16(model, dtype="bf16")
+    path = tmp_path / "bf16.onnx"
+    onnx.save(q, str(path))
+    with pytest.raises(Exception, match="NOT_IMPLEMENTED"):
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    twin = host_twin(q)
+    assert has_bf16(q) and not has_bf16(twin) and not has_bf16(host_twin(model))
+    # what the twin computes: the fp32 model with its weights and its input rounded to BF16, in FP32
+    rounded = onnx.ModelProto()
+    rounded.CopyFrom(model)
+    for i, t in enumerate(rounded.graph.initializer):
+        a = numpy_helper.to_array(t)
+        rounded.graph.initializer[i].CopyFrom(numpy_helper.from_array(
+            a.astype(ml_dtypes.bfloat16).astype(np.float32) if a.ndim >= 2 else a, t.name))
+    name = model.graph.input[0].name
+    want = run(rounded, {name: batch[name].astype(ml_dtypes.bfloat16).astype(np.float32)})
+    got = host_backend(path).run(batch)
+    out = next(iter(got.values()))
+    np.testing.assert_allclose(out, want, rtol=2e-2, atol=2e-2)  # the twin also rounds at its FP32 islands
+    fp32 = run(model, batch)
+    assert 0 < np.abs(out - fp32).max() and cosine(out, fp32) > 0.999
+    with host_model_file(path) as p:
+        made = p
+        assert p != path and p.exists()
+    assert not made.exists()  # the temporary twin is gone
+
+
 def test_smooth_quant_keeps_the_function_and_helps_w8a8_with_outlier_channels():
     from dsedge.toolchain.quantize.int8 import smooth_quant
 

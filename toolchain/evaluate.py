@@ -7,10 +7,18 @@ from typing import Any
 import numpy as np
 
 
-def _session(path: str | os.PathLike) -> Any:
+def host_backend(path: str | os.PathLike, threads: int | None = None) -> Any:
+    """An ``OrtBackend`` on ORT's CPU provider for ``path``, or for a BF16 model its FP32 emulation (ORT CPU has no
+    BF16 kernels: toolchain/quantize/bf16_host.py)."""
     from ..runtime.backends.ort import OrtBackend
+    from .quantize.bf16_host import host_model_file
 
-    return OrtBackend(path, providers=["CPUExecutionProvider"])
+    with host_model_file(path) as runnable:
+        return OrtBackend(runnable, providers=["CPUExecutionProvider"], threads=threads)
+
+
+def _session(path: str | os.PathLike) -> Any:
+    return host_backend(path)
 
 
 def _run_batches(backend: Any, feeds: dict[str, np.ndarray], batch: int = 16) -> dict[str, np.ndarray]:

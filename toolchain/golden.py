@@ -20,6 +20,7 @@ import numpy as np
 from ..runtime.backends.ort import OrtBackend
 from ..runtime.bundle import IOSpec, Variant
 from ..runtime.golden import INFO_FILE, INPUTS_FILE, OUTPUTS_FILE, compare, run_rows, tolerances
+from .evaluate import host_backend
 
 MAX_ROWS = 8
 CAP_BYTES = 256 << 10
@@ -78,7 +79,7 @@ def attach_golden(reference_onnx: str | os.PathLike, models: dict[str, str | os.
     feeds = {k: v[:rows] for k, v in feeds.items()}
     reference = {k: np.ascontiguousarray(reference[k][:rows]) for k in kept}
     for v in variants:
-        got = run_rows(OrtBackend(models[v.file], providers=["CPUExecutionProvider"]).run, feeds, limits)
+        got = run_rows(host_backend(models[v.file]).run, feeds, limits)  # a BF16 variant: its FP32 emulation
         v.golden = tolerances(reference, compare(reference, got))
     inputs_npz, outputs_npz = _npz_bytes(feeds), _npz_bytes(reference)
     info = {"rows": int(rows), "outputs": kept, "left_out": [k for k in ref_backend.output_names if k not in kept],

@@ -265,8 +265,12 @@ class OrtBackend:
             self.session = ort.InferenceSession(model, sess_options=opts, providers=list(zip(chosen, options)))
         except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph, …)
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise BundleError(f"ONNX Runtime cannot load {os.fspath(model_path)!r}: {first[:300]}",
-                              "rebuild the bundle; check the onnxruntime version supports its opset") from None
+            hint = "rebuild the bundle; check the onnxruntime version supports its opset"
+            if "NOT_IMPLEMENTED" in first and chosen and chosen[0] == "CPUExecutionProvider":
+                hint = ("ONNX Runtime's CPU provider has no kernel for an op of this model (a BF16 variant is for "
+                        "GPUs: A100, H100, Jetson Orin): load another variant (`dsedge inspect BUNDLE` lists them) "
+                        "or run it where CUDA or TensorRT is")
+            raise BundleError(f"ONNX Runtime cannot load {os.fspath(model_path)!r}: {first[:300]}", hint) from None
         self.providers: list[str] = list(self.session.get_providers())
         self.output_names = [o.name for o in self.session.get_outputs()]
         first = self.providers[0] if self.providers else ""

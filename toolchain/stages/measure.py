@@ -58,11 +58,11 @@ def measure_latency(onnx_path: Path, exported: Exported, iterations: int, thread
                     vocab_size: int | None = None) -> dict[str, Any]:
     """ORT CPU latency at batch 1 (``timed_batch``: a static batch at its size; sequence 32 for text), ms, on ``latency_threads(threads)`` intra-op threads
     (recorded as ``"threads"``)."""
-    from ...runtime.backends.ort import OrtBackend
     from ...runtime.bench import synthetic_inputs
+    from ..evaluate import host_backend
 
     threads = latency_threads(threads)
-    backend = OrtBackend(onnx_path, providers=["CPUExecutionProvider"], threads=threads)
+    backend = host_backend(onnx_path, threads=threads)
     batch = timed_batch(exported.inputs)
     feeds = synthetic_inputs(exported.inputs, batch=batch, seq_len=32, vocab_size=vocab_size)
     stats = time_calls(lambda: backend.run(feeds), iterations=iterations, warmup=5)
@@ -75,11 +75,11 @@ def measure_latency_side_by_side(paths: dict[str, Path], exported: Exported, ite
     """ORT CPU latency at batch 1 of several models, interleaved: each round calls every model once (rotating the
     order), so load from other processes falls on all candidates alike. Same record as ``measure_latency`` per
     precision, plus ``"side_by_side"``: the precisions timed together."""
-    from ...runtime.backends.ort import OrtBackend
     from ...runtime.bench import latency_stats, synthetic_inputs
+    from ..evaluate import host_backend
 
     threads = latency_threads(threads)
-    backends = {p: OrtBackend(path, providers=["CPUExecutionProvider"], threads=threads) for p, path in paths.items()}
+    backends = {p: host_backend(path, threads=threads) for p, path in paths.items()}
     batch = timed_batch(exported.inputs)
     feeds = synthetic_inputs(exported.inputs, batch=batch, seq_len=32, vocab_size=vocab_size)
     for b in backends.values():

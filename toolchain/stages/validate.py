@@ -35,6 +35,10 @@ def validate(plan: BuildPlan, model: Prepared, choice: Choice, opsets: dict[str,
         notes = [f"size vs fp32: {path.stat().st_size / fp32_size:.3f}"]
         if finetuned:
             notes.append("from the pruned/QAT-tuned student, not the original model; accuracy is vs the original")
+        if name == "bf16":
+            notes.append("accuracy and host latency measured on its FP32 emulation (BF16 weights, BF16 rounding at "
+                         "its casts, FP32 arithmetic): ONNX Runtime's CPU provider has no BF16 kernels; on the "
+                         "device the error can be larger (toolchain/quantize/bf16_host.py)")
         invariant = choice.compressed.details.get("batch_invariant") if name == choice.precision else None
         variants.append(VariantDraft(name=name, path=path, accuracy=acc, notes=notes, batch_invariant=invariant))
     shipped = check_shipped(list(plan.gates), plan.config.accuracy_gate, choice.precision, variants[0].accuracy,
