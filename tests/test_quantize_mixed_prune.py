@@ -192,3 +192,31 @@ def test_channel_pruning_of_a_torch_exported_gemm_mlp(tmp_path, capsys):
               "--sparsity", "0.999"])
     out = " ".join(capsys.readouterr().out.split())
     assert e.value.code in (0, None) and "(asked 99.9%: each block keeps at least 8 channels" in out, out
+
+
+def test_the_top1_gate_is_a_classifiers_argmax_agreement_unless_told_neighbour():
+    """A user's pass: `--accuracy-gate top1:0.99` on the fraud classifier measured nearest-neighbour agreement of
+    the logits (0.25 for an INT4 model whose argmax agreed on every row, as the build table's top-1 said), so the
+    gate could not be met. top1 is argmax agreement by default; sentence encoders ask for the neighbour form."""
+    from dsedge.toolchain.evaluate import top1_neighbour_agreement
+    from dsedge.toolchain.quantize.mixed import cosine_metric
+
+    model = mlp()
+    heldout = inputs(n_batches=2, outliers=False)
+    noisy = onnx.ModelProto()
+    noisy.CopyFrom(model)
+    rng = np.random.default_rng(5)
+    for i, t in enumerate(noisy.graph.initializer):
+        a = numpy_helper.to_array(t)
+        noisy.graph.initializer[i].CopyFrom(numpy_helper.from_array(
+            (a + 0.05 * rng.standard_normal(a.shape) * np.abs(a).mean()).astype(a.dtype), t.name))
+    ref = np.concatenate([run(model, b) for b in heldout])
+    got = np.concatenate([run(noisy, b) for b in heldout])
+    argmax = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
+    neighbour = top1_neighbour_agreement(ref.reshape(len(ref), -1), got.reshape(len(got), -1))
+    assert argmax != neighbour
+    assert cosine_metric(model, heldout)(noisy)["top1"] == pytest.approx(argmax)
+    assert cosine_metric(model, heldout, top1="neighbour")(noisy)["top1"] == pytest.approx(neighbour)
+    assert cosine_metric(model, heldout)(model)["top1"] == 1.0
+    with pytest.raises(ConfigError, match="top1 must be 'argmax' or 'neighbour'"):
+        cosine_metric(model, heldout, top1="knn")

@@ -37,7 +37,8 @@ from ...runtime.params import OptionalValueCommand
                                       "when there is calibration data, else rtn.")
 @click.option("--accuracy-gate", "accuracy_gate", default=None,
               help="METRIC:THRESHOLD[,…], e.g. cosine:0.99: raise the most sensitive layers (INT4 → INT8 → float) "
-                   "until it passes on held-out data.")
+                   "until it passes on held-out data. Metrics: cosine, cosine-min, top1 (argmax agreement of a "
+                   "classifier's output; nearest-neighbour agreement of a sentence encoder's embeddings).")
 @click.option("--no-embeddings", is_flag=True, help="Keep embedding tables in fp32 (INT4 only).")
 @click.option("--no-fp32", is_flag=True, help="Do not ship the fp32 variant beside the compressed one.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads for the build-time latency measurement (default: the thread count of one serving instance on this machine, e.g. 1 on 2 cores, where the runtime serves on 2 x 1-thread instances).")

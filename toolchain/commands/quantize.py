@@ -46,7 +46,8 @@ def save_model_atomic(model, dest: Path) -> None:
 @click.option("--calib", type=click.Path(path_type=Path), help="Calibration data: a .npz or a directory of .npz.")
 @click.option("--heldout", type=click.Path(path_type=Path), help="Held-out data for --accuracy-gate (.npz or dir).")
 @click.option("--accuracy-gate", "gate", help="METRIC:THRESHOLD[,…], e.g. cosine:0.99 or cosine:0.99,top1:1 "
-              "(INT4: raise sensitive layers until all pass; INT8 static: keep the most sensitive layers float).")
+              "(INT4: raise sensitive layers until all pass; INT8 static: keep the most sensitive layers float). "
+              "Measured on the model's first output: cosine per sample, top1 = argmax agreement over its last axis.")
 @click.option("--method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",
               show_default=True, help="INT8 activation calibration.")
 @click.option("--int8-mode", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,

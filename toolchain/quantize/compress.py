@@ -27,6 +27,8 @@ class Calibration:
         heldout: held-out inputs for an accuracy gate (same forms), never calibrated on.
         reference: the fp32 ``onnx.ModelProto`` a gate compares with (default: the model being compressed).
         output: the output (index or name) a gate's cosine compares.
+        top1: what a gate's ``top1`` measures on that output: ``"argmax"`` (classifier logits) or ``"neighbour"``
+            (nearest-neighbour agreement of embeddings; see ``mixed.cosine_metric``).
         on_step: called with one line per gate measurement (progress).
     """
 
@@ -34,6 +36,7 @@ class Calibration:
     heldout: Any = None
     reference: Any = None
     output: int | str = 0
+    top1: str = "argmax"
     on_step: Callable[[str], None] | None = None
 
 

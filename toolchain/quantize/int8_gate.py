@@ -90,7 +90,7 @@ def quantize_int8_gated(model: onnx.ModelProto, calibration: CalibrationSource |
                         metric: Callable[[onnx.ModelProto], float | dict[str, float]] | None = None,
                         output: int | str = 0, smooth_alpha: float | None = 0.5, method: str = "minmax",
                         on_step: Callable[[str], None] | None = None,
-                        reference: onnx.ModelProto | None = None) -> tuple[onnx.ModelProto, dict]:
+                        reference: onnx.ModelProto | None = None, top1: str = "argmax") -> tuple[onnx.ModelProto, dict]:
     """W8A8 explicit Q/DQ model whose most sensitive layers stay float until ``gate`` passes.
 
     Args:
@@ -111,7 +111,7 @@ def quantize_int8_gated(model: onnx.ModelProto, calibration: CalibrationSource |
         function; CalibrationError / QuantizationError as in :func:`.int8.quantize_int8_static`.
     """
     check = GateCheck(gate, metric=metric, heldout=heldout, reference=reference if reference is not None else model,
-                      output=output)
+                      output=output, top1=top1)
     primary, gate_text = check.primary, check.text
     measure, passes, show = check.measure, check.passes, check.show
     log = on_step or (lambda msg: None)

@@ -103,14 +103,20 @@ def parse_gates(spec: str) -> list[AccuracyGate]:
 
 
 def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list, *, output: int | str = 0,
-                  reduce: str | None = None) -> Callable[[onnx.ModelProto], dict[str, float] | float]:
+                  reduce: str | None = None, top1: str = "argmax"
+                  ) -> Callable[[onnx.ModelProto], dict[str, float] | float]:
     """Metric ``model -> {"cosine", "cosine-min", "top1"}`` of output ``output`` (index or name) per sample vs
     the fp32 ``reference`` on held-out batches.
 
-    Each sample's output (flattened) is compared with the reference's (cosine mean and min over samples);
-    ``top1`` = fraction of samples whose nearest other sample (cosine) is the same as under the reference (for
-    embedding outputs). ``reduce="mean"|"min"`` returns that one float instead. Reference outputs are computed once.
+    Each sample's output (flattened) is compared with the reference's (cosine mean and min over samples).
+    ``top1``: ``"argmax"`` (default) = the fraction of positions (every index but the last axis) whose argmax over
+    the last axis is the reference's, as a classifier's top-1 agrees, the build report's ``argmax_agreement``;
+    ``"neighbour"`` = the fraction of samples whose nearest other sample (cosine) is the same as under the
+    reference, for embedding outputs (the report's ``top1_agreement`` of a sentence encoder). ``reduce="mean"|"min"``
+    returns that one float instead. Reference outputs are computed once.
     """
+    if top1 not in ("argmax", "neighbour"):
+        raise ConfigError(f"top1 must be 'argmax' or 'neighbour', got {top1!r}", "argmax for classifiers")
     batches = check_batches(reference, read_batches(heldout), what="held-out")
     sess = ort_session(reference)
     names = [o.name for o in sess.get_outputs()]
@@ -122,9 +128,12 @@ def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list,
 
     def metric(model: onnx.ModelProto) -> dict[str, float] | float:
         s = ort_session(model)
-        ys, rs, cs = [], [], []
+        ys, rs, cs, agree = [], [], [], []
         for b, r in zip(batches, refs):
-            y = s.run(None, b)[output].reshape(r.shape[0], -1).astype(np.float64)
+            y = s.run(None, b)[output]
+            if r.ndim >= 2 and r.shape[-1] > 1:
+                agree.append((y.argmax(-1) == r.argmax(-1)).reshape(-1))
+            y = y.reshape(r.shape[0], -1).astype(np.float64)
             r = r.reshape(r.shape[0], -1).astype(np.float64)
             cs.append((y * r).sum(1) / (np.linalg.norm(y, axis=1) * np.linalg.norm(r, axis=1) + 1e-30))
             ys.append(y)
@@ -132,9 +141,13 @@ def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list,
         c = np.concatenate(cs)          # per sample, so batches of different sequence lengths are fine
         if reduce is not None:
             return float(c.mean() if reduce == "mean" else c.min())
-        same_width = len({y.shape[1] for y in ys}) == 1   # top-1 compares rows with each other: one width only
-        top1 = (top1_neighbour_agreement(np.concatenate(rs), np.concatenate(ys)) if same_width else float("nan"))
-        return {"cosine": float(c.mean()), "cosine-min": float(c.min()), "top1": top1}
+        if top1 == "argmax":
+            agreement = float(np.concatenate(agree).mean()) if agree else float("nan")
+        else:  # compares rows with each other: one width only
+            same_width = len({y.shape[1] for y in ys}) == 1
+            agreement = (top1_neighbour_agreement(np.concatenate(rs), np.concatenate(ys)) if same_width
+                         else float("nan"))
+        return {"cosine": float(c.mean()), "cosine-min": float(c.min()), "top1": agreement}
 
     return metric
 
@@ -159,7 +172,7 @@ class GateCheck:
     def __init__(self, gate: AccuracyGate | list[AccuracyGate] | str, *,
                  metric: Callable[[onnx.ModelProto], float | dict[str, float]] | None,
                  heldout: CalibrationSource | list | None, reference: onnx.ModelProto,
-                 output: int | str = 0) -> None:
+                 output: int | str = 0, top1: str = "argmax") -> None:
         self.gates = (parse_gates(gate) if isinstance(gate, str)
                       else [gate] if isinstance(gate, AccuracyGate) else list(gate))
         self.primary = self.gates[0]
@@ -170,7 +183,7 @@ class GateCheck:
                 raise ConfigError(f"accuracy gate {self.text} needs held-out data and a metric for "
                                   f"{(custom or [self.primary.metric])[0]!r}",
                                   "pass held-out batches (cosine, top1) or a metric function")
-            metric = cosine_metric(reference, heldout, output=output)
+            metric = cosine_metric(reference, heldout, output=output, top1=top1)
         self.metric = metric
 
     def measure(self, model: onnx.ModelProto) -> dict[str, float]:
@@ -191,7 +204,7 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
                    block_size: int = 32, symmetric: bool = True, nodes: list[str] | None = None,
                    act_order: bool = True, on_step: Callable[[str], None] | None = None,
                    output: int | str = 0, max_probe: int | None = None,
-                   reference: onnx.ModelProto | None = None) -> tuple[onnx.ModelProto, dict]:
+                   reference: onnx.ModelProto | None = None, top1: str = "argmax") -> tuple[onnx.ModelProto, dict]:
     """INT4 weight-only model whose most sensitive layers are raised until ``gate`` passes.
 
     Args:
@@ -203,6 +216,7 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
             ``auc-drop`` etc. need a caller-supplied metric.
         on_step: called with a one-line progress message after each measurement.
         output: the output (index or name) the default cosine metric compares.
+        top1: what the default metric's ``top1`` means: ``"argmax"`` or ``"neighbour"`` (:func:`cosine_metric`).
         reference: the fp32 model the default metric compares with (default ``model``); pass the original when
             ``model`` already has other parts quantized (e.g. INT4 embedding tables), so the gate sees the final
             model.
@@ -217,7 +231,7 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
         without a metric function; CalibrationError / QuantizationError as in :func:`quantize_weight_only`.
     """
     check = GateCheck(gate, metric=metric, heldout=heldout, reference=reference if reference is not None else model,
-                      output=output)
+                      output=output, top1=top1)
     primary, gate_text = check.primary, check.text
     measure, passes, show = check.measure, check.passes, check.show
     log = on_step or (lambda msg: None)

@@ -60,6 +60,12 @@ def _embedding_output(exported: Any, source: Any) -> int | str:
     return 0
 
 
+def _top1(source: Any) -> str:
+    """What a gate's ``top1`` means for ``source``: nearest-neighbour agreement of a sentence encoder's embeddings,
+    else argmax agreement (a classifier's top-1), as the build's accuracy table reports it (``evaluate``)."""
+    return "neighbour" if source.task == "sentence-embedding" else "argmax"
+
+
 def _gate_reference(exported: Any, model: Any) -> Any:
     """The model accuracy gates compare with: the original export when the source was pruned / QAT-tuned first."""
     import onnx
@@ -91,7 +97,7 @@ def compress_int4(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
         out = compress_int4_with_tables(
             model, preset.replace(accuracy_gate=gate),
             Calibration(calib, heldout=heldout, reference=_gate_reference(exported, model),
-                        output=_embedding_output(exported, source)), tables=opts.embeddings)
+                        output=_embedding_output(exported, source), top1=_top1(source)), tables=opts.embeddings)
     else:
         out = compress_int4_with_tables(model, preset.replace(clip_search=not qat), Calibration(calib),
                                         tables=opts.embeddings)
@@ -254,7 +260,7 @@ def compress_int8(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
         gate = opts.accuracy_gate or DEFAULT_INT8_GATE
         out = compress(model, get_preset("int8-smoothquant").replace(accuracy_gate=gate),
                        Calibration(calib, heldout=heldout, reference=_gate_reference(exported, model),
-                                   output=_embedding_output(exported, source)))
+                                   output=_embedding_output(exported, source), top1=_top1(source)))
         q, details = out.model, out.details
     elif calib is not None:
         out = compress(model, "int8-smoothquant", Calibration(calib))
