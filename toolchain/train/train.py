@@ -261,6 +261,10 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         log.message(f"resumed from checkpoint step_{step}")
     else:
         log.reset()  # a fresh start: records of an earlier run in this directory would mix trajectories
+    if cfg.loss.class_weights and env.dp > 1 and env.rank == 0:
+        log.message(f"note: class_weights with {env.dp} data-parallel ranks: each rank takes the weighted mean of "
+                    "its slice and the ranks average those, which is the global weighted mean only in expectation "
+                    "(1 and N processes differ slightly; docs/train.md)")
 
     from torch.utils.data import DataLoader
 
