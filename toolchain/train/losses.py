@@ -19,10 +19,14 @@ from .config import LossConfig, resolve_callable
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def make_loss(cfg: LossConfig) -> LossFn:
+def make_loss(cfg: LossConfig, weight_mean: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LossFn:
     """``loss(logits, target) -> scalar`` (mean over the batch, computed in fp32).
 
-    cross_entropy: logits (N, C) float, target (N,) int64 class ids; ``class_weights`` (C floats).
+    cross_entropy: logits (N, C) float, target (N,) int64 class ids; ``class_weights`` (C floats): the weighted mean
+    ``sum(w[y] * ce) / sum(w[y])``. ``weight_mean``: under data parallelism, the mean over the data-parallel ranks
+    of a scalar (an all-reduce): the denominator is then the ranks' mean ``sum(w[y])``, so the ranks' averaged
+    gradients are those of the global batch's weighted mean, as one process computes it (each rank's own weighted
+    mean, averaged, is not: 0.02 apart in the weights after 200 steps of the fraud teacher on 2 processes).
     bce_with_logits: logits and target same shape (a trailing size-1 axis is squeezed), ``pos_weight``.
     mse: same shape (a trailing size-1 axis is squeezed). ``module:function``: the user's function, called as-is.
     The cross_entropy loss raises ConfigError (on its first call, before any weight moves) when ``class_weights``
@@ -49,6 +53,10 @@ def make_loss(cfg: LossConfig) -> LossFn:
                                       f"{classes} class{'es' * (classes != 1)} (logits {tuple(logits.shape)})",
                                       "one output per class (2 for a binary task), or kind = 'bce_with_logits' for a "
                                       "single logit")
+            if w is not None and weight_mean is not None:
+                wd = w.to(logits.device)
+                per = F.cross_entropy(logits.float(), target.long(), weight=wd, reduction="none")  # w[y] * ce
+                return per.sum() / weight_mean(wd[target.long()].sum().detach())
             return F.cross_entropy(logits.float(), target.long(),
                                    weight=None if w is None else w.to(logits.device))
         return ce

@@ -46,3 +46,13 @@ def global_loss(loss: torch.Tensor | None, env: par.DistEnv) -> float:
         t = t.to(env.device)
         dist.all_reduce(t)
     return float(t[0] / t[1]) if float(t[1]) > 0 else float("nan")
+
+
+def dp_mean(value: torch.Tensor, env: par.DistEnv) -> torch.Tensor:
+    """The mean of a scalar over the data-parallel ranks (all-reduce over the mesh's ``dp`` group); ``value`` as
+    it is in one process. Not differentiable (a normalizer)."""
+    if env.dp <= 1:
+        return value
+    t = value.detach().clone()
+    dist.all_reduce(t, group=env.group("dp"))
+    return t / env.dp

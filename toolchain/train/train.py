@@ -34,7 +34,7 @@ from .metrics import MetricsLog
 from .optim import HybridOptimizer, WarmupCosine
 from .plateau import PlateauMonitor
 from .precision import PrecisionPolicy
-from .reductions import clip_, global_loss, grad_norm
+from .reductions import clip_, dp_mean, global_loss, grad_norm
 from .run_files import model_state_for_export, write_final, write_resolved_config
 from .sampler import TokenBudgetBatchSampler, pad_collate
 
@@ -178,7 +178,13 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
     hard_loss = make_loss(cfg.loss)
     if cfg.loss.class_weights:
         check_class_weights(model, train_ds, hard_loss, isinstance(sampler, TokenBudgetBatchSampler))
-    forward_loss = forward_loss_factory(hard_loss) if forward_loss_factory else None
+    # the training step's loss: with class weights on several data-parallel ranks, normalized by the global batch's
+    # weight sum (an all-reduce per step), so N processes train as one does (make_loss); pipeline runs keep the
+    # per-rank mean (their loss runs per microbatch inside the schedule), as does validation
+    step_loss = hard_loss
+    if cfg.loss.class_weights and env.dp > 1 and env.pp == 1:
+        step_loss = make_loss(cfg.loss, weight_mean=lambda t: dp_mean(t, env))
+    forward_loss = forward_loss_factory(step_loss) if forward_loss_factory else None
     # the run directory only once the model and data could be built: a bad config or a missing data file leaves
     # nothing behind (config.toml once the checkpoints, if any, loaded: below)
     log = MetricsLog(run_dir / "metrics.jsonl", env.rank, total_steps, progress=cfg.health.progress,
@@ -261,10 +267,10 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
         log.message(f"resumed from checkpoint step_{step}")
     else:
         log.reset()  # a fresh start: records of an earlier run in this directory would mix trajectories
-    if cfg.loss.class_weights and env.dp > 1 and env.rank == 0:
-        log.message(f"note: class_weights with {env.dp} data-parallel ranks: each rank takes the weighted mean of "
-                    "its slice and the ranks average those, which is the global weighted mean only in expectation "
-                    "(1 and N processes differ slightly; docs/train.md)")
+    if cfg.loss.class_weights and env.dp > 1 and env.pp > 1 and env.rank == 0:
+        log.message(f"note: class_weights with {env.dp} data-parallel ranks of a pipeline: each rank takes the "
+                    "weighted mean of its slice and the ranks average those, the global weighted mean only in "
+                    "expectation (docs/train.md)")
 
     from torch.utils.data import DataLoader
 
@@ -319,7 +325,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
                     loss = forward_loss(model, x, y)
                 else:
                     out = model(*x)
-                    loss = hard_loss(out[0] if isinstance(out, (tuple, list)) else out, y)
+                    loss = step_loss(out[0] if isinstance(out, (tuple, list)) else out, y)
             (scaler.scale(loss) if scaler is not None else loss).backward()
             if comm is not None and step == start_step:  # DDP, first step of this process
                 check_all_used(model, cfg)
