@@ -236,3 +236,16 @@ def test_a_decision_logged_during_the_build_is_not_repeated_as_a_note(tmp_path, 
     assert text.count("auto chose") == 1, text
     report = json.loads(next((tmp_path / "o").glob("*.dse/report.json")).read_text())
     assert any("auto chose" in n for n in report["notes"])  # still in the report
+
+
+def test_the_table_header_names_the_timed_shape_only_when_the_inputs_share_it():
+    """A user's pass: the fraud scorer's table said b1×29 (its dense width, as if a sequence length)."""
+    from dsedge.toolchain.report import latency_shape
+
+    def report(shapes):
+        return {"variants": [{"latency_ms": {"1": {"p50": 1.0, "shape": shapes}}}]}
+
+    assert latency_shape(report({"input_ids": [1, 32], "attention_mask": [1, 32]})) == "b1×32"
+    assert latency_shape(report({"dense": [1, 29], "sparse_ids": [1, 4]})) == "b1"
+    assert latency_shape(report({"image": [1, 3, 224, 224]})) == "b1×3×224×224"
+    assert latency_shape({"variants": [{"latency_ms": {}}]}) == "b1"

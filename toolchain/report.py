@@ -32,13 +32,14 @@ def summary_table(report: dict[str, Any]) -> Any:
 
 
 def latency_shape(report: dict[str, Any]) -> str:
-    """The shape the build timed, for table headers: ``b1×32`` (batch 1, sequence 32) from the first input's shape
-    in the first variant's ``latency_ms["1"]["shape"]``; ``b1`` when unknown."""
+    """The shape the build timed, for table headers, from the first variant's ``latency_ms["1"]["shape"]``: every
+    input's shape when they all share it (``b1×32``: batch 1, sequence 32; ``b1×3×224×224``), else the batch alone
+    (a fraud scorer's dense [1, 29] and sparse ids [1, 4] are not a sequence of 29: ``b1``); ``b1`` when unknown."""
     for v in report.get("variants", []):
-        shapes = first_latency(v.get("latency_ms")).get("shape") or {}
-        if shapes:
-            dims = next(iter(shapes.values()))
-            return "b" + "×".join(str(d) for d in dims) if dims else "b1"
+        shapes = [list(d) for d in (first_latency(v.get("latency_ms")).get("shape") or {}).values()]
+        if shapes and shapes[0]:
+            dims = shapes[0] if all(d == shapes[0] for d in shapes) else shapes[0][:1]
+            return "b" + "×".join(str(d) for d in dims)
     return "b1"
 
 
