@@ -275,3 +275,25 @@ def test_an_integer_table_a_gather_reads_is_not_an_embedding_to_quantize(tmp_pat
     want = ort.InferenceSession(str(tmp_path / "int.onnx"), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})
     got = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})
     assert cosine(want[0], got[0]) > 0.98  # the MatMul is INT4; the table is untouched
+
+
+def test_a_bf16_gate_runs_on_the_host_and_gate_output_is_checked(files, capsys):
+    """A user's pass: a gated bf16 quantize could not measure (ORT CPU has no BF16 kernels), and the gate always
+    measured the first output, with no way to pick another."""
+    out = files / "q_bf16.onnx"
+    name = mlp().graph.output[0].name
+    code, stdout, err = run_main(["quantize", files / "mlp.onnx", "-o", out, "--precision", "bf16", "--heldout",
+                                  files / "held", "--accuracy-gate", "cosine:0.999", "--gate-output", name, "--json"],
+                                 capsys)
+    assert code == 0, err
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert report["gate_values"]["cosine"] >= 0.999
+    assert onnx.TensorProto.BFLOAT16 in {t.data_type for t in onnx.load(str(out)).graph.initializer}
+    code, _, err = run_main(["quantize", files / "mlp.onnx", "-o", files / "never.onnx", "--precision", "bf16",
+                             "--heldout", files / "held", "--accuracy-gate", "cosine:0.99", "--gate-output", "nope"],
+                            capsys)
+    assert code == 2 and f"--gate-output 'nope' is not an output of mlp.onnx" in err and f"outputs: {name}" in err
+    code, _, err = run_main(["quantize", files / "mlp.onnx", "-o", files / "never.onnx", "--gate-output", name],
+                            capsys)
+    assert code == 2 and "no gate was given" in err
+    assert not (files / "never.onnx").exists()

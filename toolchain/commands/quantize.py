@@ -47,7 +47,10 @@ def save_model_atomic(model, dest: Path) -> None:
 @click.option("--heldout", type=click.Path(path_type=Path), help="Held-out data for --accuracy-gate (.npz or dir).")
 @click.option("--accuracy-gate", "gate", help="METRIC:THRESHOLD[,…], e.g. cosine:0.99 or cosine:0.99,top1:1 "
               "(INT4: raise sensitive layers until all pass; INT8 static: keep the most sensitive layers float). "
-              "Measured on the model's first output: cosine per sample, top1 = argmax agreement over its last axis.")
+              "Measured on --gate-output: cosine per sample, top1 = argmax agreement over its last axis.")
+@click.option("--gate-output", "gate_output", default=None,
+              help="The output --accuracy-gate measures (default: the model's first; e.g. sentence_embedding "
+              "for a sentence encoder whose first output is per-token).")
 @click.option("--method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",
               show_default=True, help="INT8 activation calibration.")
 @click.option("--int8-mode", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,
@@ -64,7 +67,8 @@ def save_model_atomic(model, dest: Path) -> None:
 def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset: str | None, list_presets: bool,
              precision: str, algorithm: str, block_size: int, asymmetric: bool, calib: Path | None,
              heldout: Path | None, gate: str | None, method: str, int8_mode: str, smooth_alpha: float | None,
-             nodes: str | None, embeddings: bool | None, report_path: Path | None, as_json: bool) -> None:
+             nodes: str | None, embeddings: bool | None, gate_output: str | None, report_path: Path | None,
+             as_json: bool) -> None:
     """Quantize an ONNX MODEL and write the result to --output (written atomically)."""
     from ..config import check_heldout_is_not_calibration
     from ..quantize.compress import Calibration, compress, compress_int4_with_tables
@@ -94,15 +98,23 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
             raise SourceError("--accuracy-gate needs --heldout data", "pass --heldout DIR_OR_NPZ")
         check_heldout_is_not_calibration(calib, heldout)
     m = _load(model)
+    outputs = [o.name for o in m.graph.output]
+    if gate_output is not None and not chosen.accuracy_gate:
+        raise ConfigError("--gate-output names what --accuracy-gate measures, and no gate was given",
+                          "add --accuracy-gate, or drop --gate-output")
+    if gate_output is not None and gate_output not in outputs:
+        raise ConfigError(f"--gate-output {gate_output!r} is not an output of {model.name}",
+                          f"outputs: {', '.join(outputs)}")
+    gated = gate_output if gate_output is not None else 0
     source_size = model.stat().st_size  # before writing: -o may be MODEL itself
     # INT4 and INT8 static search for the layers to keep higher; every other precision is checked once, after
     searched = chosen.accuracy_gate and (chosen.precision == "int4" or chosen.algorithm == "static")
     say = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
     on_step = (lambda msg: click.echo(f"  {msg}", err=True)) if searched else None
-    calibration = Calibration(calib, heldout=heldout, on_step=on_step)
+    calibration = Calibration(calib, heldout=heldout, on_step=on_step, output=gated)
     out = (compress_int4_with_tables(m, chosen, calibration, tables=tables_too) if chosen.precision == "int4"
            else compress(m, chosen, calibration))
-    checked = _check_gate(m, out.model, chosen, heldout) if chosen.accuracy_gate and not searched else {}
+    checked = _check_gate(m, out.model, chosen, heldout, gated) if chosen.accuracy_gate and not searched else {}
     if chosen.precision in ("int4", "int8"):
         from ..quantize.graph import quantized_nodes
 
@@ -126,7 +138,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
         click.echo(json.dumps(report, default=float))
 
 
-def _check_gate(source, compressed, preset, heldout: Path) -> dict:  # type: ignore[no-untyped-def]
+def _check_gate(source, compressed, preset, heldout: Path, output: int | str = 0) -> dict:  # type: ignore[no-untyped-def]
     """``--accuracy-gate`` on a precision without a gated search (FP16/BF16, dynamic/row-wise/weight-only INT8):
     the compressed model vs the source on the held-out inputs. Returns ``{"gate", "gate_values"}``.
 
@@ -136,7 +148,7 @@ def _check_gate(source, compressed, preset, heldout: Path) -> dict:  # type: ign
     from ...runtime.errors import AccuracyGateError
     from ..quantize.mixed import GateCheck
 
-    check = GateCheck(preset.accuracy_gate, metric=None, heldout=heldout, reference=source)
+    check = GateCheck(preset.accuracy_gate, metric=None, heldout=heldout, reference=source, output=output)
     values = check.measure(compressed)
     failing = [g for g in check.gates if not g.passes(values[g.metric])]
     if failing:  # enough digits that a value just under a tight threshold does not print as the threshold

@@ -20,6 +20,7 @@ import onnx
 
 from ...runtime.errors import AccuracyGateError, ConfigError
 from ..evaluate import top1_neighbour_agreement
+from .bf16_host import has_bf16, host_twin
 from .calibration import CalibrationSource, check_batches, load_calibration, ort_session, read_batches
 from .graph import ensure_qdq_opset, name_nodes, select_layers
 from .weight_only import QuantizedLayer, assemble, layer_activations, quantize_layers
@@ -127,7 +128,7 @@ def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list,
     refs = [sess.run(None, b)[output] for b in batches]
 
     def metric(model: onnx.ModelProto) -> dict[str, float] | float:
-        s = ort_session(model)
+        s = ort_session(host_twin(model) if has_bf16(model) else model)  # ORT CPU has no BF16 kernels
         ys, rs, cs, agree = [], [], [], []
         for b, r in zip(batches, refs):
             y = s.run(None, b)[output]
