@@ -202,6 +202,9 @@ def test_killed_rank_restarts_and_resumes_identically(tmp_path):
     out, _ = proc.communicate(timeout=240)
     assert killed_at is not None and killed_at < 12, out[-3000:]
     assert proc.returncode == 0, out[-5000:]
+    # a surviving rank whose collective failed first (not always: torchrun may stop it before) says so in one
+    # line, without a traceback through torch.distributed (test_a_rank_that_lost_its_peer_says_so_in_one_line)
+    assert "Traceback" not in out, out[-5000:]
     events = [json.loads(x) for x in metrics.read_text().splitlines() if '"event"' in x]
     resumed = [e for e in events if e["event"] == "resumed"]
     assert resumed and resumed[0]["step"] == 4 and resumed[0]["restart"] == 1
@@ -272,3 +275,31 @@ def test_fsdp_checkpoint_resumes_in_one_process(dist_runs, references, tmp_path)
         sys.path.remove(str(TESTS))
     assert losses(run) == pytest.approx(losses(references / "tiny"), rel=1e-6, abs=1e-6)
     assert_same_weights(run, references / "tiny")
+
+
+def test_a_rank_that_lost_its_peer_says_so_in_one_line(monkeypatch, capsys):
+    """A user's pass: after `kill -9` of one rank under --max-restarts, the surviving rank printed gloo's
+    "Connection reset by peer" as a full traceback before torchrun's line (when its collective failed before
+    torchrun stopped it). Only under torchrun, and only a lost peer: anything else is raised as it was."""
+    from dsedge.toolchain.commands.train import run_rank
+
+    def lost(_cfg):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):  # one process: not a torchrun group
+        run_rank(lost, None)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        run_rank(lost, None)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith("error: rank 1 lost a peer process mid-step (") and "--max-restarts" in err
+
+    def other(_cfg):
+        raise ValueError("not a lost peer")
+
+    with pytest.raises(ValueError, match="not a lost peer"):
+        run_rank(other, None)
+    assert run_rank(lambda cfg: cfg + 1, 1) == 2

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .train import check_launch, finished_line, launch_torchrun, under_torchrun
+from .train import check_launch, finished_line, launch_torchrun, run_rank, under_torchrun
 
 
 @click.command(name="distill")
@@ -23,6 +23,6 @@ def distill(config: str, nproc: int | None, max_restarts: int) -> None:
         sys.exit(launch_torchrun("distill", config, nproc, max_restarts))
     from ..train.distill import run
 
-    result = run(cfg)
+    result = run_rank(run, cfg)
     if int(os.environ.get("RANK", 0)) == 0:
         click.echo(finished_line("distill", result))

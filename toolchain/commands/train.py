@@ -65,6 +65,29 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def run_rank(run, cfg):  # type: ignore[no-untyped-def]
+    """``run(cfg)`` on this rank. Under torchrun, a collective that fails because another rank died (gloo:
+    "Connection reset by peer") ends this rank with one line and exit status 1, which torchrun's restarts (if any)
+    take over, instead of a Python traceback through torch.distributed printed beside torchrun's own report."""
+    try:
+        return run(cfg)
+    except Exception as e:  # noqa: BLE001 - only a lost peer is turned into a line; anything else re-raised
+        import torch.distributed as dist
+
+        text = str(e)
+        lost = isinstance(e, getattr(dist, "DistBackendError", ())) or any(p in text for p in _PEER_GONE)
+        if not (under_torchrun() and lost):
+            raise
+        first = text.strip().splitlines()[0][:160] if text.strip() else type(e).__name__
+        click.echo(f"error: rank {os.environ.get('RANK', '?')} lost a peer process mid-step ({first})", err=True)
+        click.echo("  hint: another rank failed or was killed (its own message, or torchrun's, says why); "
+                   "--max-restarts N restarts the group from its latest checkpoint", err=True)
+        sys.exit(1)
+
+
 def check_launch(verb: str, config: str, nproc: int | None, max_restarts: int):  # type: ignore[no-untyped-def]
     """Read and check CONFIG in this process, before anything starts: under ``--nproc-per-node`` a mistake is one
     line here, not one per rank followed by torchrun's ChildFailedError traceback. Returns the TrainConfig.
@@ -128,6 +151,6 @@ def train(config: str, nproc: int | None, max_restarts: int) -> None:
         sys.exit(launch_torchrun("train", config, nproc, max_restarts))
     from ..train.train import run
 
-    result = run(cfg)
+    result = run_rank(run, cfg)
     if int(os.environ.get("RANK", 0)) == 0:
         click.echo(finished_line("train", result))
