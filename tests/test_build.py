@@ -315,3 +315,12 @@ def test_cpu_auto_measures_each_precision_and_keeps_the_fastest_accurate_one(tmp
 
     assert all(v["latency_ms"]["1"]["threads"] == serving_threads() for v in r.report["variants"])
     assert "one serving instance's here" in choice["why"]
+
+
+def test_dla_that_a_variant_cannot_use_is_said_on_the_terminal(tmp_path):
+    """A user's pass: `--dla 1 --precision fp32` exited 0 with DLA dropped, said only in trtexec.sh and report.json."""
+    lines: list[str] = []
+    r = build(BuildOptions(model=str(mlp_onnx(tmp_path / "m.onnx")), target="jetson", out_dir=str(tmp_path / "o"),
+                           precision="fp32", dla_core=1, latency_iterations=2), log=lines.append)
+    assert "fp32 builds for the GPU instead of DLA core 1" in " ".join(r.report["engine_recipe"]["fp32"])
+    assert [x for x in lines if x.startswith("note: fp32: DLA runs INT8/FP16 only")], lines

@@ -167,6 +167,13 @@ def test_onnx_source_prunes_without_fine_tune_and_refuses_qat(tmp_path):
                            prune="channels:0.5", latency_iterations=2))
     assert r.report["compensation"]["prune"]["blocks"][0]["hidden_after"] == 64
     assert any("without a fine-tune" in n for n in r.report["notes"])
+    # a pruned ONNX graph far from the original: the warning says no fine-tune ran (it said one "did not recover
+    # it", a user's pass)
+    lines: list[str] = []
+    r = build(BuildOptions(model=str(model), target="jetson", out_dir=str(tmp_path / "o3"), precision="fp16",
+                           prune="2:4", latency_iterations=2), log=lines.append)
+    assert r.report["variants"][0]["accuracy"]["cosine_mean"] < 0.98
+    assert [w for w in lines if "pruned without a fine-tune (an ONNX source has no weights to train)" in w], lines
     with pytest.raises(SourceError, match="source is an ONNX file"):
         build(BuildOptions(model=str(model), target="cpu", out_dir=str(tmp_path / "o2"), precision="int4",
                            qat_steps=5))

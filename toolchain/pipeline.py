@@ -64,6 +64,11 @@ def build(config: BuildConfig, log: Callable[[str], None] = lambda s: None,
         variants, warnings = run("validate", validate, plan, model, choice, opsets, log, timing="validate_s")
         variants = run("measure latency", measure, plan, model, choice, variants, timing="validate_s")
         recipe = run("engine recipe", engine_recipe, plan, model, variants, work)
+        if plan.config.dla_core is not None:  # --dla asked for, and a variant will not run there: said here too
+            for name, lines in recipe.notes.items():
+                for line in lines:
+                    if "DLA" in line:
+                        log(f"note: {name}: {line}")
         report = assemble_report(plan, model, choice, opsets, variants, recipe, warnings, run.timings, run.started)
         dest = run("write bundle", write, plan, model, variants, recipe, report)
     log(f"wrote {dest}")

@@ -45,8 +45,11 @@ def validate(plan: BuildPlan, model: Prepared, choice: Choice, opsets: dict[str,
                             finetuned)
     warnings = []
     if finetuned and shipped.get("cosine", 1.0) < AUTO_MIN_COSINE:
+        why = ("the pruning/QAT fine-tune did not recover it" if model.source.module is not None else
+               "pruned without a fine-tune (an ONNX source has no weights to train): build from the torch model "
+               "to fine-tune, or prune less")
         warning = (f"warning: the {choice.precision} variant is at cosine {shipped['cosine']:.4f} vs the original "
-                   f"model (below {AUTO_MIN_COSINE}): the pruning/QAT fine-tune did not recover it")
+                   f"model (below {AUTO_MIN_COSINE}): {why}")
         log(warning)
         warnings.append(warning)
     return variants, warnings
