@@ -116,10 +116,10 @@ from .arrival_rate import ArrivalRate
 from .batching import BatchLayout
 from .caller_load import CallerLoad
 from .core_share import CoreShare
+from .errors import SessionClosedError
 from .latency_profile import LatencyProfile, seq_bucket
 from .metrics import StreamMetrics
 from .plan_calibration import PlanCalibration
-from .errors import SessionClosedError
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
 from .standby import Standby
 from .thread_priority import lower_current_thread, pin_current_thread
