@@ -324,7 +324,7 @@ class LatencyProfile:
                     if not (math.isfinite(float(val)) and float(val) > 0):
                         continue
                     prof.set(batch, seq, float(val))
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 continue  # an unknown entry in the bundle is not worth failing a load for
         return prof
 

@@ -59,6 +59,22 @@ def graph_value_ranges(model: Any) -> dict[str, tuple[int, int]]:
     return out
 
 
+def traced_input(graph: Any, tensor: str) -> str | None:
+    """The graph input that ``tensor`` of ``graph`` is, reached back through value-keeping ops only (Cast, Reshape,
+    Unsqueeze, …: what :func:`graph_value_ranges` follows forward), or None (computed from several tensors, sliced,
+    offset, …): only then does a check of that input's values bound ``tensor``'s."""
+    producers = {o: n for n in graph.node for o in n.output}
+    inputs = {vi.name for vi in graph.input} - {t.name for t in graph.initializer}
+    for _ in range(64):
+        if tensor in inputs:
+            return tensor
+        node = producers.get(tensor)
+        if node is None or node.op_type not in _PASS_THROUGH or not node.input:
+            return None
+        tensor = node.input[0]
+    return None
+
+
 def graph_token_bounds(model: Any) -> dict[str, Any]:
     """``{"value_ranges": graph_value_ranges(model), "vocab_size": n}`` for a ``Source``: ``vocab_size`` is the
     bound of an input named like token ids (``input_ids``/``ids``), else of the only bounded input, else None."""

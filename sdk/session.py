@@ -76,14 +76,15 @@ class Session:
                  open_instances: Callable[[], list] | None = None, fallback: bool = False,
                  instance_seed_scale: float = 1.0, seed_scale: float = 1.0, worker_nice: int = 0,
                  instance_cpus: Sequence[frozenset[int]] | None = None, standby: bool = True,
-                 caller_weight: float = 0.0) -> None:
+                 caller_weight: float = 0.0, graph_ranges: Mapping[str, tuple[int, int]] | None = None) -> None:
         self.path = Path(path)
         self.manifest = manifest
         self.variant = variant
         self._backend = backend
-        # an input the manifest gives no range for, whose ids the backend's model no longer checks (ORT CPU's
-        # block-quantized Gather): the range the graph's tables allow, checked here like the manifest's
-        graph = getattr(backend, "value_ranges", None) or {}
+        # an input the manifest gives no range for: the range the tables of the variants this session may serve
+        # allow (``graph_ranges``; ORT CPU's block-quantized Gather, what an INT4 table runs as, does not check its
+        # ids, and ONNX's Gather wraps negative ones), checked here like the manifest's
+        graph = _narrowest(getattr(backend, "value_ranges", None) or {}, graph_ranges or {})
         self.inputs: list[IOSpec] = [dataclasses.replace(s, value_range=graph[s.name])
                                      if s.value_range is None and s.name in graph else s for s in manifest.inputs]
         self.outputs: list[IOSpec] = list(manifest.outputs)
@@ -660,6 +661,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
             opened = list(pool.map(lambda _: open_backend(VariantFiles(Path(path), manifest, v), prefs),
                                    range(count)))
         open_instances = opened.copy
+    served = [v] + ([o for o in manifest.variants if o.name != v.name] if cascade else [])
     session = Session(path, manifest, v, backend, budget_ms=budget_ms, cascade=cascade, max_batch=max_batch,
                       max_queue=max_queue, max_delay_ms=max_delay_ms, profile=profile, open_variant=open_variant,
                       batch_variant_ok=batch_variant_ok, open_instances=open_instances,
@@ -669,7 +671,8 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
                       instance_cpus=cpus, standby=standby,
                       # the lanes cover every core: a caller's burst of CPU use takes one from a batch
                       caller_weight=1.0 if (_on_ort_cpu(backend) and not reserve_cores
-                                            and count * (per_thread or cores) >= cores) else 0.0)
+                                            and count * (per_thread or cores) >= cores) else 0.0,
+                      graph_ranges=graph_ranges(path, manifest, served))
     # the full collection that opening a bundle makes due (its objects count as the old generation's pending ones)
     # runs here rather than in the first seconds of serving, where it held the interpreter lock for 16-33 ms
     # and 4-11 requests of a 3x load around it missed their budget (about a fifth of that window's misses)
@@ -680,6 +683,36 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
 
 def _cores() -> int:
     return host_cores()
+
+
+def _narrowest(*ranges: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    for r in ranges:
+        for k, (lo, hi) in r.items():
+            a, b = out.get(k, (lo, hi))
+            out[k] = (max(a, lo), min(b, hi))
+    return out
+
+
+def graph_ranges(path: Path, manifest: Manifest, variants: Sequence[Variant]) -> dict[str, tuple[int, int]]:
+    """``{input: (0, n - 1)}`` for the integer inputs the manifest gives no ``value_range``, from the embedding tables
+    of ``variants``' graphs (``runtime/token_bounds.py``; the narrowest where variants differ). Reads each graph's
+    protobuf, never its external data; {} when every integer input has a range (bundles built since these were
+    recorded), so loading those reads nothing more."""
+    from .runtime.token_bounds import graph_value_ranges
+
+    missing = {s.name for s in manifest.inputs if s.value_range is None and np.dtype(s.dtype).kind in "iu"}
+    if not missing:
+        return {}
+    import onnx
+
+    found = []
+    for v in variants:
+        try:
+            found.append(graph_value_ranges(onnx.load(os.fspath(path / v.file), load_external_data=False)))
+        except Exception:  # noqa: BLE001 - a graph onnx cannot read: ORT already said what it could
+            continue
+    return {k: r for k, r in _narrowest(*found).items() if k in missing}
 
 
 def _is_decoder_manifest(manifest: Manifest) -> bool:

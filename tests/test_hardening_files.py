@@ -72,6 +72,7 @@ def test_written_documents_carry_their_schema_names(bundle):
     (lambda d: d["variants"][0].update(latency_ms={"1": {"p50": -1.0}}), "variants[0].latency_ms.1"),
     (lambda d: d["variants"][0].update(latency_ms={"8x0": 2.0}), "variants[0].latency_ms"),
     (lambda d: d["variants"][0].update(latency_ms={"1": -2.0}), "variants[0].latency_ms.1"),
+    (lambda d: d["variants"][0].update(latency_ms={"1": 10**400}), "variants[0].latency_ms.1"),  # OverflowError
 ])
 def test_numbers_and_names_in_a_rehashed_manifest_are_refused_naming_the_field(bundle, edit, field):
     rewrite_manifest(bundle, edit)

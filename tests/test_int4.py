@@ -167,3 +167,46 @@ def test_bad_inputs(tmp_path):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]), opset_imports=[helper.make_opsetid("", 21)])
     with pytest.raises(QuantizationError, match="no MatMul or Gemm"):
         quantize_int4(relu_only)
+
+
+def test_ids_the_session_cannot_check_keep_the_checking_gather_and_every_served_variant_checks_its_ids(tmp_path):
+    """A user's pass over the fix above: (1) ids offset per field before the table (Add) got no range and the
+    table still became GatherBlockQuantized, which answered 10**6 with finite numbers; such a table is now left as
+    DequantizeLinear → Gather, which fails; (2) an fp32 primary with an INT4 cascade variant, or an old bundle's
+    fp32 variant (ONNX's Gather wraps -1), checked no range: every served variant's tables now set it."""
+    import dsedge
+    from dsedge.runtime.bundle import IOSpec, Variant
+    from dsedge.runtime.errors import InputError
+    from dsedge.toolchain.bundle_writer import write_bundle
+
+    emb = onnx.load(str(embedding_onnx(tmp_path / "emb.onnx")))
+    offset = onnx.ModelProto()
+    offset.CopyFrom(emb)
+    g = offset.graph
+    g.initializer.append(numpy_helper.from_array(np.array([0, 100], np.int64), "field_offsets"))
+    g.node.insert(0, helper.make_node("Add", ["ids", "field_offsets"], ["ids_off"]))
+    next(n for n in g.node if n.op_type == "Gather").input[1] = "ids_off"
+    q, _ = quantize_int4(offset, block_size=32, embeddings=True)
+    qpath = tmp_path / "offset-int4.onnx"
+    onnx.save(q, str(qpath))
+    backend = OrtBackend(qpath, providers=["CPUExecutionProvider"])
+    assert backend.rewrites == 0 and backend.value_ranges == {}
+    with pytest.raises(Exception, match="out of data bounds"):  # ORT's Gather checks; a Session says InferenceError
+        backend.run({"ids": np.array([[10**6, 0]], np.int64)})
+
+    fp32, int4 = tmp_path / "fp32.onnx", tmp_path / "int4.onnx"
+    onnx.save(emb, str(fp32))
+    onnx.save(quantize_int4(emb, block_size=32, embeddings=True)[0], str(int4))
+    bundle = write_bundle(
+        tmp_path / "emb.dse", name="emb", target={"name": "cpu"},
+        inputs=[IOSpec("ids", "int64", ("batch", "sequence"))], outputs=[IOSpec("out", "float32", ("batch", "sequence", 64))],
+        models={"models/fp32.onnx": fp32, "models/int4.onnx": int4},
+        variants=[Variant("fp32", "fp32", "models/fp32.onnx"), Variant("int4", "int4", "models/int4.onnx")],
+        default_variant="fp32", shape_ranges={"batch": {"min": 1, "opt": 1, "max": 8},
+                                              "sequence": {"min": 1, "opt": 8, "max": 16}}, latency_budget_ms=50.0)
+    for kwargs in ({}, {"cascade": True}):
+        with dsedge.load(bundle, **kwargs) as s:
+            assert s.variant.name == "fp32" and [i.value_range for i in s.inputs] == [(0, 2047)]
+            for bad in (-1, 2048):
+                with pytest.raises(InputError, match=f"holds {bad}, outside the model's range"):
+                    s.run({"ids": np.array([[5, bad]], np.int64)})

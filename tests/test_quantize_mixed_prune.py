@@ -220,3 +220,15 @@ def test_the_top1_gate_is_a_classifiers_argmax_agreement_unless_told_neighbour()
     assert cosine_metric(model, heldout)(model)["top1"] == 1.0
     with pytest.raises(ConfigError, match="top1 must be 'argmax' or 'neighbour'"):
         cosine_metric(model, heldout, top1="knn")
+
+
+def test_a_gate_whose_metric_is_undefined_for_the_output_says_so():
+    """top1 of a single-logit output is NaN, which failed `top1:0.99` silently at every step (a user's pass)."""
+    from dsedge.toolchain.quantize.mixed import GateCheck
+
+    check = GateCheck("cosine:0.99,top1:0.99", metric=lambda m: {"cosine": 1.0, "top1": float("nan")},
+                      heldout=None, reference=mlp())
+    with pytest.raises(ConfigError, match="top1 is undefined for the gated output"):
+        check.measure(mlp())
+    assert GateCheck("cosine:0.99", metric=lambda m: {"cosine": 1.0, "top1": float("nan")}, heldout=None,
+                     reference=mlp()).measure(mlp())["cosine"] == 1.0

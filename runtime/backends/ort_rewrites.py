@@ -13,9 +13,14 @@ def gather_block_quantized(model: Any) -> int:
     """Rewrite ``DequantizeLinear(int4/uint4 initializer, axis=1, block_size) → Gather(axis=0)`` in place.
 
     Returns the number of rewritten Gathers. Tables whose DequantizeLinear output feeds anything but Gathers (tied
-    weights) are left alone.
+    weights) are left alone, and so are tables a Gather reads with indices that are not a graph input (through
+    value-keeping ops: ``token_bounds.traced_input``): ``GatherBlockQuantized`` does not check its indices (an id
+    past the table gives finite numbers where ``Gather`` fails), so the session checks them at its input instead,
+    which it can only do for ids that are an input (ids + per-field offsets into one shared table are not).
     """
     from onnx import TensorProto, helper
+
+    from ..token_bounds import traced_input
 
     g = model.graph
     inits = {t.name: t for t in g.initializer}
@@ -34,7 +39,8 @@ def gather_block_quantized(model: Any) -> int:
         attrs = {a.name: helper.get_attribute_value(a) for a in dq.attribute}
         users = consumers.get(dq.output[0], [])
         if (attrs.get("axis") != 1 or not attrs.get("block_size") or dq.output[0] in outputs or not users
-                or any(u.op_type != "Gather" or u.input[0] != dq.output[0] for u in users)):
+                or any(u.op_type != "Gather" or u.input[0] != dq.output[0] for u in users)
+                or any(traced_input(g, u.input[1]) is None for u in users)):
             continue
         for u in users:
             gattrs = {a.name: helper.get_attribute_value(a) for a in u.attribute}

@@ -189,7 +189,13 @@ class GateCheck:
 
     def measure(self, model: onnx.ModelProto) -> dict[str, float]:
         v = self.metric(model)
-        return dict(v) if isinstance(v, dict) else {self.primary.metric: float(v)}
+        values = dict(v) if isinstance(v, dict) else {self.primary.metric: float(v)}
+        for g in self.gates:  # NaN fails every threshold: a gate that can never pass is a mistake, said as one
+            if g.metric in values and values[g.metric] != values[g.metric]:
+                raise ConfigError(f"accuracy gate {g}: {g.metric} is undefined for the gated output (top1 needs a "
+                                  "class axis of 2 or more; neighbour agreement, one width of embedding)",
+                                  "gate on cosine, or name another output")
+        return values
 
     def passes(self, values: dict[str, float]) -> bool:
         return all(g.passes(values[g.metric]) for g in self.gates)
