@@ -134,7 +134,8 @@ class Session:
             numpy arrays keyed by output name.
         Raises:
             InputError: a missing/unknown name, wrong dtype or shape, a value outside an input's ``value_range``
-                (checked before the backend runs).
+                (checked before the backend runs; ``self.inputs`` holds the manifest's ranges, and for an integer
+                input it gives none, the size of the embedding table that input indexes in the served graphs).
             InferenceError: the backend failed on inputs that passed those checks (its message, one line).
             SessionClosedError: after ``close()``.
         """
