@@ -14,7 +14,8 @@ ed., 2018, §2.2, here triggered by staleness, not chance). It holds the batch o
 what that batch size can serve *and* one more row still fits the deadline; it dispatches at once when waiting
 would break a deadline. A queued request whose deadline cannot be met alone even at the *expected* service time
 is dropped with ``Rejected("deadline")`` (a budget miss: it was admitted) instead of running late; one that fits
-the expected time but not the tail runs alone.
+the expected time but not the tail runs alone. One whose deadline passes while the worker runs a batch is answered
+then, by the scheduler's ``DeadlineWatch`` (runtime/deadline_watch.py), not at that batch's end.
 
 Predictions are the profile's tail estimate of service time (see runtime/latency_profile.py: a sliding-window
 quantile per batch size and length bucket, fed only by measured service times, never by request latencies).
@@ -116,6 +117,7 @@ from .arrival_rate import ArrivalRate
 from .batching import BatchLayout
 from .caller_load import CallerLoad
 from .core_share import CoreShare
+from .deadline_watch import DeadlineWatch
 from .errors import SessionClosedError
 from .latency_profile import LatencyProfile, seq_bucket
 from .metrics import StreamMetrics
@@ -340,6 +342,9 @@ class Lane:
         # (set by BudgetScheduler; None: never, and a held batch takes nothing from the standby list)
         self.flooded: Callable[[float, int, float], bool] | None = None
         self.siblings: tuple["Lane", ...] = ()  # the variant's other instances (set by BudgetScheduler)
+        # answers a queued request at its deadline while this worker runs a batch (runtime/deadline_watch.py; set by
+        # BudgetScheduler; None: the worker finds it at its next pick)
+        self.deadlines: DeadlineWatch | None = None
         # the cores this lane shares with the other side (instances / the variant's fallback), and the lanes of that
         # side: a fallback batch never runs beside an instance's (runtime/core_share.py; set by BudgetScheduler)
         self.share: CoreShare | None = None
@@ -632,6 +637,27 @@ class Lane:
         # under self._cond: into the queue in EDF order (deadline, then priority, then arrival)
         bisect.insort(self._queue, (req.sort_key(next(self._order), self.tie_s), req), key=lambda x: x[0])
         self.max_depth = max(self.max_depth, len(self._queue))
+        if self.deadlines is not None:
+            self.deadlines.add(req, (self, *self.siblings))
+
+    def expire(self, req: Request) -> bool:
+        """``req``'s deadline passed (``DeadlineWatch``): if it is still queued here, take it out and answer it
+        ``Rejected("deadline")`` now, a miss of its plan, as the worker's next pick would have; False if it is not
+        in this lane's queue (running, answered, or on a sibling instance)."""
+        with self._cond:
+            at = next((i for i, (_, r) in enumerate(self._queue) if r is req), None)
+            if at is None:
+                return False
+            del self._queue[at]
+            now = _clock()
+            expected = self.predict(req.rows, req.seq, k_dev=0.0)
+            if req.plan_ms > 0.0:  # it would have taken at least this long: a miss of the plan
+                self.calibration.score(req.plan_ms, (now - req.t_submit) * 1e3 + expected, req.spread_ms,
+                                       stratum=req.ahead)
+                self.calibration.outcome(True)
+        self._reject(req, DEADLINE, f"its deadline passed {(now - req.deadline) * 1e3:.1f} ms ago, queued on "
+                                    f"{self.name} behind a running batch")
+        return True
 
     def try_inline(self, req: Request) -> bool:
         """Run ``req`` now on the calling thread when the lane is idle, the request is short and the previous
@@ -1086,6 +1112,7 @@ class BudgetScheduler:
         self.caller = CallerLoad(caller_weight)
         self.arrivals = ArrivalRate()
         self.overload_cold_z = overload_cold_z
+        self.deadlines = DeadlineWatch()
         self._groups = self._wire(_instance_groups(self.lanes, self.standby))  # once per lane set: submit is hot
         self.layout = layout
         self.metrics = metrics
@@ -1102,6 +1129,7 @@ class BudgetScheduler:
         for group in groups:
             for lane in group:
                 lane.flooded = functools.partial(self._flooded, group=group)
+                lane.deadlines = self.deadlines
         return groups
 
     def submit(self, feed: dict[str, np.ndarray], budget_ms: float, priority: int = 0, id: Any = None,
@@ -1284,6 +1312,7 @@ class BudgetScheduler:
         for lane in self.lanes:
             lane.thread.join()
             lane.release()
+        self.deadlines.close()
         self._drain_standby()  # what no draining instance took or expired (timed out, or only paused ones)
         for group in self._groups:
             if group[0].standby is not None:

@@ -250,7 +250,8 @@ class Session:
         """Queue one request; thread-safe. The future resolves to a ``Result`` or a ``Rejected``, never raises.
 
         A done-callback added to the future runs on the thread that answers it: a lane's worker, the standby
-        list's expiry thread (a refusal), or the caller's own (an answer at admission). Keep callbacks short (hand
+        list's expiry thread (a refusal), the deadline watch's (a queued request past its deadline), or the
+        caller's own (an answer at admission). Keep callbacks short (hand
         long work to your own executor): while one blocks, the answers that thread owes others wait with it.
 
         Args:

@@ -212,6 +212,29 @@ def test_a_drain_timeout_refuses_what_is_queued_while_a_batch_still_runs(backend
     assert not closing.is_alive() and blocker.result(0).ok
 
 
+def test_a_queued_request_is_answered_at_its_deadline_while_a_batch_runs_long(backend):
+    """A user's pass: an admitted request whose deadline passed while the worker ran a long batch was answered only
+    at that batch's end (32 ms past a 40 ms budget in a cold burst). The deadline watch answers it at its deadline,
+    counted as a miss (dropped at deadline), while the batch still runs."""
+    gate = threading.Event()
+    lane = _lane(backend, gate)
+    sched, blocker = _blocked(lane, np.random.default_rng(0))
+    t0 = time.perf_counter()
+    queued = sched.submit(text_request(np.random.default_rng(1), 8), 80, id="queued")
+    assert lane.depth == 1  # admitted: the plan expected the running batch (1 ms) to be over
+    got = queued.result(5)
+    waited = time.perf_counter() - t0
+    assert isinstance(got, Rejected) and got.reason == "deadline" and "deadline passed" in got.detail, got
+    assert not blocker.done() and lane.depth == 0
+    assert 0.08 <= waited < 0.5, waited
+    m = lane.metrics.snapshot()
+    assert m["dropped_at_deadline"] == 1 and m["admitted"] == 2
+    gate.set()
+    assert blocker.result(10).ok
+    sched.close()
+    assert sched.deadlines.expired == 1
+
+
 def test_requests_closed_before_they_ran_are_not_counted_as_admitted(backend):
     """``metrics()``: "shutdown" is a refusal (in ``rejected_at_admission``), so not admitted as well; it had counted
     in both, and admitted plus refused came to more than submitted."""
