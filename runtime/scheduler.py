@@ -650,14 +650,20 @@ class Lane:
                 return False
             del self._queue[at]
             now = _clock()
-            expected = self.predict(req.rows, req.seq, k_dev=0.0)
-            if req.plan_ms > 0.0:  # it would have taken at least this long: a miss of the plan
-                self.calibration.score(req.plan_ms, (now - req.t_submit) * 1e3 + expected, req.spread_ms,
-                                       stratum=req.ahead)
-                self.calibration.outcome(True)
+            self._plan_missed(req, now)
         self._reject(req, DEADLINE, f"its deadline passed {(now - req.deadline) * 1e3:.1f} ms ago, queued on "
                                     f"{self.name} behind a running batch")
         return True
+
+    def _plan_missed(self, req: Request, now: float) -> float:
+        # under self._cond: ``req`` leaves the queue at ``now`` without running; its plan is scored as missed by
+        # at least its expected service time (ms, returned)
+        expected = self.predict(req.rows, req.seq, k_dev=0.0)
+        if req.plan_ms > 0.0:
+            self.calibration.score(req.plan_ms, (now - req.t_submit) * 1e3 + expected, req.spread_ms,
+                                   stratum=req.ahead)
+            self.calibration.outcome(True)
+        return expected
 
     def try_inline(self, req: Request) -> bool:
         """Run ``req`` now on the calling thread when the lane is idle, the request is short and the previous
@@ -909,11 +915,7 @@ class Lane:
                     if wait < 0:
                         r = batch[0]
                         self._queue = [it for it in self._queue if it[1] is not r]
-                        expected = self.predict(r.rows, r.seq, k_dev=0.0)
-                        if r.plan_ms > 0.0:  # it would have taken at least this long: a miss of the plan
-                            self.calibration.score(r.plan_ms, (now - r.t_submit) * 1e3 + expected, r.spread_ms,
-                                                   stratum=r.ahead)
-                            self.calibration.outcome(True)
+                        expected = self._plan_missed(r, now)
                         self._reject(r, DEADLINE, f"deadline in {(r.deadline - now) * 1e3:.1f} ms < expected "
                                                   f"{expected:.1f} ms on {self.name}")
                         continue
