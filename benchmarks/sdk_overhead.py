@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     if rewrites:  # the SDK rewrote the graph at load (ORT-CPU speed-ups): time the bare path on the same graph
         from dsedge.runtime.backends.ort import _cpu_rewrites
 
-        model, _, _ = _cpu_rewrites(model)
+        model, _ = _cpu_rewrites(model)
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as OrtBackend opens its sessions
     bare = ort.InferenceSession(model, sess_options=opts, providers=providers)
     spin_opts = ort.SessionOptions()  # ORT's default: intra-op threads spin-wait between runs

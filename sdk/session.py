@@ -84,7 +84,7 @@ class Session:
         # an input the manifest gives no range for: the range the tables of the variants this session may serve
         # allow (``graph_ranges``; ORT CPU's block-quantized Gather, what an INT4 table runs as, does not check its
         # ids, and ONNX's Gather wraps negative ones), checked here like the manifest's
-        graph = _narrowest(getattr(backend, "value_ranges", None) or {}, graph_ranges or {})
+        graph = graph_ranges or {}
         self.inputs: list[IOSpec] = [dataclasses.replace(s, value_range=graph[s.name])
                                      if s.value_range is None and s.name in graph else s for s in manifest.inputs]
         self.outputs: list[IOSpec] = list(manifest.outputs)

@@ -8,6 +8,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from dsedge.runtime.backends.ort import OrtBackend
+from dsedge.runtime.token_bounds import graph_value_ranges
 from dsedge.runtime.errors import QuantizationError
 from dsedge.toolchain.quantize.int4 import dequantize_site, quantize_int4, quantize_site
 from tiny_models import embedding_onnx, mlp_onnx
@@ -98,7 +99,7 @@ def test_an_id_past_an_int4_table_is_refused_at_the_input_not_answered_from_the_
     onnx.save(q, str(qpath))
     bad = np.array([[5, 10**6]], np.int64)
     rewritten = OrtBackend(qpath, providers=["CPUExecutionProvider"])
-    assert rewritten.rewrites == 1 and rewritten.value_ranges == {"ids": (0, 2047)}
+    assert rewritten.rewrites == 1 and graph_value_ranges(q) == {"ids": (0, 2047)}
     assert np.isfinite(rewritten.run({"ids": bad})["out"]).all()  # what the rewrite alone would answer
     with pytest.raises(Exception, match="out of data bounds"):  # what the model as built does
         ort.InferenceSession(str(qpath), providers=["CPUExecutionProvider"]).run(None, {"ids": bad})
@@ -190,7 +191,7 @@ def test_ids_the_session_cannot_check_keep_the_checking_gather_and_every_served_
     qpath = tmp_path / "offset-int4.onnx"
     onnx.save(q, str(qpath))
     backend = OrtBackend(qpath, providers=["CPUExecutionProvider"])
-    assert backend.rewrites == 0 and backend.value_ranges == {}
+    assert backend.rewrites == 0 and graph_value_ranges(q) == {}
     with pytest.raises(Exception, match="out of data bounds"):  # ORT's Gather checks; a Session says InferenceError
         backend.run({"ids": np.array([[10**6, 0]], np.int64)})
 

@@ -105,25 +105,21 @@ def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
     return [p for p in have if p in PROVIDER_CHAIN]
 
 
-def _cpu_rewrites(path: str) -> tuple[str | bytes, int, dict[str, tuple[int, int]]]:
-    """Apply ORT-CPU load-time rewrites; returns the serialized model if anything changed (else the path), the
-    number of rewrites, and, when a Gather became a ``GatherBlockQuantized`` (which answers an index past its table
-    with finite garbage where ``Gather`` fails), the valid range of each integer input that indexes a table
-    (runtime/token_bounds.py), for the session to check at the input."""
+def _cpu_rewrites(path: str) -> tuple[str | bytes, int]:
+    """Apply ORT-CPU load-time rewrites; returns the serialized model if anything changed, else the path. (A
+    rewritten table's ids are checked at the session's input: ``dsedge.load`` reads their range from the graph.)"""
     try:
         import onnx
     except ModuleNotFoundError:  # the rewrites are a speed-up, never required
-        return path, 0, {}
-    from ..token_bounds import graph_value_ranges
+        return path, 0
     from .ort_rewrites import gather_block_quantized
 
     try:
         model = onnx.load(path)
     except Exception:  # let ORT report an unreadable model with its own message
-        return path, 0, {}
-    ranges = graph_value_ranges(model)
+        return path, 0
     n = gather_block_quantized(model)
-    return (model.SerializeToString(), n, ranges) if n else (path, 0, {})
+    return (model.SerializeToString(), n) if n else (path, 0)
 
 
 def provider_options(providers: Sequence[str], manifest: Any = None, variant: Any = None,
@@ -255,11 +251,8 @@ class OrtBackend:
             chosen = rest
         model: str | bytes = os.fspath(model_path)
         self.rewrites = 0
-        # {input: (lo, hi)} an input must hold, beyond the manifest's, because a rewrite dropped the check the
-        # model's own op made (Session fills its input specs' missing value_range from it)
-        self.value_ranges: dict[str, tuple[int, int]] = {}
         if chosen and chosen[0] == "CPUExecutionProvider":
-            model, self.rewrites, self.value_ranges = _cpu_rewrites(model)
+            model, self.rewrites = _cpu_rewrites(model)
         try:
             options = provider_options(chosen, *(bundle or (None, None)))
             self.session = ort.InferenceSession(model, sess_options=opts, providers=list(zip(chosen, options)))
