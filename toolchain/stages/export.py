@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from ...runtime.bundle import IOSpec
 from ...runtime.token_bounds import graph_value_ranges
 from ..artifacts import Prepared
@@ -67,7 +69,8 @@ def export_with_ranges(source: Source, dest: str | os.PathLike) -> Exported:
     the exported graph says (an integer input that indexes an embedding table: runtime/token_bounds.py), so an id
     past a table is refused at the input, not answered from a block-quantized Gather that does not check it."""
     exported = export_onnx(source, dest)
-    ranges = {**_graph_ranges(exported.path), **source.value_ranges}
+    unbounded = [s for s in exported.inputs if s.name not in source.value_ranges and np.dtype(s.dtype).kind in "iu"]
+    ranges = {**(_graph_ranges(exported.path) if unbounded else {}), **source.value_ranges}
     return dataclasses.replace(exported, inputs=[IOSpec(s.name, s.dtype, s.shape, ranges.get(s.name))
                                                  for s in exported.inputs])
 
