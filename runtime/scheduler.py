@@ -34,7 +34,11 @@ was taken since refused every request of a cold start's first half second in 6 o
 lock-in this corrects predicted 21.7 ms against a 20 ms budget where 6.5 ms was measured), and a probe is paid in
 full by an idle backend: one refused 64 × 512-token MiniLM request (6.5 s predicted, 50 ms budget) through ``dsedge
 serve`` kept a core busy for seconds and grew the server's memory from 0.4 to 2.9 GB (ONNX Runtime's arena keeps
-what a shape took).
+what a shape took). Nobody waits for a probe, so on a backend that can stop a run (ONNX Runtime: runtime/run_cancel.py)
+it yields: admission plans the probing lane as idle, and the first request queued there, or a batch of the other
+side of its cores, stops the probe between two kernels (nothing is observed from a cut run). Before, a refused
+64 × 256-token request with a 1 s budget (3.6 s predicted, under the 4× limit) was probed for seconds while every
+small request through ``dsedge serve`` was refused "overload".
 
 Cold start: a lane starts with whatever its profile was seeded with (the bundle's build-time figures, scaled once
 this machine measured something) and its worker's first act is a warm-up run off the caller's thread (untimed: it
@@ -123,6 +127,7 @@ from .latency_profile import LatencyProfile, seq_bucket
 from .metrics import StreamMetrics
 from .plan_calibration import PlanCalibration
 from .results import BUDGET, DEADLINE, OVERLOAD, SHUTDOWN, Rejected, Result
+from .run_cancel import RunCancel, RunCancelled, cancellable
 from .standby import Standby
 from .thread_priority import lower_current_thread, pin_current_thread
 
@@ -323,6 +328,9 @@ class Lane:
         self._closing = False
         self._drain = True
         self._running = False  # a batch is on the backend (the worker's or an inline one)
+        # a probe on a backend that can stop a run (runtime/run_cancel.py): planned as an idle lane, and stopped
+        # by the first request queued here or a batch of the other side of the cores
+        self._probing: RunCancel | None = None
         self._busy_until = 0.0
         self._run_mid = 0.0  # expected end (s) of the running batch, and its tail margin (s)
         self._run_dev = 0.0
@@ -353,6 +361,7 @@ class Lane:
         self.stolen = 0
         self.batches = 0
         self.probes = 0
+        self.probes_cut = 0  # probes stopped for real requests (not counted in ``probes``)
         self.inline = 0
         self.max_depth = 0
         label = f"dsedge-lane-{name}" + (f"-{instance}" if instance else "") + ("-fallback" if fallback else "")
@@ -634,7 +643,10 @@ class Lane:
             return True
 
     def _insert(self, req: Request) -> None:
-        # under self._cond: into the queue in EDF order (deadline, then priority, then arrival)
+        # under self._cond: into the queue in EDF order (deadline, then priority, then arrival); a probe running
+        # here yields to it
+        if self._probing is not None:
+            self._probing.cancel()
         bisect.insort(self._queue, (req.sort_key(next(self._order), self.tie_s), req), key=lambda x: x[0])
         self.max_depth = max(self.max_depth, len(self._queue))
         if self.deadlines is not None:
@@ -676,8 +688,8 @@ class Lane:
         if alone > self.inline_ms:
             return False
         with self._cond:
-            if self._running or self._queue or self._closing:
-                return False
+            if self._running or self._queue or self._closing or self._probing is not None:
+                return False  # (a probe yields to the queued request: ``_insert``)
             self._running = True
             self._t_admit = _clock()
             self._mark_running(req.t_submit, req.rows, req.seq)
@@ -844,16 +856,23 @@ class Lane:
         finally:
             self.warm.set()
 
-    def _probe(self, req: Request) -> None:
-        # re-measure a refused request's service time on the idle backend (its answer already went out)
+    def _probe(self, req: Request, cancel: RunCancel | None) -> bool:
+        # re-measure a refused request's service time on the idle backend (its answer already went out); False if
+        # it was stopped for a real request (nothing is observed: a cut run says only that it ran that long)
         try:
-            with self._cores():
+            with self._cores(cancel):
                 t0 = _clock()
-                self.run(req.feed)
+                if cancel is None:
+                    self.run(req.feed)
+                else:
+                    self.run(req.feed, cancel=cancel)
                 ms = (_clock() - t0) * 1e3
             self.profile.observe(req.rows, req.seq, ms)
+        except RunCancelled:
+            return False
         except Exception:
             pass
+        return True
 
     def _loop(self) -> None:
         if self._start_gate is not None:  # set once the caller has made every lane (StreamingCore)
@@ -900,8 +919,11 @@ class Lane:
                 if standby:
                     continue
                 if probe is not None:
-                    self._running = True
-                    self._mark_running(_clock(), probe.rows, probe.seq)
+                    if cancellable(self.run):
+                        self._probing = RunCancel()  # planned as idle; stopped by what comes (``_insert``)
+                    else:
+                        self._running = True
+                        self._mark_running(_clock(), probe.rows, probe.seq)
                 elif not self._queue:  # closing: drained, or (without draining) emptied by close()
                     if self._drain and self._standby_waiting():
                         continue  # each entry is taken or expires at the top: the list empties
@@ -930,8 +952,10 @@ class Lane:
                     self._running = True
             try:
                 if probe is not None:
-                    self._probe(probe)
-                    self.probes += 1
+                    if self._probe(probe, self._probing):
+                        self.probes += 1
+                    else:
+                        self.probes_cut += 1
                     self._t_probe = _clock()
                 else:
                     self._execute(batch)
@@ -939,13 +963,20 @@ class Lane:
             finally:
                 with self._cond:
                     self._running = False
+                    self._probing = None
                     self._busy_until = self._run_mid = self._run_dev = 0.0
                     self._cond.notify_all()
 
-    def _cores(self) -> contextlib.AbstractContextManager:
-        # around a run: the cores, shared with the variant's other instances, or alone for its fallback
+    def _cores(self, probe: RunCancel | None = None) -> contextlib.AbstractContextManager:
+        # around a run: the cores, shared with the variant's other instances, or alone for its fallback. A real
+        # batch (``probe`` None) first stops the other side's probes, which would hold the cores it waits for
         if self.share is None:
             return contextlib.nullcontext()
+        if probe is None:
+            for other in self.across:
+                running = other._probing
+                if running is not None:
+                    running.cancel()
         return self.share.exclusive() if self.alone_on_cores else self.share.shared()
 
     def _execute(self, batch: list[Request]) -> None:
@@ -1004,6 +1035,8 @@ class Lane:
             self._closing = True
             self._drain = drain
             pending = [] if drain else self._take_queue()
+            if self._probing is not None:  # nobody waits for a probe: closing does not either
+                self._probing.cancel()
             self._cond.notify_all()
         self._reject_shutdown(pending)
 

@@ -502,6 +502,45 @@ def test_a_request_far_over_its_budget_is_not_kept_as_a_probe(backend):
     sched.close()
 
 
+def test_a_probe_yields_to_a_request_that_comes_while_it_runs(tmp_path):
+    """A probe re-measures a refused request nobody waits for: on ONNX Runtime it is stopped (RunOptions.terminate)
+    by the first request queued on its lane, which is answered then, not after the probe (through dsedge serve, a
+    refused 64 x 256-token request's probe refused every small request for 3 s)."""
+    heavy_backend = OrtBackend(text_embedder(tmp_path / "heavy.onnx", dim=512, layers=8), threads=1)
+    layout = BatchLayout.of(*TEXT_IO)
+    rng = np.random.default_rng(0)
+    heavy = {"input_ids": rng.integers(1, 100, size=(16, 1024)), "attention_mask": np.ones((16, 1024), np.int64)}
+    t0 = time.perf_counter()
+    heavy_backend.run(heavy)
+    full_ms = (time.perf_counter() - t0) * 1e3  # what the probe takes when nothing stops it
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(16, 1024, full_ms, 0.0)
+    prof.set(1, 8, 2.0, 0.0)
+    lane = Lane("fp32", heavy_backend.run, prof, layout, StreamMetrics(), max_batch=1, inline_ms=0.0,
+                observe_warmup=False, probe_interval_ms=20.0)
+    sched = BudgetScheduler([lane], layout, lane.metrics)
+    assert lane.warm.wait(10)
+    refused = sched.submit(heavy, full_ms / 2).result(10)  # 2x its budget: an over-estimate could explain it
+    assert isinstance(refused, Rejected) and refused.reason == "budget"
+    t0 = time.perf_counter()
+    def probing() -> bool:
+        return getattr(lane, "_probing", None) is not None or lane._running
+
+    while not probing() and time.perf_counter() - t0 < 5.0:
+        time.sleep(0.002)
+    assert probing(), "the refused request was not probed"
+    time.sleep(min(0.05, full_ms / 1e3 / 10))  # the probe is on the backend
+    t1 = time.perf_counter()
+    small = sched.submit(text_request(rng, 8), 10_000).result(30)
+    waited_ms = (time.perf_counter() - t1) * 1e3
+    assert isinstance(small, Result) and small.ok, small
+    assert waited_ms < full_ms / 3, (waited_ms, full_ms)  # not behind the probe's run
+    assert lane.probes_cut == 1 and lane.probes == 0  # nothing observed from the cut run
+    assert prof.predict(16, 1024, k_dev=0.0) == pytest.approx(full_ms)
+    sched.close()
+    print(f"small request answered in {waited_ms:.1f} ms during a {full_ms:.0f} ms probe")
+
+
 def test_first_submit_does_not_wait_for_warm_up(backend):
     """The lane warms up on its own thread; a request arriving meanwhile is queued with its own deadline."""
     layout = BatchLayout.of(*TEXT_IO)

@@ -5,6 +5,7 @@ really got (``InferenceSession.get_providers()``), not the ones asked for.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -14,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import BackendUnavailable, BundleError
+from ..run_cancel import RunCancel, RunCancelled
 
 log = logging.getLogger("dsedge")
 
@@ -277,16 +279,32 @@ class OrtBackend:
             self._shrink = ort.RunOptions()
             self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 
-    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one batch. Inputs/outputs are numpy arrays keyed by IO name."""
-        if self.iobinding:
-            io = self.session.io_binding()
-            for name, value in inputs.items():
-                io.bind_cpu_input(name, np.ascontiguousarray(value))
-            for name in self.output_names:
-                io.bind_output(name, self._device)
-            self.session.run_with_iobinding(io)
-            return dict(zip(self.output_names, io.copy_outputs_to_cpu()))
+    def run(self, inputs: dict[str, np.ndarray], cancel: RunCancel | None = None) -> dict[str, np.ndarray]:
+        """Run one batch. Inputs/outputs are numpy arrays keyed by IO name.
+
+        ``cancel``: stops the run between two kernels when cancelled from another thread (``RunOptions.terminate``;
+        runtime/run_cancel.py), raising ``RunCancelled``."""
         big = self._shrink is not None and np.size(inputs.get(self.shrink_above[0], ())) > self.shrink_above[1]
-        values = self.session.run(self.output_names, inputs, self._shrink if big else None)
+        opts = self._shrink if big else None
+        if cancel is not None:
+            opts = import_ort().RunOptions()  # one per run: a terminated RunOptions stops every run that uses it
+            if big:
+                opts.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+            cancel.bind(functools.partial(setattr, opts, "terminate", True))
+        try:
+            if self.iobinding:
+                io = self.session.io_binding()
+                for name, value in inputs.items():
+                    io.bind_cpu_input(name, np.ascontiguousarray(value))
+                for name in self.output_names:
+                    io.bind_output(name, self._device)
+                self.session.run_with_iobinding(io, opts)
+                return dict(zip(self.output_names, io.copy_outputs_to_cpu()))
+            values = self.session.run(self.output_names, inputs, opts)
+        except Exception:
+            if cancel is not None and cancel.cancelled:
+                raise RunCancelled("cancelled") from None
+            raise
         return dict(zip(self.output_names, values))
+
+    run.takes_cancel = True  # runtime/run_cancel.py: a lane's probe may be stopped for real requests
