@@ -235,7 +235,8 @@ def verify_bundle(bundle: str | os.PathLike, manifest_bytes: bytes | None = None
     for rel, expected in m.files.items():
         p = inside(root, rel, "manifest's file", BundleIntegrityError)
         if not p.is_file():
-            raise BundleIntegrityError(f"bundle file {rel!r} is missing", "copy the whole .dse directory, or rebuild it")
+            what = "is missing" if not p.exists() else "is not a regular file (a folder, pipe or device)"
+            raise BundleIntegrityError(f"bundle file {rel!r} {what}", "copy the whole .dse directory, or rebuild it")
         actual = sha256_file(p)
         if actual != expected:
             raise BundleIntegrityError(

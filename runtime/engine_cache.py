@@ -130,7 +130,7 @@ def read_engine(path: str | os.PathLike) -> tuple[dict[str, Any], bytes]:
         key = header["key"]
         if header.get("format") != FORMAT_VERSION or not isinstance(key, dict):
             raise ValueError
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise EngineError(f"engine {path.name} has a malformed header", hint) from None
     plan = data[start + n:]
     if len(plan) != header.get("plan_bytes") or hashlib.sha256(plan).hexdigest() != header.get("plan_sha256"):

@@ -110,6 +110,17 @@ def check_report_file(report: str | os.PathLike, output: str | os.PathLike,
     return report
 
 
+def enclosing_bundle(path: str | os.PathLike) -> Path | None:
+    """The bundle directory (``NAME.dse`` holding a ``manifest.json``) that ``path`` is or lies inside, by its
+    absolute and its resolved path; None if there is none."""
+    here = Path(os.path.abspath(path))
+    for p in (here, here.resolve()):
+        for d in (p, *p.parents):
+            if d.name.endswith(".dse") and (d / "manifest.json").is_file():
+                return d
+    return None
+
+
 def _sealing_bundle(dest: Path) -> Path | None:
     """The bundle directory whose ``manifest.json`` lists ``dest`` among its hashed files, if any."""
     path = dest.resolve()
@@ -118,7 +129,7 @@ def _sealing_bundle(dest: Path) -> Path | None:
         if manifest.is_file():
             try:
                 files = json.loads(manifest.read_text(encoding="utf-8")).get("files", {})
-            except (OSError, ValueError, AttributeError):
+            except (OSError, ValueError, AttributeError, RecursionError):
                 return None
             return parent if isinstance(files, dict) and path.relative_to(parent).as_posix() in files else None
     return None

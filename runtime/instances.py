@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from .bundle import first_latency
+from .errors import InputError
 
 # (threads_a / threads_b) ** THREAD_EXPONENT: how much longer a run on threads_b intra-op threads takes than on
 # threads_a, fitted on MiniLM fp32 at batch 1 on a 2-core host (10.3 ms on 1 thread, 6.6 ms on 2: 1.56x). A seed
@@ -22,6 +23,24 @@ def host_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
+
+
+MAX_THREADS_PER_CORE = 4  # intra-op threads past this only oversubscribe the cores (as ``instances=``)
+
+
+def check_threads(threads: int | None, option: str = "threads") -> None:
+    """Refuse an intra-op thread count above ``MAX_THREADS_PER_CORE`` per core of this host: ONNX Runtime starts
+    every one of them (``threads=100000`` ran the host out of process ids).
+
+    Raises:
+        InputError: ``threads`` is more than 4 per core.
+    """
+    cores = host_cores()
+    if threads is not None and int(threads) > MAX_THREADS_PER_CORE * cores:
+        raise InputError(f"{option}={threads} is more than {MAX_THREADS_PER_CORE} per core ({cores} cores here): "
+                         f"ONNX Runtime starts each as an OS thread",
+                         f"pass {option} between 1 and {MAX_THREADS_PER_CORE * cores}, or leave it out for ONNX "
+                         f"Runtime's choice")
 
 
 def cpu_layout(instances: int | None, threads: int | None, cores: int) -> tuple[int, int | None]:

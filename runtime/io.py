@@ -9,6 +9,7 @@ import numpy as np
 
 from .bundle import IOSpec
 from .errors import DsedgeError, InputError
+from .instances import check_threads
 
 
 def validate_inputs(
@@ -171,6 +172,7 @@ def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = 
     integer("max_batch", max_batch, 1)
     integer("max_queue", max_queue, 1, optional=False)
     integer("threads", threads, 1)
+    check_threads(threads)
     integer("window", window, 1)
     integer("instances", instances, 1)
     integer("worker_nice", worker_nice, 0, optional=False, high=19)

@@ -24,9 +24,11 @@ from typing import Any, Iterable
 from .bundle import MANIFEST, SIGNATURE, Manifest, read_manifest_bytes, verify_bundle
 from .files import write_bytes_atomic, write_text_atomic
 from .errors import BackendUnavailable, DsedgeError, InputError, SignatureError
+from .golden import has_golden, load_golden
 from .storage import storage_error
 
 FORMAT = "dsedge-signature-v1"
+MAX_SIGNER = 200  # characters of --signer (a name: it is shown by inspect and verify)
 DOMAIN = b"dsedge bundle manifest v1\x00"
 ENV = "DSEDGE_TRUSTED_KEYS"
 _HINT = "pip install 'dsedge[sign]' (cryptography)"
@@ -125,7 +127,12 @@ def load_public_key(data: Any) -> Any:
     if not isinstance(data, bytes):
         p = Path(data)
         where = f"trusted key file {str(p)!r}"
-        if not str(data).strip() or not p.is_file():
+        if not str(data).strip():
+            raise SignatureError("a trusted key path is empty", f"check trusted_keys / ${ENV}: name .pub files")
+        if p.is_dir():
+            raise SignatureError(f"trusted key {str(p)!r} is a folder, not a .pub file",
+                                 f"name the .pub files in it (e.g. {str(p / 'release.pub')!r}) in trusted_keys / ${ENV}")
+        if not p.is_file():
             raise SignatureError(f"trusted key file {str(p)!r} not found", f"check trusted_keys / ${ENV}")
         try:
             data = p.read_bytes()
@@ -206,11 +213,17 @@ def sign_bundle(bundle: str | os.PathLike, key_path: str | os.PathLike, signer: 
 
     Raises:
         BundleError / BundleIntegrityError: the bundle does not verify (a corrupt bundle is never signed).
-        DsedgeError: the key is unreadable, or ``signer`` is empty.
+        BundleError: its golden I/O is malformed (``dsedge verify`` would refuse it).
+        DsedgeError: the key is unreadable, or ``signer`` is empty or over 200 characters.
     """
     if signer is not None and not signer.strip():
         raise DsedgeError("--signer is empty", "name who signs (recorded in the signature), or leave it out")
-    verify_bundle(bundle)
+    if signer is not None and len(signer) > MAX_SIGNER:
+        raise DsedgeError(f"--signer is {len(signer)} characters long (at most {MAX_SIGNER})",
+                          "name who signs in a few words: a person, a team or a release pipeline")
+    manifest = verify_bundle(bundle)
+    if has_golden(manifest):  # what `dsedge verify` reads must read: a bundle it refuses is not signed
+        load_golden(bundle, manifest)
     key = load_private_key(key_path)
     root = Path(bundle)
     manifest = (root / MANIFEST).read_bytes()
@@ -250,6 +263,9 @@ def _read(root: Path) -> dict[str, Any] | None:
             raise ValueError("public_key is not 32 bytes")
         if len(base64.b64decode(doc["signature"], validate=True)) != 64:
             raise ValueError("signature is not 64 bytes")
+    except RecursionError:  # '[' x 100000: one file written into a bundle must not crash every load
+        raise SignatureError(f"{SIGNATURE} of {root.name} is malformed (nested deeper than a signature is)",
+                             "sign the bundle again with `dsedge sign`") from None
     except (ValueError, OSError) as e:  # binascii.Error, JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise SignatureError(f"{SIGNATURE} of {root.name} is malformed ({str(e).splitlines()[0][:80]})",
                              "sign the bundle again with `dsedge sign`") from None

@@ -608,3 +608,17 @@ def test_bench_settings_refuse_non_finite_durations_and_bad_counts(kw, words) ->
         core.BenchSettings(**kw)
     assert e.value.hint.startswith("e.g. BenchSettings(")
     assert core.BenchSettings(warmup=np.int64(0), duration_s=np.float32(0.5)).duration_s == 0.5
+
+
+def test_cli_counts_that_would_start_unbounded_threads_or_runs_are_refused(bundles: dict[str, Path],
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    """A user's pass: `--threads 100000` ran the host out of process ids (ONNX Runtime starts every intra-op
+    thread), and `--warmup 1000000000` ran for as long as it was let; `--concurrency` starts a thread per client."""
+    from dsedge.runtime.instances import host_cores
+
+    for args, words in ((["--threads", 4 * host_cores() + 1], "4 per core"),
+                        (["--warmup", 100_001], "0<=x<=100000"),
+                        (["--iterations", 1_000_001], "1<=x<=1000000"),
+                        (["--concurrency", 257], "1<=x<=256")):
+        code, out, err = run_cli(capsys, "bench", bundles["dyn"], "--seq-len", 4, *args)
+        assert code == 2 and words in err and "Traceback" not in err, (args, err)

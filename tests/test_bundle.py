@@ -42,6 +42,9 @@ def test_truncated_and_missing_files_are_refused(bundle):
     p.unlink()
     with pytest.raises(BundleIntegrityError, match="missing"):
         verify_bundle(bundle)
+    p.mkdir()  # a user's pass: a listed file replaced by a folder (or a pipe) was reported as missing
+    with pytest.raises(BundleIntegrityError, match="is not a regular file"):
+        verify_bundle(bundle)
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -173,3 +173,23 @@ def test_reference_bundle_carries_golden_io_and_verifies(reference_build, capsys
         assert set(v["outputs"]) == {"last_hidden_state", "sentence_embedding"} and v["passed"]
     g = load_golden(reference_build.bundle, verify_bundle(reference_build.bundle))
     assert g.info["bytes"] <= CAP_BYTES and g.info["from"].startswith("held-out real inputs")
+
+
+def test_sign_refuses_a_bundle_whose_golden_io_verify_would_refuse(mlp_bundle, tmp_path, capsys):
+    """A user's pass: `dsedge sign` signed a bundle whose golden/golden.json nested 100,000 deep (hash-listed),
+    which `dsedge verify` then refused: a corrupt bundle is never signed."""
+    import hashlib
+
+    pytest.importorskip("cryptography")
+    from dsedge.runtime.signing import generate_key
+
+    priv, _ = generate_key(tmp_path / "keys" / "release")
+    b = shutil.copytree(mlp_bundle, tmp_path / "b.dse")
+    info = b / "golden" / "golden.json"
+    info.write_text("[" * 100_000 + "]" * 100_000)
+    m = read_manifest(b)
+    m.files["golden/golden.json"] = hashlib.sha256(info.read_bytes()).hexdigest()
+    write_manifest(b, m)
+    code, out, err = cli(capsys, "sign", str(b), "--key", str(priv))
+    assert code == 2 and "golden.json is not valid JSON" in err and "Traceback" not in err, err
+    assert not (b / "manifest.sig").exists()

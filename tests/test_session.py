@@ -94,6 +94,7 @@ def test_empty_providers_are_refused_not_taken_as_the_default(tmp_path, provider
     (dict(providers=123), "providers must be a list of ONNX Runtime provider names, got int 123"),
     (dict(providers={"CPUExecutionProvider": {}}), "providers must be a list of ONNX Runtime provider names"),
     (dict(instances=10**6), "instances=1000000 is more than 4 per core"),
+    (dict(threads=100_000), "threads=100000 is more than 4 per core"),
 ])
 def test_option_errors_come_before_anything_is_opened(tmp_path, monkeypatch, kwargs, words):
     """A user's pass: providers=123 raised a bare TypeError from inside the provider choice, and instances= past
@@ -107,6 +108,25 @@ def test_option_errors_come_before_anything_is_opened(tmp_path, monkeypatch, kwa
     with pytest.raises(InputError, match=words):
         dsedge.load(b, **kwargs)
     assert opened == []
+
+
+def test_an_intra_op_thread_count_past_4_per_core_is_refused_by_every_opener(tmp_path):
+    """A user's pass: `dsedge bench --threads 100000` had ONNX Runtime start 100,000 OS threads and ran the host out
+    of process ids; load(), the backend itself (bench, verify, build's timing) and `dsedge serve` refuse it first."""
+    from dsedge.runtime.backends.ort import OrtBackend
+    from dsedge.runtime.instances import host_cores
+
+    b = tiny_bundle(tmp_path / "t.dse", tmp_path)
+    most = 4 * host_cores()
+    with pytest.raises(InputError, match=f"threads={most + 1} is more than 4 per core") as e:
+        OrtBackend(b / "models/fp32.onnx", threads=most + 1)
+    assert f"between 1 and {most}" in e.value.hint
+    OrtBackend(b / "models/fp32.onnx", threads=most)  # the most is allowed
+    for argv in (["bench", str(b), "--threads", str(most + 1), "--iterations", "2"],
+                 ["serve", str(b), "--threads", str(most + 1), "--http-port", "0"]):
+        r = subprocess.run([sys.executable, "-m", "dsedge", *argv], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (argv, r.stderr[-800:])
+        assert "4 per core" in r.stderr, r.stderr[-800:]
 
 
 def test_azure_provider_is_reported_as_the_cpu_it_runs_on(tmp_path, caplog):

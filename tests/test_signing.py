@@ -98,6 +98,13 @@ def test_unsigned_is_refused_only_when_keys_are_required(bundle, keys, monkeypat
     monkeypatch.setenv(ENV, os.fspath(pub) + ".missing")
     with pytest.raises(SignatureError, match="not found"):  # a misconfigured key fails closed
         dsedge.load(bundle)
+    monkeypatch.delenv(ENV)
+    # a user's pass: '' was reported as "trusted key file '.' not found", and a folder as "not found"
+    with pytest.raises(SignatureError, match="a trusted key path is empty"):
+        dsedge.load(bundle, trusted_keys=[""])
+    with pytest.raises(SignatureError, match="is a folder, not a .pub file") as e:
+        dsedge.load(bundle, trusted_keys=[pub.parent])
+    assert "release.pub" in e.value.hint
 
 
 def test_a_signed_bundle_copied_whole_still_verifies_and_a_swapped_model_does_not_load(bundle, keys, tmp_path):
@@ -212,7 +219,7 @@ def _sig(bundle) -> dict:
     return json.loads((bundle / "manifest.sig").read_text())
 
 
-@pytest.mark.parametrize("content", ["[]", "{", '"x"', "null", "FORGE31", "FORGEsig", "\xff", "HUGE"])
+@pytest.mark.parametrize("content", ["[]", "{", '"x"', "null", "FORGE31", "FORGEsig", "\xff", "HUGE", "DEEP"])
 def test_a_malformed_signature_is_one_line_and_breaks_no_plain_load(bundle, keys, monkeypatch, capsys, caplog,
                                                                      content):
     import base64
@@ -228,6 +235,8 @@ def test_a_malformed_signature_is_one_line_and_breaks_no_plain_load(bundle, keys
     elif content == "HUGE":  # 2 MiB: read whole before (a 2 GB one took 6.5 s and 2 GB of memory)
         content = json.dumps({**_sig(bundle), "pad": "x" * (2 << 20)})
         huge = True
+    elif content == "DEEP":  # a user's pass: '[' x 100000 raised RecursionError through load, inspect, sign
+        content = "[" * 100_000 + "]" * 100_000
     elif content == "FORGEsig":  # a signature that is not a string
         doc = _sig(bundle)
         doc["signature"] = 5
@@ -312,3 +321,12 @@ def test_a_failed_sign_leaves_no_temp_file_in_the_bundle(bundle, keys, capsys):
     assert code != 0 and "Traceback" not in out
     assert sorted(p.name for p in bundle.iterdir()) == before  # no .manifest.sig.XXXX left
     assert (bundle / "manifest.sig").is_dir()
+
+
+def test_sign_refuses_a_signer_past_200_characters(bundle, keys, capsys):
+    """A user's pass: a 100,000-character --signer was recorded (inspect and verify show it)."""
+    (priv, _), _ = keys
+    code, out = cli(capsys, "sign", str(bundle), "--key", str(priv), "--signer", "x" * 201)
+    assert code == 2 and "at most 200" in out and not (bundle / "manifest.sig").exists(), out
+    code, out = cli(capsys, "sign", str(bundle), "--key", str(priv), "--signer", "x" * 200)
+    assert code == 0 and (bundle / "manifest.sig").exists(), out

@@ -5,6 +5,7 @@ the exported model, inputs as config.pbtxt gives them), says where each batching
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,10 @@ def test_an_out_inside_the_bundle_is_refused_in_one_line(bundle, tmp_path, monke
                         "--out", str(bundle / "repo")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "is inside the bundle" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*")) == before
+    other = shutil.copytree(bundle, tmp_path / "other-cpu.dse")  # a user's pass: a repository into another bundle
+    with pytest.raises(DsedgeError, match=f"is inside the bundle '{other}'"):
+        export_triton(bundle, other / "triton", platform="python")
+    assert not (other / "triton").exists()
 
 
 def test_threads_with_a_tensorrt_plan_is_refused(tmp_path, capsys, monkeypatch):

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import BackendUnavailable, BundleError
+from ..instances import check_threads
 from ..run_cancel import RunCancel, RunCancelled
 
 log = logging.getLogger("dsedge")
@@ -238,6 +239,7 @@ class OrtBackend:
     def __init__(self, model_path: str | os.PathLike, providers: Sequence[str] | None = None,
                  threads: int | None = None, *, bundle: tuple[Any, Any] | None = None,
                  iobinding: bool | None = None, spin: bool = False) -> None:
+        check_threads(threads)
         ort = import_ort()
         opts = ort.SessionOptions()
         if threads:

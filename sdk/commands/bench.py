@@ -78,8 +78,8 @@ def _notes(profile: Any, session: Any, device: dict[str, Any] | None = None) -> 
               help="Tokens per sequence for text models (default: the bundle's optimum shape, else 128).")
 @click.option("--duration", "duration_s", type=FiniteFloat(min=0, min_open=True, max=86400), default=None,
               help="Seconds of timed runs per batch size (default 3).")
-@click.option("--iterations", type=click.IntRange(min=1), default=None, help="Timed runs per batch size (instead of --duration).")
-@click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True, help="Untimed runs first.")
+@click.option("--iterations", type=click.IntRange(min=1, max=1_000_000), default=None, help="Timed runs per batch size (instead of --duration).")
+@click.option("--warmup", type=click.IntRange(min=0, max=100_000), default=10, show_default=True, help="Untimed runs first.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU intra-op threads (default: ONNX Runtime's).")
 @click.option("--providers", default=None, help="Comma-separated ORT providers (default: TensorRT → CUDA → CPU, whichever exist).")
 @click.option("--budget-ms", type=FiniteFloat(max=3.6e6), default=None,
@@ -87,7 +87,7 @@ def _notes(profile: Any, session: Any, device: dict[str, Any] | None = None) -> 
 @click.option("--percentile", default="p99", show_default=True, help="Percentile judged against the budget: p50/p90/p95/p99.")
 @click.option("--vocab-size", type=click.IntRange(min=1), default=None,
               help="Token ids are drawn from [0, N) (default: the manifest's vocab_size, else 100).")
-@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--concurrency", type=click.IntRange(min=1, max=256), default=1, show_default=True,
               help="Closed-loop clients calling the session at once (each sends its next request on its answer).")
 @click.option("--inputs", "inputs_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="A folder of .npz files named like the inputs: real inputs instead of synthetic ones.")

@@ -29,7 +29,7 @@ def sign(bundle: str, key_path: str, signer: str | None) -> None:
 
     try:  # the signature this one replaces, if any (a malformed one is replaced without a word)
         before = json.loads((Path(bundle) / SIGNATURE).read_text()).get("key_id")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         before = None
     info = sign_bundle(bundle, key_path, signer)
     click.echo(f"signed {bundle} as {info.signer!r} with {info.key_id}")

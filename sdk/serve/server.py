@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ..runtime.errors import ConfigError, DsedgeError
+from ..runtime.instances import MAX_THREADS_PER_CORE, host_cores
 from ..runtime.io import is_integer, is_real
 
 log = logging.getLogger("dsedge.serve")
@@ -98,6 +99,10 @@ class ServeConfig:
                 raise bad(option, value, f"an integer >= {least}", str(max(least, 2)))
         if not (is_integer(self.worker_nice) and self.worker_nice <= 19):
             raise bad("--worker-nice", self.worker_nice, "an integer in 0..19", "5")
+        most = MAX_THREADS_PER_CORE * host_cores()  # each is an OS thread per variant (threads=100000 ran out of pids)
+        if self.threads is not None and self.threads > most:
+            raise bad("--threads", self.threads, f"an integer in 1..{most} ({MAX_THREADS_PER_CORE} per core here)",
+                      "2")
         for flag, value in (("pin-instances", self.pin_instances), ("standby", self.standby)):
             if not isinstance(value, bool):
                 raise ConfigError(f"--{flag} {value!r} is not True or False", f"pass --{flag} or --no-{flag}")

@@ -26,6 +26,7 @@ from typing import Any
 from ...runtime.batching import BatchLayout
 from ...runtime.bundle import MANIFEST, SIGNATURE, Manifest, Variant
 from ...runtime.errors import BundleError, DsedgeError, InputError, TargetError
+from ...runtime.files import enclosing_bundle
 from ...runtime.names import inside
 from ...runtime.signing import verify_signed
 from .pbtxt import Enum, to_pbtxt
@@ -332,8 +333,10 @@ def export_triton(bundle: str | os.PathLike, out: str | os.PathLike, platform: s
         raise InputError("--threads sets ONNX Runtime's intra-op threads; a TensorRT plan has none to set",
                          "leave --threads out with --platform tensorrt, or export with --platform onnxruntime")
     out_abs, bundle_abs = Path(os.path.abspath(out)), Path(os.path.abspath(bundle))
-    if out_abs == bundle_abs or bundle_abs in out_abs.parents or out_abs.resolve().is_relative_to(bundle.resolve()):
-        raise DsedgeError(f"--out {str(out)!r} is inside the bundle {str(bundle)!r}",
+    inside = bundle_abs if (out_abs == bundle_abs or bundle_abs in out_abs.parents
+                            or out_abs.resolve().is_relative_to(bundle.resolve())) else enclosing_bundle(out)
+    if inside is not None:  # this bundle, or another one (a user's pass wrote a repository into another bundle)
+        raise DsedgeError(f"--out {str(out)!r} is inside the bundle {str(inside)!r}",
                           "write the model repository outside the bundle (a bundle holds only its listed files)")
     gpu = is_gpu_target(manifest)
     if platform == "tensorrt" and manifest.target.get("backend") != "tensorrt":
