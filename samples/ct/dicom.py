@@ -3,8 +3,9 @@ the file.
 
 Geometry follows DICOM PS3.3 C.7.6.2 (Image Plane Module): slices are ordered by the projection of
 ImagePositionPatient on the slice normal (the cross product of the two ImageOrientationPatient direction cosines);
-the slice spacing is taken from those positions, not from SliceThickness. HU = stored value × RescaleSlope +
-RescaleIntercept (PS3.3 C.11.1.1.2).
+the slice spacing is taken from those positions, not from SliceThickness. The (slice, row, column) axes are then
+transposed and flipped to the closest patient axes, so the volume is in LPS index order whatever the patient
+position. HU = stored value × RescaleSlope + RescaleIntercept (PS3.3 C.11.1.1.2).
 """
 from __future__ import annotations
 
@@ -47,26 +48,40 @@ def list_series_files(source: str | os.PathLike | Iterable[str | os.PathLike]) -
     return [Path(p) for p in source]
 
 
+CT_IMAGE_STORAGE = "1.2.840.10008.5.1.4.1.1.2"
+ENHANCED_CT_SOP_CLASSES = {"1.2.840.10008.5.1.4.1.1.2.1": "Enhanced CT Image Storage",
+                           "1.2.840.10008.5.1.4.1.1.2.2": "Legacy Converted Enhanced CT Image Storage"}
+PATIENT_AXES = "xyz"  # DICOM LPS: +x patient left, +y posterior, +z superior
+
+
 def read_dicom_series(source: str | os.PathLike | Iterable[str | os.PathLike], *,
                       spacing_rtol: float = 0.01) -> Volume:
     """Read a single-series CT into HU.
+
+    Slices are sorted by their position along the slice normal, then the axes are transposed and flipped to the
+    patient axis each lies closest to (as ``nibabel.as_closest_canonical`` does for NIfTI), so that whatever the
+    patient position (head or feet first, supine or prone) and scan direction, index order is DICOM LPS order.
 
     Args:
         source: a directory (every DICOM file in it must belong to the series) or a list of files.
         spacing_rtol: relative tolerance on the gap between consecutive slice positions.
     Returns:
-        ``Volume`` with ``hu`` float32 (z, y, x) sorted inferior → superior along the slice normal, ``spacing_mm``
-        (slice spacing from positions, PixelSpacing row, column) and ``meta`` (slice_thickness_mm, kvp,
+        ``Volume`` with ``hu`` float32 (z, y, x): z inferior → superior, y anterior → posterior, x right → left;
+        ``spacing_mm`` (dz, dy, dx) in mm, in that order (for an axial series: the slice spacing from
+        ImagePositionPatient, then PixelSpacing row, column); ``meta`` (slice_thickness_mm, kvp,
         acquired_spacing_mm, series_uid, manufacturer).
     Raises:
-        SeriesError: naming the offending file for: mixed SeriesInstanceUIDs, a file that is not CT image data,
-            differing orientation / matrix size / pixel spacing, duplicate slice positions, missing slices (a gap that
-            is a whole multiple of the spacing), inconsistent slice spacing, compressed pixel data without a decoder.
+        SeriesError: naming the offending file for: mixed SeriesInstanceUIDs, a file that is not CT image data
+            (Modality other than CT, a non-CT SOP class, enhanced multi-frame CT), a missing, non-numeric,
+            non-finite or degenerate ImagePositionPatient / ImageOrientationPatient / PixelSpacing (spacing ≤ 0),
+            a missing or non-finite RescaleSlope / RescaleIntercept or a zero slope, differing orientation / matrix
+            size / pixel spacing, duplicate slice positions, missing slices (a gap that is a whole multiple of the
+            spacing), inconsistent slice spacing, compressed pixel data without a decoder.
     """
     import pydicom
 
     files = list_series_files(source)
-    headers = []
+    headers, geoms = [], []
     for f in files:
         try:
             ds = pydicom.dcmread(f, stop_before_pixels=True)
@@ -74,14 +89,24 @@ def read_dicom_series(source: str | os.PathLike | Iterable[str | os.PathLike], *
             cut = _truncated(f)
             raise SeriesError(f"{f}: " + (cut or f"not a readable DICOM file ({e})"),
                               TRUNCATED_HINT if cut else "remove the file from the series folder") from e
-        for tag in ("SeriesInstanceUID", "ImagePositionPatient", "ImageOrientationPatient", "PixelSpacing", "Rows",
-                    "Columns"):
+        for tag in ("Modality", "SeriesInstanceUID", "ImagePositionPatient", "ImageOrientationPatient",
+                    "PixelSpacing", "Rows", "Columns", "RescaleSlope", "RescaleIntercept"):
             if tag not in ds:
                 cut = _truncated(f)                 # pydicom stops quietly at a cut: say so, not "missing tag"
                 if cut:
                     raise SeriesError(f"{f}: {cut}", TRUNCATED_HINT)
+                if tag == "Modality":
+                    raise SeriesError(f"{f}: missing Modality, cannot tell that it is CT image data",
+                                      "only CT image slices can be read as a series; restore the original file")
+                if tag.startswith("Rescale"):
+                    raise SeriesError(f"{f}: missing {tag}, cannot convert stored values to HU",
+                                      "CT images must carry RescaleSlope and RescaleIntercept (Type 1, PS3.3 "
+                                      "C.8.2.1); restore the original file from the archive")
                 raise SeriesError(f"{f}: missing {tag}, cannot place the slice in a volume",
-                                  "only axial CT image slices can be read as a series")
+                                  "only CT image slices can be read as a series")
+            if tag == "Modality":      # first: an MR or PET file lacks the CT tags below (no HU rescale)
+                _check_ct(f, ds)
+        geoms.append(_slice_geometry(f, ds))
         headers.append(ds)
 
     # one series only; name the files of the smaller group
@@ -97,44 +122,120 @@ def read_dicom_series(source: str | os.PathLike | Iterable[str | os.PathLike], *
                           "put each series in its own folder, or pass only one series' files")
 
     ref = headers[0]
-    ref_orient = np.asarray(ref.ImageOrientationPatient, dtype=np.float64)
-    for f, ds in zip(files, headers):
-        if not np.allclose(np.asarray(ds.ImageOrientationPatient, dtype=np.float64), ref_orient, atol=1e-4):
+    ref_orient, ref_spacing = geoms[0]["orientation"], geoms[0]["spacing"]
+    for f, ds, g in zip(files, headers, geoms):
+        if not np.allclose(g["orientation"], ref_orient, atol=1e-4):
             raise SeriesError(f"{f}: ImageOrientationPatient {list(ds.ImageOrientationPatient)} differs from "
                               f"{files[0].name}'s {list(ref.ImageOrientationPatient)}", "the slices must be parallel")
         if (int(ds.Rows), int(ds.Columns)) != (int(ref.Rows), int(ref.Columns)):
             raise SeriesError(f"{f}: matrix {ds.Rows}×{ds.Columns} differs from {files[0].name}'s "
                               f"{ref.Rows}×{ref.Columns}", "all slices of a series must have the same size")
-        if not np.allclose([float(v) for v in ds.PixelSpacing], [float(v) for v in ref.PixelSpacing], rtol=1e-4):
+        if not np.allclose(g["spacing"], ref_spacing, rtol=1e-4):
             raise SeriesError(f"{f}: PixelSpacing {list(ds.PixelSpacing)} differs from {files[0].name}'s "
                               f"{list(ref.PixelSpacing)}", "all slices of a series must share one pixel spacing")
 
-    normal = np.cross(ref_orient[:3], ref_orient[3:])
-    pos = np.array([float(np.dot(np.asarray(ds.ImagePositionPatient, dtype=np.float64), normal)) for ds in headers])
+    row_dir, col_dir = ref_orient[:3], ref_orient[3:]
+    normal = np.cross(row_dir, col_dir)
+    normal /= np.linalg.norm(normal)
+    pos = np.array([float(np.dot(g["position"], normal)) for g in geoms])
     order = np.argsort(pos, kind="stable")
     files = [files[i] for i in order]
-    headers = [headers[i] for i in order]
+    geoms = [geoms[i] for i in order]
     pos = pos[order]
 
     dz = _check_slice_gaps(files, pos, spacing_rtol)
 
     slices = []
-    for f in files:
-        slices.append(_read_hu(f))
+    for f, g in zip(files, geoms):
+        slices.append(_read_hu(f, g["slope"], g["intercept"]))
     hu = np.stack(slices).astype(np.float32, copy=False)
-    dy, dx = (float(v) for v in ref.PixelSpacing)
+    # array axes (slice, row, column) run along (normal, column cosines, row cosines): bring them to LPS (z, y, x)
+    hu, spacing = _to_lps(hu, (normal, col_dir, row_dir), (dz, float(ref_spacing[0]), float(ref_spacing[1])))
     thickness = ref.get("SliceThickness")
     kvp = ref.get("KVP")
     meta = {
         "slice_thickness_mm": float(thickness) if thickness not in (None, "") else None,
         "kvp": float(kvp) if kvp not in (None, "") else None,
-        "acquired_spacing_mm": (dz, dy, dx),
+        "acquired_spacing_mm": spacing,
         "series_uid": str(ref.SeriesInstanceUID),
         "manufacturer": str(ref.get("Manufacturer", "")),
         "format": "dicom",
     }
     src = str(Path(files[0]).parent)
-    return Volume(hu, (dz, dy, dx), meta, src)
+    return Volume(hu, spacing, meta, src)
+
+
+def _check_ct(path: Path, ds) -> None:
+    """SeriesError unless ``ds`` is single-frame CT image data: Modality CT and (when stated) CT Image Storage."""
+    modality = str(ds.Modality).strip()
+    if modality != "CT":
+        raise SeriesError(f"{path}: Modality is {modality or '(empty)'!r}, not 'CT': not CT image data",
+                          "this reader takes CT series only (HU); remove other modalities from the folder")
+    sop = str(ds.get("SOPClassUID") or getattr(getattr(ds, "file_meta", None), "MediaStorageSOPClassUID", "") or "")
+    if sop in ENHANCED_CT_SOP_CLASSES:
+        raise SeriesError(f"{path}: SOPClassUID {sop} ({ENHANCED_CT_SOP_CLASSES[sop]}) is multi-frame CT, which this "
+                          "reader does not support", "convert it to single-frame CT Image Storage files (e.g. "
+                          "`emf2sf` from dcm4che) or to NIfTI (dcm2niix)")
+    if sop and sop != CT_IMAGE_STORAGE:
+        import pydicom
+
+        name = pydicom.uid.UID(sop).name
+        raise SeriesError(f"{path}: SOPClassUID {sop} ({name}) is not CT Image Storage ({CT_IMAGE_STORAGE}): not CT "
+                          "image data", "this reader takes CT image slices only; remove the file from the folder")
+
+
+def _floats(path: Path, ds, tag: str, n: int) -> np.ndarray:
+    """The ``n`` values of multi-valued numeric ``tag`` as float64, or SeriesError naming file, tag and value."""
+    from pydicom.multival import MultiValue
+
+    raw = ds.get(tag)
+    values = list(raw) if isinstance(raw, (list, tuple, MultiValue)) else [raw]
+    try:
+        out = np.array([float(v) for v in values], dtype=np.float64)
+    except (TypeError, ValueError):
+        out = None
+    if out is None or out.shape != (n,) or not np.isfinite(out).all():
+        what = "a finite number" if n == 1 else f"{n} finite numbers"
+        raise SeriesError(f"{path}: {tag} {values if n > 1 else raw!r} is not {what}",
+                          "the header is corrupt: restore the original file from the archive, or remove it")
+    return out
+
+
+def _slice_geometry(path: Path, ds) -> dict:
+    """Position (mm), orientation cosines, pixel spacing (mm, row then column) and HU rescale of one slice;
+    SeriesError naming file and tag for values that are missing, non-finite, non-positive or degenerate."""
+    orient = _floats(path, ds, "ImageOrientationPatient", 6)
+    row, col = orient[:3], orient[3:]
+    # PS3.3 C.7.6.2.1.1: two orthogonal unit vectors (written with limited precision by real scanners)
+    if abs(np.linalg.norm(row) - 1) > 1e-2 or abs(np.linalg.norm(col) - 1) > 1e-2 or abs(np.dot(row, col)) > 1e-2:
+        raise SeriesError(f"{path}: ImageOrientationPatient {list(ds.ImageOrientationPatient)} is not two orthogonal "
+                          "unit vectors", "the header is corrupt: restore the original file from the archive")
+    orient = np.concatenate([row / np.linalg.norm(row), col / np.linalg.norm(col)])
+    spacing = _floats(path, ds, "PixelSpacing", 2)
+    if (spacing <= 0).any():
+        raise SeriesError(f"{path}: PixelSpacing {list(ds.PixelSpacing)} is not positive",
+                          "the header is corrupt: restore the original file from the archive")
+    slope = _floats(path, ds, "RescaleSlope", 1)[0]
+    if slope == 0:
+        raise SeriesError(f"{path}: RescaleSlope is 0, every voxel would read as RescaleIntercept",
+                          "the header is corrupt: restore the original file from the archive")
+    return {"position": _floats(path, ds, "ImagePositionPatient", 3), "orientation": orient, "spacing": spacing,
+            "slope": float(slope), "intercept": float(_floats(path, ds, "RescaleIntercept", 1)[0])}
+
+
+def _to_lps(hu: np.ndarray, axes_dir: tuple[np.ndarray, ...], spacing: tuple[float, float, float]
+            ) -> tuple[np.ndarray, tuple[float, float, float]]:
+    """``hu`` (3-D, array axis a running along unit patient vector ``axes_dir[a]``, ``spacing[a]`` mm apart)
+    transposed and flipped so that its axes run along +z, +y, +x (LPS; the assignment of array to patient axes that
+    keeps them best aligned, like ``nibabel.orientations.io_orientation``), with the spacing in that order."""
+    from itertools import permutations
+
+    m = np.abs(np.asarray(axes_dir))                      # m[a, p]: |cos| between array axis a and patient axis p
+    best = max(permutations(range(3)), key=lambda p: sum(m[a, p[a]] for a in range(3)))   # best[a]: patient axis
+    src = [best.index(p) for p in (2, 1, 0)]             # the array axis that becomes z, y, x
+    out = hu.transpose(src)
+    flips = tuple(slice(None, None, -1) if axes_dir[a][p] < 0 else slice(None) for a, p in zip(src, (2, 1, 0)))
+    return np.ascontiguousarray(out[flips]), tuple(float(spacing[a]) for a in src)  # type: ignore[return-value]
 
 
 def _check_slice_gaps(files: list[Path], pos: np.ndarray, rtol: float) -> float:
@@ -202,8 +303,9 @@ def _short_value(elem) -> str | None:
     return f"the file is truncated: its {what} has {len(value)} of {length} bytes"
 
 
-def _read_hu(path: Path) -> np.ndarray:
-    """One slice in HU, float32 (rows, columns). Raises SeriesError for pixel data that cannot be decoded."""
+def _read_hu(path: Path, slope: float, intercept: float) -> np.ndarray:
+    """One slice in HU (stored value × ``slope`` + ``intercept``, from ``_slice_geometry``), float32 (rows, columns).
+    Raises SeriesError for pixel data that cannot be decoded."""
     import pydicom
 
     ds = pydicom.dcmread(path)
@@ -226,9 +328,7 @@ def _read_hu(path: Path) -> np.ndarray:
     if arr.ndim != 2:
         raise SeriesError(f"{path}: pixel data has shape {arr.shape}, expected one 2-D slice",
                           "multi-frame (enhanced) CT is not supported by this reader")
-    slope = float(ds.get("RescaleSlope", 1.0) or 1.0)
-    intercept = float(ds.get("RescaleIntercept", 0.0) or 0.0)
-    return arr.astype(np.float32) * slope + intercept
+    return arr.astype(np.float32) * np.float32(slope) + np.float32(intercept)
 
 
 def _missing_decoder(ts) -> str | None:

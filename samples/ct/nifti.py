@@ -21,11 +21,16 @@ def read_nifti(path: str | os.PathLike) -> Volume:
     ``AIR_HU`` (-1024 HU), and counted in ``meta["nonfinite_voxels"]``: left as they are, they would turn every
     window they touch into NaN scores.
 
+    The voxel size is taken from the image affine (sform, else qform: the mapping nibabel reorients by), as the
+    lengths of its columns, not from the header's pixdim, which writers do not always keep in step with the sform.
+
     Returns:
-        ``Volume`` with ``hu`` float32 (z, y, x), ``spacing_mm`` (dz, dy, dx), ``meta`` with slice_thickness_mm and
-        kvp set to None (NIfTI carries no acquisition tags: they are imputed as missing downstream).
+        ``Volume`` with ``hu`` float32 (z, y, x), ``spacing_mm`` (dz, dy, dx) in mm, ``meta`` with
+        slice_thickness_mm and kvp set to None (NIfTI carries no acquisition tags: they are imputed as missing
+        downstream).
     Raises:
-        SeriesError: the file is missing, unreadable, not a 3-D volume, or has no finite voxel.
+        SeriesError: the file is missing, unreadable, not a 3-D volume, holds complex or non-scalar (e.g. RGB) voxels,
+            has an affine whose voxel size is zero or not finite, or has no finite voxel.
     """
     import nibabel as nib
 
@@ -33,7 +38,16 @@ def read_nifti(path: str | os.PathLike) -> Volume:
     if not p.is_file():
         raise SeriesError(f"NIfTI file not found: {p}", "pass the path of a .nii or .nii.gz file")
     try:
-        img = nib.as_closest_canonical(nib.load(str(p)))
+        img = nib.load(str(p))
+        dtype = img.get_data_dtype()
+    except Exception as e:
+        raise SeriesError(f"{p}: not a readable NIfTI file ({e})", "check the file is complete (.nii/.nii.gz)") from e
+    if dtype.kind not in "biuf":  # complex: casting would drop the imaginary part; RGB: a record per voxel
+        raise SeriesError(f"{p}: NIfTI voxels are {dtype} ({'complex' if dtype.kind == 'c' else 'not scalar'}), "
+                          "expected real HU values", "pass a CT volume stored as integers or floats")
+    _check_affine_zooms(p, img.affine)
+    try:
+        img = nib.as_closest_canonical(img)
         data = np.asarray(img.dataobj, dtype=np.float32)
     except Exception as e:
         raise SeriesError(f"{p}: not a readable NIfTI file ({e})", "check the file is complete (.nii/.nii.gz)") from e
@@ -43,7 +57,8 @@ def read_nifti(path: str | os.PathLike) -> Volume:
         raise SeriesError(f"{p}: NIfTI image has shape {data.shape}, expected a 3-D volume",
                           "split a 4-D series into volumes first" if data.ndim > 3 else
                           "a single slice is not a volume: pass the whole series (a 3-D .nii or a DICOM folder)")
-    zooms = [float(z) for z in img.header.get_zooms()[:3]]
+    # canonical (R, A, S) order; rounded to nm, below the float32 noise of an oblique sform
+    zooms = [round(float(z), 6) for z in np.linalg.norm(img.affine[:3, :3], axis=0)]
     hu = np.ascontiguousarray(data.transpose(2, 1, 0)[:, ::-1, ::-1])
     bad = ~np.isfinite(hu)
     if bad.all():
@@ -53,3 +68,12 @@ def read_nifti(path: str | os.PathLike) -> Volume:
     meta = {"slice_thickness_mm": None, "kvp": None, "acquired_spacing_mm": spacing, "format": "nifti",
             "nonfinite_voxels": int(bad.sum())}
     return Volume(hu, spacing, meta, str(p))
+
+
+def _check_affine_zooms(path: Path, affine: np.ndarray) -> np.ndarray:
+    """Voxel size in mm along each array axis (the affine's column lengths); SeriesError if any is 0 or not finite."""
+    zooms = np.linalg.norm(np.asarray(affine, dtype=np.float64)[:3, :3], axis=0)
+    if not np.isfinite(zooms).all() or (zooms < 1e-6).any():
+        raise SeriesError(f"{path}: the NIfTI affine (sform/qform) gives voxel size {zooms.round(6).tolist()} mm",
+                          "set a valid sform or qform (with non-zero pixdim), e.g. with nibabel's set_sform")
+    return zooms
