@@ -543,7 +543,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         path: the ``NAME-TARGET.dse`` directory.
         variant: variant name (default: the manifest's ``default_variant``).
         providers: ORT providers to use (default: TensorRT EP → CUDA EP → CPU EP, whichever exist).
-        threads: intra-op CPU threads (default: ORT's choice).
+        threads: intra-op CPU threads (default: ORT's choice); at most 4 per core of this host (InputError).
         budget_ms: default latency budget for ``submit``/``stream`` (else the manifest's, else the target's), ms.
         cascade: let requests that cannot meet their budget on ``variant`` be served by a cheaper variant of the
             bundle (the others are opened and warmed on a background thread when streaming starts).
