@@ -538,7 +538,43 @@ def test_a_probe_yields_to_a_request_that_comes_while_it_runs(tmp_path):
     assert lane.probes_cut == 1 and lane.probes == 0  # nothing observed from the cut run
     assert prof.predict(16, 1024, k_dev=0.0) == pytest.approx(full_ms)
     sched.close()
-    print(f"small request answered in {waited_ms:.1f} ms during a {full_ms:.0f} ms probe")
+    print(f"small request answered in {waited_ms:.1f} ms during a {full_ms:.0f} ms probe (queued {small.queue_ms:.1f} ms)")
+
+
+def test_a_request_joins_an_idle_instance_before_a_probing_one(tmp_path):
+    """Stopping a probe waits for the kernel it is in (75-85 ms of one MatMul here): with another instance idle,
+    the request goes there and the probe runs to its end."""
+    layout = BatchLayout.of(*TEXT_IO)
+    model = text_embedder(tmp_path / "heavy.onnx", dim=512, layers=8)
+    first_backend, second_backend = OrtBackend(model, threads=1), OrtBackend(model, threads=1)
+    rng = np.random.default_rng(0)
+    heavy = {"input_ids": rng.integers(1, 100, size=(16, 1024)), "attention_mask": np.ones((16, 1024), np.int64)}
+    t0 = time.perf_counter()
+    first_backend.run(heavy)
+    full_ms = (time.perf_counter() - t0) * 1e3
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(16, 1024, full_ms, 0.0)
+    prof.set(1, 8, 2.0, 0.0)
+    metrics = StreamMetrics()
+    first = Lane("fp32", first_backend.run, prof, layout, metrics, max_batch=1, inline_ms=0.0, observe_warmup=False,
+                 probe_interval_ms=20.0)
+    second = Lane("fp32", second_backend.run, prof, layout, metrics, max_batch=1, inline_ms=0.0,
+                  observe_warmup=False, probe_interval_ms=20.0, calibration=first.calibration, instance=1)
+    sched = BudgetScheduler([first, second], layout, metrics)
+    assert first.warm.wait(10) and second.warm.wait(10)
+    assert isinstance(sched.submit(heavy, full_ms / 2).result(10), Rejected)
+    t0 = time.perf_counter()
+    while first._probing is None and time.perf_counter() - t0 < 5.0:
+        time.sleep(0.002)
+    assert first._probing is not None  # the refused request is probed on the first instance
+    small = sched.submit(text_request(rng, 8), 10_000).result(30)
+    assert isinstance(small, Result) and small.ok and small.queue_ms < full_ms / 3, small
+    assert second.batches == 1 and first.batches == 0
+    t0 = time.perf_counter()
+    while first.probes == 0 and first.probes_cut == 0 and time.perf_counter() - t0 < 10.0:
+        time.sleep(0.01)
+    assert first.probes == 1 and first.probes_cut == 0  # measured, not cut
+    sched.close()
 
 
 def test_first_submit_does_not_wait_for_warm_up(backend):
