@@ -64,3 +64,35 @@ class CoreShare:
             with self._cond:
                 self._exclusive = False
                 self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def try_shared(self) -> Iterator[bool]:
+        """``shared`` for a run nobody waits for (a re-measuring probe): True if the cores were free of the other
+        side now, False (held by nothing) otherwise. It never waits, so it never counts as waiting: a probe queued
+        for the cores would hold the other side's real batches back (writer preference) for a whole run."""
+        with self._cond:
+            got = not (self._exclusive or self._waiting)
+            if got:
+                self._shared += 1
+        try:
+            yield got
+        finally:
+            if got:
+                with self._cond:
+                    self._shared -= 1
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def try_exclusive(self) -> Iterator[bool]:
+        """``exclusive`` for a run nobody waits for: True if no instance batch runs now, else False at once."""
+        with self._cond:
+            got = not (self._exclusive or self._shared)
+            if got:
+                self._exclusive = True
+        try:
+            yield got
+        finally:
+            if got:
+                with self._cond:
+                    self._exclusive = False
+                    self._cond.notify_all()

@@ -38,7 +38,9 @@ what a shape took). Nobody waits for a probe, so on a backend that can stop a ru
 it yields: admission plans the probing lane as idle, and the first request queued there, or a batch of the other
 side of its cores, stops the probe between two kernels (nothing is observed from a cut run). Before, a refused
 64 × 256-token request with a 1 s budget (3.6 s predicted, under the 4× limit) was probed for seconds while every
-small request through ``dsedge serve`` was refused "overload".
+small request through ``dsedge serve`` was refused "overload". Nor does a probe ever wait for the cores: it runs
+only if the other side of them neither runs nor waits now (``CoreShare.try_shared``/``try_exclusive``); a fallback
+probe that waited behind an instance's probe kept the other instance's real batches off the cores for 3-5 s.
 
 Cold start: a lane starts with whatever its profile was seeded with (the bundle's build-time figures, scaled once
 this machine measured something) and its worker's first act is a warm-up run off the caller's thread (untimed: it
@@ -860,7 +862,9 @@ class Lane:
         # re-measure a refused request's service time on the idle backend (its answer already went out); False if
         # it was stopped for a real request (nothing is observed: a cut run says only that it ran that long)
         try:
-            with self._cores(cancel):
+            with self._probe_cores() as free:
+                if not free:  # the other side of the cores runs or waits: a probe does not queue for them
+                    return False
                 t0 = _clock()
                 if cancel is None:
                     self.run(req.feed)
@@ -967,17 +971,22 @@ class Lane:
                     self._busy_until = self._run_mid = self._run_dev = 0.0
                     self._cond.notify_all()
 
-    def _cores(self, probe: RunCancel | None = None) -> contextlib.AbstractContextManager:
-        # around a run: the cores, shared with the variant's other instances, or alone for its fallback. A real
-        # batch (``probe`` None) first stops the other side's probes, which would hold the cores it waits for
+    def _cores(self) -> contextlib.AbstractContextManager:
+        # around a real batch: the cores, shared with the variant's other instances, or alone for its fallback;
+        # first it stops the other side's probes, which would hold the cores it waits for
         if self.share is None:
             return contextlib.nullcontext()
-        if probe is None:
-            for other in self.across:
-                running = other._probing
-                if running is not None:
-                    running.cancel()
+        for other in self.across:
+            running = other._probing
+            if running is not None:
+                running.cancel()
         return self.share.exclusive() if self.alone_on_cores else self.share.shared()
+
+    def _probe_cores(self) -> contextlib.AbstractContextManager:
+        # around a probe: the cores if the other side neither runs nor waits now (yields True), else False at once
+        if self.share is None:
+            return contextlib.nullcontext(True)
+        return self.share.try_exclusive() if self.alone_on_cores else self.share.try_shared()
 
     def _execute(self, batch: list[Request]) -> None:
         rows = sum(r.rows for r in batch)

@@ -577,6 +577,55 @@ def test_a_request_joins_an_idle_instance_before_a_probing_one(tmp_path):
     sched.close()
 
 
+def test_a_probe_never_waits_for_the_cores_ahead_of_a_real_batch(tmp_path):
+    """A user's pass through dsedge serve: the fallback lane's probe waited for the cores an instance's probe held;
+    as a waiting writer it kept the other instance's real batches off the cores (runtime/core_share.py), and small
+    requests queued there missed 50 ms budgets for 3-5 s. A probe takes the cores only if they are free now."""
+    from dsedge.runtime.scheduler import Request
+
+    layout = BatchLayout.of(*TEXT_IO)
+    model = text_embedder(tmp_path / "heavy.onnx", dim=512, layers=8)
+    rng = np.random.default_rng(0)
+    heavy = {"input_ids": rng.integers(1, 100, size=(16, 1024)), "attention_mask": np.ones((16, 1024), np.int64)}
+    backends = [OrtBackend(model, threads=1) for _ in range(3)]
+    t0 = time.perf_counter()
+    backends[0].run(heavy)
+    full_ms = (time.perf_counter() - t0) * 1e3
+
+    def profile() -> LatencyProfile:
+        prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+        prof.set(16, 1024, full_ms, 0.0)
+        prof.set(1, 8, 2.0, 0.0)
+        return prof
+
+    metrics, shared = StreamMetrics(), profile()
+    opts = dict(max_batch=1, inline_ms=0.0, observe_warmup=False, probe_interval_ms=20.0)
+    first = Lane("fp32", backends[0].run, shared, layout, metrics, **opts)
+    second = Lane("fp32", backends[1].run, shared, layout, metrics, calibration=first.calibration, instance=1,
+                  **opts)
+    spare = Lane("fp32", backends[2].run, profile(), layout, metrics, fallback=True, **opts)
+    sched = BudgetScheduler([first, second, spare], layout, metrics)
+    assert first.share is spare.share is not None
+    for lane in (first, second, spare):
+        assert lane.warm.wait(10)
+
+    def refused_heavy() -> Request:
+        now = time.perf_counter()
+        return Request("heavy", heavy, 16, 1024, layout.group_key(heavy), full_ms / 2, 0, now, now + full_ms / 2e3)
+
+    first.refused(refused_heavy())  # the first instance probes it, on the cores shared with the second
+    t0 = time.perf_counter()
+    while first._probing is None and time.perf_counter() - t0 < 5.0:
+        time.sleep(0.002)
+    assert first._probing is not None
+    spare.refused(refused_heavy())  # the fallback's probe would need the cores alone
+    time.sleep(0.1)
+    small = sched.submit(text_request(rng, 8), 10_000).result(30)  # joins the idle second instance
+    assert isinstance(small, Result) and small.ok and small.queue_ms < full_ms / 3, (small.queue_ms, full_ms)
+    assert second.batches == 1
+    sched.close()
+
+
 def test_first_submit_does_not_wait_for_warm_up(backend):
     """The lane warms up on its own thread; a request arriving meanwhile is queued with its own deadline."""
     layout = BatchLayout.of(*TEXT_IO)
