@@ -247,3 +247,46 @@ def test_a_stalled_body_times_out_and_does_not_hold_shutdown(tmp_path):
     finally:
         sock.close()
     assert "Traceback" not in log and "ClientDisconnect" not in log, log[-2000:]
+
+
+def test_a_stalled_request_head_closes_its_connection_and_frees_its_slot(tmp_path):
+    """A user's pass (slowloris): 20 sockets that sent half a request head and stopped kept a --max-connections 20
+    server answering every real request 503 for as long as they stayed open; uvicorn times only the idle gap after
+    a response. The head now has --body-timeout too, from the connection's opening (sdk/serve/head_timeout.py)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    bundle = mlp_bundle(tmp_path / "mlp.dse", tmp_path)
+    proc = ServeProcess([bundle], ["--max-connections", "3", "--body-timeout", "1", "--threads", "1"],
+                        tmp_path / "serve.log")
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 64], "datatype": "FP32", "data": [0.5] * 64}]}).encode()
+
+    def infer() -> int:
+        req = urllib.request.Request(f"http://{proc.http}/v2/models/mlp/infer", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    try:
+        host, port = proc.http.rsplit(":", 1)
+        stalled = []
+        for i in range(3):
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            if i:  # one sends nothing at all; two send half a head
+                sock.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n")
+            stalled.append(sock)
+        time.sleep(0.3)
+        assert infer() == 503  # every slot is held
+        t0 = time.monotonic()
+        for sock in stalled:
+            assert sock.recv(100) == b""  # closed by the server
+        assert 0.5 < time.monotonic() - t0 < 8
+        assert infer() == 200
+    finally:
+        for sock in stalled:
+            sock.close()
+        proc.terminate()

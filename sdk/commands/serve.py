@@ -76,7 +76,8 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
 @click.option("--drain-timeout", type=FiniteFloat(min=0), default=10.0, show_default=True,
               help="Seconds SIGTERM lets queued requests run before rejecting the rest.")
 @click.option("--body-timeout", type=FiniteFloat(min=0, min_open=True), default=30.0, show_default=True,
-              help="Seconds an HTTP request's body may take to arrive; then 408 (a stalled client holds nothing).")
+              help="Seconds an HTTP request's head, and then its body, may each take to arrive; a stalled head closes "
+                   "the connection, a stalled body gets 408 (a stalled client holds nothing).")
 @click.option("--auth-token-file", type=click.Path(dir_okay=False), default=None,
               help="Require 'Authorization: Bearer <token in this file>' (HTTP and gRPC; health stays open).")
 @click.option("--tls-cert", type=click.Path(dir_okay=False), default=None, help="PEM certificate (HTTP and gRPC).")

@@ -32,6 +32,7 @@ from typing import Any, Iterator, Sequence
 
 from ..runtime.errors import ConfigError, DsedgeError
 from ..runtime.instances import MAX_THREADS_PER_CORE, host_cores
+from .head_timeout import protocol_base, with_head_timeout
 from ..runtime.io import is_integer, is_real
 
 log = logging.getLogger("dsedge.serve")
@@ -319,7 +320,9 @@ async def serve(cfg: ServeConfig) -> int:
 
     def http_server(app: Any, port: int, kind: str) -> None:
         sock = _socket(cfg.host, port)
-        conf = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", loop="asyncio", http=cfg.http_impl,
+        # a request head not complete within --body-timeout closes its connection (slowloris: sdk/serve/head_timeout.py)
+        protocol = with_head_timeout(protocol_base(cfg.http_impl), cfg.body_timeout_s)
+        conf = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", loop="asyncio", http=protocol,
                               # uvicorn counts the connection being served: N + 1 lets N in, not N - 1
                               limit_concurrency=cfg.max_connections + 1, timeout_keep_alive=5,
                               # after the drain: a connection still open (a half-sent body) is closed 2 s on
