@@ -359,10 +359,18 @@ def _header(obj: dict) -> bytes:
      "parameter 'binary_data_output' must be true or false"),
     (_header({"inputs": []}), {"Inference-Header-Content-Length": "\u00b2"}, 400,
      "Inference-Header-Content-Length '\u00b2' does not fit"),
+    # a user's pass: the JSON data was silently ignored for the binary buffer (gRPC refuses both: docs/serve.md)
+    (_header({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64,
+                          "parameters": {"binary_data_size": 256}}]}) + b"\0" * 256,
+     {"Inference-Header-Content-Length": str(len(_header({"inputs": [{"name": "x", "datatype": "FP32",
+                                                                        "shape": [1, 64], "data": [0.5] * 64,
+                                                                        "parameters":
+                                                                            {"binary_data_size": 256}}]})))},
+     400, "has both 'data' and parameters.binary_data_size"),
 ], ids=["garbage-json", "no-inputs", "wrong-datatype", "wrong-shape", "too-few-values", "unknown-input", "bytes",
         "strings-for-floats", "unknown-output", "short-binary", "negative-binary-size", "huge-shape", "deep-json",
         "oversized", "huge-int-budget", "huge-int-timeout", "output-parameters-not-an-object",
-        "binary-flag-as-string", "request-binary-flag-as-string", "non-ascii-digit-header"])
+        "binary-flag-as-string", "request-binary-flag-as-string", "non-ascii-digit-header", "data-and-binary"])
 def test_malformed_requests_get_4xx_with_a_message(server, body, headers, status, message):
     code, err = _raw_post(server, "/v2/models/mlp-cpu/infer", body, headers)
     assert code == status and message in err["error"], err
@@ -1075,3 +1083,16 @@ def test_json_and_typed_values_a_datatype_cannot_hold_are_refused_not_converted(
     assert from_list("ids", "INT64", [2], [2 ** 62, -1]).tolist() == [2 ** 62, -1]
     assert from_list("ids", "FP32", [1], [10 ** 30]).tolist() == [pytest.approx(1e30, rel=1e-6)]  # FP32 holds it
     assert from_list("ids", "UINT64", [1], [2 ** 64 - 1]).tolist() == [2 ** 64 - 1]
+
+
+def test_a_flat_list_of_the_wrong_count_is_refused_before_any_value_is_read(monkeypatch):
+    """A user's pass: a 60 MB body of 31 M values for shape [1, 4] held the event loop (and /v2/health/live) for
+    3.3 s, 2 s of it reading values a count alone refuses."""
+    from dsedge.serve import protocol
+
+    def never(data):
+        raise AssertionError("values were read")
+
+    monkeypatch.setattr(protocol, "_value_types", never)
+    with pytest.raises(protocol.ServeError, match=r"1000000 values for shape \[1, 4\] \(expected 4\)"):
+        protocol.from_list("input_ids", "INT64", [1, 4], [1] * 1_000_000)

@@ -156,6 +156,8 @@ def parse_infer_body(body: bytes, header_len: str | None) -> tuple[dict[str, Any
             raise invalid(f"input {name!r}: 'parameters' must be an object")
         check_no_shared_memory(f"input {name!r}", params)
         size = params.get("binary_data_size")
+        if size is not None and "data" in t:  # as gRPC's contents + raw_input_contents: which one is meant?
+            raise invalid(f"input {name!r} has both 'data' and parameters.binary_data_size: send it one way")
         if size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise invalid(f"input {name!r}: binary_data_size must be a byte count (an integer >= 0), "
