@@ -20,7 +20,8 @@ class StreamMetrics:
 
     ``snapshot()`` keys (stable, for dashboards and ``bench --json``): submitted, admitted, answered, errors,
     within_budget, budget_missed, answered_late, dropped_at_deadline, rejected (dict reason → count, "deadline"
-    included), rejected_at_admission (dict reason → count: "budget", "overload", "shutdown"), in_flight, p50_ms,
+    included), rejected_at_admission (dict reason → count: "budget", "overload", "shutdown"), in_flight, cancelled
+    (futures their callers cancelled while queued: dropped unrun, neither answered nor missed), p50_ms,
     p90_ms, p99_ms, mean_ms, queue_p99_ms, mean_batch_size, goodput_per_s, throughput_per_s, rejection_rate,
     budget_miss_rate, elapsed_s, cascaded (dict variant → requests the cascade admitted to that cheaper variant,
     whatever their end: answered, late or dropped at their deadline; ``Result.variant`` says who answered).
@@ -47,6 +48,7 @@ class StreamMetrics:
         self.errors = 0
         self.within = 0
         self.late = 0
+        self.cancelled = 0  # futures their callers cancelled while queued: never run, never answered
         self.rejected: collections.Counter[str] = collections.Counter()
         self.cascaded: collections.Counter[str] = collections.Counter()
         self._t0: float | None = None
@@ -62,6 +64,10 @@ class StreamMetrics:
     def on_cascade(self, variant: str) -> None:
         with self._lock:
             self.cascaded[variant] += 1
+
+    def on_cancelled(self) -> None:
+        with self._lock:
+            self.cancelled += 1
 
     def on_answer(self, r: Result | Rejected) -> None:
         with self._lock:
@@ -100,7 +106,7 @@ class StreamMetrics:
                 "submitted": self.submitted, "admitted": admitted, "answered": self.answered, "errors": self.errors,
                 "within_budget": self.within, "budget_missed": missed, "answered_late": self.late,
                 "dropped_at_deadline": deadline, "rejected": rejected, "rejected_at_admission": at_admission,
-                "in_flight": self.submitted - self.answered - n_rej,
+                "in_flight": self.submitted - self.answered - n_rej - self.cancelled, "cancelled": self.cancelled,
                 "p50_ms": pct(lat, 50), "p90_ms": pct(lat, 90), "p99_ms": pct(lat, 99),
                 "mean_ms": round(float(lat.mean()), 3) if lat.size else None,
                 "queue_p99_ms": pct(q, 99),

@@ -720,18 +720,20 @@ class Lane:
             if answer.error is None:
                 self.calibration.score(req.plan_ms, answer.latency_ms, req.spread_ms, stratum=req.ahead)
             self.calibration.outcome(answer.latency_ms > req.budget_ms or answer.error is not None)
-        if req.future.set_running_or_notify_cancel():
-            _answering.on = True
-            try:
-                req.future.set_result(answer)
-            except BaseException:
-                # a done-callback raised SystemExit (concurrent.futures hands only Exception to its log): on the
-                # session's own threads it must not end the worker, its queue unanswered and the count undone
-                if threading.current_thread() is threading.main_thread():  # e.g. Ctrl-C in an inline answer
-                    self.metrics.on_answer(answer)
-                    raise
-            finally:
-                _answering.on = False
+        if not (req.future.running() or req.future.set_running_or_notify_cancel()):
+            self.metrics.on_cancelled()  # cancelled by its caller while queued: nobody reads this answer
+            return
+        _answering.on = True
+        try:
+            req.future.set_result(answer)
+        except BaseException:
+            # a done-callback raised SystemExit (concurrent.futures hands only Exception to its log): on the
+            # session's own threads it must not end the worker, its queue unanswered and the count undone
+            if threading.current_thread() is threading.main_thread():  # e.g. Ctrl-C in an inline answer
+                self.metrics.on_answer(answer)
+                raise
+        finally:
+            _answering.on = False
         self.metrics.on_answer(answer)
 
     def _steal(self) -> bool:
@@ -988,7 +990,19 @@ class Lane:
             return contextlib.nullcontext(True)
         return self.share.try_exclusive() if self.alone_on_cores else self.share.try_shared()
 
+    def _start(self, req: Request) -> bool:
+        # the request's future is RUNNING from here (its caller's cancel() no longer stops it); one its caller
+        # cancelled while it was queued is dropped unrun (a user's pass: cancel() returned True, yet every
+        # cancelled request ran and was counted an answer within budget)
+        if req.future.running() or req.future.set_running_or_notify_cancel():
+            return True
+        self.metrics.on_cancelled()
+        return False
+
     def _execute(self, batch: list[Request]) -> None:
+        batch = [r for r in batch if self._start(r)]
+        if not batch:
+            return
         rows = sum(r.rows for r in batch)
         failed = None
         with self._cores():  # timed once the cores are this lane's: a wait for the other side is no service time

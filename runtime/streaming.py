@@ -69,6 +69,9 @@ class AnswerWindow:
                 self._put(a)
 
 
+_NO_ITEM = object()  # a sync source's end, read on a worker thread (``stream_async``)
+
+
 class _End:
     def __init__(self, submitted: int, error: BaseException | None) -> None:
         self.submitted, self.error = submitted, error
@@ -379,8 +382,13 @@ class StreamingCore:
             if hasattr(inputs, "__aiter__"):
                 async for x in inputs:  # type: ignore[union-attr]
                     yield x
-            else:
-                for x in inputs:  # type: ignore[union-attr]
+            else:  # read on a worker thread, as ``stream`` does: a slow source must not hold the event loop (a
+                # user's pass: four items 0.5 s apart froze the loop for 2 s and every answer came at the end)
+                it = iter(inputs)  # type: ignore[arg-type]
+                while True:
+                    x = await asyncio.to_thread(next, it, _NO_ITEM)
+                    if x is _NO_ITEM:
+                        return
                     yield x
 
         async def feed() -> None:

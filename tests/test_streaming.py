@@ -217,6 +217,45 @@ def test_asyncio_face(text_session):
     assert sorted(r.id for r in some) == list(range(5))
 
 
+def test_stream_async_reads_a_slow_sync_source_off_the_event_loop(text_session):
+    """A user's pass: stream_async over a plain generator that slept 0.5 s between items froze the event loop
+    (a 10 ms ticker ran once in 2 s) and every answer came at the end; stream() reads its source on a thread."""
+    import time
+
+    rng = np.random.default_rng(8)
+    reqs = [text_request(rng, 8) for _ in range(4)]
+
+    def slow():
+        for r in reqs:
+            yield r
+            time.sleep(0.3)
+
+    async def main():
+        ticks = 0
+        done = False
+
+        async def ticker():
+            nonlocal ticks
+            while not done:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.ensure_future(ticker())
+        t0 = time.perf_counter()
+        seen = []
+        async for r in text_session.stream_async(slow(), budget_ms=2000):
+            seen.append((r.id, time.perf_counter() - t0))
+        done = True
+        await task
+        return seen, ticks, time.perf_counter() - t0
+
+    seen, ticks, took = asyncio.run(main())
+    assert sorted(i for i, _ in seen) == [0, 1, 2, 3]
+    first = min(t for i, t in seen if i == 0)
+    assert first < took - 0.5, (seen, took)  # answered while the source still slept, not at its end
+    assert ticks > took / 0.01 / 4, (ticks, took)  # the loop kept running
+
+
 def test_model_without_batch_axis_runs_alone(bundles):
     with dsedge.load(bundles["static"], threads=1, budget_ms=2000) as s:
         xs = [{"x": np.full((1, 8), i, np.float32)} for i in range(12)]

@@ -626,6 +626,46 @@ def test_a_probe_never_waits_for_the_cores_ahead_of_a_real_batch(tmp_path):
     sched.close()
 
 
+def test_a_request_cancelled_while_queued_never_runs_and_is_counted_cancelled(backend):
+    """A user's pass: Future.cancel() returned True on queued requests, yet every one of them ran and was counted
+    an answer within budget. Cancelled while queued, a request is dropped unrun; once its batch starts, cancel()
+    returns False and the answer comes (concurrent.futures' rule)."""
+    from concurrent.futures import CancelledError
+
+    layout = BatchLayout.of(*TEXT_IO)
+    gate, rows_run = threading.Event(), []
+
+    def run(feed):
+        gate.wait(20)
+        rows_run.append(len(feed["input_ids"]))
+        return backend.run(feed)
+
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(1, 8, 5.0, 0.0)
+    lane = Lane("fp32", run, prof, layout, StreamMetrics(), max_batch=1, inline_ms=0.0, observe_warmup=False)
+    sched = BudgetScheduler([lane], layout, lane.metrics)
+    assert lane.warm.wait(10)
+    rng = np.random.default_rng(0)
+    running = sched.submit(text_request(rng, 8), 600_000, id="running")
+    while not lane._running:
+        time.sleep(0.001)
+    queued = [sched.submit(text_request(rng, 8), 600_000, id=i) for i in range(6)]
+    assert not running.cancel()  # on the backend: too late
+    assert all(f.cancel() for f in queued[::2])  # three cancelled while queued
+    gate.set()
+    assert running.result(10).ok
+    for i, f in enumerate(queued):
+        if i % 2 == 0:
+            with pytest.raises(CancelledError):
+                f.result(10)
+        else:
+            assert f.result(10).ok
+    sched.close()
+    assert len(rows_run) == 1 + 3  # the cancelled three never ran
+    m = lane.metrics.snapshot()
+    assert m["cancelled"] == 3 and m["answered"] == 4 and m["within_budget"] == 4 and m["in_flight"] == 0, m
+
+
 def test_first_submit_does_not_wait_for_warm_up(backend):
     """The lane warms up on its own thread; a request arriving meanwhile is queued with its own deadline."""
     layout = BatchLayout.of(*TEXT_IO)
