@@ -458,6 +458,8 @@ class DecodeLoop:
         """The stop tokens ``eos_token_id`` names: one id, or a list of them (Hugging Face configs may name
         several: Llama 3's ``[128001, 128008, 128009]``). Raises ``InputError`` for a non-integer id, or one outside
         ``0 … vocab_size - 1`` (it could never stop the sequence)."""
+        if isinstance(eos_token_id, np.ndarray) and eos_token_id.ndim <= 1:  # e.g. a tokenizer's array of ids
+            eos_token_id = eos_token_id.tolist()
         ids = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
         if not ids:
             raise InputError("eos_token_id is an empty list", "pass the tokenizer's eos_token_id, or None")

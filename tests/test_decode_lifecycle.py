@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 import dsedge
@@ -254,6 +255,8 @@ def test_eos_token_id_may_name_several_stop_tokens_and_a_bad_bundle_default_is_a
     stop = next(t for t in range(64) if t not in ref)  # a stop token the greedy sequence never makes
     with dsedge.load(bundle, threads=1, budget_ms=60_000) as s:
         st = s.generate_stream(prompt, 12, eos_token_id=[stop, ref[cut]])  # a Hugging Face style list
+        assert list(st) == ref[:cut + 1] and st.finish_reason == "eos"
+        st = s.generate_stream(prompt, 12, eos_token_id=np.array([stop, ref[cut]]))  # a user's pass: refused
         assert list(st) == ref[:cut + 1] and st.finish_reason == "eos"
         for bad in ([], [stop, 64], [stop, "2"]):
             with pytest.raises(dsedge.InputError, match="eos_token_id"):
