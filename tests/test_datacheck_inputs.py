@@ -128,6 +128,13 @@ def test_dev_null_is_not_a_regular_file(capsys):
 
 
 # ---------------------------------------------------------------- 5. the documented checks.toml
+def test_a_missing_path_is_one_line_and_a_hint(tmp_path, capsys):
+    """A user's pass: click's own "Error: Invalid value for 'DATA': Path ... does not exist." had no hint, where
+    docs/datacheck.md promises one line and a hint."""
+    code, out, err = run_cli(["data", "check", str(tmp_path / "nope.csv")], capsys)
+    assert code == 2 and err.startswith("error: DATA") and "does not exist" in err and "\n  hint: " in err, err
+
+
 def doc_checks_toml() -> str:
     doc = (REPO / "docs" / "datacheck.md").read_text()
     section = doc.split("## Thresholds and settings: `checks.toml`", 1)[1]

@@ -71,6 +71,9 @@ def test_resolved_config_round_trips(tmp_path):
     (("batch_size = 8", "batch_size = \"8\""), "[data] batch_size must be int", ""),
     (("data = \"fsdp\"", "data = \"zero3\""), "[parallel] data = 'zero3' is not one of", "ddp"),
     (("steps = 10", "steps = 10\nepochs = 2"), "give exactly one of steps or epochs", ""),
+    # a user's pass: steps = 1e19 trained at lr ~1e-17 (warm-up) and wrote 9 GB of checkpoints in 200 s
+    (("steps = 10", "steps = 10000000000000000000"), "steps = 10000000000000000000 is more than 1,000,000,000",
+     "steps = 1000"),
     (("factory = \"pkg.model:make\"", "factory = \"pkg.model\""), "[model] factory must be 'module:function'", ""),
     (("betas = [0.9, 0.95]", "betas = [0.9]"), "[optim] betas must be two numbers", ""),
 ])

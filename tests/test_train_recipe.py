@@ -195,6 +195,10 @@ def test_factory_errors_are_config_errors(tmp_path):
 
     with pytest.raises(ConfigError, match=r"\[model\] factory 'train_models:make_tiny' failed: .*widht"):
         train.run(from_dict(config(tmp_path / "a", model={"kwargs": {"widht": 3}})))
+    # a user's pass: a value the factory refuses (ValueError) came out as a 43-line traceback
+    with pytest.raises(ConfigError, match="failed: dropout probability has to be between 0 and 1, but got 1.5"):
+        train.run(from_dict(config(tmp_path / "d", model={"factory": "train_models:make_dropout_mlp",
+                                                           "kwargs": {"p": 1.5}})))
     with pytest.raises(ConfigError, match="input_names has 2 names but the data gives 1 inputs"):
         train.run(from_dict(config(tmp_path / "b", model={"input_names": ["a", "b"]})))
     with pytest.raises(ConfigError, match="module 'no_such_module' not found"):

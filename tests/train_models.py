@@ -40,6 +40,11 @@ def make_tiny(**kw) -> nn.Module:
     return TinyNet(**kw)
 
 
+def make_dropout_mlp(p: float = 0.1) -> nn.Module:
+    """An MLP with dropout ``p``: torch raises ValueError for p outside [0, 1]."""
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(p), nn.Linear(16, 3))
+
+
 def make_mlp(din: int = 8, hidden: int = 16, classes: int = 3) -> nn.Module:
     """A 4-child Sequential (pipeline tests split it by children)."""
     return nn.Sequential(nn.Linear(din, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),

@@ -47,7 +47,8 @@ def load_transactions(csv: str | os.PathLike = DEFAULT_CSV) -> pd.DataFrame:
             missing, a value is non-numeric / empty / NaN / inf, a negative ``Time``/``Amount``, a ``Class`` other
             than 0 or 1 (the first bad data row is named).
     """
-    hint = "pass --csv with the ULB file (Time, V1..V28, Amount, Class; see samples/fraud/README.md)"
+    hint = ("point samples.fraud.run's --csv, or a training config's [data] kwargs.csv, at the ULB file (Time, "
+            "V1..V28, Amount, Class; see samples/fraud/README.md)")
     csv = data_path(csv)  # the default, ../shared/data/…, under $DSEDGE_DATA when that is set
     if Path(csv).is_dir():  # a missing file stays the OSError every caller already turns into its own line
         raise TransactionsError(f"{csv}: a directory, not a CSV file", hint)

@@ -13,7 +13,7 @@ def data() -> None:
 
 
 @data.command(name="check")
-@click.argument("path", metavar="DATA", type=click.Path(exists=True, dir_okay=True))
+@click.argument("path", metavar="DATA", type=click.Path(dir_okay=True))
 @click.option("--text-field", help="Field/column holding the text (default: text, content, document, ...).")
 @click.option("--label", help="Label column of tabular data (default: label, class, target, y, is_fraud).")
 @click.option("--tokenizer", type=click.Path(exists=True, file_okay=False),
@@ -42,6 +42,9 @@ def check(path: str, text_field: str | None, label: str | None, tokenizer: str |
     from . import check_data, load_config
     from .render import print_table, to_json, write_html
 
+    if not Path(path).exists():  # checked here, not by click: one line and a hint, as every dsedge error
+        raise DsedgeError(f"DATA {path!r} does not exist",
+                          "pass a .jsonl, .csv, .parquet or text file, or a folder of them")
     if engine == "ray":
         raise DsedgeError("--engine ray is not supported", "use --engine dask (docs/datacheck.md says why)")
     if html_out and Path(html_out).suffix.lower() == ".json":

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ...runtime.errors import ConfigError
+from ...runtime.errors import ConfigError, DsedgeError
 from . import parallel as par
 from .config import DomainsConfig, TrainConfig, resolve_callable
 from .domains import DomainBatchSampler, DomainWeights, MultiDomain
@@ -30,8 +30,11 @@ def call_factory(cfg: TrainConfig, section: str, spec: str, kwargs: dict) -> Any
     factory = resolve_callable(spec, f"[{section}] factory")
     try:
         return factory(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{cfg.source}: [{section}] factory {spec!r} failed: {e}",
+    except DsedgeError:
+        raise  # one-line already (e.g. the data factory's SeriesError / CSV errors)
+    except (TypeError, ValueError) as e:  # a bad kwarg name, or a value the factory refuses (dropout = 1.5)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{cfg.source}: [{section}] factory {spec!r} failed: {first}",
                           f"check [{section}] kwargs against the function's parameters") from None
 
 def build_data(cfg: TrainConfig) -> tuple[Any, Any]:

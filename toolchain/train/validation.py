@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from .config import TrainConfig
 
 
+MAX_STEPS = 10**9  # a billion optimizer steps: 12 days at 1 ms a step
+MAX_EPOCHS = 10**6
+
+
 def _choice(value: Any, allowed: tuple, key: str, source: str) -> None:
     if value not in allowed:
         raise ConfigError(f"{source}: {key} = {value!r} is not one of {', '.join(map(repr, allowed))}",
@@ -57,6 +61,10 @@ def validate(cfg: TrainConfig, *, distill: bool = False) -> TrainConfig:
         raise ConfigError(f"{s}: give exactly one of steps or epochs", "e.g. steps = 1000")
     _positive(cfg.steps, "steps", s)
     _positive(cfg.epochs, "epochs", s)
+    for key, value, most in (("steps", cfg.steps, MAX_STEPS), ("epochs", cfg.epochs, MAX_EPOCHS)):
+        if value is not None and value > most:  # a user's pass: steps = 1e19 ran (lr ~1e-17, still in warm-up)
+            raise ConfigError(f"{s}: {key} = {value} is more than {most:,} (no run ends)",  # and wrote 9 GB
+                              f"give the {key} the run needs, e.g. {key} = {1000 if key == 'steps' else 10}")
     for name, sec in (("model", cfg.model), ("data", cfg.data)):
         if not sec.factory or ":" not in sec.factory:
             raise ConfigError(f"{s}: [{name}] factory must be 'module:function', got {sec.factory!r}",
