@@ -3,12 +3,13 @@ FP16/BF16 with FP32 islands, or INT4 / INT8 mixed precision under an accuracy ga
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
-from ...runtime.errors import ConfigError, SourceError
+from ...runtime.errors import ConfigError, QuantizationError, SourceError
 from ...runtime.files import atomic_path, check_output_file, check_report_file, write_text_atomic
 from ...runtime.params import FiniteFloat
 
@@ -21,13 +22,65 @@ def _load(path: Path):
     return load_onnx_source(path)
 
 
-def save_model_atomic(model, dest: Path) -> None:
-    """Write ``model`` to ``dest`` via a temporary file and a rename (external data when over 1.8 GB)."""
+def save_model_atomic(model, dest: Path, check=None) -> None:  # type: ignore[no-untyped-def]
+    """Write ``model`` to ``dest`` via a temporary file and a rename (external data when over 1.8 GB).
+    ``check(tmp_path)``, when given, runs on the written temporary file before the rename: if it raises, ``dest`` is
+    left as it was."""
     import onnx
 
     big = model.ByteSize() > 1_800_000_000
     with atomic_path(dest) as tmp:
         onnx.save_model(model, str(tmp), save_as_external_data=big, location=dest.name + ".data" if big else None)
+        if check is not None:
+            check(tmp)
+
+
+def check_loads_in_ort(path: Path, what: str) -> None:
+    """The model file at ``path`` must load in ONNX Runtime (an ``InferenceSession`` on the CPU provider): a
+    converter that wrote a graph ORT rejects (e.g. mismatched types inside an If/Loop body) is caught here, not
+    by whoever loads ``--output`` later. A kernel this host's CPU provider lacks (``NOT_IMPLEMENTED``, e.g. BF16
+    Gemm) is not a broken model: the graph was read and type-checked before that, and a GPU runtime has it.
+
+    Raises:
+        QuantizationError: ORT refuses the model (its first line of reason); ``what`` names the model.
+    """
+    import onnxruntime as ort
+
+    try:
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as e:  # ORT raises its own Fail / InvalidGraph / InvalidArgument / RuntimeException classes
+        if type(e).__name__ == "NotImplemented":
+            return
+        reason = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        # without ORT's code prefix and the temporary file's name ("Load model from /x/.out.onnx.tmp-… failed:")
+        reason = re.sub(r"Load model from .*? failed:\s*", "", re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "",
+                                                                     reason))[:300]
+        raise QuantizationError(f"{what} does not load in ONNX Runtime ({reason}); nothing was written",
+                                "this is a dsedge bug for this model: report it with the model, and try another "
+                                "--precision meanwhile") from None
+
+
+def model_files_size(path: Path) -> int:
+    """Bytes of the ONNX file at ``path`` plus the external data files it references (each file once, resolved
+    beside the model as ONNX does; a missing one counts 0)."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo
+
+    files: set[Path] = set()
+
+    def walk(graph) -> None:  # type: ignore[no-untyped-def]
+        tensors = list(graph.initializer) + [s.values for s in graph.sparse_initializer]
+        for n in graph.node:
+            for a in n.attribute:
+                tensors += ([a.t] if a.HasField("t") else []) + list(a.tensors)
+                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    walk(g)
+        for t in tensors:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                files.add((path.parent / ExternalDataInfo(t).location).resolve())
+
+    walk(onnx.load(str(path), load_external_data=False).graph)
+    return path.stat().st_size + sum(f.stat().st_size for f in files if f.is_file())
 
 
 @click.command("quantize")
@@ -77,7 +130,9 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
         _print_presets(as_json)
         return
     if model is None or output is None:
-        raise click.UsageError("MODEL and -o/--output are required (or pass --list-presets)")
+        raise ConfigError(f"dsedge quantize needs {'MODEL and ' if model is None else ''}-o/--output",
+                          "dsedge quantize MODEL -o OUT.onnx [--precision int4|int8|fp16|bf16], or "
+                          "dsedge quantize --list-presets")
     check_output_file(output)
     if report_path:
         check_report_file(report_path, output, model)
@@ -106,7 +161,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
         raise ConfigError(f"--gate-output {gate_output!r} is not an output of {model.name}",
                           f"outputs: {', '.join(outputs)}")
     gated = gate_output if gate_output is not None else 0
-    source_size = model.stat().st_size  # before writing: -o may be MODEL itself
+    source_size = model_files_size(model)  # before writing: -o may be MODEL itself; external data files included
     # INT4 and INT8 static search for the layers to keep higher; every other precision is checked once, after
     searched = chosen.accuracy_gate and (chosen.precision == "int4" or chosen.algorithm == "static")
     say = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
@@ -121,9 +176,10 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
         if not quantized_nodes(out.model):  # nothing it converts (no MatMul/Gemm weights, or --nodes none of them)
             click.echo(f"warning: no layer of {model} was quantized: it has none that {chosen.precision} "
                        f"({chosen.algorithm}) converts; it is written unquantized", err=True)
-    save_model_atomic(out.model, output)
+    save_model_atomic(out.model, output,
+                      check=lambda tmp: check_loads_in_ort(tmp, f"the {chosen.precision} model made from {model}"))
     report = {"source": str(model), "output": str(output), "precision": chosen.precision,
-              "size_bytes": output.stat().st_size, "source_size_bytes": source_size, **out.details,
+              "size_bytes": model_files_size(output), "source_size_bytes": source_size, **out.details,
               **checked}
     if report_path:
         write_text_atomic(report_path, json.dumps(report, indent=2, default=float) + "\n")

@@ -6,7 +6,11 @@ Every float tensor becomes FP16 (or BF16), except:
   and sum-of-squares overflow past 65504, softmax/exp saturation);
 - initializers read only by islands stay FP32 (LayerNorm gamma/beta keep full precision);
 - graph inputs and outputs keep their FP32 type (a Cast at each), so the model's IO contract does not change;
-- inputs ONNX requires as float32 (Resize's roi/scales) stay FP32.
+- inputs ONNX requires as float32 (Resize's roi/scales) stay FP32;
+- control-flow nodes (If, Loop, Scan: any node with a subgraph) are islands too, their bodies left as they are: a
+  body reads outer-scope tensors by name, so converting an initializer it reads (and not the body) gave a model ONNX
+  Runtime refuses to load. The float tensors a body reads from the outer graph are read in FP32 (a Cast where the
+  outer tensor became 16-bit), and the initializers only such bodies or islands read stay FP32.
 Initializer values beyond the 16-bit range are clamped to it and counted in the report. BF16 is for targets that
 have it (A100, H100); ORT CPU runs few BF16 kernels.
 """
@@ -47,12 +51,60 @@ def _convert_tensor(t: onnx.TensorProto, elem: int) -> tuple[onnx.TensorProto, i
     return numpy_helper.from_array(a.astype(_np_dtype(elem)), t.name), clamped
 
 
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The bodies of a control-flow ``node`` (If's branches, Loop's and Scan's body; any GRAPH/GRAPHS attribute)."""
+    out: list[onnx.GraphProto] = []
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            out.append(a.g)
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            out.extend(a.graphs)
+    return out
+
+
+def _outer_reads(graph: onnx.GraphProto) -> list[str]:
+    """Names ``graph`` (a subgraph, nested bodies included) reads from its enclosing scopes, in first-read order."""
+    local = {i.name for i in graph.input} | {t.name for t in graph.initializer} \
+        | {t.name for t in graph.sparse_initializer}
+    reads: dict[str, None] = {}
+    for n in graph.node:
+        for inp in n.input:
+            if inp and inp not in local:
+                reads[inp] = None
+        for sub in _subgraphs(n):
+            for inp in _outer_reads(sub):
+                if inp not in local:
+                    reads[inp] = None
+        local.update(o for o in n.output if o)
+    return list(reads)
+
+
+def _outer_reads_of(node: onnx.NodeProto) -> list[str]:
+    """Names the bodies of ``node`` read from the graph ``node`` is in (its implicit inputs)."""
+    return list(dict.fromkeys(t for sub in _subgraphs(node) for t in _outer_reads(sub)))
+
+
+def _rename_reads(graph: onnx.GraphProto, old: str, new: str) -> None:
+    """Make ``graph`` and its nested bodies read ``new`` wherever they read the outer-scope tensor ``old`` (ONNX
+    forbids a subgraph to redefine an outer name, so every read of ``old`` in it is the outer one)."""
+    for n in graph.node:
+        for j, inp in enumerate(n.input):
+            if inp == old:
+                n.input[j] = new
+        for sub in _subgraphs(n):
+            _rename_reads(sub, old, new)
+    for o in graph.output:                 # a body may return an outer tensor unchanged
+        if o.name == old:
+            o.name = new
+
+
 def convert_float16(model: onnx.ModelProto, *, dtype: str = "fp16", island_ops: frozenset[str] = FP32_ISLAND_OPS,
                     keep_fp32_nodes: list[str] | None = None) -> tuple[onnx.ModelProto, dict]:
     """A copy of the fp32 ``model`` computing in FP16 (``dtype="fp16"``) or BF16 (``"bf16"``) with FP32 islands.
 
     Args:
-        island_ops: op types computed in FP32 (default :data:`FP32_ISLAND_OPS`).
+        island_ops: op types computed in FP32 (default :data:`FP32_ISLAND_OPS`); nodes with subgraphs (If, Loop,
+            Scan) are always islands, their bodies unchanged.
         keep_fp32_nodes: extra node names computed in FP32 (e.g. layers the accuracy gate raised).
     Returns:
         (model, report) — report lists ``fp32_nodes`` (names of island nodes), ``casts_inserted``, ``clamped``
@@ -80,11 +132,15 @@ def convert_float16(model: onnx.ModelProto, *, dtype: str = "fp16", island_ops: 
         raise QuantizationError("the model has no float32 tensor to convert", "give an fp32 model")
     is_float = lambda name: bool(name) and types.get(name) == TensorProto.FLOAT  # noqa: E731
     keep = set(keep_fp32_nodes or [])
-    island = {n.name for n in g.node if n.op_type in island_ops or n.name in keep}
+    island = {n.name for n in g.node if n.op_type in island_ops or n.name in keep or _subgraphs(n)}
+    # what each control-flow node's bodies read from the main graph (float only): read in FP32, like an island input
+    implicit = {n.name: [t for t in _outer_reads_of(n) if is_float(t)] for n in g.node if _subgraphs(n)}
     consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
     for n in g.node:
         for j, inp in enumerate(n.input):
             consumers[inp].append((n, j))
+        for inp in implicit.get(n.name, []):
+            consumers[inp].append((n, -1))             # -1: read by a body, not a position of n.input
     graph_inputs = {i.name for i in g.input if is_float(i.name)}
     graph_outputs = {o.name for o in g.output if is_float(o.name)}
 
@@ -97,12 +153,14 @@ def convert_float16(model: onnx.ModelProto, *, dtype: str = "fp16", island_ops: 
     casts = 0
     # graph inputs: one Cast to 16-bit, read by every non-island consumer
     for name in sorted(graph_inputs):
+        low_readers = [(n, j) for n, j in consumers.get(name, []) if not needs_fp32(n, j)]
+        if not low_readers:                              # e.g. read only by an If's branches: no dead Cast
+            continue
         low_name = f"{name}_{dtype}"
         new_nodes.append(helper.make_node("Cast", [name], [low_name], name=f"{name}_to_{dtype}", to=low))
         casts += 1
-        for n, j in consumers.get(name, []):
-            if not needs_fp32(n, j):
-                n.input[j] = low_name
+        for n, j in low_readers:
+            n.input[j] = low_name
     fp32_of: dict[str, str] = {}                         # island output → its fp32 tensor name
     for n in g.node:
         pre, post = [], []
@@ -115,6 +173,17 @@ def convert_float16(model: onnx.ModelProto, *, dtype: str = "fp16", island_ops: 
             up = f"{inp}_fp32_for_{n.name}"
             pre.append(helper.make_node("Cast", [inp], [up], name=f"{n.name}_in{j}_to_fp32", to=TensorProto.FLOAT))
             n.input[j] = up
+        for inp in implicit.get(n.name, []):              # outer tensors a body reads: FP32 under another name
+            if inp in graph_inputs or inp in keep_init or fp32_of.get(inp) == inp:
+                continue
+            if inp in fp32_of:
+                up = fp32_of[inp]
+            else:
+                up = f"{inp}_fp32_for_{n.name}"
+                pre.append(helper.make_node("Cast", [inp], [up], name=f"{n.name}_{inp}_to_fp32",
+                                            to=TensorProto.FLOAT))
+            for sub in _subgraphs(n):
+                _rename_reads(sub, inp, up)
         if n.name in island:
             for j, out in enumerate(n.output):
                 if not is_float(out):

@@ -104,6 +104,35 @@ def quantized_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return found
 
 
+QUANTIZED_COMPUTE_OPS = QUANTIZED_OPS - {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
+
+
+def layer_coverage(model: onnx.ModelProto) -> tuple[int, dict[str, int]]:
+    """How much of ``model``'s main graph a quantizer converted: ``(converted, float_layers)``.
+
+    ``converted`` counts the integer compute nodes (``QUANTIZED_COMPUTE_OPS``, ``QLinear*``), the
+    MatMul/Gemm/Conv/ConvTranspose nodes whose weight (input 1) a ``DequantizeLinear`` produces, and the ``Gather``
+    nodes reading a dequantized (INT4) table. ``float_layers`` counts by op type the MatMul/Gemm/Conv/ConvTranspose
+    nodes whose weight is still a float initializer, e.g. ``{"Conv": 2}`` after INT4 (which converts MatMul/Gemm
+    weights only) of a CNN. A weight that is a graph input (no initializer) is no layer either way.
+    """
+    floats = {t.name for t in model.graph.initializer
+              if t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)}
+    dequantized = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    converted, float_layers = 0, {}
+    for n in model.graph.node:
+        if n.op_type in QUANTIZED_COMPUTE_OPS or n.op_type.startswith("QLinear"):
+            converted += 1
+        elif n.op_type in WEIGHT_OPS and len(n.input) > 1:
+            if n.input[1] in dequantized:
+                converted += 1
+            elif n.input[1] in floats:
+                float_layers[n.op_type] = float_layers.get(n.op_type, 0) + 1
+        elif n.op_type == "Gather" and n.input and n.input[0] in dequantized:
+            converted += 1
+    return converted, float_layers
+
+
 def half_weights(model: onnx.ModelProto) -> tuple[list[onnx.TensorProto], int]:
     """The fp16/bf16 weight tensors of ``model`` (float initializers of 2 or more dims) and how many float weight
     tensors it has in all: an fp16 model is not a source to compress or to build from (its layers are read as

@@ -14,7 +14,7 @@ from ..config import BuildPlan
 from ..evaluate import compare_models
 from ..export import Exported
 from ..gates import AUTO_MIN_COSINE, build_gates, qualifies
-from .compressors import COMPRESSORS
+from .compressors import COMPRESSORS, check_converted
 from ..sources import Source
 from .fit import fit_target
 from .measure import latency_threads, measure_latency, measure_latency_side_by_side
@@ -32,8 +32,8 @@ def choose_auto(plan: BuildPlan, exported: Exported, reference_onnx: Path, work:
     ``measure_latency_side_by_side``) and keep the fastest accurate one,
     a compressed one only when it is at least ``AUTO_MIN_SPEEDUP`` × faster than fp32 (within measurement noise the
     exact model wins; e.g. INT8 Q/DQ Conv3d runs slower than fp32 on ORT CPU, so a 3-D CNN stays fp32). Other
-    targets keep the first accurate one in their order. A candidate whose compressor refuses the model is skipped
-    and said.
+    targets keep the first accurate one in their order. A candidate whose compressor refuses the model, or that
+    quantized no layer of it (``check_converted``), is skipped and said.
 
     Returns:
         (chosen precision, measured candidates by precision, the choice's record for report.json: rule, candidates
@@ -57,7 +57,7 @@ def choose_auto(plan: BuildPlan, exported: Exported, reference_onnx: Path, work:
     skipped: list[dict[str, Any]] = []
     for p in order:
         try:
-            comp = COMPRESSORS[p](exported, work, plan, source)
+            comp = check_converted(COMPRESSORS[p](exported, work, plan, source), source, asked=False)
             opset = fit_target(comp.path, target)
         except DsedgeError as e:
             skipped.append({"precision": p, "skipped": str(e)})

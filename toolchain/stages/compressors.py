@@ -26,7 +26,7 @@ from typing import Any
 
 from typing import TYPE_CHECKING
 
-from ...runtime.errors import CalibrationError
+from ...runtime.errors import CalibrationError, QuantizationError
 from ..artifacts import Compressed
 from ..quantize.compress import Calibration, compress
 from ..quantize.presets import get_preset
@@ -293,6 +293,52 @@ def _compress_float(dtype: str):
 
     compress_float.__doc__ = f"{dtype.upper()} with FP32 islands (LayerNorm, Softmax, reductions)."
     return compress_float
+
+
+# what each quantizing precision converts (the float precisions convert every float tensor)
+QUANTIZED_LAYERS = {"int4": "MatMul/Gemm weights and word-embedding tables", "int8": "MatMul/Gemm/Conv weights"}
+
+
+def check_converted(comp: Compressed, source: Source, asked: bool) -> Compressed:
+    """Record in ``comp.details`` how much of the model a quantizing precision (int4, int8) converted:
+    ``converted_layers`` and ``float_layers`` (op type → count of weight layers still float, e.g. ``{"Conv": 2}``
+    after INT4 of a CNN). Returns ``comp``; other precisions pass through.
+
+    Raises:
+        QuantizationError: no layer was converted (e.g. a model without initializer weights): the file would be the
+            fp32 graph under a quantized precision's name. ``asked``: the precision was named by the user (the hint
+            differs from ``auto``'s, which skips the candidate).
+    """
+    if comp.precision not in QUANTIZED_LAYERS:
+        return comp
+    import onnx
+
+    from ..quantize.graph import layer_coverage
+
+    converted, float_layers = layer_coverage(onnx.load(os.fspath(comp.path), load_external_data=False))
+    if converted == 0:
+        still = ", ".join(f"{c} {op}" for op, c in sorted(float_layers.items()))
+        raise QuantizationError(
+            f"{comp.precision} quantized no layer of {source.name}: it converts {QUANTIZED_LAYERS[comp.precision]} "
+            f"given as initializers, and the model has none" + (f" it can take (float: {still})" if still else ""),
+            "build it as fp16 or fp32 (--precision fp16), or with --precision auto, which skips this precision"
+            if asked else "")
+    comp.details["converted_layers"] = converted
+    comp.details["float_layers"] = float_layers
+    return comp
+
+
+def float_layers_note(precision: str, details: dict[str, Any]) -> str | None:
+    """``"int4: 1 layer converted, 2 stayed float (2 Conv; int4 converts MatMul/Gemm weights ...)"``, or None when
+    every weight layer was converted (or the precision is not a quantizing one)."""
+    float_layers = details.get("float_layers") or {}
+    if precision not in QUANTIZED_LAYERS or not float_layers:
+        return None
+    n = details.get("converted_layers", 0)
+    kept = sum(float_layers.values())
+    ops = ", ".join(f"{c} {op}" for op, c in sorted(float_layers.items()))
+    return (f"{precision}: {n} layer{'s' if n != 1 else ''} converted, {kept} weight layer{'s' if kept != 1 else ''} "
+            f"stayed float ({ops}; {precision} converts {QUANTIZED_LAYERS[precision]})")
 
 
 COMPRESSORS = {"int4": compress_int4, "int8": compress_int8, "fp16": _compress_float("fp16"),

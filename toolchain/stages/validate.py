@@ -8,12 +8,18 @@ from ..artifacts import Choice, Prepared, VariantDraft
 from ..config import BuildPlan
 from ..evaluate import compare_models
 from ..gates import AUTO_MIN_COSINE, check_shipped
+from .compressors import float_layers_note
+
+MIN_ARGMAX_AGREEMENT = 0.9  # below this on a classifier output, the shipped variant's top-1 changes too often to pass
+                            # in silence (a user's pass: auto kept int4 at argmax agreement 0.00 on 2 example inputs)
 
 
 def validate(plan: BuildPlan, model: Prepared, choice: Choice, opsets: dict[str, int],
              log: Callable[[str], None]) -> tuple[list[VariantDraft], list[str]]:
     """The variants to ship (the chosen precision first, then fp32 unless ``--no-fp32``) with their accuracy, and
-    warnings for the report (a fine-tune that did not recover the accuracy).
+    warnings for the report, each also logged: a fine-tune that did not recover the accuracy; a compressed variant
+    judged only on the source's example inputs (no ``--calib``/``--heldout``: synthetic for an ONNX file); a
+    compressed variant whose argmax agreement with fp32 (a classifier's top-1) is below ``MIN_ARGMAX_AGREEMENT``.
 
     Raises:
         AccuracyGateError: the shipped variant misses ``--accuracy-gate`` (nothing is written).
@@ -39,6 +45,9 @@ def validate(plan: BuildPlan, model: Prepared, choice: Choice, opsets: dict[str,
             notes.append("accuracy and host latency measured on its FP32 emulation (BF16 weights, BF16 rounding at "
                          "its casts, FP32 arithmetic): ONNX Runtime's CPU provider has no BF16 kernels; on the "
                          "device the error can be larger (toolchain/quantize/bf16_host.py)")
+        partial = float_layers_note(name, choice.compressed.details) if name == choice.precision else None
+        if partial:
+            notes.append(partial)
         invariant = choice.compressed.details.get("batch_invariant") if name == choice.precision else None
         variants.append(VariantDraft(name=name, path=path, accuracy=acc, notes=notes, batch_invariant=invariant))
     shipped = check_shipped(list(plan.gates), plan.config.accuracy_gate, choice.precision, variants[0].accuracy,
@@ -52,4 +61,30 @@ def validate(plan: BuildPlan, model: Prepared, choice: Choice, opsets: dict[str,
                    f"model (below {AUTO_MIN_COSINE}): {why}")
         log(warning)
         warnings.append(warning)
+    for warning in _judged_warnings(plan, model, choice, variants[0].accuracy):
+        log(warning)
+        warnings.append(warning)
     return variants, warnings
+
+
+def _judged_warnings(plan: BuildPlan, model: Prepared, choice: Choice, accuracy: dict) -> list[str]:
+    """What a user must see about how the shipped compressed variant was judged: on example inputs only (auto's
+    rule stands, but its evidence is weak), and an argmax agreement below ``MIN_ARGMAX_AGREEMENT``."""
+    if choice.precision == "fp32" or accuracy.get("reference") == "self":
+        return []
+    source, p = model.source, choice.precision
+    n = int(len(next(iter(model.validation.values()))))
+    judged = (f"auto chose {p} judging accuracy" if plan.config.precision == "auto"
+              else f"the {p} variant's accuracy was measured")
+    out = []
+    if source.validation_kind == "example inputs":
+        what = "synthetic random inputs" if source.kind == "onnx" else "the inputs the source gave as its example"
+        out.append(f"warning: {judged} on {n} example input{'s' if n != 1 else ''} only ({what}), not on real data: "
+                   "pass --calib DIR or --heldout DIR of real inputs")
+    agree = accuracy.get("argmax_agreement")
+    if agree is not None and agree < MIN_ARGMAX_AGREEMENT:
+        out.append(f"warning: the {p} variant's argmax (top-1 class, if {accuracy.get('output', 'the output')!r} "
+                   f"holds a classifier's scores) agrees with fp32 on {agree:.2f} of {accuracy.get('n', n)} samples "
+                   f"(below {MIN_ARGMAX_AGREEMENT}): check it on real data, add --accuracy-gate top1:0.99, or build "
+                   f"--precision fp32")
+    return out
