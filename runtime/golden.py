@@ -72,8 +72,11 @@ def load_golden(bundle: str | os.PathLike, manifest: Manifest) -> Golden:
         BundleError: the bundle has no golden I/O (built before dsedge wrote it, or by hand), or it is malformed.
     """
     if not has_golden(manifest):
+        scalars = [s.name for s in manifest.inputs if not s.shape]
         raise BundleError("this bundle has no golden I/O (golden/inputs.npz, golden/outputs.npz)",
-                          "rebuild it with `dsedge build` (bundles carry golden I/O since dsedge 0.1)")
+                          f"its input(s) {', '.join(map(repr, scalars))} have no batch axis to cut golden rows from "
+                          "(report.json's notes say so); check it with `dsedge bench` or your own data" if scalars
+                          else "rebuild it with `dsedge build` (bundles carry golden I/O since dsedge 0.1)")
     root = Path(bundle)
     inputs, outputs = _npz(root / INPUTS_FILE), _npz(root / OUTPUTS_FILE)
     try:

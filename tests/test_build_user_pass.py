@@ -156,3 +156,31 @@ def test_a_build_on_real_data_with_top1_kept_does_not_warn(tmp_path):
     assert r.report["variants"][0]["accuracy"]["argmax_agreement"] >= 0.9
     assert not [n for n in r.report["notes"] if n.startswith("warning")]
     assert not [line for line in lines if line.startswith("warning")]
+
+
+def _if_with_a_scalar_flag(path: Path) -> Path:
+    """y = x @ W if flag else x @ W2, with ``flag`` a rank-0 bool input (no batch axis)."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), n) for n in ("W", "W2")]
+    branch = [helper.make_graph([helper.make_node("MatMul", ["x", w], [f"{w}_out"])], f"b{w}", [],
+                                [_vi(f"{w}_out", None)]) for w in ("W", "W2")]
+    g = helper.make_graph([helper.make_node("If", ["flag"], ["y"], then_branch=branch[0], else_branch=branch[1])],
+                          "ifm", [_vi("x", ["batch", 16]), _vi("flag", [], TensorProto.BOOL)],
+                          [_vi("y", ["batch", 16])], initializer=weights)
+    return _save(g, path)
+
+
+def test_a_model_with_a_scalar_input_builds_without_golden_rows_and_says_so(tmp_path, capsys):
+    """A user's pass: `dsedge build` of a model with a rank-0 bool input crashed with an IndexError while cutting
+    golden rows (axis 0 of every input); it builds, its report says why it has no golden I/O, and `dsedge verify`
+    says so instead of asking for a rebuild."""
+    from dsedge.cli import main
+
+    r = build(BuildOptions(model=str(_if_with_a_scalar_flag(tmp_path / "ifm.onnx")), target="cpu",
+                           out_dir=str(tmp_path / "out"), precision="fp32", latency_iterations=3))
+    assert any("no golden I/O: input(s) 'flag' have no batch axis" in n for n in r.report["notes"]), r.report["notes"]
+    assert not (Path(r.bundle) / "golden").exists()
+    with pytest.raises(SystemExit) as e:
+        main(["verify", str(r.bundle)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "input(s) 'flag' have no batch axis" in err and "Traceback" not in err, err

@@ -55,6 +55,11 @@ def fit_cap(inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray], cap: 
     return n, [k for k in outputs if k in keep]
 
 
+def unbatched_inputs(validation: dict[str, np.ndarray], inputs: list[IOSpec]) -> list[str]:
+    """Inputs with no axis 0 to cut golden rows from (a rank-0 flag)."""
+    return [s.name for s in inputs if not s.shape or np.ndim(validation[s.name]) == 0]
+
+
 def attach_golden(reference_onnx: str | os.PathLike, models: dict[str, str | os.PathLike], variants: list[Variant],
                   validation: dict[str, np.ndarray], inputs: list[IOSpec], shape_ranges: dict[str, Any],
                   validation_kind: str = "", cap: int = CAP_BYTES) -> dict[str, bytes | str]:
@@ -69,6 +74,9 @@ def attach_golden(reference_onnx: str | os.PathLike, models: dict[str, str | os.
     """
     from ..runtime.golden import batch_limits
 
+    unbatched = unbatched_inputs(validation, inputs)
+    if unbatched:  # golden rows are slices of axis 0 of every input: a model with a scalar flag has none to slice
+        return {}
     limits = batch_limits(inputs, shape_ranges)
     n = len(next(iter(validation.values())))
     idx = pick_rows(n, MAX_ROWS)

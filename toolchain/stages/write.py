@@ -7,7 +7,7 @@ from typing import Any
 from ..artifacts import Prepared, Recipe, VariantDraft
 from ..bundle_writer import bundle_path, write_bundle
 from ..config import BuildPlan
-from ..golden import attach_golden
+from ..golden import attach_golden, unbatched_inputs
 
 
 def write(plan: BuildPlan, model: Prepared, variants: list[VariantDraft], recipe: Recipe,
@@ -25,6 +25,11 @@ def write(plan: BuildPlan, model: Prepared, variants: list[VariantDraft], recipe
     shipped = [v.to_variant() for v in variants]
     golden = attach_golden(model.reference, models, shipped, model.validation, exported.inputs, recipe.shape_ranges,
                            source.validation_kind)
+    unbatched = unbatched_inputs(model.validation, exported.inputs)
+    if unbatched:  # a user's pass: a model with a scalar bool input crashed here with an IndexError
+        report.setdefault("notes", []).append(
+            f"no golden I/O: input(s) {', '.join(map(repr, unbatched))} have no batch axis to cut golden rows from "
+            "(`dsedge verify` cannot check this bundle; `dsedge bench` and the runtime serve it)")
     return write_bundle(dest, name=source.name, target=target.to_dict(), inputs=exported.inputs,
                         outputs=exported.outputs, models=models, variants=shipped,
                         default_variant=report["precision"], shape_ranges=recipe.shape_ranges,
