@@ -87,7 +87,9 @@ def test_int8_gate_keeping_a_gemm_float_writes_a_valid_graph(tmp_path):
     assert sess.run(None, {"x": np.ones((1, 64), np.float32)})[0].shape == (1, 4)
 
 
-def test_tensorrt_int8_build_with_few_samples_and_a_strict_gate_succeeds(tmp_path):
+def test_tensorrt_int8_build_with_few_samples_and_a_strict_gate_is_refused_in_one_line(tmp_path):
+    """Four samples and a strict gate: the gate keeps every layer float. That used to ship the fp32 graph as the
+    "int8" variant; it is a one-line error naming the gate (and it once crashed outright)."""
     calib = tmp_path / "calib"
     calib.mkdir()
     rng = np.random.default_rng(1)
@@ -96,8 +98,9 @@ def test_tensorrt_int8_build_with_few_samples_and_a_strict_gate_succeeds(tmp_pat
     r = subprocess.run([sys.executable, "-m", "dsedge.cli", "build", "--model", str(mlp_onnx(tmp_path / "m.onnx")),
                         "--target", "t4", "--out", str(tmp_path / "o"), "--precision", "int8", "--calib", str(calib),
                         "--accuracy-gate", "cosine:0.99999"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    dsedge.runtime.bundle.verify_bundle(tmp_path / "o" / "m-t4.dse")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "int8 kept all 2 of m's layers float to meet the accuracy gate cosine:0.99999" in r.stderr, r.stderr
+    assert "hint: loosen --accuracy-gate" in r.stderr and not (tmp_path / "o" / "m-t4.dse").exists()
 
 
 def test_an_invalid_graph_never_enters_a_bundle(tmp_path):

@@ -316,6 +316,12 @@ def check_converted(comp: Compressed, source: Source, asked: bool) -> Compressed
     from ..quantize.graph import layer_coverage
 
     converted, float_layers = layer_coverage(onnx.load(os.fspath(comp.path), load_external_data=False))
+    kept, gate = comp.details.get("kept_float") or [], comp.details.get("gate")
+    if converted == 0 and kept and gate:  # the model has layers; the accuracy gate raised every one back to float
+        raise QuantizationError(
+            f"{comp.precision} kept all {len(kept)} of {source.name}'s layers float to meet the accuracy gate "
+            f"{gate}: no layer would run in {comp.precision}",
+            "loosen --accuracy-gate, give more --calib/--heldout data, or build fp16" if asked else "")
     if converted == 0:
         still = ", ".join(f"{c} {op}" for op, c in sorted(float_layers.items()))
         raise QuantizationError(
