@@ -190,3 +190,26 @@ def test_a_run_past_the_profiles_opt_shape_gives_the_cpu_arena_back(tmp_path):
     assert asked == ["cpu:0", None]
     np.testing.assert_allclose(big["logits"][:8], opt["logits"], rtol=1e-5, atol=1e-6)
     assert OrtBackend(bundle / "models" / "fp32.onnx", threads=1).shrink_above is None  # no bundle: no profile
+
+
+def test_an_onnx_runtime_load_failure_hints_at_its_cause(tmp_path):
+    """A user's pass: every ONNX Runtime load failure said "check the onnxruntime version supports its opset", a
+    type mismatch in the graph included. Real ORT on two broken graphs."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dsedge.runtime.backends.ort import OrtBackend
+    from dsedge.runtime.errors import BundleError
+
+    x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4]) for n in ("x", "y"))
+    w = numpy_helper.from_array(np.ones((4, 4), np.float16), "w")  # a float16 weight for a float32 MatMul
+    mixed = helper.make_model(helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y], [w]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    future = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
+                               opset_imports=[helper.make_opsetid("", 99)])
+    for model, words in ((mixed, "a type or shape mismatch"), (future, "does not support the model's opset")):
+        model.ir_version = 8
+        onnx.save(model, tmp_path / "m.onnx")
+        with pytest.raises(BundleError, match="ONNX Runtime cannot load") as e:
+            OrtBackend(tmp_path / "m.onnx")
+        assert words in e.value.hint, e.value.hint

@@ -262,7 +262,11 @@ class OrtBackend:
             self.session = ort.InferenceSession(model, sess_options=opts, providers=list(zip(chosen, options)))
         except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph, …)
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            hint = "rebuild the bundle; check the onnxruntime version supports its opset"
+            versioned = any(w in first.lower() for w in ("opset", "ir version", "domain_version", "unsupported model"))
+            hint = (f"this onnxruntime ({ort.__version__}) does not support the model's opset or IR version: "
+                    "install a newer onnxruntime, or rebuild the bundle for this one's opset" if versioned else
+                    "the graph is not one ONNX Runtime accepts (a type or shape mismatch, an unknown op): rebuild "
+                    "the bundle with `dsedge build`, or check the tool that wrote the model")
             if "NOT_IMPLEMENTED" in first and chosen and chosen[0] == "CPUExecutionProvider":
                 hint = ("ONNX Runtime's CPU provider has no kernel for an op of this model (a BF16 variant is for "
                         "GPUs: A100, H100, Jetson Orin): load another variant (`dsedge inspect BUNDLE` lists them) "
