@@ -64,22 +64,11 @@ def model_files_size(path: Path) -> int:
     """Bytes of the ONNX file at ``path`` plus the external data files it references (each file once, resolved
     beside the model as ONNX does; a missing one counts 0)."""
     import onnx
-    from onnx.external_data_helper import ExternalDataInfo
 
-    files: set[Path] = set()
+    from ...runtime.external_data import external_locations
 
-    def walk(graph) -> None:  # type: ignore[no-untyped-def]
-        tensors = list(graph.initializer) + [s.values for s in graph.sparse_initializer]
-        for n in graph.node:
-            for a in n.attribute:
-                tensors += ([a.t] if a.HasField("t") else []) + list(a.tensors)
-                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                    walk(g)
-        for t in tensors:
-            if t.data_location == onnx.TensorProto.EXTERNAL:
-                files.add((path.parent / ExternalDataInfo(t).location).resolve())
-
-    walk(onnx.load(str(path), load_external_data=False).graph)
+    model = onnx.load(str(path), load_external_data=False)
+    files = {(path.parent / loc).resolve() for loc in external_locations(model) if loc}
     return path.stat().st_size + sum(f.stat().st_size for f in files if f.is_file())
 
 
