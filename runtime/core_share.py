@@ -33,45 +33,15 @@ class CoreShare:
         self._waiting = 0  # fallback batches waiting for the instances' batches to end
 
     @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
-        """Around an instance's batch: waits while a fallback batch runs or waits."""
+    def shared(self, wait: bool = True) -> Iterator[bool]:
+        """Around an instance's batch: waits while a fallback batch runs or waits; yields True once the cores are
+        held. ``wait=False`` is for a run nobody waits for (a re-measuring probe): it yields False at once, holding
+        nothing, when a fallback batch runs or waits, and never counts as waiting itself (a probe queued for the
+        cores would hold the other side's real batches back, writer preference, for a whole run)."""
         with self._cond:
-            while self._exclusive or self._waiting:
+            got = wait or not (self._exclusive or self._waiting)
+            while got and (self._exclusive or self._waiting):
                 self._cond.wait()
-            self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Around a fallback batch: waits until no instance batch runs (none starts meanwhile)."""
-        with self._cond:
-            self._waiting += 1
-            try:
-                while self._exclusive or self._shared:
-                    self._cond.wait()
-            finally:
-                self._waiting -= 1
-                self._cond.notify_all()  # instance batches held back by this wait may go if it ended by an error
-            self._exclusive = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def try_shared(self) -> Iterator[bool]:
-        """``shared`` for a run nobody waits for (a re-measuring probe): True if the cores were free of the other
-        side now, False (held by nothing) otherwise. It never waits, so it never counts as waiting: a probe queued
-        for the cores would hold the other side's real batches back (writer preference) for a whole run."""
-        with self._cond:
-            got = not (self._exclusive or self._waiting)
             if got:
                 self._shared += 1
         try:
@@ -83,10 +53,19 @@ class CoreShare:
                     self._cond.notify_all()
 
     @contextlib.contextmanager
-    def try_exclusive(self) -> Iterator[bool]:
-        """``exclusive`` for a run nobody waits for: True if no instance batch runs now, else False at once."""
+    def exclusive(self, wait: bool = True) -> Iterator[bool]:
+        """Around a fallback batch: waits until no instance batch runs (none starts meanwhile); yields True once
+        the cores are held. ``wait=False``: False at once, holding nothing, while an instance batch runs."""
         with self._cond:
-            got = not (self._exclusive or self._shared)
+            got = wait or not (self._exclusive or self._shared)
+            if wait:
+                self._waiting += 1
+                try:
+                    while self._exclusive or self._shared:
+                        self._cond.wait()
+                finally:
+                    self._waiting -= 1
+                    self._cond.notify_all()  # instance batches held back by this wait may go if it ended by an error
             if got:
                 self._exclusive = True
         try:

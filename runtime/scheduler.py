@@ -39,8 +39,9 @@ it yields: admission plans the probing lane as idle, and the first request queue
 side of its cores, stops the probe between two kernels (nothing is observed from a cut run). Before, a refused
 64 × 256-token request with a 1 s budget (3.6 s predicted, under the 4× limit) was probed for seconds while every
 small request through ``dsedge serve`` was refused "overload". Nor does a probe ever wait for the cores: it runs
-only if the other side of them neither runs nor waits now (``CoreShare.try_shared``/``try_exclusive``); a fallback
-probe that waited behind an instance's probe kept the other instance's real batches off the cores for 3-5 s.
+only if the other side of them neither runs nor waits now (``CoreShare.shared``/``exclusive`` with
+``wait=False``); a fallback probe that waited behind an instance's probe kept the other instance's real batches off
+the cores for 3-5 s.
 
 Cold start: a lane starts with whatever its profile was seeded with (the bundle's build-time figures, scaled once
 this machine measured something) and its worker's first act is a warm-up run off the caller's thread (untimed: it
@@ -988,7 +989,7 @@ class Lane:
         # around a probe: the cores if the other side neither runs nor waits now (yields True), else False at once
         if self.share is None:
             return contextlib.nullcontext(True)
-        return self.share.try_exclusive() if self.alone_on_cores else self.share.try_shared()
+        return self.share.exclusive(wait=False) if self.alone_on_cores else self.share.shared(wait=False)
 
     def _start(self, req: Request) -> bool:
         # the request's future is RUNNING from here (its caller's cancel() no longer stops it); one its caller
