@@ -68,15 +68,13 @@ def attach_golden(reference_onnx: str | os.PathLike, models: dict[str, str | os.
     Args:
         reference_onnx: the untouched fp32 export the build validates against.
         models: bundle path → ONNX file, as given to ``write_bundle`` (``variants[i].file`` is a key).
-        validation: the inputs the build validated on, name → array with batch axis 0.
+        validation: the inputs the build validated on, name → array with batch axis 0 (every input has one:
+            ``unbatched_inputs`` names those that do not, and the build then attaches no golden I/O).
     Returns:
         extra bundle files: ``golden/inputs.npz``, ``golden/outputs.npz`` (bytes), ``golden/golden.json`` (text).
     """
     from ..runtime.golden import batch_limits
 
-    unbatched = unbatched_inputs(validation, inputs)
-    if unbatched:  # golden rows are slices of axis 0 of every input: a model with a scalar flag has none to slice
-        return {}
     limits = batch_limits(inputs, shape_ranges)
     n = len(next(iter(validation.values())))
     idx = pick_rows(n, MAX_ROWS)

@@ -23,13 +23,15 @@ def write(plan: BuildPlan, model: Prepared, variants: list[VariantDraft], recipe
     dest = bundle_path(plan.config.out_dir, source.name, target.name)
     models = {v.file: v.path for v in variants}
     shipped = [v.to_variant() for v in variants]
-    golden = attach_golden(model.reference, models, shipped, model.validation, exported.inputs, recipe.shape_ranges,
-                           source.validation_kind)
     unbatched = unbatched_inputs(model.validation, exported.inputs)
-    if unbatched:  # a user's pass: a model with a scalar bool input crashed here with an IndexError
+    if unbatched:  # a user's pass: a model with a scalar bool input crashed in attach_golden with an IndexError
+        golden = {}
         report.setdefault("notes", []).append(
             f"no golden I/O: input(s) {', '.join(map(repr, unbatched))} have no batch axis to cut golden rows from "
             "(`dsedge verify` cannot check this bundle; `dsedge bench` and the runtime serve it)")
+    else:
+        golden = attach_golden(model.reference, models, shipped, model.validation, exported.inputs,
+                               recipe.shape_ranges, source.validation_kind)
     return write_bundle(dest, name=source.name, target=target.to_dict(), inputs=exported.inputs,
                         outputs=exported.outputs, models=models, variants=shipped,
                         default_variant=report["precision"], shape_ranges=recipe.shape_ranges,
