@@ -51,7 +51,6 @@ def list_series_files(source: str | os.PathLike | Iterable[str | os.PathLike]) -
 CT_IMAGE_STORAGE = "1.2.840.10008.5.1.4.1.1.2"
 ENHANCED_CT_SOP_CLASSES = {"1.2.840.10008.5.1.4.1.1.2.1": "Enhanced CT Image Storage",
                            "1.2.840.10008.5.1.4.1.1.2.2": "Legacy Converted Enhanced CT Image Storage"}
-PATIENT_AXES = "xyz"  # DICOM LPS: +x patient left, +y posterior, +z superior
 
 
 def read_dicom_series(source: str | os.PathLike | Iterable[str | os.PathLike], *,
@@ -226,16 +225,17 @@ def _slice_geometry(path: Path, ds) -> dict:
 def _to_lps(hu: np.ndarray, axes_dir: tuple[np.ndarray, ...], spacing: tuple[float, float, float]
             ) -> tuple[np.ndarray, tuple[float, float, float]]:
     """``hu`` (3-D, array axis a running along unit patient vector ``axes_dir[a]``, ``spacing[a]`` mm apart)
-    transposed and flipped so that its axes run along +z, +y, +x (LPS; the assignment of array to patient axes that
-    keeps them best aligned, like ``nibabel.orientations.io_orientation``), with the spacing in that order."""
-    from itertools import permutations
+    transposed and flipped so that its axes run along +z, +y, +x (LPS), with the spacing in that order: each array
+    axis goes to the patient axis it lies closest to (``nibabel.orientations.io_orientation``, as
+    ``as_closest_canonical`` does for NIfTI)."""
+    from nibabel.orientations import apply_orientation, io_orientation
 
-    m = np.abs(np.asarray(axes_dir))                      # m[a, p]: |cos| between array axis a and patient axis p
-    best = max(permutations(range(3)), key=lambda p: sum(m[a, p[a]] for a in range(3)))   # best[a]: patient axis
-    src = [best.index(p) for p in (2, 1, 0)]             # the array axis that becomes z, y, x
-    out = hu.transpose(src)
-    flips = tuple(slice(None, None, -1) if axes_dir[a][p] < 0 else slice(None) for a, p in zip(src, (2, 1, 0)))
-    return np.ascontiguousarray(out[flips]), tuple(float(spacing[a]) for a in src)  # type: ignore[return-value]
+    direction = np.eye(4)
+    direction[:3, :3] = np.column_stack(axes_dir)   # column a: where array axis a runs, in LPS
+    ornt = io_orientation(direction)                # row a: (patient axis, +1 / -1) of array axis a
+    xyz = apply_orientation(hu, ornt)               # axes now +x, +y, +z
+    along = {int(p): float(spacing[a]) for a, (p, _) in enumerate(ornt)}
+    return np.ascontiguousarray(xyz.transpose(2, 1, 0)), (along[2], along[1], along[0])
 
 
 def _check_slice_gaps(files: list[Path], pos: np.ndarray, rtol: float) -> float:
