@@ -9,6 +9,7 @@ from typing import Any, Callable
 from ..runtime.version import __version__
 from .model_check import check_onnx_file
 from ..runtime.errors import BundleError
+from ..runtime.files import enclosing_bundle
 from ..runtime.names import bundle_dir, inside
 from ..runtime.schema import dumps
 from ..runtime.storage import storage_errors
@@ -27,11 +28,10 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
     Raises:
         BundleError: ``out_dir`` is a bundle or lies inside one.
     """
-    out = Path(out_dir).resolve()
-    for d in (out, *out.parents):
-        if d.name.endswith(BUNDLE_SUFFIX) and (d / "manifest.json").is_file():
-            raise BundleError(f"--out {out_dir} is inside the bundle {d}; a build does not write into a bundle",
-                              f"pass an output directory outside it, e.g. --out {d.parent}")
+    d = enclosing_bundle(out_dir)
+    if d is not None:
+        raise BundleError(f"--out {out_dir} is inside the bundle {d}; a build does not write into a bundle",
+                          f"pass an output directory outside it, e.g. --out {d.parent}")
 
 
 def check_replaceable(dest: str | os.PathLike) -> None:
