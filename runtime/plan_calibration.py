@@ -141,12 +141,22 @@ class PlanCalibration:
             return self.default_z if pooled is None else pooled
         if t - self._t_z >= self.refresh_s:
             with self._lock:
-                queued = self._quantile(self._recent(t, queued=True))
+                # one pass over the window for every stratum (this runs on admission's path: at light load
+                # nearly every submit finds z older than refresh_s, and a pass per stratum cost ~90 µs there)
+                # (stratum 0 is always default_z: its scores are not read here)
+                within: list[list[tuple[float, float]]] = [[] for _ in range(STRATA)]
+                behind: list[tuple[float, float]] = []
+                oldest = t - self.max_horizon_s
+                for ts, s, k in self._scores:
+                    if k and ts >= oldest:
+                        within[k].append((ts, s))
+                        behind.append((ts, s))
+                queued = self._quantile(self._near(t, behind))
                 # not the pooled one: idle-lane plans' spreads are mostly the 20 % floor, so the same absolute
                 # noise scores 2-4x higher there than behind a batch (see the module doc)
                 known = queued is not None
                 queued = self.default_z if queued is None else queued
-                own = [self._quantile(self._recent(t, k)) for k in range(1, STRATA)]
+                own = [self._quantile(self._near(t, within[k])) for k in range(1, STRATA)]
                 self._z = [self.default_z] + [queued if q is None else q for q in own]
                 self._known = [True] + [known or q is not None for q in own]
                 self._t_z = t
@@ -165,7 +175,13 @@ class PlanCalibration:
         # horizon_s, or, with fewer than min_scores there, the latest min_scores within max_horizon_s; sorted
         within = [(ts, s) for ts, s, k in self._scores if t - ts <= self.max_horizon_s
                   and (k == stratum if stratum is not None else (k > 0 or not queued))]
-        near = [s for ts, s in within if t - ts <= self.horizon_s]
+        return self._near(t, within)
+
+    def _near(self, t: float, within: list[tuple[float, float]]) -> list[float]:
+        # of ``within`` ((time, score), window order, none older than max_horizon_s): the scores of the last
+        # horizon_s, or the latest min_scores when fewer; sorted
+        horizon = t - self.horizon_s
+        near = [s for ts, s in within if ts >= horizon]
         if len(near) < self.min_scores:
             near = [s for _, s in within[-self.min_scores:]]
         return sorted(near)
