@@ -32,6 +32,9 @@ DLA_OPS = frozenset({
     "Reshape", "Transpose", "Flatten", "Identity", "QuantizeLinear", "DequantizeLinear", "Constant",
 })
 _COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
+# ONNX ops the TensorRT ONNX parser has no importer for before a version (onnx-tensorrt docs/operators.md of
+# release/8.5-GA: "LayerNormalization | N"; TensorRT 8.6 added INormalizationLayer and the importer).
+PARSER_SINCE = {"LayerNormalization": (8, 6)}
 DLA_PRECISIONS = ("int8", "fp16")
 
 
@@ -186,6 +189,11 @@ def engine_build_settings(target: Any, variant: Mapping[str, Any], inputs: Seque
                 notes.append(f"layers DLA cannot run fall back to the GPU: {', '.join(blockers[:8])}")
 
     shapes = resolve_shapes(inputs, ranges, static=use_dla)
+    missing = sorted(o for o in set(variant.get("ops") or []) if trt < PARSER_SINCE.get(o, (0, 0)))
+    if missing:
+        notes.append(f"TensorRT {trt[0]}.{trt[1]}'s ONNX parser has no importer for {', '.join(missing)} (added in "
+                     f"{'/'.join(sorted({'.'.join(map(str, PARSER_SINCE[o])) for o in missing}))}): trtexec and the "
+                     "on-device build fail to parse this model until those ops are decomposed")
 
     typed_default = trt[0] >= 10 and precision in ("fp16", "bf16")
     strongly = trt[0] >= 11 or (trt[0] >= 10 and bool(variant.get("strongly_typed", typed_default)))
@@ -202,9 +210,17 @@ def engine_build_settings(target: Any, variant: Mapping[str, Any], inputs: Seque
                  "int4": ("fp16",)}[precision]
         if precision == "int8":
             notes.append("explicit quantization: INT8 where the graph has Q/DQ, FP16 allowed elsewhere")
+        if flags and trt >= (10, 12):
+            notes.append(f"weak typing (--{' --'.join(flags)}) is deprecated since TensorRT 10.12 (its trtexec "
+                         "warns) and removed in 11.x, where this variant builds strongly typed")
     if precision == "int4":
-        notes.append("INT4 is weight-only (W4A16): TensorRT reads DequantizeLinear(INT4, block_size) → MatMul and "
-                     "runs the GEMMs with FP16 activations")
+        if "fp16" in flags:
+            notes.append("INT4 is weight-only (W4A16): TensorRT reads DequantizeLinear(INT4, block_size) → MatMul "
+                         "and runs the GEMMs with FP16 activations")
+        else:  # strongly typed: no FP16 flag, the activations keep the ONNX's type
+            notes.append("INT4 is weight-only: TensorRT reads DequantizeLinear(INT4, block_size) → MatMul; strongly "
+                         "typed, the GEMMs run at the activation type the ONNX gives them (FP32 with FP32 scales), not "
+                         "W4A16 — give the int4 variant FP16 activations and scales for W4A16")
         notes.append("a 4-bit embedding (DequantizeLinear(INT4) → Gather) is not a GEMM: TensorRT's Gather takes no "
                      "INT4, so the table is dequantized to float and gathered — no speed-up, and the engine may hold "
                      "the table at 16/32 bit; check the engine size on the device")
@@ -214,6 +230,10 @@ def engine_build_settings(target: Any, variant: Mapping[str, Any], inputs: Seque
     sparse = str(variant.get("sparsity", "")) == "2:4" and "sparsity" in (_get(target, "engine_flags") or ())
     hw = str(_get(target, "hardware_compatibility", "") or "") if trt >= (8, 6) and not use_dla else ""
     vc = bool(_get(target, "version_compatible", False)) and trt >= (8, 6)
+    if vc:
+        notes.append("version-compatible plan: it embeds TensorRT's lean runtime (host code), so its loader must allow "
+                     "that (TensorRT runtime.engine_host_code_allowed = True; Triton: --backend-config=tensorrt,"
+                     "version-compatible=true)")
     return EngineBuildSettings(
         variant=str(variant["name"]), precision=precision, onnx_file=str(variant["file"]), trt_version=trt,
         precision_flags=flags, strongly_typed=strongly, shapes=shapes,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 DEVICE_TREE_MODEL = Path("/proc/device-tree/model")
+_NOT_HOT = ("tj", "pmic")  # tj has its own (95 °C) threshold; pmic is a placeholder reading (see ``collect``)
 TEGRA_RELEASE = Path("/etc/nv_tegra_release")
 
 
@@ -167,7 +168,9 @@ def collect(run: Callable[[list[str]], str | None] | None = None,
         warnings.append(f"power mode {mode['name']} (nvpmodel {mode.get('id')}) caps clocks: not the board's "
                         "fastest figures (MAXN)")
     temps = (facts["tegrastats"] or {}).get("temperature_c", {})
-    hot = {k: v for k, v in temps.items() if v >= 85.0 and k not in ("tj",)} or (
+    # PMIC: the PMIC-Die thermal zone of Xavier/Nano/TX1 reads a constant 100 °C (``PMIC@100C`` in every tegrastats
+    # line), not a measured temperature: it would call every Xavier hot.
+    hot = {k: v for k, v in temps.items() if v >= 85.0 and k not in _NOT_HOT} or (
         {"tj": temps["tj"]} if temps.get("tj", 0) >= 95.0 else {})
     if hot:
         warnings.append(f"module is hot ({', '.join(f'{k} {v:.0f} °C' for k, v in hot.items())}): it may throttle")

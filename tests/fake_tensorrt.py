@@ -236,12 +236,18 @@ def make_fake_tensorrt(version: str = "10.3.0.30", *, parse_ok: bool = True, bui
     class Runtime:
         def __init__(self, logger):
             self.DLA_core = -1
+            self.engine_host_code_allowed = False  # TensorRT >= 8.6
 
         def deserialize_cuda_engine(self, plan):
             trt.calls["deserialized"] += 1
             if not bytes(plan).startswith(b"FAKEPLAN"):
                 return None
-            return Engine(json.loads(bytes(plan)[8:]))
+            record = json.loads(bytes(plan)[8:])
+            # as TensorRT: a version-compatible plan embeds the lean runtime (host code) and deserializes only when
+            # the runtime was told to trust it
+            if BuilderFlag.VERSION_COMPATIBLE in record["flags"] and not self.engine_host_code_allowed:
+                return None
+            return Engine(record)
 
     def nptype(dtype):
         return np.dtype(dtype).type

@@ -71,6 +71,19 @@ def test_collect_warns_when_clocks_float_the_mode_is_capped_or_the_module_is_hot
     assert facts["clocks_locked"] is None and "needs root" in facts["warnings"][0]
 
 
+def test_xavier_pmic_placeholder_reading_is_not_a_hot_module():
+    """Found by review: Xavier (and Nano/TX1) tegrastats print ``PMIC@100C`` on every line (the PMIC-Die thermal zone
+    reports a constant 100 °C); `dsedge bench` called every Xavier 'hot, it may throttle'."""
+    line = ("RAM 3412/15822MB (lfb 1x2MB) CPU [12%@1907,8%@1907,15%@1907,6%@1907] EMC_FREQ 39%@2133 GR3D_FREQ 23%@522 "
+            "APE 150 PLL@42C CPU@44C PMIC@100C GPU@43C AO@39.5C thermal@43.4C GPU 0mW/0mW CPU 311mW/311mW")
+    out = {("nvpmodel", "-q"): NVPMODEL_MAXN, ("jetson_clocks", "--show"): CLOCKS_LOCKED}
+    facts = jetson.collect(run=lambda cmd: out.get(tuple(cmd)), tegrastats=lambda: line)
+    assert facts["tegrastats"]["temperature_c"]["pmic"] == 100.0 and facts["warnings"] == []
+    hot = line.replace("GPU@43C", "GPU@91C")  # a really hot GPU is still reported
+    facts = jetson.collect(run=lambda cmd: out.get(tuple(cmd)), tegrastats=lambda: hot)
+    assert any("GPU 91 °C" in w.replace("gpu", "GPU") and "pmic" not in w for w in facts["warnings"])
+
+
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("benchdev")

@@ -169,3 +169,58 @@ def test_recipe_notes_for_the_report():
     notes = recipe_notes(get_target("t4"), variants("int8", "fp16"), INPUTS, RANGES)
     assert "explicit quantization" in notes["int8"][0] and "strongly typed" in notes["fp16"][0]
     assert recipe_notes(get_target("cpu"), variants("int8"), INPUTS, RANGES) == {}
+
+
+def test_weak_typing_on_tensorrt_10_12_and_later_says_it_is_deprecated():
+    """Found by review: the t4/a100/h100 profiles ship TensorRT 10.15, whose weak typing (--int8/--fp16 builder
+    flags) is deprecated since 10.12 (release notes: 'Weak typing APIs deprecated') and gone in 11.x; the recipe
+    used it for int8/int4 without a word, while trtexec prints deprecation warnings on every build."""
+    from dsedge.toolchain.recipe import recipe_notes
+
+    notes = recipe_notes(get_target("t4"), variants("int8", "fp16"), INPUTS, RANGES)
+    assert any("deprecated since TensorRT 10.12" in n and "--int8 --fp16" in n for n in notes["int8"])
+    assert not any("deprecated" in n for n in notes["fp16"])  # strongly typed: nothing to say
+    script = trtexec_script(get_target("a100"), variants("int4"), INPUTS, RANGES)
+    assert "weak typing (--fp16) is deprecated since TensorRT 10.12" in script
+    for t in ("jetson-orin", "jetson-xavier"):  # 10.3 / 8.5: weak typing is current there
+        assert not any("deprecated" in n for ns in recipe_notes(get_target(t), variants("int8"), INPUTS, RANGES).values()
+                       for n in ns)
+
+
+def test_xavier_recipe_says_trt85_cannot_parse_layer_normalization():
+    """Found by review: Xavier bundles of a transformer are written at opset 17 with ONNX LayerNormalization nodes,
+    which TensorRT 8.5's ONNX parser cannot import (onnx-tensorrt release/8.5-GA operators.md: 'LayerNormalization
+    | N'; the importer came with 8.6): build/trtexec.sh failed at parse time with no word of why in the recipe."""
+    bert = [{"name": "int8", "precision": "int8", "file": "models/int8.onnx",
+             "ops": TRANSFORMER_OPS + ["LayerNormalization"]}]
+    script = trtexec_script(get_target("jetson-xavier"), bert, INPUTS, RANGES)
+    assert "TensorRT 8.5's ONNX parser has no importer for LayerNormalization (added in 8.6)" in script
+    for t in ("jetson-orin", "t4"):
+        assert "no importer" not in trtexec_script(get_target(t), bert, INPUTS, RANGES)
+    assert "no importer" not in trtexec_script(get_target("jetson-xavier"),
+                                               [{**bert[0], "ops": CNN_OPS}], INPUTS, RANGES)
+
+
+def test_int4_note_says_w4a16_only_where_the_fp16_flag_makes_it_so(tmp_path):
+    """Found by review: the recipe told TensorRT 11.x users (strongly typed only, no --fp16) that their INT4 variant
+    runs 'W4A16 … with FP16 activations', while dsedge's int4 ONNX has FP32 activations and scales, which a strongly
+    typed network keeps: the GEMMs run at FP32 activations there."""
+    t11 = load_profile(trt_profile(tmp_path, "11.4"))
+    script = trtexec_script(t11, variants("int4"), INPUTS, RANGES)
+    assert "W4A16" not in script.replace("not W4A16", "").replace("for W4A16", "")
+    assert "FP32 with FP32 scales" in script
+    typed = [{**variants("int4")[0], "strongly_typed": True}]  # a 10.x build asked for strong typing
+    assert "FP32 with FP32 scales" in trtexec_script(get_target("jetson"), typed, INPUTS, RANGES)
+    orin = trtexec_script(get_target("jetson"), variants("int4"), INPUTS, RANGES)  # weak typing, --fp16: W4A16
+    assert "W4A16" in orin and "FP32 with FP32 scales" not in orin
+
+
+def test_version_compatible_recipe_says_the_loader_must_allow_host_code():
+    """Found by review: a100/h100 recipes (and the Triton export's build_engine.sh, built from the same settings) make
+    --versionCompatible plans, which embed the lean runtime; TensorRT and Triton refuse them unless told to allow
+    engine host code (Triton: --backend-config=tensorrt,version-compatible=true). Nothing said so."""
+    script = trtexec_script(get_target("a100"), variants("fp16"), INPUTS, RANGES)
+    assert "--versionCompatible" in script and "engine_host_code_allowed" in script
+    assert "version-compatible=true" in script
+    for t in ("t4", "jetson-orin", "jetson-xavier"):  # not version-compatible: nothing to allow
+        assert "engine_host_code_allowed" not in trtexec_script(get_target(t), variants("fp16"), INPUTS, RANGES)

@@ -225,6 +225,34 @@ def test_prebuilt_engine_in_bundle_is_used_on_its_gpu_only(tmp_path, onnx_file, 
     assert fake.calls["builds"] == 2 and "is not for this device: built for GPU" in caplog.text
 
 
+def test_version_compatible_engines_of_data_center_targets_load(tmp_path, onnx_file, fake_trt, monkeypatch, caplog):
+    """Found by review: the a100/h100 profiles build version-compatible plans (lean runtime embedded: host code),
+    which TensorRT deserializes only with ``runtime.engine_host_code_allowed = True``; the backend never set it, so
+    every such engine was built, refused at load, and the bundle silently ran on ONNX Runtime (or, strict, raised)."""
+    caplog.set_level(logging.INFO, logger="dsedge.engine")
+    a100 = GpuInfo("NVIDIA A100-SXM4-80GB", "8.0", 108)
+    bundle = make_bundle(tmp_path, onnx_file, target="a100")
+    m = verify_bundle(bundle)
+    fake = fake_trt("10.15.1.29")
+    cache = EngineCache(tmp_path / "cache")
+    b = open_engine_backend(bundle, m, m.variant("int8"), gpu=a100, cache=cache, strict=True)
+    assert isinstance(b, TensorRTBackend) and b.runtime.engine_host_code_allowed is True
+    (slot,) = cache.root.glob("*.engine")
+    assert "VERSION_COMPATIBLE" in plan_record(read_engine(slot)[1])["flags"]
+    b = open_engine_backend(bundle, m, m.variant("int8"), gpu=a100, cache=cache, strict=True)  # from the cache
+    assert isinstance(b, TensorRTBackend) and fake.calls["builds"] == 1
+    monkeypatch.setattr(trt_backend, "detect_gpu", lambda: a100)
+    path = build_engine_file(bundle, m, m.variant("fp16"), bundle / "engines")  # `dsedge build --engine`, shipped
+    m.files[f"engines/{path.name}"] = sha256_file(path)
+    assert isinstance(open_engine_backend(bundle, m, m.variant("fp16"), gpu=a100, cache=cache, strict=True),
+                      TensorRTBackend) and "using prebuilt engine" in caplog.text
+    # a GPU engine that is not version-compatible (jetson) does not get host code allowed
+    jb = make_bundle(tmp_path / "j", onnx_file)
+    jm = verify_bundle(jb)
+    b = open_engine_backend(jb, jm, jm.variant("int8"), gpu=AGX, cache=cache, strict=True)
+    assert b.runtime.engine_host_code_allowed is False
+
+
 def test_engine_build_on_the_wrong_gpu_is_refused(tmp_path, onnx_file, fake_trt, monkeypatch):
     bundle = make_bundle(tmp_path, onnx_file)
     m = verify_bundle(bundle)

@@ -229,6 +229,10 @@ class TensorRTBackend:
         plan: serialized engine bytes (``EngineCache`` / ``read_engine``).
         dla_core: the DLA core the engine was built for, or None.
         cuda_graphs: capture CUDA graphs for static shapes (default True).
+        version_compatible: the plan was built version-compatible (``BuilderFlag.VERSION_COMPATIBLE``, the a100/h100
+            profiles). Such a plan embeds TensorRT's lean runtime, i.e. host code, and TensorRT (>= 8.6) refuses to
+            deserialize it unless the runtime is told to trust it (``engine_host_code_allowed``); dsedge only loads
+            plans it built here or that the verified manifest hash-lists.
     Raises:
         BackendUnavailable: TensorRT missing. EngineError: the plan cannot be deserialized (corrupt, or built by
             another TensorRT version or for another GPU).
@@ -236,10 +240,13 @@ class TensorRTBackend:
 
     name = "tensorrt"
 
-    def __init__(self, plan: bytes, dla_core: int | None = None, cuda_graphs: bool = True) -> None:
+    def __init__(self, plan: bytes, dla_core: int | None = None, cuda_graphs: bool = True,
+                 version_compatible: bool = False) -> None:
         self.trt = trt = import_tensorrt()
         self._logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self._logger)
+        if version_compatible and hasattr(self.runtime, "engine_host_code_allowed"):
+            self.runtime.engine_host_code_allowed = True  # the plan carries the lean runtime (host code)
         if dla_core is not None:
             self.runtime.DLA_core = int(dla_core)
         self.engine = self.runtime.deserialize_cuda_engine(plan)
@@ -508,14 +515,14 @@ def open_engine_backend(bundle_dir: str | os.PathLike, manifest: Any, variant: A
             return build_serialized_engine(trt, root / s.onnx_file, s, timing_cache=cache.root / key.timing_cache_name())
 
         def verify(plan: bytes) -> None:  # before the engine enters the cache
-            backend = TensorRTBackend(plan, dla_core=s.dla_core)
+            backend = TensorRTBackend(plan, dla_core=s.dla_core, version_compatible=s.version_compatible)
             if check is not None:
                 check(backend, "built on this device (not cached)")
             verified["backend"] = backend
 
         plan = _prebuilt(root, key, manifest)
         if plan is not None:
-            backend = TensorRTBackend(plan, dla_core=s.dla_core)
+            backend = TensorRTBackend(plan, dla_core=s.dla_core, version_compatible=s.version_compatible)
             if check is not None:
                 check(backend, "shipped in the bundle (engines/)")
             return backend
@@ -523,7 +530,7 @@ def open_engine_backend(bundle_dir: str | os.PathLike, manifest: Any, variant: A
         if built:
             return verified["backend"]
         try:
-            return TensorRTBackend(plan, dla_core=s.dla_core)
+            return TensorRTBackend(plan, dla_core=s.dla_core, version_compatible=s.version_compatible)
         except EngineError as e:  # readable file, but TensorRT refuses it: rebuild once
             log.warning("engine for %s: %s; rebuilding", s.variant, e)
             plan = build()
