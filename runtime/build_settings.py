@@ -145,7 +145,9 @@ def engine_build_settings(target: Any, variant: Mapping[str, Any], inputs: Seque
     Args:
         target: a ``dsedge.targets.Target`` or its dict (``manifest.target``).
         variant: ``{"name", "precision", "file"}``; optional ``"ops"`` (ONNX op types in the graph, for the DLA
-            decision), ``"strongly_typed"`` (override the default), ``"sparsity"`` (``"2:4"`` when pruned 2:4).
+            decision), ``"strongly_typed"`` (override the default), ``"sparsity"`` (``"2:4"`` when pruned 2:4),
+            ``"dq_gather"`` (a DequantizeLinear feeds a Gather), ``"dq_unparsable"`` (names of DequantizeLinear
+            nodes TensorRT's parser refuses: UINT4 input or non-zero zero point).
         inputs: ``[{"name", "dtype", "shape": [int | "symbol", …]}]``.
         shape_ranges: ``{"batch": {"min": 1, "opt": 8, "max": 32}, …}``; missing symbols come from the target's
             ``shapes``.
@@ -221,9 +223,16 @@ def engine_build_settings(target: Any, variant: Mapping[str, Any], inputs: Seque
             notes.append("INT4 is weight-only: TensorRT reads DequantizeLinear(INT4, block_size) → MatMul; strongly "
                          "typed, the GEMMs run at the activation type the ONNX gives them (FP32 with FP32 scales), not "
                          "W4A16 — give the int4 variant FP16 activations and scales for W4A16")
-        notes.append("a 4-bit embedding (DequantizeLinear(INT4) → Gather) is not a GEMM: TensorRT's Gather takes no "
-                     "INT4, so the table is dequantized to float and gathered — no speed-up, and the engine may hold "
-                     "the table at 16/32 bit; check the engine size on the device")
+        if variant.get("dq_gather", True):  # unknown (no graph facts given): said anyway
+            notes.append("a 4-bit embedding (DequantizeLinear(INT4) → Gather) is not a GEMM: TensorRT's Gather takes "
+                         "no INT4, so the table is dequantized to float and gathered — no speed-up, and the engine may "
+                         "hold the table at 16/32 bit; check the engine size on the device")
+    unparsable = list(variant.get("dq_unparsable") or ())
+    if unparsable:
+        notes.append(f"TensorRT's ONNX parser refuses {len(unparsable)} DequantizeLinear node(s) here (a UINT4 input or "
+                     f"a non-zero zero point, e.g. {unparsable[0]}): TensorRT quantizes symmetrically, so trtexec and "
+                     "the on-device build fail on this variant; quantize it symmetric (signed INT4/INT8, no zero "
+                     "points)")
     if precision == "fp32" and "tf32" in (_get(target, "engine_flags") or ()):
         notes.append("fp32 layers may use TF32 tensor cores (TensorRT's default on Ampere and later)")
 

@@ -297,3 +297,38 @@ def test_a_bf16_gate_runs_on_the_host_and_gate_output_is_checked(files, capsys):
                             capsys)
     assert code == 2 and "no gate was given" in err
     assert not (files / "never.onnx").exists()
+
+
+def test_int4_tables_are_symmetric_where_tensorrt_parses_them_and_the_recipe_flags_ones_it_cannot(tmp_path, capsys):
+    """A helper's target pass: `dsedge build --target jetson --precision int4` wrote the word-embedding table as
+    UINT4 with zero points, and TensorRT's ONNX parser refuses a DequantizeLinear with a UINT4 input or a non-zero
+    zero point (TensorRT quantizes symmetrically), so trtexec could not parse the variant at all. `dsedge quantize`
+    now writes tables as its weights (symmetric unless --asymmetric); build writes them symmetric for TensorRT
+    targets (tests/test_quantize_reference.py checks the reference bundle); the recipe names a variant's
+    unparsable DequantizeLinear nodes."""
+    from dsedge.runtime.build_settings import engine_build_settings
+    from dsedge.targets import get_target as load_target
+    from dsedge.toolchain.stages.engine_recipe import _graph_facts
+    from tiny_models import embedding_onnx
+
+    src = embedding_onnx(tmp_path / "e.onnx")
+    facts = {}
+    for name, flags in (("sym", ()), ("asym", ("--asymmetric",))):
+        out = tmp_path / f"{name}.onnx"
+        code, _, err = run_main(["quantize", src, "-o", out, "--algorithm", "rtn", *flags], capsys)
+        assert code == 0, err
+        facts[name] = _graph_facts(out)
+    assert facts["sym"]["dq_gather"] and facts["sym"]["dq_unparsable"] == []
+    assert facts["asym"]["dq_gather"] and len(facts["asym"]["dq_unparsable"]) == 2  # the table's and the MatMul's
+    assert _graph_facts(src) == {"ops": ["Gather", "MatMul"], "dq_gather": False, "dq_unparsable": []}
+    io = [{"name": "ids", "dtype": "int64", "shape": ["batch", "sequence"]}]
+    ranges = {"batch": {"min": 1, "opt": 4, "max": 8}, "sequence": {"min": 1, "opt": 8, "max": 16}}
+
+    def notes(name: str) -> str:
+        v = {"name": "int4", "precision": "int4", "file": f"models/{name}.onnx", **facts[name]}
+        return " | ".join(engine_build_settings(load_target("jetson"), v, io, ranges).notes)
+
+    assert "parser refuses 2 DequantizeLinear" in notes("asym") and "parser refuses" not in notes("sym")
+    assert "4-bit embedding" in notes("sym")
+    no_table = {"name": "int4", "precision": "int4", "file": "models/e.onnx", **_graph_facts(src)}
+    assert "4-bit embedding" not in " ".join(engine_build_settings(load_target("jetson"), no_table, io, ranges).notes)

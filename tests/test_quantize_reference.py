@@ -12,6 +12,13 @@ def test_reference_int4_uses_gptq_and_beats_every_anchor(reference_build):
     comp = report["compression"]
     assert comp["algorithm"] == "gptq" and comp["symmetric"] is True and comp["block_size"] == 32
     assert [t["shape"] for t in comp["embeddings"]] == [[30522, 384]]          # word embeddings INT4 too
+    # ... symmetric on a TensorRT target: its ONNX parser refuses UINT4 and non-zero zero points (the table was
+    # UINT4 + zero points, and trtexec could not parse the variant)
+    from dsedge.toolchain.stages.engine_recipe import _graph_facts
+
+    assert comp["embedding_tables"] == "int4 symmetric"
+    assert _graph_facts(reference_build.bundle / "models" / "int4.onnx")["dq_unparsable"] == []
+    assert "parser refuses" not in (reference_build.bundle / "build" / "trtexec.sh").read_text()
     assert comp["embedding_bytes"]["onnx_int4"] < comp["embedding_bytes"]["tensorrt_fp16"] / 3
     int4 = next(v for v in report["variants"] if v["name"] == "int4")
     assert int4["size_vs_fp32"] <= 0.20

@@ -102,7 +102,8 @@ def model_files_size(path: Path) -> int:
 @click.option("--nodes", help="Comma-separated node names to quantize (default: all MatMul/Gemm weights).")
 @click.option("--embeddings/--no-embeddings", default=None,
               help="INT4: word-embedding tables (Gather tables of 1024+ rows) INT4 too, blockwise along the hidden "
-              "dim, as dsedge build does. Default: on, unless --nodes picks the layers.")
+              "dim, as dsedge build does, symmetric like the weights unless --asymmetric. Default: on, unless --nodes "
+              "picks the layers.")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout (last thing printed).")
 @click.pass_context
@@ -156,7 +157,10 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
     say = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
     on_step = (lambda msg: click.echo(f"  {msg}", err=True)) if searched else None
     calibration = Calibration(calib, heldout=heldout, on_step=on_step, output=gated)
-    out = (compress_int4_with_tables(m, chosen, calibration, tables=tables_too) if chosen.precision == "int4"
+    # tables as the weights: symmetric (signed INT4, no zero points: what TensorRT's parser takes) unless
+    # --asymmetric (or the preset) chose zero points
+    out = (compress_int4_with_tables(m, chosen, calibration, tables=tables_too, symmetric_tables=chosen.symmetric)
+           if chosen.precision == "int4"
            else compress(m, chosen, calibration))
     checked = _check_gate(m, out.model, chosen, heldout, gated) if chosen.accuracy_gate and not searched else {}
     if chosen.precision in ("int4", "int8"):

@@ -60,9 +60,11 @@ def compress(model: Any, preset: Preset | str, calibration: Calibration | Any = 
     return Compressed(path=None, precision=p.precision, details=details, model=out)
 
 
-def compress_int4_with_tables(model: Any, preset: Preset, calibration: Calibration, tables: bool = True) -> Compressed:
+def compress_int4_with_tables(model: Any, preset: Preset, calibration: Calibration, tables: bool = True,
+                              symmetric_tables: bool = False) -> Compressed:
     """``compress`` for an INT4 ``preset`` and, with ``tables``, the word-embedding tables INT4 too
-    (``weight_only.quantize_embedding_tables``: asymmetric, the preset's block size), in the order ``dsedge build``
+    (``weight_only.quantize_embedding_tables``: asymmetric UINT4 + zero points, or with ``symmetric_tables`` signed
+    INT4 without them, the only form TensorRT's ONNX parser takes; the preset's block size), in the order ``dsedge build``
     and ``dsedge quantize`` share: before a gated search (``preset.accuracy_gate``), so the gate measures the final
     model, against ``calibration.reference`` or else the float model given here; otherwise after the weight
     quantizer, whose calibration then runs on the float tables. ``details["embeddings"]`` lists the tables.
@@ -80,14 +82,14 @@ def compress_int4_with_tables(model: Any, preset: Preset, calibration: Calibrati
     if tables and preset.accuracy_gate:
         base = onnx.ModelProto()
         base.CopyFrom(model)
-        base, done = quantize_embedding_tables(base, block_size=preset.block_size, symmetric=False)
+        base, done = quantize_embedding_tables(base, block_size=preset.block_size, symmetric=symmetric_tables)
         if calibration.reference is None:
             calibration = dataclasses.replace(calibration, reference=model)
         out = compress(base, preset, calibration)
     else:
         out = compress(model, preset, calibration)
         if tables:
-            out.model, done = quantize_embedding_tables(out.model, block_size=preset.block_size, symmetric=False)
+            out.model, done = quantize_embedding_tables(out.model, block_size=preset.block_size, symmetric=symmetric_tables)
     out.details["embeddings"] = done
     return out
 

@@ -198,8 +198,9 @@ def quantize_embedding_tables(model: onnx.ModelProto, *, block_size: int = 32, s
     """INT4 blockwise (along the hidden dim) word-embedding tables: Gather tables with >= ``min_vocab`` rows.
 
     RTN with an MSE-searched scale per block (``int4.quantize_site``), written by ``int4.write_int4_dq`` (the
-    DequantizeLinear output keeps the table's name). In place; returns (model, one dict per table). TensorRT reads
-    INT4 only for GEMM weights, so it folds this DequantizeLinear into an FP16/FP32 constant at engine build.
+    DequantizeLinear output keeps the table's name). In place; returns (model, one dict per table). ``symmetric``:
+    signed INT4 without zero points, the only 4-bit form TensorRT's ONNX parser takes (TensorRT runs INT4 weights
+    only in GEMMs, so its engine holds such a table dequantized); else UINT4 + zero points (ONNX Runtime).
     """
     from onnx import numpy_helper
 

@@ -5,9 +5,11 @@ Each picks a preset (:mod:`..quantize.presets`) for the model and target and com
 - ``int4``: W4A16 weight-only (symmetric: TensorRT's INT4 needs it) with ``--algorithm`` (auto = gptq with
   calibration data, else rtn | rtn | awq | gptq | awq+gptq) and, with
   ``--accuracy-gate``, mixed precision (sensitive layers raised to INT8 / float until the gate passes on the
-  held-out data); word-embedding tables INT4 too unless ``--no-embeddings`` — asymmetric (UINT4 + zero point:
-  TensorRT folds the table to FP16 at build anyway, ORT gathers UINT4 rows; measured on MiniLM: cosine cost of the
-  table 0.0008 vs 0.0012 symmetric).
+  held-out data); word-embedding tables INT4 too unless ``--no-embeddings``: for TensorRT targets symmetric (signed
+  INT4, no zero point: TensorRT quantizes symmetrically, and its ONNX parser refuses a DequantizeLinear with a
+  UINT4 input or a non-zero zero point, so an asymmetric table made the whole variant unparseable), for ONNX Runtime
+  targets asymmetric (UINT4 + zero point; ORT gathers the 4-bit rows; measured on MiniLM: cosine cost of the table
+  0.0008 vs 0.0012 symmetric).
 - ``int8``: CNNs (Conv) on every target: W8A8 explicit Q/DQ calibrated with MinMax (needs calibration data);
   other models on ORT targets (cpu) per-row dynamic INT8 after ORT's transformer fusions (batch-invariant);
   for TensorRT targets W8A8 explicit Q/DQ calibrated with MinMax after SmoothQuant (alpha 0.5); with held-out
@@ -92,28 +94,32 @@ def compress_int4(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
     preset = get_preset(f"int4-{algorithm}").replace(block_size=opts.block_size)
     # after QAT: absmax scales without clip search, the quantizer the fake-quant fine-tune trained for
     qat = not gate and opts.qat_steps > 0 and algorithm == "rtn"
+    symmetric_tables = plan.target.backend == "tensorrt"  # TensorRT's parser takes INT4 with zero point 0 only
     if gate:
         heldout = source.validation if source.validation is not None else source.example_inputs
         out = compress_int4_with_tables(
             model, preset.replace(accuracy_gate=gate),
             Calibration(calib, heldout=heldout, reference=_gate_reference(exported, model),
-                        output=_embedding_output(exported, source), top1=_top1(source)), tables=opts.embeddings)
+                        output=_embedding_output(exported, source), top1=_top1(source)), tables=opts.embeddings,
+            symmetric_tables=symmetric_tables)
     else:
         out = compress_int4_with_tables(model, preset.replace(clip_search=not qat), Calibration(calib),
-                                        tables=opts.embeddings)
+                                        tables=opts.embeddings, symmetric_tables=symmetric_tables)
     q, details = out.model, out.details
     if qat:
         details["clip_search"] = False
     tables = details["embeddings"]
     if tables:
-        int4_bytes = sum(int(t["shape"][0] * t["shape"][1] // 2 + t["shape"][0] * (t["shape"][1] // opts.block_size) * 4.5)
-                         for t in tables)                  # codes + fp32 scale and uint4 zero point per block
+        per_block = 4.0 if symmetric_tables else 4.5  # fp32 scale (and a uint4 zero point) per block
+        int4_bytes = sum(int(t["shape"][0] * t["shape"][1] // 2
+                             + t["shape"][0] * (t["shape"][1] // opts.block_size) * per_block) for t in tables)
+        details["embedding_tables"] = "int4 symmetric" if symmetric_tables else "uint4 + zero point"
         fp16_bytes = sum(t["shape"][0] * t["shape"][1] * 2 for t in tables)
         details["embedding_bytes"] = {"onnx_int4": int4_bytes, "tensorrt_fp16": fp16_bytes}
         details["tensorrt_embedding_note"] = (
-            "TensorRT reads INT4 only for GEMM weights: the INT4 embedding table's DequantizeLinear is constant-"
-            f"folded at engine build, so the engine holds it in FP16 ({fp16_bytes / 1e6:.1f} MB) while the ONNX "
-            f"holds {int4_bytes / 1e6:.1f} MB; ORT gathers the INT4 rows directly.")
+            "TensorRT runs INT4 weights only in GEMMs: the INT4 embedding table's DequantizeLinear feeds a Gather, so "
+            f"expect the engine to hold the table dequantized (FP16: {fp16_bytes / 1e6:.1f} MB) while the ONNX holds "
+            f"{int4_bytes / 1e6:.1f} MB (check the engine size on the device); ORT gathers the INT4 rows directly.")
     details["algorithm"] = algorithm
     path = work / "models" / "int4.onnx"
     _save(q, path)

@@ -20,8 +20,8 @@ def engine_recipe(plan: BuildPlan, model: Prepared, variants: list[VariantDraft]
     target, cfg = plan.target, plan.config
     ranges = shape_ranges_for(model.exported, target, model.source)
     sparse = {"sparsity": "2:4"} if plan.prune is not None and plan.prune.pattern == "2:4" else {}
-    vdicts = [{"name": v.name, "precision": v.precision, "file": v.file, "ops": _op_types(v.path),
-               **sparse} for v in variants]
+    vdicts = [{"name": v.name, "precision": v.precision, "file": v.file, **_graph_facts(v.path), **sparse}
+              for v in variants]
     io = [s.to_dict() for s in model.exported.inputs]
     files: dict[str, str | bytes] = {"build/trtexec.sh": trtexec_script(target, vdicts, io, ranges,
                                                                          dla_core=cfg.dla_core)}
@@ -46,10 +46,29 @@ def shape_ranges_for(exported: Exported, target: Target, source: Source) -> dict
     return ranges
 
 
-def _op_types(path: Path) -> list[str]:
+def _graph_facts(path: Path) -> dict:
+    """What the recipe's notes read from a variant's graph: ``ops`` (its op types), ``dq_gather`` (a
+    DequantizeLinear feeds a Gather: a quantized embedding table) and ``dq_unparsable`` (the DequantizeLinear inputs
+    TensorRT's ONNX parser refuses: a UINT4 tensor or a non-zero zero point; TensorRT quantizes symmetrically)."""
+    import numpy as np
     import onnx
+    from onnx import TensorProto, numpy_helper
 
-    return sorted({n.op_type for n in onnx.load(os.fspath(path), load_external_data=False).graph.node})
+    g = onnx.load(os.fspath(path), load_external_data=False).graph
+    inits = {t.name: t for t in g.initializer}
+    dq_out = {n.output[0]: n for n in g.node if n.op_type == "DequantizeLinear"}
+    bad = []
+    for n in dq_out.values():
+        x = inits.get(n.input[0])
+        zp = inits.get(n.input[2]) if len(n.input) > 2 and n.input[2] else None
+        if x is not None and x.data_type == TensorProto.UINT4:
+            bad.append(n.name or n.output[0])
+        elif zp is not None and zp.data_location != TensorProto.EXTERNAL and np.any(
+                numpy_helper.to_array(zp).astype(np.int64) != 0):
+            bad.append(n.name or n.output[0])
+    return {"ops": sorted({n.op_type for n in g.node}),
+            "dq_gather": any(n.op_type == "Gather" and n.input and n.input[0] in dq_out for n in g.node),
+            "dq_unparsable": bad}
 
 
 def build_engines(work: Path, target: Target, exported: Exported, variants: list[Variant],
