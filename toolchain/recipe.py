@@ -13,7 +13,7 @@ The settings come from ``dsedge.runtime.build_settings``, the same the on-device
 from __future__ import annotations
 
 import shlex
-from typing import Mapping
+from typing import Any, Mapping
 
 from ..runtime.version import __version__
 from ..runtime.build_settings import EngineBuildSettings, engine_build_settings
@@ -80,6 +80,17 @@ def trtexec_args(s: EngineBuildSettings, engine_dir: str = ENGINE_DIR, timing_ca
     return args
 
 
+# the recipe builds for DLA; the runtime's own engine does not (yet): said beside the recipe's DLA line
+RUNTIME_GPU_NOTE = ("dsedge.load builds and runs the GPU engine of this bundle's dynamic shapes on the device, not "
+                    "this DLA engine (the runtime does not run DLA engines yet): deploy the DLA engine this recipe "
+                    "builds with your own loader")
+
+
+def _notes(s: Any, dla_core: int | None) -> list[str]:
+    # the settings' notes, and where the recipe builds for DLA, what the runtime builds instead
+    return list(s.notes) + ([RUNTIME_GPU_NOTE] if dla_core is not None and s.dla_core is not None else [])
+
+
 def trtexec_script(target: Target, variants: list[dict], inputs: list[dict], shape_ranges: dict,
                    dla_core: int | None = None) -> str:
     """Text of ``build/trtexec.sh``: one trtexec command per variant, with comments saying why each flag is there.
@@ -117,7 +128,7 @@ def trtexec_script(target: Target, variants: list[dict], inputs: list[dict], sha
     for v in variants:
         s = engine_build_settings(target, v, inputs, shape_ranges, dla_core=dla_core)
         body.append(f"# --- variant {s.variant} ({s.precision}): {s.onnx_file}")
-        body += [f"# {n}" for n in s.notes]
+        body += [f"# {n}" for n in _notes(s, dla_core)]
         if s.workspace_mb:
             body.append(f"# workspace pool: {s.workspace_mb} MiB (target default)")
         args = trtexec_args(s)
@@ -132,5 +143,5 @@ def recipe_notes(target: Target, variants: list[dict], inputs: list[dict], shape
     Empty for ONNX Runtime targets. Raises what ``trtexec_script`` raises."""
     if target.backend != "tensorrt":
         return {}
-    return {v["name"]: list(engine_build_settings(target, v, inputs, shape_ranges, dla_core=dla_core).notes)
+    return {v["name"]: _notes(engine_build_settings(target, v, inputs, shape_ranges, dla_core=dla_core), dla_core)
             for v in variants}
