@@ -258,3 +258,30 @@ def test_gelu_is_lowered_so_a_transformer_reaches_opset_17(approximate):
     got = ort.InferenceSession(out.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, ref, atol=2e-6)
     assert model_opset(convert_for_target(m, get_target("t4"))) == 21  # kept where the opset fits
+
+
+@pytest.mark.parametrize("axis, bias", [(-1, True), (1, False)])
+def test_layernorm_is_lowered_for_tensorrt_8_5_and_kept_where_the_parser_has_it(axis, bias):
+    """A helper's target pass: Xavier bundles (TensorRT 8.5) kept ONNX LayerNormalization, which 8.5's ONNX parser
+    has no importer for (added in 8.6), so trtexec failed at parse on every transformer built for the Xavier.
+    It is now lowered to ReduceMean/Sub/Mul/Add/Sqrt/Div there, with the same outputs; kept for TensorRT ≥ 8.6."""
+    rng = np.random.default_rng(0)
+    init = [numpy_helper.from_array(rng.normal(size=8).astype(np.float32), "scale")]
+    ins = ["x", "scale"]
+    if bias:
+        init.append(numpy_helper.from_array(rng.normal(size=8).astype(np.float32), "bias"))
+        ins.append("bias")
+    ln = helper.make_node("LayerNormalization", ins, ["y"], name="ln", axis=axis, epsilon=1e-3)
+    g = helper.make_graph([ln], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])], init)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    out = convert_for_target(m, get_target("jetson-xavier"))
+    assert model_opset(out) == 17 and "LayerNormalization" not in {n.op_type for n in out.graph.node}
+    x = rng.normal(size=(3, 8)).astype(np.float32) * 4 + 2
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # ORT would fuse it back
+    ref = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = ort.InferenceSession(out.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, ref, atol=2e-6)
+    for kept in ("jetson-orin", "t4"):  # TensorRT 10.x parses LayerNormalization
+        assert "LayerNormalization" in {n.op_type for n in convert_for_target(m, get_target(kept)).graph.node}

@@ -95,6 +95,68 @@ def lower_gelu(model: onnx.ModelProto) -> int:
     return len(gelus)
 
 
+def lower_layernorm(model: onnx.ModelProto, opset: int) -> int:
+    """Rewrite each ai.onnx ``LayerNormalization`` (opset 17) in place into ops TensorRT 8.5's ONNX parser imports
+    (it has no importer for LayerNormalization: onnx-tensorrt release/8.5-GA docs/operators.md; 8.6 added one):
+    ``mean = ReduceMean(x)``, ``d = x − mean``, ``y = d / √(ReduceMean(d²) + ε) · scale (+ bias)`` over the axes from
+    ``axis`` to the last (the LayerNormalization definition in the ONNX operators spec; Ba et al. 2016), computed in
+    float32 as its default ``stash_type`` says (a float16 input is cast up and back). ``opset``: the model's opset
+    (ReduceMean takes its axes as an attribute before 18, as an input from 18). Nodes whose Mean / InvStdDev outputs
+    are used, or whose normalized axes cannot be told (a non-negative ``axis`` on an input of unknown rank), are left
+    as they are. Returns how many were rewritten."""
+    norms = [n for n in model.graph.node if n.op_type == "LayerNormalization" and n.domain in _DEFAULT_DOMAINS]
+    if not norms:
+        return 0
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    info = {v.name: v.type.tensor_type for v in [*inferred.input, *inferred.value_info, *inferred.output]}
+    used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+    out_nodes, inits, done = [], [], 0
+    for i, n in enumerate(model.graph.node):
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        x = n.input[0] if n.input else ""
+        tt = info.get(x)
+        rank = len(tt.shape.dim) if tt is not None and tt.HasField("shape") else None
+        axis = int(attrs.get("axis", -1))
+        if (n not in norms or any(o and o in used for o in n.output[1:])
+                or (axis >= 0 and rank is None) or int(attrs.get("stash_type", 1)) != 1):
+            out_nodes.append(n)
+            continue
+        axes = list(range(axis, 0)) if axis < 0 else list(range(axis - rank, 0))
+        eps = float(attrs.get("epsilon", 1e-5))
+        elem = tt.elem_type if tt is not None and tt.elem_type else TensorProto.FLOAT
+        p = f"{n.name or 'layernorm'}_{i}_lowered"
+
+        def node(op: str, ins: list[str], out: str, **kw) -> str:
+            out_nodes.append(helper.make_node(op, ins, [out], name=f"{p}/{out.rsplit('/', 1)[-1]}", **kw))
+            return out
+
+        def mean(v: str, out: str) -> str:
+            if opset >= 18:
+                if f"{p}/axes" not in {t.name for t in inits}:
+                    inits.append(numpy_helper.from_array(np.array(axes, np.int64), f"{p}/axes"))
+                return node("ReduceMean", [v, f"{p}/axes"], out, keepdims=1)
+            return node("ReduceMean", [v], out, axes=axes, keepdims=1)
+
+        xf = x if elem == TensorProto.FLOAT else node("Cast", [x], f"{p}/x32", to=TensorProto.FLOAT)
+        inits.append(numpy_helper.from_array(np.array(eps, np.float32), f"{p}/eps"))
+        d = node("Sub", [xf, mean(xf, f"{p}/mean")], f"{p}/d")
+        var = mean(node("Mul", [d, d], f"{p}/d2"), f"{p}/var")
+        normed = node("Div", [d, node("Sqrt", [node("Add", [var, f"{p}/eps"], f"{p}/vareps")], f"{p}/std")],
+                      f"{p}/normed")
+        if elem != TensorProto.FLOAT:
+            normed = node("Cast", [normed], f"{p}/normed_back", to=elem)
+        y = n.output[0]
+        has_bias = len(n.input) > 2 and bool(n.input[2])
+        scaled = node("Mul", [normed, n.input[1]], f"{p}/scaled" if has_bias else y)
+        if has_bias:
+            node("Add", [scaled, n.input[2]], y)
+        done += 1
+    del model.graph.node[:]
+    model.graph.node.extend(out_nodes)
+    model.graph.initializer.extend(inits)
+    return done
+
+
 def convert_for_target(model: onnx.ModelProto, target: Target) -> onnx.ModelProto:
     """Return ``model`` at an opset within ``target.opset`` (unchanged opset when already inside) and the lowest
     IR version that opset allows, so an older parser (TensorRT 8.5 ships ONNX 1.12, IR 8) can read it.
@@ -136,6 +198,9 @@ def convert_for_target(model: onnx.ModelProto, target: Target) -> onnx.ModelProt
             raise TargetError(f"cannot convert the model from opset {current} to {want} for {target.name}: {first}",
                               f"{target.name} reads opset {lo}–{hi}; re-export the model at an opset in that range"
                               ) from None
+    trt = target.trt_version if target.backend == "tensorrt" else None
+    if trt is not None and trt < (8, 6):  # no LayerNormalization importer before TensorRT 8.6 (lower_layernorm)
+        lower_layernorm(out, want)
     ids = [helper.make_opsetid(op.domain, op.version) for op in out.opset_import]
     out.ir_version = helper.find_min_ir_version_for(ids, ignore_unknown=True)
     try:
