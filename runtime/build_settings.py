@@ -147,7 +147,8 @@ def engine_build_settings(target: Any, variant: Mapping[str, Any], inputs: Seque
         variant: ``{"name", "precision", "file"}``; optional ``"ops"`` (ONNX op types in the graph, for the DLA
             decision), ``"strongly_typed"`` (override the default), ``"sparsity"`` (``"2:4"`` when pruned 2:4),
             ``"dq_gather"`` (a DequantizeLinear feeds a Gather), ``"dq_unparsable"`` (names of DequantizeLinear
-            nodes TensorRT's parser refuses: UINT4 input or non-zero zero point).
+            nodes TensorRT's parser refuses: UINT4 input or non-zero zero point), ``"conv_spatial"`` (the most
+            spatial dims of a Conv/ConvTranspose weight: 3 for Conv3d, which DLA cannot run).
         inputs: ``[{"name", "dtype", "shape": [int | "symbol", …]}]``.
         shape_ranges: ``{"batch": {"min": 1, "opt": 8, "max": 32}, …}``; missing symbols come from the target's
             ``shapes``.
@@ -181,6 +182,9 @@ def engine_build_settings(target: Any, variant: Mapping[str, Any], inputs: Seque
         compute = [o for o in (variant.get("ops") or []) if o in _COMPUTE_OPS]
         if precision not in DLA_PRECISIONS:
             notes.append(f"DLA runs INT8/FP16 only; {precision} builds for the GPU instead of DLA core {dla_core}")
+        elif int(variant.get("conv_spatial") or 0) > 2:  # DLA's convolution is 2-D ("DLA Supported Layers")
+            notes.append(f"DLA runs 2-D convolutions only and the model's are {variant['conv_spatial']}-D; building "
+                         f"for the GPU instead of DLA core {dla_core}")
         elif compute and not any(o in DLA_OPS for o in compute):
             notes.append(f"the model's compute layers cannot run on DLA (DLA lacks {', '.join(blockers[:6])}); "
                          f"building for the GPU instead of DLA core {dla_core}")

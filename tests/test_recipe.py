@@ -7,6 +7,8 @@ import stat
 import subprocess
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
 
 from dsedge.runtime.build_settings import engine_build_settings
@@ -228,3 +230,38 @@ def test_version_compatible_recipe_says_the_loader_must_allow_host_code():
     assert "version-compatible=true" in script
     for t in ("t4", "jetson-orin", "jetson-xavier"):  # not version-compatible: nothing to allow
         assert "engine_host_code_allowed" not in trtexec_script(get_target(t), variants("fp16"), INPUTS, RANGES)
+
+
+def test_dla_is_not_claimed_for_3d_convolutions(tmp_path):
+    """A helper's target pass: a Conv3d model (the CT sample's U-Net is one) got "DLA core 0 with GPU fallback" with
+    no blockers, though DLA's convolution is 2-D only: the whole model would fall back to the GPU while pinned to a
+    fixed batch. The recipe reads the convolution rank from the graph (through a DequantizeLinear) and builds for
+    the GPU, saying why."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dsedge.toolchain.stages.engine_recipe import _graph_facts
+
+    def conv(n_spatial: int, qdq: bool) -> dict:
+        w = numpy_helper.from_array(np.ones([4, 1] + [3] * n_spatial, np.int8 if qdq else np.float32), "w")
+        nodes, inits, wname = [], [w], "w"
+        if qdq:
+            inits.append(numpy_helper.from_array(np.array(0.1, np.float32), "ws"))
+            nodes.append(helper.make_node("DequantizeLinear", ["w", "ws"], ["wd"]))
+            wname = "wd"
+        nodes.append(helper.make_node("Conv", ["x", wname], ["y"]))
+        shape = [1, 1] + [8] * n_spatial
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+        path = tmp_path / f"c{n_spatial}{qdq}.onnx"
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+        return {"name": "int8", "precision": "int8", "file": "models/int8.onnx", **_graph_facts(path)}
+
+    t = get_target("jetson-orin")
+    for qdq in (False, True):
+        flat, vol = conv(2, qdq), conv(3, qdq)
+        assert (flat["conv_spatial"], vol["conv_spatial"]) == (2, 3)
+        (c,) = commands(trtexec_script(t, [flat], INPUTS, RANGES, dla_core=0))
+        assert c["useDLACore"] == "0"
+        script = trtexec_script(t, [vol], INPUTS, RANGES, dla_core=0)
+        (c,) = commands(script)
+        assert "useDLACore" not in c and "2-D convolutions only" in script

@@ -48,8 +48,10 @@ def shape_ranges_for(exported: Exported, target: Target, source: Source) -> dict
 
 def _graph_facts(path: Path) -> dict:
     """What the recipe's notes read from a variant's graph: ``ops`` (its op types), ``dq_gather`` (a
-    DequantizeLinear feeds a Gather: a quantized embedding table) and ``dq_unparsable`` (the DequantizeLinear inputs
-    TensorRT's ONNX parser refuses: a UINT4 tensor or a non-zero zero point; TensorRT quantizes symmetrically)."""
+    DequantizeLinear feeds a Gather: a quantized embedding table), ``dq_unparsable`` (the DequantizeLinear inputs
+    TensorRT's ONNX parser refuses: a UINT4 tensor or a non-zero zero point; TensorRT quantizes symmetrically) and
+    ``conv_spatial`` (the most spatial dims of a Conv/ConvTranspose weight initializer; 0 without one; a weight
+    behind a DequantizeLinear counts through it)."""
     import numpy as np
     import onnx
     from onnx import TensorProto, numpy_helper
@@ -66,9 +68,15 @@ def _graph_facts(path: Path) -> dict:
         elif zp is not None and zp.data_location != TensorProto.EXTERNAL and np.any(
                 numpy_helper.to_array(zp).astype(np.int64) != 0):
             bad.append(n.name or n.output[0])
+    def weight(name: str) -> str:  # through a DequantizeLinear (an INT8 Q/DQ CNN's weights)
+        return dq_out[name].input[0] if name in dq_out else name
+
+    conv_spatial = max((len(inits[weight(n.input[1])].dims) - 2 for n in g.node
+                        if n.op_type in ("Conv", "ConvTranspose") and len(n.input) > 1
+                        and weight(n.input[1]) in inits), default=0)
     return {"ops": sorted({n.op_type for n in g.node}),
             "dq_gather": any(n.op_type == "Gather" and n.input and n.input[0] in dq_out for n in g.node),
-            "dq_unparsable": bad}
+            "dq_unparsable": bad, "conv_spatial": conv_spatial}
 
 
 def build_engines(work: Path, target: Target, exported: Exported, variants: list[Variant],
