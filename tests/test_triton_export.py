@@ -195,6 +195,15 @@ def test_cli_export_json_and_errors(target_bundles, tmp_path, capsys):
     r = subprocess.run([sys.executable, "-m", "dsedge", "export", "triton", str(tmp_path / "missing.dse"),
                         "--out", str(tmp_path / "r2")], capture_output=True, text=True)
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    # a helper's target pass: the a100 profile builds version-compatible plans, which Triton's TensorRT backend
+    # loads only with version-compatible=true: the TensorRT export and its serve line say so; t4's does not
+    for target, said in (("a100", True), ("t4", False)):
+        with pytest.raises(SystemExit) as e:
+            main(["export", "triton", str(target_bundles[target]), "--out", str(tmp_path / f"trt-{target}"),
+                  "--platform", "tensorrt"])
+        text = capsys.readouterr().out
+        serve = next(line for line in text.splitlines() if line.startswith("serve: tritonserver"))
+        assert e.value.code == 0 and serve.endswith("--backend-config=tensorrt,version-compatible=true") is said
 
 
 def test_cli_export_help_and_quiet(tmp_path, capsys):

@@ -5,7 +5,7 @@ import json
 
 import click
 
-from ..triton.repository import PLATFORMS
+from ..triton.repository import PLATFORMS, VERSION_COMPATIBLE_FLAG
 
 
 @click.group("export")
@@ -50,7 +50,9 @@ def triton(ctx: click.Context, bundle: str, out: str, platform: str | None, inst
                    f"{m['preferred_batch_size']}, max_queue_delay {m['max_queue_delay_us']} µs, "
                    f"REJECT after {m['timeout_us']} µs queued")
         for n in [] if quiet else m["notes"]:
-            if "build_engine.sh" in n or "rewritten" in n or "TensorRT accelerator" in n:
+            if "build_engine.sh" in n or "rewritten" in n or "TensorRT accelerator" in n or VERSION_COMPATIBLE_FLAG in n:
                 click.echo(f"    {n}")
     if not quiet:
-        click.echo(f"serve: tritonserver --model-repository={result.repository}")
+        extra = (f" {VERSION_COMPATIBLE_FLAG}" if any(VERSION_COMPATIBLE_FLAG in n for m in models for n in m["notes"])
+                 else "")
+        click.echo(f"serve: tritonserver --model-repository={result.repository}{extra}")

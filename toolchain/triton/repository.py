@@ -60,6 +60,12 @@ class TritonExport:
     models: list[TritonModel]
 
 
+# Triton's TensorRT backend loads a version-compatible plan (a100/h100 profiles) only when told to trust its embedded
+# lean runtime (the backend's "version-compatible" config, tensorrt_backend README)
+VERSION_COMPATIBLE_FLAG = "--backend-config=tensorrt,version-compatible=true"
+VERSION_COMPATIBLE_NOTE = "version-compatible TensorRT plan"
+
+
 def is_gpu_target(manifest: Manifest) -> bool:
     return manifest.target.get("backend") == "tensorrt" or bool(manifest.target.get("gpu"))
 
@@ -172,6 +178,8 @@ def _write_tensorrt(bundle: Path, manifest: Manifest, variant: Variant, model_di
         script.write_text("\n".join(lines), encoding="utf-8")
         script.chmod(0o755)
         model.notes.append("no engine in the bundle: run build_engine.sh on the server to write 1/model.plan")
+    if manifest.target.get("version_compatible"):  # the plan embeds the lean runtime: Triton must allow host code
+        model.notes.append(f"{VERSION_COMPATIBLE_NOTE}: start tritonserver with {VERSION_COMPATIBLE_FLAG}")
     return {"platform": "tensorrt_plan", "backend": "tensorrt"}
 
 
