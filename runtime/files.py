@@ -62,8 +62,17 @@ def check_output_file(dest: str | os.PathLike, option: str = "-o/--output", exam
     if dest.is_dir():
         raise StorageError(f"{option} {str(dest)!r}: the path is a directory, where a file was expected",
                            f"give a file path, e.g. {str(dest / example)!r}")
-    bundle = _sealing_bundle(dest)
-    if bundle is not None:
+    sealed = _sealing_bundle(dest)
+    if sealed is not None:
+        bundle, rel = sealed
+        if rel == _MANIFEST:
+            raise StorageError(f"{option} {str(dest)!r} is a file of the bundle {str(bundle)!r} (its manifest, "
+                               "which holds every file's sha256: the bundle would no longer load)",
+                               "write elsewhere: only `dsedge build` writes a bundle's manifest")
+        if rel == _SIGNATURE:
+            raise StorageError(f"{option} {str(dest)!r} is a file of the bundle {str(bundle)!r} (the signature of "
+                               "its manifest: the bundle's signature would no longer verify)",
+                               "write elsewhere: only `dsedge sign` writes a bundle's manifest.sig")
         raise StorageError(f"{option} {str(dest)!r} is a file of the bundle {str(bundle)!r} (its manifest holds the "
                            "file's sha256: the bundle would no longer load)",
                            "write elsewhere, then rebuild the bundle with `dsedge build`")
@@ -121,17 +130,40 @@ def enclosing_bundle(path: str | os.PathLike) -> Path | None:
     return None
 
 
-def _sealing_bundle(dest: Path) -> Path | None:
-    """The bundle directory whose ``manifest.json`` lists ``dest`` among its hashed files, if any."""
-    path = dest.resolve()
+# bundle.MANIFEST and bundle.SIGNATURE (bundle imports this module): a bundle's own files, never in manifest["files"]
+_MANIFEST = "manifest.json"
+_SIGNATURE = "manifest.sig"
+
+
+def _sealing_bundle(dest: Path) -> tuple[Path, str] | None:
+    """The bundle directory that seals ``dest``, with ``dest``'s path inside it: its ``manifest.json`` lists ``dest``
+    among its hashed files, or ``dest`` is that ``manifest.json`` or its ``manifest.sig`` (not hash-listed, yet
+    replacing either breaks the bundle). A folder counts as a bundle when its ``manifest.json`` holds a ``files``
+    table or its name ends in ``.dse``, so a bench report once written as ``out/manifest.json`` may be rewritten.
+    Checked for the path the write replaces (``dest``'s name in its resolved folder) and for ``dest`` resolved."""
+    dest = Path(os.path.abspath(dest))
+    for path in dict.fromkeys((dest.parent.resolve() / dest.name, dest.resolve())):
+        sealed = _sealing_bundle_of(path)
+        if sealed is not None:
+            return sealed
+    return None
+
+
+def _sealing_bundle_of(path: Path) -> tuple[Path, str] | None:
     for parent in path.parents:
-        manifest = parent / "manifest.json"
+        manifest = parent / _MANIFEST
         if manifest.is_file():
+            rel = path.relative_to(parent).as_posix()
             try:
-                files = json.loads(manifest.read_text(encoding="utf-8")).get("files", {})
-            except (OSError, ValueError, AttributeError, RecursionError):
-                return None
-            return parent if isinstance(files, dict) and path.relative_to(parent).as_posix() in files else None
+                doc = json.loads(manifest.read_text(encoding="utf-8"))
+            except (OSError, ValueError, RecursionError):
+                doc = None
+            files = doc.get("files") if isinstance(doc, dict) else None
+            if isinstance(files, dict) and rel in files:
+                return parent, rel
+            if rel in (_MANIFEST, _SIGNATURE) and (isinstance(files, dict) or parent.name.endswith(".dse")):
+                return parent, rel
+            return None
     return None
 
 

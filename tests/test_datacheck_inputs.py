@@ -154,3 +154,40 @@ def test_documented_checks_toml_runs_on_the_fraud_csv(fraud_lines, tmp_path, cap
     assert s["tokens.unknown"] == "skip" and s["tabular.ranges"] == "pass" and set(s.values()) == {"pass", "skip"}
     assert r["tabular"]["classes"] == {"0": 209, "1": 50}
     assert next(c for c in r["checks"] if c["id"] == "dedup.exact")["limits"] == "warn>0, fail>0.01"
+
+
+# ---------------------------------------------------------------- --html (and its .json) inside a bundle is refused
+@pytest.mark.parametrize("page", ["report.html", "manifest.html", "golden/golden.html", "models/fp32.onnx"])
+def test_html_or_its_json_over_a_bundles_file_is_refused_before_the_scan(tmp_path, capsys, monkeypatch, page):
+    """Found by a user: `data check X.csv --html B.dse/report.html` wrote the JSON report as B.dse/report.json,
+    replacing the bundle's hash-listed build report (the bundle no longer loaded), exit 0/1 and no warning."""
+    import dsedge.toolchain.datacheck as datacheck
+    from dsedge.runtime.bundle import verify_bundle
+    from tiny_models import tiny_bundle
+
+    bundle = tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path, report={
+        "schema": "dsedge.build-report/1", "bundle": "mlp-cpu.dse", "target": "cpu", "precision": "fp32",
+        "variants": [{"name": "fp32", "precision": "fp32"}], "wall_time_s": 1.0},
+        extra_files={"golden/golden.json": "{}"})
+    assert {"report.json", "golden/golden.json"} <= set(json.loads((bundle / "manifest.json").read_text())["files"])
+    before = {p.relative_to(bundle).as_posix(): p.read_bytes() for p in sorted(bundle.rglob("*")) if p.is_file()}
+    csv = write(tmp_path / "d.csv", ["a,b", "1,2", "3,4"])
+
+    def no_scan(*_a, **_k):
+        raise AssertionError("the scan ran")
+
+    monkeypatch.setattr(datacheck, "check_data", no_scan)
+    code, out, err = run_cli(["data", "check", str(csv), "--html", str(bundle / page)], capsys)
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    assert err.startswith("error: --html") and "is a file of the bundle" in err, err
+    assert len(err.strip().splitlines()) == 2, err                  # error line + hint line
+    after = {p.relative_to(bundle).as_posix(): p.read_bytes() for p in sorted(bundle.rglob("*")) if p.is_file()}
+    assert after == before and verify_bundle(bundle).variant().name == "fp32"
+
+
+def test_html_or_its_json_over_the_data_itself_is_refused(tmp_path, capsys):
+    csv = write(tmp_path / "d.csv", ["a,b", "1,2", "3,4"])
+    data = csv.read_bytes()
+    code, out, err = run_cli(["data", "check", str(csv), "--html", str(csv)], capsys)
+    assert code == 2 and "would be written over DATA" in err and "Traceback" not in err, err
+    assert csv.read_bytes() == data and sorted(p.name for p in tmp_path.iterdir()) == ["d.csv"]

@@ -309,3 +309,42 @@ def test_deeply_nested_documents_fail_in_one_line(bundle, tmp_path):
     (tmp_path / "base.json").write_text("[" * 100_000)
     with pytest.raises(BenchError, match="not valid JSON"):
         load_report(tmp_path / "base.json")
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("name", [MANIFEST, "manifest.sig"])
+@pytest.mark.parametrize("command", [["bench", "{bundle}", "--iterations", "2", "-o"],
+                                     ["bench", "{bundle}", "--iterations", "2", "--plot"],
+                                     ["quantize", "{model}", "--precision", "fp16", "-o"],
+                                     ["quantize", "{model}", "--precision", "fp16", "-o", "{tmp}/q.onnx", "--report"],
+                                     ["prune", "{model}", "-o"]])
+def test_an_output_path_that_is_the_bundles_manifest_or_signature_is_refused(bundle, tmp_path, capsys, command,
+                                                                            name):
+    """Found by a user: `dsedge bench B.dse -o B.dse/manifest.json` exited 0 having replaced the manifest with the
+    bench report (the bundle no longer loaded), and quantize did the same, then a traceback: manifest.json and
+    manifest.sig are not in manifest["files"], so the hash-listed-file guard missed them."""
+    from cli_helpers import run_main
+
+    before = _snapshot(bundle)
+    args = [a.format(bundle=bundle, model=bundle / "models" / "fp32.onnx", tmp=tmp_path) for a in command]
+    code, out, err = run_main([*args, bundle / name], capsys)
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    assert err.startswith("error: ") and "is a file of the bundle" in err and "\n  hint: write elsewhere" in err, err
+    assert len(err.strip().splitlines()) == 2, err                  # error line + hint line
+    assert _snapshot(bundle) == before and not (tmp_path / "q.onnx").exists()
+    assert verify_bundle(bundle).variant().name == "fp32"
+
+
+def test_a_manifest_json_outside_any_bundle_may_be_written_again(bundle, tmp_path, capsys):
+    """The manifest guard needs a bundle (a manifest with a files table, or a .dse folder): a bench report named
+    manifest.json in a plain folder is rewritten by the next run."""
+    from cli_helpers import run_main
+
+    out = tmp_path / "reports" / MANIFEST
+    for _ in range(2):
+        code, _, err = run_main(["bench", bundle, "--iterations", "2", "-q", "-o", out], capsys)
+        assert code in (0, 1) and "Traceback" not in err, err       # 1: over the tiny budget on a busy machine
+        assert json.loads(out.read_text())["schema"].startswith("dsedge.bench-report/")

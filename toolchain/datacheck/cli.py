@@ -50,6 +50,15 @@ def check(path: str, text_field: str | None, label: str | None, tokenizer: str |
     if html_out and Path(html_out).suffix.lower() == ".json":
         raise DsedgeError(f"--html {html_out}: the report's JSON is written beside the page with suffix .json, the "
                           "same path, and would overwrite the HTML", "give the page an .html name (e.g. report.html)")
+    if html_out:  # both files it writes, before the scan: a directory, a file in the way, a file of a bundle
+        from ...runtime.files import check_output_file
+
+        page = check_output_file(html_out, "--html", "report.html")
+        beside = check_output_file(page.with_suffix(".json"), "--html's JSON", "report.json")
+        for what, out in (("page", page), ("JSON beside it", beside)):
+            if out.resolve() == Path(path).resolve():
+                raise DsedgeError(f"--html {html_out!r}: the {what} would be written over DATA {path!r}",
+                                  "give the report its own path, e.g. --html report.html")
     cfg = load_config(config_path)
     over = {k: v for k, v in (("text_field", text_field), ("label", label), ("max_tokens", max_tokens)) if v}
     cfg = replace(cfg, **over)
