@@ -16,13 +16,14 @@ from .npz import read_npz
 
 def read_inputs_dir(path: str | os.PathLike, specs: Sequence[IOSpec]) -> dict[str, np.ndarray]:
     """Real inputs from ``*.npz`` files in ``path`` (arrays named like the bundle's inputs, batch axis 0), joined
-    along axis 0 in file-name order. Arrays whose other axes differ between files are right-padded with zeros to the
-    longest (token ids 0 / mask 0, the BERT convention). Loaded with ``allow_pickle=False``.
+    along axis 0 in file-name order. Arrays whose symbolic axes (a name in the input's shape, e.g. ``sequence``)
+    differ between files are right-padded with zeros to the longest (token ids 0 / mask 0, the BERT convention); a
+    static axis must hold the input's size in every file. Loaded with ``allow_pickle=False``.
 
     Raises:
         InputError: no such directory, no ``.npz`` files, a file lacking one of the inputs, an array whose rank is
-            neither the input's (rows) nor one less (a single row), or a file whose arrays do not hold the same
-            number (>= 1) of rows.
+            neither the input's (rows) nor one less (a single row), an array whose static axis (after the batch
+            axis) differs from the input's, or a file whose arrays do not hold the same number (>= 1) of rows.
     """
     root = Path(path)
     if not root.is_dir():
@@ -47,18 +48,32 @@ def read_inputs_dir(path: str | os.PathLike, specs: Sequence[IOSpec]) -> dict[st
                 raise InputError(f"{f.name}: array {s.name!r} has shape {list(a.shape)}, the input is "
                                  f"{list(s.shape)}", "save rows along axis 0, or one row without the batch axis")
             a = a if a.ndim == len(s.shape) else a[None]
+            for i in range(1, a.ndim):
+                if _static(s.shape[i]) and a.shape[i] != s.shape[i]:
+                    raise InputError(f"{f.name}: array {s.name!r} has shape {list(a.shape)}: axis {i} holds "
+                                     f"{a.shape[i]}, and the input {s.name!r} {list(s.shape)} has a static "
+                                     f"{s.shape[i]} there", f"save {s.name} with {s.shape[i]} on axis {i} in {f.name} (only symbolic "
+                                     "axes, e.g. token axes, may differ: shorter ones are zero-padded; dsedge inspect "
+                                     "BUNDLE shows the shapes)")
             rows[s.name] = a.shape[0] if a.ndim else 1
             parts[s.name].append(a)
         if len(set(rows.values())) > 1 or not min(rows.values(), default=1):
             raise InputError(f"{f.name}: the arrays hold " + ", ".join(f"{k} {n}" for k, n in rows.items()) + " rows",
                              "every input needs the same number of rows (at least 1) in each file")
     out = {}
-    for name, arrays in parts.items():
+    for s in specs:  # static axes match the spec in every file (checked above): only symbolic ones are padded
+        arrays = parts[s.name]
         ndim = arrays[0].ndim
         top = [max(a.shape[i] for a in arrays) for i in range(ndim)]
-        padded = [np.pad(a, [(0, 0)] + [(0, top[i] - a.shape[i]) for i in range(1, ndim)]) for a in arrays]
-        out[name] = np.concatenate(padded)
+        padded = [np.pad(a, [(0, 0)] + [(0, 0 if _static(s.shape[i]) else top[i] - a.shape[i])
+                                        for i in range(1, ndim)]) for a in arrays]
+        out[s.name] = np.concatenate(padded)
     return out
+
+
+def _static(dim: int | str) -> bool:
+    """A fixed size in an input's shape (an int >= 1), not a symbolic name (``"sequence"``) or an unknown size."""
+    return isinstance(dim, int) and dim > 0
 
 
 def input_windows(arrays: Mapping[str, np.ndarray], batch: int) -> list[dict[str, np.ndarray]]:

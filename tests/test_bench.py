@@ -350,6 +350,25 @@ def test_cli_inputs_dir_with_mismatched_arrays_is_a_usage_error(bundles: dict[st
     assert code == 0 and json.loads(out)["results"][0]["shapes"]["input_ids"] == [4, 8], err
 
 
+def test_cli_inputs_dir_zero_pads_the_symbolic_token_axis_only(bundles: dict[str, Path],
+                                                                 capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """Files whose token axis (symbolic ``sequence``) differs are joined, the shorter right-padded with zeros (what
+    docs/bench.md says); static axes are never padded (test_bench_device)."""
+    from dsedge.runtime.bench_load import read_inputs_dir
+    from dsedge.runtime.bundle import IOSpec
+
+    d = tmp_path / "inputs"
+    d.mkdir()
+    np.savez(d / "a.npz", input_ids=np.full((2, 8), 7, np.int64), attention_mask=np.ones((2, 8), np.int64))
+    np.savez(d / "b.npz", input_ids=np.full((2, 5), 7, np.int64), attention_mask=np.ones((2, 5), np.int64))
+    got = read_inputs_dir(d, [IOSpec("input_ids", "int64", ("batch", "sequence")),
+                              IOSpec("attention_mask", "int64", ("batch", "sequence"))])
+    assert got["input_ids"].shape == (4, 8) and got["input_ids"][2:, 5:].tolist() == [[0, 0, 0]] * 2
+    assert got["attention_mask"][2:].sum() == 10
+    code, out, err = run_cli(capsys, "bench", bundles["dyn"], "--batch", "4", "--iterations", 2, "--inputs", d, "--json")
+    assert code == 0 and json.loads(out)["results"][0]["shapes"]["input_ids"] == [4, 8], err
+
+
 def test_cli_inputs_with_fewer_rows_than_the_batch_say_they_are_repeated(bundles: dict[str, Path],
                                                                          capsys: pytest.CaptureFixture,
                                                                          tmp_path: Path) -> None:

@@ -147,3 +147,23 @@ def test_windows_cycle_through_the_real_rows():
     w = input_windows({"x": np.arange(10)[:, None]}, 4)
     assert [f["x"][:, 0].tolist() for f in w] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert input_windows({"x": np.arange(3)[:, None]}, 4)[0]["x"][:, 0].tolist() == [0, 1, 2, 0]
+
+
+def test_inputs_dir_refuses_a_static_axis_of_the_wrong_size_naming_the_file(bundle, capsys, tmp_path):
+    """Found by a user: a file whose static feature axis was wrong (20 columns for the input's [batch, 64]) was
+    zero-padded to 64 and benchmarked without a word when another file was right; alone it was refused without
+    naming the file. Only symbolic axes are padded; a static one of another size is a usage error naming the file,
+    the input and both sizes."""
+    d = tmp_path / "inputs"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    np.savez(d / "b.npz", x=rng.standard_normal((3, 20)).astype(np.float32))
+    for present in ("alone", "beside a right file"):
+        code, text, err = bench(capsys, bundle, "--batch", "4", "--iterations", 2, "--warmup", 0, "--inputs", d)
+        flat = " ".join(err.split())
+        assert code == 2 and "Traceback" not in err and text == "", (present, err)
+        assert "b.npz: array 'x' has shape [3, 20]: axis 1 holds 20" in flat and "static 64" in flat, (present, err)
+        np.savez(d / "a.npz", x=rng.standard_normal((5, 64)).astype(np.float32))
+    np.savez(d / "b.npz", x=rng.standard_normal(64).astype(np.float32))  # one right row without the batch axis
+    code, text, err = bench(capsys, bundle, "--batch", "4", "--iterations", 2, "--warmup", 0, "--inputs", d, "--json")
+    assert code == 0 and json.loads(text)["results"][0]["shapes"] == {"x": [4, 64]}, err

@@ -4,6 +4,7 @@ what a user must be told about an auto choice judged on synthetic inputs."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -184,3 +185,50 @@ def test_a_model_with_a_scalar_input_builds_without_golden_rows_and_says_so(tmp_
         main(["verify", str(r.bundle)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "input(s) 'flag' have no batch axis" in err and "Traceback" not in err, err
+
+
+def _conv_only(path: Path) -> Path:
+    """Conv 1→4 (3×3) → Relu: weights INT4 never converts (INT4 is MatMul/Gemm and embedding tables only)."""
+    w = (np.random.default_rng(0).standard_normal((4, 1, 3, 3)) * 0.3).astype(np.float32)
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+                           helper.make_node("Relu", ["c"], ["y"])],
+                          "convonly", [_vi("x", ["batch", 1, 8, 8])], [_vi("y", ["batch", 4, 8, 8])],
+                          [numpy_helper.from_array(w, "w")])
+    return _save(g, path)
+
+
+def test_int4_of_a_conv_only_model_hints_precisions_the_target_offers(tmp_path, capsys):
+    """A user's pass: `dsedge build --target cpu --precision int4` of a Conv-only model was refused with the hint
+    "build it as fp16 or fp32 (--precision fp16)", and the cpu target has no fp16: following it was a second error."""
+    from cli_helpers import run_main
+    from dsedge.targets import get_target
+
+    model = _conv_only(tmp_path / "convonly.onnx")
+    code, _, err = run_main(["build", "--target", "cpu", "--model", model, "--precision", "int4",
+                             "--out", tmp_path / "out"], capsys)
+    flat = " ".join(err.split())
+    assert code != 0 and "int4 quantized no layer of convonly" in flat and "Traceback" not in err, err
+    hint = flat[flat.index("hint"):]
+    offered = get_target("cpu").precisions
+    assert "fp16" not in offered and "fp16" not in hint, hint
+    named = re.findall(r"--precision (\w+)", hint)
+    assert named and all(p == "auto" or p in offered for p in named), hint
+
+
+@pytest.mark.parametrize("target,words", [
+    ("cpu", "build it as fp32 (--precision fp32), or with --precision auto, which skips this precision; "
+            "--precision int8 converts Conv weights (W8A8: needs --calib data)"),
+    ("t4", "build it as fp16 or fp32 (--precision fp16), or with --precision auto, which skips this precision; "
+           "--precision int8 converts Conv weights (W8A8: needs --calib data)"),
+])
+def test_the_no_layer_hint_names_what_the_target_offers(tmp_path, target, words):
+    from types import SimpleNamespace
+
+    from dsedge.targets import get_target
+    from dsedge.toolchain.artifacts import Compressed
+    from dsedge.toolchain.stages.compressors import check_converted
+
+    comp = Compressed(_conv_only(tmp_path / "convonly.onnx"), "int4")
+    with pytest.raises(QuantizationError) as e:
+        check_converted(comp, SimpleNamespace(name="convonly"), asked=True, target=get_target(target))
+    assert e.value.hint == words

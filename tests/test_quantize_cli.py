@@ -332,3 +332,33 @@ def test_int4_tables_are_symmetric_where_tensorrt_parses_them_and_the_recipe_fla
     assert "4-bit embedding" in notes("sym")
     no_table = {"name": "int4", "precision": "int4", "file": "models/e.onnx", **_graph_facts(src)}
     assert "4-bit embedding" not in " ".join(engine_build_settings(load_target("jetson"), no_table, io, ranges).notes)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".textproto"])
+def test_quantize_to_an_output_named_like_another_onnx_format_reports_its_size(files, capsys, suffix):
+    """A user's pass: `dsedge quantize M -o q.json` wrote a binary ONNX, then crashed (UnicodeDecodeError
+    traceback, exit 1) re-reading it for the report: onnx picks its parser from the suffix."""
+    out = files / f"q{suffix}"
+    code, stdout, err = run_main(["quantize", files / "mlp.onnx", "-o", out, "--algorithm", "rtn", "--json"], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    report = json.loads(stdout.splitlines()[-1])
+    assert report["size_bytes"] == out.stat().st_size
+    q = onnx.load(str(out), format="protobuf")  # what it always writes
+    assert sum(n.op_type == "DequantizeLinear" for n in q.graph.node) == 3
+
+
+def test_quantize_defaults_run_without_calibration_data_as_build_does(files, capsys):
+    """A user's pass: the README's `dsedge quantize MODEL --output OUT` failed with its own defaults ("GPTQ needs
+    calibration data"). The INT4 algorithm defaults to auto, as dsedge build: gptq with --calib, else rtn; the
+    report says which ran, and an algorithm or preset named explicitly is kept."""
+    out = files / "q_default.onnx"
+    code, stdout, err = run_main(["quantize", files / "mlp.onnx", "--output", out, "--json"], capsys)
+    assert code == 0 and json.loads(stdout.splitlines()[-1])["algorithm"] == "rtn", err
+    code, stdout, err = run_main(["quantize", files / "mlp.onnx", "--output", out, "--calib", files / "calib",
+                                  "--block-size", 16, "--json"], capsys)
+    assert code == 0 and json.loads(stdout.splitlines()[-1])["algorithm"] == "gptq", err
+    for explicit in (["--algorithm", "gptq"], ["--preset", "int4-gptq"]):
+        code, _, err = run_main(["quantize", files / "mlp.onnx", "--output", out, *explicit], capsys)
+        assert code == 2 and "GPTQ needs calibration data" in err, (explicit, err)
+    code, stdout, _ = run_main(["quantize", "--help"], capsys)
+    assert code == 0 and "auto = gptq with --calib data, else rtn" in " ".join(stdout.split())

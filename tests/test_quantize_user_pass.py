@@ -170,6 +170,6 @@ def test_missing_output_and_calibration_are_one_line_errors_with_a_hint(tmp_path
     assert err.splitlines() == ["error: dsedge quantize needs -o/--output",
                                 "  hint: dsedge quantize MODEL -o OUT.onnx [--precision int4|int8|fp16|bf16], or "
                                 "dsedge quantize --list-presets"]
-    code, _, err = run_main(["quantize", src, "-o", tmp_path / "q" / "x.onnx"], capsys)   # GPTQ is the default
+    code, _, err = run_main(["quantize", src, "-o", tmp_path / "q" / "x.onnx", "--algorithm", "gptq"], capsys)
     assert code == 2 and err.splitlines() == ["error: GPTQ needs calibration data", "  hint: pass --calib DIR_OR_NPZ"]
     assert not (tmp_path / "q" / "x.onnx").exists()

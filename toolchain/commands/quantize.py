@@ -25,12 +25,13 @@ def _load(path: Path):
 def save_model_atomic(model, dest: Path, check=None) -> None:  # type: ignore[no-untyped-def]
     """Write ``model`` to ``dest`` via a temporary file and a rename (external data when over 1.8 GB).
     ``check(tmp_path)``, when given, runs on the written temporary file before the rename: if it raises, ``dest`` is
-    left as it was."""
+    left as it was. Always binary protobuf, whatever ``dest``'s suffix (onnx would pick JSON for ``.json``)."""
     import onnx
 
     big = model.ByteSize() > 1_800_000_000
     with atomic_path(dest) as tmp:
-        onnx.save_model(model, str(tmp), save_as_external_data=big, location=dest.name + ".data" if big else None)
+        onnx.save_model(model, str(tmp), format="protobuf", save_as_external_data=big,
+                        location=dest.name + ".data" if big else None)
         if check is not None:
             check(tmp)
 
@@ -60,14 +61,16 @@ def check_loads_in_ort(path: Path, what: str) -> None:
                                 "--precision meanwhile") from None
 
 
-def model_files_size(path: Path) -> int:
+def model_files_size(path: Path, format: str | None = None) -> int:
     """Bytes of the ONNX file at ``path`` plus the external data files it references (each file once, resolved
-    beside the model as ONNX does; a missing one counts 0)."""
+    beside the model as ONNX does; a missing one counts 0). ``format``: onnx's (``"protobuf"`` for a file
+    ``save_model_atomic`` wrote, whatever its suffix); None lets onnx pick it from the suffix, as the source was
+    read."""
     import onnx
 
     from ...runtime.external_data import external_locations
 
-    model = onnx.load(str(path), load_external_data=False)
+    model = onnx.load(str(path), format=format, load_external_data=False)
     files = {(path.parent / loc).resolve() for loc in external_locations(model) if loc}
     return path.stat().st_size + sum(f.stat().st_size for f in files if f.is_file())
 
@@ -80,8 +83,9 @@ def model_files_size(path: Path) -> int:
               "given on the command line override its fields. Default: from --precision/--algorithm/--int8-mode.")
 @click.option("--list-presets", is_flag=True, help="List the compression presets and exit.")
 @click.option("--precision", type=click.Choice(["int4", "int8", "fp16", "bf16"]), default="int4", show_default=True)
-@click.option("--algorithm", type=click.Choice(["rtn", "awq", "gptq", "awq+gptq"]), default="gptq",
-              show_default=True, help="INT4 algorithm (AWQ arXiv:2306.00978, GPTQ arXiv:2210.17323).")
+@click.option("--algorithm", type=click.Choice(["auto", "rtn", "awq", "gptq", "awq+gptq"]), default="auto",
+              show_default=True, help="INT4 algorithm (AWQ arXiv:2306.00978, GPTQ arXiv:2210.17323); auto = gptq "
+              "with --calib data, else rtn (as dsedge build).")
 @click.option("--block-size", type=click.IntRange(8, 4096), default=32, show_default=True,
               help="INT4 weights per scale along the input dimension.")
 @click.option("--asymmetric", is_flag=True, help="INT4/INT8 weights with zero points (not for TensorRT INT4).")
@@ -126,6 +130,8 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
     check_output_file(output)
     if report_path:
         check_report_file(report_path, output, model)
+    if algorithm == "auto":  # as dsedge build: GPTQ needs calibration data, RTN none
+        algorithm = "gptq" if calib is not None else "rtn"
     chosen = _preset_from_flags(ctx, preset, precision=precision, algorithm=algorithm, block_size=block_size,
                                 asymmetric=asymmetric, gate=gate, method=method, int8_mode=int8_mode,
                                 smooth_alpha=smooth_alpha, nodes=nodes)
@@ -172,8 +178,8 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
     save_model_atomic(out.model, output,
                       check=lambda tmp: check_loads_in_ort(tmp, f"the {chosen.precision} model made from {model}"))
     report = {"source": str(model), "output": str(output), "precision": chosen.precision,
-              "size_bytes": model_files_size(output), "source_size_bytes": source_size, **out.details,
-              **checked}
+              "size_bytes": model_files_size(output, format="protobuf"),  # binary whatever its suffix (.json)
+              "source_size_bytes": source_size, **out.details, **checked}
     if report_path:
         write_text_atomic(report_path, json.dumps(report, indent=2, default=float) + "\n")
     ratio = report["size_bytes"] / max(report["source_size_bytes"], 1)

@@ -29,7 +29,7 @@ def compress(plan: BuildPlan, model: Prepared, work: Path, log: Callable[[str], 
     if cfg.precision != "auto":
         precision = plan.precision
         compressed = check_converted(COMPRESSORS[precision](model.exported, work, plan, model.source),
-                                     model.source, asked=True)
+                                     model.source, asked=True, target=plan.target)
         choice = Choice(precision, compressed, notes=plan.notes)
     else:
         reference = model.reference

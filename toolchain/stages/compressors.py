@@ -34,6 +34,7 @@ from ..quantize.compress import Calibration, compress
 from ..quantize.presets import get_preset
 
 if TYPE_CHECKING:  # annotations only
+    from ...targets import Target
     from ..config import BuildPlan
     from ..export import Exported
     from ..sources import Source
@@ -305,7 +306,7 @@ def _compress_float(dtype: str):
 QUANTIZED_LAYERS = {"int4": "MatMul/Gemm weights and word-embedding tables", "int8": "MatMul/Gemm/Conv weights"}
 
 
-def check_converted(comp: Compressed, source: Source, asked: bool) -> Compressed:
+def check_converted(comp: Compressed, source: Source, asked: bool, target: Target | None = None) -> Compressed:
     """Record in ``comp.details`` how much of the model a quantizing precision (int4, int8) converted:
     ``converted_layers`` and ``float_layers`` (op type → count of weight layers still float, e.g. ``{"Conv": 2}``
     after INT4 of a CNN). Returns ``comp``; other precisions pass through.
@@ -313,7 +314,8 @@ def check_converted(comp: Compressed, source: Source, asked: bool) -> Compressed
     Raises:
         QuantizationError: no layer was converted (e.g. a model without initializer weights): the file would be the
             fp32 graph under a quantized precision's name. ``asked``: the precision was named by the user (the hint
-            differs from ``auto``'s, which skips the candidate).
+            differs from ``auto``'s, which skips the candidate); its hint names precisions ``target`` offers
+            (without ``target``, fp32, which every target runs).
     """
     if comp.precision not in QUANTIZED_LAYERS:
         return comp
@@ -333,11 +335,23 @@ def check_converted(comp: Compressed, source: Source, asked: bool) -> Compressed
         raise QuantizationError(
             f"{comp.precision} quantized no layer of {source.name}: it converts {QUANTIZED_LAYERS[comp.precision]} "
             f"given as initializers, and the model has none" + (f" it can take (float: {still})" if still else ""),
-            "build it as fp16 or fp32 (--precision fp16), or with --precision auto, which skips this precision"
-            if asked else "")
+            _unconverted_hint(comp.precision, float_layers, target) if asked else "")
     comp.details["converted_layers"] = converted
     comp.details["float_layers"] = float_layers
     return comp
+
+
+def _unconverted_hint(precision: str, float_layers: dict[str, int], target: Target | None) -> str:
+    """What to build instead of a quantizing ``precision`` that converted no layer: the float precisions ``target``
+    offers (fp32 alone without a target: every target runs it), and int8 where it would convert the Conv layers
+    int4 left float and the target offers it."""
+    offered = target.precisions if target is not None else ("fp32",)
+    floats = [p for p in ("fp16", "bf16", "fp32") if p in offered] or ["fp32"]
+    hint = (f"build it as {' or '.join(floats)} (--precision {floats[0]}), or with --precision auto, which skips "
+            "this precision")
+    if precision == "int4" and "Conv" in float_layers and "int8" in offered:
+        hint += "; --precision int8 converts Conv weights (W8A8: needs --calib data)"
+    return hint
 
 
 def float_layers_note(precision: str, details: dict[str, Any]) -> str | None:
