@@ -68,6 +68,7 @@ def _graph_facts(path: Path) -> dict:
         elif zp is not None and zp.data_location != TensorProto.EXTERNAL and np.any(
                 numpy_helper.to_array(zp).astype(np.int64) != 0):
             bad.append(n.name or n.output[0])
+
     def weight(name: str) -> str:  # through a DequantizeLinear (an INT8 Q/DQ CNN's weights)
         return dq_out[name].input[0] if name in dq_out else name
 
