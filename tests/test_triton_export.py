@@ -301,6 +301,43 @@ def test_a_bundle_with_engines_exports_them_as_model_plan(target_bundles, tmp_pa
         assert cfg.platform == "tensorrt_plan" and cfg.max_batch_size == 128
 
 
+def test_engines_dsedge_build_wrote_are_exported_as_their_plan(target_bundles, tmp_path):
+    """A helper's target pass: the export looked only for raw ``engines/<variant>.plan`` files, a name no dsedge
+    command writes, so the engines ``dsedge build --engine`` ships (``engines/*.engine``: a dsedge header, then the
+    plan) were never used. They are now exported as ``1/model.plan`` (the plan alone), with a note naming the GPU
+    and TensorRT they need; an engine of another model file, or of a DLA core, is not."""
+    from dsedge.runtime.bundle import read_manifest, write_manifest
+    from dsedge.runtime.engine_cache import EngineKey, write_engine
+
+    b = retarget_bundle(target_bundles["a100"], tmp_path / "with-engines.dse", "a100")
+    m = read_manifest(b)
+
+    def key(v: str, **kw) -> EngineKey:
+        base = dict(variant=v, gpu="NVIDIA A100-SXM4-80GB", compute_capability="8.0", sm_count=108,
+                    tensorrt="10.15.1.29", model_sha256=m.files[f"models/{v}.onnx"], settings_sha256="s" * 64)
+        return EngineKey(**{**base, **kw})
+
+    for v in ("int4", "fp32"):
+        write_engine(b / "engines" / key(v).slot(), f"plan of {v}".encode(), key(v))
+    stale = key("fp32", model_sha256="0" * 64)  # another model file: never exported
+    write_engine(b / "engines" / stale.slot(), b"stale plan", stale)
+    write_manifest(b, read_manifest(b))
+    result = export_triton(b, tmp_path / "repo")  # every variant has an engine: tensorrt is the default
+    assert {mo.platform for mo in result.models} == {"tensorrt"}
+    for v in ("int4", "fp32"):
+        model_dir = tmp_path / "repo" / f"all-minilm-l6-v2_{v}"
+        assert (model_dir / "1" / "model.plan").read_bytes() == f"plan of {v}".encode()
+        assert not (model_dir / "build_engine.sh").exists()
+    note = next(n for mo in result.models for n in mo.notes if n.startswith("1/model.plan is"))
+    assert "NVIDIA A100-SXM4-80GB (sm80) with TensorRT 10.15.1.29" in note
+    # only a DLA engine for int4: no GPU engine for every variant, so the default stays onnxruntime
+    c = retarget_bundle(target_bundles["a100"], tmp_path / "dla-only.dse", "a100")
+    dla = key("int4", dla_core=0)
+    write_engine(c / "engines" / dla.slot(), b"dla plan", dla)
+    write_manifest(c, read_manifest(c))
+    assert {mo.platform for mo in export_triton(c, tmp_path / "repo2").models} == {"onnxruntime"}
+
+
 def test_pbtxt_strings_and_enums_round_trip():
     from dsedge.toolchain.triton.pbtxt import Enum, to_pbtxt
 

@@ -50,7 +50,8 @@ def triton(ctx: click.Context, bundle: str, out: str, platform: str | None, inst
                    f"{m['preferred_batch_size']}, max_queue_delay {m['max_queue_delay_us']} µs, "
                    f"REJECT after {m['timeout_us']} µs queued")
         for n in [] if quiet else m["notes"]:
-            if "build_engine.sh" in n or "rewritten" in n or "TensorRT accelerator" in n or VERSION_COMPATIBLE_FLAG in n:
+            if ("build_engine.sh" in n or "rewritten" in n or "TensorRT accelerator" in n or VERSION_COMPATIBLE_FLAG in n
+                    or n.startswith("1/model.plan is")):
                 click.echo(f"    {n}")
     if not quiet:
         extra = (f" {VERSION_COMPATIBLE_FLAG}" if any(VERSION_COMPATIBLE_FLAG in n for m in models for n in m["notes"])

@@ -73,16 +73,34 @@ def is_gpu_target(manifest: Manifest) -> bool:
 def default_platform(bundle: str | os.PathLike, manifest: Manifest) -> str:
     """``tensorrt`` for a GPU target whose bundle holds engines, ``onnxruntime`` otherwise (CPU, or GPU without an
     engine: Triton's ORT backend builds the TensorRT engine itself through the accelerator)."""
-    if is_gpu_target(manifest) and all(_engine_file(manifest, v) for v in manifest.variants):
+    if is_gpu_target(manifest) and all(_engine_file(Path(bundle), manifest, v) for v in manifest.variants):
         return "tensorrt"
     return "onnxruntime"
 
 
-def _engine_file(manifest: Manifest, variant: Variant) -> str | None:
-    for rel in manifest.files:
+def _engine_file(bundle: Path, manifest: Manifest, variant: Variant) -> tuple[str, dict | None] | None:
+    """The bundle's engine for ``variant``, hash-listed: ``(path, None)`` for a raw ``engines/<variant>.plan``, or
+    ``(path, header key)`` for an engine ``dsedge build --engine`` wrote (``engines/*.engine``: a dsedge header, then
+    the plan) for this variant's model file on the GPU (not a DLA core); of several, the one built for the target's
+    compute capability, else the first by name. None when there is none."""
+    from ...runtime.engine_cache import SUFFIX, read_engine
+    from ...runtime.errors import EngineError
+
+    for rel in sorted(manifest.files):
         if rel.endswith(".plan") and Path(rel).stem == variant.name:
-            return rel
-    return None
+            return rel, None
+    found = []
+    for rel in sorted(r for r in manifest.files if r.startswith("engines/") and r.endswith(SUFFIX)):
+        try:
+            header, _ = read_engine(bundle / rel)
+        except EngineError:
+            continue  # not one the export can vouch for: the ONNX and build_engine.sh stand in
+        key = header["key"]
+        if (key.get("variant") == variant.name and key.get("dla_core") is None
+                and key.get("model_sha256") == manifest.files.get(variant.file)):
+            found.append((rel, key))
+    cc = str(manifest.target.get("compute_capability") or "")
+    return next((f for f in found if f[1].get("compute_capability") == cc), found[0] if found else None)
 
 
 def model_name(manifest: Manifest, variant: Variant) -> str:
@@ -158,9 +176,20 @@ def _write_onnxruntime(bundle: Path, manifest: Manifest, variant: Variant, versi
 
 def _write_tensorrt(bundle: Path, manifest: Manifest, variant: Variant, model_dir: Path, version_dir: Path,
                     model: TritonModel) -> dict[str, Any]:
-    engine = _engine_file(manifest, variant)
-    if engine:
-        _link_or_copy(str(bundle / engine), str(version_dir / "model.plan"))
+    engine = _engine_file(bundle, manifest, variant)
+    if engine and engine[1] is None:
+        _link_or_copy(str(bundle / engine[0]), str(version_dir / "model.plan"))
+    elif engine:  # dsedge's engine file: the plan after its header, for the GPU and TensorRT it was built with
+        from ...runtime.engine_cache import read_engine
+        from ...runtime.files import write_bytes_atomic
+
+        _, plan = read_engine(bundle / engine[0])
+        write_bytes_atomic(version_dir / "model.plan", plan)
+        key = engine[1]
+        model.notes.append(f"1/model.plan is {engine[0]}'s plan, built for {key.get('gpu')} (sm"
+                           f"{str(key.get('compute_capability', '?')).replace('.', '')}) with TensorRT "
+                           f"{key.get('tensorrt')}: the Triton server needs that GPU model and TensorRT version "
+                           "(else run the trtexec recipe, build/trtexec.sh, on it)")
     else:
         from ...runtime.build_settings import engine_build_settings
         from ..recipe import trtexec_args
