@@ -36,6 +36,7 @@ _COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 # release/8.5-GA: "LayerNormalization | N"; TensorRT 8.6 added INormalizationLayer and the importer).
 PARSER_SINCE = {"LayerNormalization": (8, 6)}
 DLA_PRECISIONS = ("int8", "fp16")
+INT4_BLOCKS = (64, 128)  # TensorRT's INT4 block sizes ("Quantization Schemes")
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,8 @@ def engine_build_settings(target: Any, variant: Mapping[str, Any], inputs: Seque
         variant: ``{"name", "precision", "file"}``; optional ``"ops"`` (ONNX op types in the graph, for the DLA
             decision), ``"strongly_typed"`` (override the default), ``"sparsity"`` (``"2:4"`` when pruned 2:4),
             ``"dq_gather"`` (a DequantizeLinear feeds a Gather), ``"dq_unparsable"`` (names of DequantizeLinear
-            nodes TensorRT's parser refuses: UINT4 input or non-zero zero point), ``"conv_spatial"`` (the most
+            nodes TensorRT's parser refuses: UINT4/INT32 input or non-zero zero point), ``"int4_blocks"`` (block
+            sizes of INT4 DequantizeLinear nodes, 0: per-channel), ``"conv_spatial"`` (the most
             spatial dims of a Conv/ConvTranspose weight: 3 for Conv3d, which DLA cannot run).
         inputs: ``[{"name", "dtype", "shape": [int | "symbol", …]}]``.
         shape_ranges: ``{"batch": {"min": 1, "opt": 8, "max": 32}, …}``; missing symbols come from the target's
@@ -233,10 +235,16 @@ def engine_build_settings(target: Any, variant: Mapping[str, Any], inputs: Seque
                          "hold the table at 16/32 bit; check the engine size on the device")
     unparsable = list(variant.get("dq_unparsable") or ())
     if unparsable:
-        notes.append(f"TensorRT's ONNX parser refuses {len(unparsable)} DequantizeLinear node(s) here (a UINT4 input or "
-                     f"a non-zero zero point, e.g. {unparsable[0]}): TensorRT quantizes symmetrically, so trtexec and "
-                     "the on-device build fail on this variant; quantize it symmetric (signed INT4/INT8, no zero "
-                     "points)")
+        notes.append(f"TensorRT's ONNX parser refuses {len(unparsable)} DequantizeLinear node(s) here (a UINT4 or INT32 "
+                     f"input, or a non-zero zero point, e.g. {unparsable[0]}): TensorRT quantizes symmetrically and "
+                     "only weights and activations, so trtexec and the on-device build fail on this variant; quantize "
+                     "it symmetric (signed INT4/INT8, no zero points, biases float)")
+    blocks = [b for b in variant.get("int4_blocks") or () if b not in INT4_BLOCKS]
+    if blocks:
+        notes.append(f"TensorRT's INT4 takes per-block scales with blocks of {' or '.join(map(str, INT4_BLOCKS))} only "
+                     f"(\"Quantization Schemes\"); this variant has "
+                     + ", ".join("per-channel INT4" if b == 0 else f"blocks of {b}" for b in blocks)
+                     + ": rebuild it with --block-size 64 or 128")
     if precision == "fp32" and "tf32" in (_get(target, "engine_flags") or ()):
         notes.append("fp32 layers may use TF32 tensor cores (TensorRT's default on Ampere and later)")
 

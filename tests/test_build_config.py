@@ -47,8 +47,8 @@ def test_build_from_flags_and_from_build_toml_give_the_same_bundle(tmp_path):
     assert _without_timings(r1) == _without_timings(r2)
     assert r1["compression"]["block_size"] == 64
     # a flag given on the command line overrides the file; flags left at their defaults do not
-    m3, r3 = _build(["--config", str(cfg), "--block-size", "32"], tmp_path / "c")
-    assert r3["compression"]["block_size"] == 32 and r3["precision"] == "int4" and m3["target"]["name"] == "jetson-orin"
+    m3, r3 = _build(["--config", str(cfg), "--block-size", "128"], tmp_path / "c")
+    assert r3["compression"]["block_size"] == 128 and r3["precision"] == "int4" and m3["target"]["name"] == "jetson-orin"
 
 
 def test_config_file_round_trips_and_refuses_unknown_keys_and_wrong_types(tmp_path):
@@ -249,3 +249,19 @@ def test_the_table_header_names_the_timed_shape_only_when_the_inputs_share_it():
     assert latency_shape(report({"dense": [1, 29], "sparse_ids": [1, 4]})) == "b1"
     assert latency_shape(report({"image": [1, 3, 224, 224]})) == "b1×3×224×224"
     assert latency_shape({"variants": [{"latency_ms": {}}]}) == "b1"
+
+
+def test_int4_block_size_defaults_per_backend_and_tensorrt_takes_64_or_128_only(tmp_path, capsys):
+    """A helper's pass with user models: TensorRT's INT4 is per block of 64 or 128 only (TensorRT "Quantization
+    Schemes"), and every TensorRT target built INT4 at block 32, the default. The default is now 64 on TensorRT
+    targets (32 on ONNX Runtime ones); another size for a TensorRT target is refused before any work."""
+    assert plan_build(BuildConfig(target="jetson", precision="int4")).config.block_size == 64
+    assert plan_build(BuildConfig(target="cpu", precision="int4")).config.block_size == 32
+    assert plan_build(BuildConfig(target="jetson", precision="int4", block_size=128)).config.block_size == 128
+    assert plan_build(BuildConfig(target="cpu", precision="int4", block_size=16)).config.block_size == 16
+    out = tmp_path / "never"
+    code, stdout, err = run_main(["build", "--target", "jetson", "--block-size", "32", "--out", out], capsys)
+    assert code == 2 and stdout == "" and "Traceback" not in err and not out.exists()
+    assert err.splitlines()[0] == ("error: --block-size 32 on jetson-orin: TensorRT's INT4 takes blocks of 64 or "
+                                   "128 only")
+    assert "--block-size 64" in err.splitlines()[1]

@@ -320,7 +320,7 @@ def test_int4_tables_are_symmetric_where_tensorrt_parses_them_and_the_recipe_fla
         facts[name] = _graph_facts(out)
     assert facts["sym"]["dq_gather"] and facts["sym"]["dq_unparsable"] == []
     assert facts["asym"]["dq_gather"] and len(facts["asym"]["dq_unparsable"]) == 2  # the table's and the MatMul's
-    assert _graph_facts(src) == {"ops": ["Gather", "MatMul"], "dq_gather": False, "dq_unparsable": [], "conv_spatial": 0}
+    assert _graph_facts(src) == {"ops": ["Gather", "MatMul"], "dq_gather": False, "dq_unparsable": [], "conv_spatial": 0, "int4_blocks": []}
     io = [{"name": "ids", "dtype": "int64", "shape": ["batch", "sequence"]}]
     ranges = {"batch": {"min": 1, "opt": 4, "max": 8}, "sequence": {"min": 1, "opt": 8, "max": 16}}
 

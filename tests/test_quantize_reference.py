@@ -10,7 +10,8 @@ pytestmark = pytest.mark.slow
 def test_reference_int4_uses_gptq_and_beats_every_anchor(reference_build):
     report = reference_build.report
     comp = report["compression"]
-    assert comp["algorithm"] == "gptq" and comp["symmetric"] is True and comp["block_size"] == 32
+    # block 64 on a TensorRT target: TensorRT's INT4 takes blocks of 64 or 128 only ("Quantization Schemes")
+    assert comp["algorithm"] == "gptq" and comp["symmetric"] is True and comp["block_size"] == 64
     assert [t["shape"] for t in comp["embeddings"]] == [[30522, 384]]          # word embeddings INT4 too
     # ... symmetric on a TensorRT target: its ONNX parser refuses UINT4 and non-zero zero points (the table was
     # UINT4 + zero points, and trtexec could not parse the variant)

@@ -265,3 +265,32 @@ def test_dla_is_not_claimed_for_3d_convolutions(tmp_path):
         script = trtexec_script(t, [vol], INPUTS, RANGES, dla_core=0)
         (c,) = commands(script)
         assert "useDLACore" not in c and "2-D convolutions only" in script
+
+
+def test_int4_blocks_and_quantized_biases_tensorrt_refuses_are_named(tmp_path):
+    """A helper's pass with user models: TensorRT's INT4 takes per-block scales with blocks of 64 or 128 only, and
+    its parser refuses an INT32 DequantizeLinear (a bias ORT's QDQ quantizer quantized); the recipe reads both
+    from the graph and says so."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dsedge.toolchain.stages.engine_recipe import _graph_facts
+
+    nodes = [helper.make_node("DequantizeLinear", ["w", "ws"], ["wd"], axis=0, block_size=32),
+             helper.make_node("DequantizeLinear", ["b", "bs"], ["bd"]),
+             helper.make_node("MatMul", ["x", "wd"], ["m"]), helper.make_node("Add", ["m", "bd"], ["y"])]
+    inits = [numpy_helper.from_array(np.zeros((64, 4), np.int8), "w"), numpy_helper.from_array(np.ones((2, 4),
+             np.float32), "ws"), numpy_helper.from_array(np.zeros(4, np.int32), "b"),
+             numpy_helper.from_array(np.array(0.1, np.float32), "bs")]
+    inits[0] = helper.make_tensor("w", TensorProto.INT4, [64, 4], np.zeros(64 * 4, np.int8).tolist())
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], inits)
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    facts = _graph_facts(path)
+    assert facts["int4_blocks"] == [32] and len(facts["dq_unparsable"]) == 1  # the INT32 bias
+    v = {"name": "int4", "precision": "int4", "file": "models/int4.onnx", **facts}
+    notes = " | ".join(engine_build_settings(get_target("jetson-orin"), v, INPUTS, RANGES).notes)
+    assert "blocks of 64 or 128 only" in notes and "blocks of 32" in notes and "UINT4 or INT32" in notes
+    ok = {**v, "int4_blocks": [64], "dq_unparsable": []}
+    notes = " | ".join(engine_build_settings(get_target("jetson-orin"), ok, INPUTS, RANGES).notes)
+    assert "64 or 128 only" not in notes and "parser refuses" not in notes

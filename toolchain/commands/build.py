@@ -30,8 +30,9 @@ from ...runtime.params import OptionalValueCommand
 @click.option("--heldout", type=click.Path(exists=True, file_okay=False), default=None,
               help="Directory of .npz files with held-out real inputs, never calibrated on: accuracy vs fp32 is "
                    "measured on them.")
-@click.option("--block-size", default="32", show_default=True, type=click.Choice(["16", "32", "64", "128"]),
-              help="INT4 weights per scale along K.")
+@click.option("--block-size", default=None, type=click.Choice(["16", "32", "64", "128"]),
+              help="INT4 weights per scale along K. Default: 32 on ONNX Runtime targets, 64 on TensorRT ones (whose "
+                   "INT4 takes 64 or 128 only).")
 @click.option("--algorithm", type=click.Choice(["auto", "rtn", "awq", "gptq", "awq+gptq"]), default="auto",
               show_default=True, help="INT4 algorithm (AWQ arXiv:2306.00978, GPTQ arXiv:2210.17323); auto = gptq "
                                       "when there is calibration data, else rtn.")
@@ -74,7 +75,8 @@ def build(ctx: click.Context, target: str, model: str | None, out_dir: str, prec
     quiet = ctx.meta.get("dsedge.verbosity", 0) < 0
     console = Console(stderr=as_json)
     config = config_from_flags(ctx, config_file, model=model, target=target, out_dir=out_dir, precision=precision,
-                               calib=calib, heldout=heldout, fallback=fallback, block_size=int(block_size),
+                               calib=calib, heldout=heldout, fallback=fallback,
+                               block_size=int(block_size) if block_size is not None else None,
                                algorithm=algorithm, accuracy_gate=accuracy_gate, embeddings=not no_embeddings,
                                keep_fp32=not no_fp32, threads=threads, dla_core=dla_core, engine=engine,
                                prune=prune, finetune_steps=finetune_steps, qat_steps=qat_steps)

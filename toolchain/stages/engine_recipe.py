@@ -49,8 +49,9 @@ def shape_ranges_for(exported: Exported, target: Target, source: Source) -> dict
 def _graph_facts(path: Path) -> dict:
     """What the recipe's notes read from a variant's graph: ``ops`` (its op types), ``dq_gather`` (a
     DequantizeLinear feeds a Gather: a quantized embedding table), ``dq_unparsable`` (the DequantizeLinear inputs
-    TensorRT's ONNX parser refuses: a UINT4 tensor or a non-zero zero point; TensorRT quantizes symmetrically) and
-    ``conv_spatial`` (the most spatial dims of a Conv/ConvTranspose weight initializer; 0 without one; a weight
+    TensorRT's ONNX parser refuses: a UINT4 or INT32 (quantized bias) tensor, or a non-zero zero point; TensorRT
+    quantizes symmetrically), ``int4_blocks`` (the block sizes of its INT4 DequantizeLinear nodes, 0 for one
+    without blocks) and ``conv_spatial`` (the most spatial dims of a Conv/ConvTranspose weight initializer; 0 without one; a weight
     behind a DequantizeLinear counts through it)."""
     import numpy as np
     import onnx
@@ -63,7 +64,7 @@ def _graph_facts(path: Path) -> dict:
     for n in dq_out.values():
         x = inits.get(n.input[0])
         zp = inits.get(n.input[2]) if len(n.input) > 2 and n.input[2] else None
-        if x is not None and x.data_type == TensorProto.UINT4:
+        if x is not None and x.data_type in (TensorProto.UINT4, TensorProto.INT32):  # INT32: a quantized bias
             bad.append(n.name or n.output[0])
         elif zp is not None and zp.data_location != TensorProto.EXTERNAL and np.any(
                 numpy_helper.to_array(zp).astype(np.int64) != 0):
@@ -75,9 +76,12 @@ def _graph_facts(path: Path) -> dict:
     conv_spatial = max((len(inits[weight(n.input[1])].dims) - 2 for n in g.node
                         if n.op_type in ("Conv", "ConvTranspose") and len(n.input) > 1
                         and weight(n.input[1]) in inits), default=0)
+    int4_blocks = sorted({next((a.i for a in n.attribute if a.name == "block_size"), 0) for n in dq_out.values()
+                          if inits.get(n.input[0]) is not None
+                          and inits[n.input[0]].data_type in (TensorProto.INT4, TensorProto.UINT4)})
     return {"ops": sorted({n.op_type for n in g.node}),
             "dq_gather": any(n.op_type == "Gather" and n.input and n.input[0] in dq_out for n in g.node),
-            "dq_unparsable": bad, "conv_spatial": conv_spatial}
+            "dq_unparsable": bad, "conv_spatial": conv_spatial, "int4_blocks": int4_blocks}
 
 
 def build_engines(work: Path, target: Target, exported: Exported, variants: list[Variant],
