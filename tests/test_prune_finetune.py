@@ -437,3 +437,40 @@ def test_cli_prune_with_a_nan_fine_tune_says_so_and_writes_nothing(tmp_path, mon
     assert code == 2 and "error: fine-tune loss or gradients non-finite for 3 steps in a row" in err, err
     assert "Traceback" not in err and "hint:" in err
     assert {p.name for p in tmp_path.iterdir()} - {"__pycache__"} == {"calib", "nanffn.py"}
+
+
+def test_a_pruned_onnx_that_does_not_load_is_refused_and_nothing_is_written(tmp_path, capsys):
+    """A helper's pass with user models: the TorchScript exporter shares equal initializers through Identity (a
+    tiny BertModel's zero FFN biases: layer 1 reads layer 0's), channel pruning cut the bias for layer 0 only, and
+    `dsedge prune` exited 0 with a model ONNX Runtime cannot load. The output is now loaded in ORT before it
+    replaces -o (as quantize does): exit 2, one line naming why, nothing written; and `dsedge build` of the same
+    model, every candidate refused, ends in one line instead of a ZeroDivisionError traceback."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from cli_helpers import run_main
+
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=128, max_position_embeddings=32)).eval()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = bert
+
+        def forward(self, ids, mask):
+            return self.b(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    src = tmp_path / "bert.onnx"
+    ids, mask = torch.randint(0, 500, (2, 8)), torch.ones(2, 8, dtype=torch.long)
+    torch.onnx.export(Wrap(), (ids, mask), str(src), input_names=["input_ids", "attention_mask"],
+                      output_names=["h"], dynamic_axes={k: {0: "batch", 1: "seq"} for k in ("input_ids", "attention_mask", "h")},
+                      opset_version=17, dynamo=False)
+    out = tmp_path / "pruned.onnx"
+    code, stdout, err = run_main(["prune", src, "-o", out, "--pattern", "channels", "--sparsity", "0.3"], capsys)
+    assert code == 2 and "does not load in ONNX Runtime" in err and "Traceback" not in err and not out.exists()
+    assert "--pattern 2:4 or a lower --sparsity" in err
+    code, _, err = run_main(["build", "--model", src, "--target", "cpu", "--prune", "channels:0.3", "--out",
+                             tmp_path / "b"], capsys)
+    assert code == 2 and "Traceback" not in err and "no precision of this model could be built for cpu" in err

@@ -36,7 +36,7 @@ def save_model_atomic(model, dest: Path, check=None) -> None:  # type: ignore[no
             check(tmp)
 
 
-def check_loads_in_ort(path: Path, what: str) -> None:
+def check_loads_in_ort(path: Path, what: str, hint: str | None = None) -> None:
     """The model file at ``path`` must load in ONNX Runtime (an ``InferenceSession`` on the CPU provider): a
     converter that wrote a graph ORT rejects (e.g. mismatched types inside an If/Loop body) is caught here, not
     by whoever loads ``--output`` later. A kernel this host's CPU provider lacks (``NOT_IMPLEMENTED``, e.g. BF16
@@ -57,8 +57,8 @@ def check_loads_in_ort(path: Path, what: str) -> None:
         reason = re.sub(r"Load model from .*? failed:\s*", "", re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "",
                                                                      reason))[:300]
         raise QuantizationError(f"{what} does not load in ONNX Runtime ({reason}); nothing was written",
-                                "this is a dsedge bug for this model: report it with the model, and try another "
-                                "--precision meanwhile") from None
+                                hint or "this is a dsedge bug for this model: report it with the model, and try "
+                                "another --precision meanwhile") from None
 
 
 def model_files_size(path: Path, format: str | None = None) -> int:

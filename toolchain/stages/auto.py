@@ -72,6 +72,12 @@ def choose_auto(plan: BuildPlan, exported: Exported, reference_onnx: Path, work:
         built[p] = (comp, opset, acc)
         if not target.auto_by_latency and (p == "fp32" or qualifies(acc, gates)):
             break
+    if not built:  # every candidate, fp32 included, was refused (e.g. none fits the target's opset)
+        from ...runtime.errors import TargetError
+
+        said = "; ".join(f"{k['precision']}: {k['skipped']}" for k in skipped)
+        raise TargetError(f"no precision of this model could be built for {target.name} ({said[:300]})",
+                          "fix what the first reason names, or build for another target")
     if target.auto_by_latency:
         lats = measure_latency_side_by_side({p: b[0].path for p, b in built.items()}, exported,
                                             opts.latency_iterations, opts.threads, source.vocab_size)
