@@ -362,3 +362,21 @@ def test_quantize_defaults_run_without_calibration_data_as_build_does(files, cap
         assert code == 2 and "GPTQ needs calibration data" in err, (explicit, err)
     code, stdout, _ = run_main(["quantize", "--help"], capsys)
     assert code == 0 and "auto = gptq with --calib data, else rtn" in " ".join(stdout.split())
+
+
+def test_int8_refuses_asymmetric_and_calibration_the_model_cannot_run_is_one_line(tmp_path, capsys):
+    """A helper's pass with user models: `--asymmetric` with --precision int8 was accepted and ignored (INT8's
+    quantizers write symmetric weights), and INT8 static calibration on token ids past the vocabulary ended in an
+    ONNX Runtime InvalidArgument traceback (INT4 with the same data gave one line). Both are now one-line errors,
+    exit 2, nothing written."""
+    from tiny_models import embedding_onnx
+
+    src = embedding_onnx(tmp_path / "e.onnx")
+    out = tmp_path / "q.onnx"
+    code, _, err = run_main(["quantize", src, "-o", out, "--precision", "int8", "--asymmetric"], capsys)
+    assert code == 2 and err.startswith("error: --asymmetric applies to INT4 quantization") and not out.exists()
+    (tmp_path / "oob").mkdir()
+    np.savez(tmp_path / "oob" / "0.npz", ids=np.full((2, 4), 10**6, np.int64))  # past the 2048-row table
+    code, _, err = run_main(["quantize", src, "-o", out, "--precision", "int8", "--calib", tmp_path / "oob"], capsys)
+    assert code == 2 and "Traceback" not in err and not out.exists()
+    assert err.splitlines()[0].startswith("error: INT8 calibration failed:") and "vocabulary" in err

@@ -88,7 +88,7 @@ def model_files_size(path: Path, format: str | None = None) -> int:
               "with --calib data, else rtn (as dsedge build).")
 @click.option("--block-size", type=click.IntRange(8, 4096), default=32, show_default=True,
               help="INT4 weights per scale along the input dimension.")
-@click.option("--asymmetric", is_flag=True, help="INT4/INT8 weights with zero points (not for TensorRT INT4).")
+@click.option("--asymmetric", is_flag=True, help="INT4 weights with zero points (ONNX Runtime; not for TensorRT).")
 @click.option("--calib", type=click.Path(path_type=Path), help="Calibration data: a .npz or a directory of .npz.")
 @click.option("--heldout", type=click.Path(path_type=Path), help="Held-out data for --accuracy-gate (.npz or dir).")
 @click.option("--accuracy-gate", "gate", help="METRIC:THRESHOLD[,…], e.g. cosine:0.99 or cosine:0.99,top1:1 "
@@ -223,7 +223,8 @@ def _check_flags_apply(ctx: click.Context, chosen) -> None:  # type: ignore[no-u
                "algorithm": ("INT4", chosen.precision == "int4"),
                "smooth_alpha": ("INT8 static", static8), "method": ("INT8 static", static8),
                "int8_mode": ("INT8", chosen.precision == "int8"),
-               "asymmetric": ("INT4 and INT8", chosen.precision in ("int4", "int8")),
+               # INT8's quantizers write symmetric weights (zero points 0) whatever the flag: INT4 only
+               "asymmetric": ("INT4", chosen.precision == "int4"),
                "embeddings": ("INT4", chosen.precision == "int4")}
     # the algorithm only where a precision has several ("bf16 (bf16 float16)" named the converter's registry key)
     run = chosen.precision + (f" {chosen.algorithm}" if chosen.precision in ("int4", "int8") else "")

@@ -209,9 +209,13 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
                 weight_type=QuantType.QInt8, calibrate_method=cal, op_types_to_quantize=list(op_types),
                 nodes_to_exclude=list(nodes_to_exclude or []), extra_options=extra,
                 calibration_providers=["CPUExecutionProvider"])
-        except (ValueError, IndexError) as e:
-            raise CalibrationError(f"INT8 calibration failed: {str(e).splitlines()[0]}",
-                                   "check that the calibration batches match the model's inputs") from None
+        except Exception as e:  # ValueError/IndexError, or ORT's own InvalidArgument/Fail running a batch
+            if not (isinstance(e, (ValueError, IndexError)) or type(e).__module__.startswith("onnxruntime")):
+                raise
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            raise CalibrationError(f"INT8 calibration failed: {first[:300]}",
+                                   "check that the calibration batches match the model's inputs (names, shapes, "
+                                   "and values the model accepts, e.g. token ids within its vocabulary)") from None
         out = onnx.load(str(dst))
     float_outputs = keep_outputs_float(out)
     counts = Counter(n.op_type for n in out.graph.node)
