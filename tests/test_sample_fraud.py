@@ -503,3 +503,16 @@ def test_stream_burst_through_the_budget_scheduler(student_bundle, split, pre):
     assert r["rows"] == 300 and r["transactions_per_s"] > 0
     assert r["latency"]["count"] + sum(r["rejected"].values()) == 300  # every request answered or rejected
     assert r["within_budget"] > 0.9 and r["latency"]["count"] >= 270
+
+
+def test_a_split_with_only_one_class_is_refused_before_training(frame):
+    """A helper's pass on the samples: a CSV without frauds passed the up-front checks, trained 2 × 1000 steps and
+    built bundles, then ended in a ValueError traceback in evaluate. The split now refuses it in the prepare step
+    (one line, exit 2 through run.py), naming the splits."""
+    from samples.fraud.data import TransactionsError
+
+    legit = frame[frame["Class"] == 0]
+    with pytest.raises(TransactionsError, match=r"the train, val, test split\(s\) hold only one class") as e:
+        split_by_time(legit)
+    assert e.value.hint and "whole ULB CSV" in e.value.hint
+    split_by_time(frame)  # the real file: every split holds both classes

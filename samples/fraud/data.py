@@ -115,7 +115,8 @@ def split_by_time(df: pd.DataFrame, stream_end_s: float = STREAM_END_S,
     Returns:
         A ``TimeSplit`` whose frames keep the input's columns and index.
     Raises:
-        TransactionsError: fewer than 3 rows after ``stream_end_s`` (train, val and test would not all get rows).
+        TransactionsError: fewer than 3 rows after ``stream_end_s`` (train, val and test would not all get rows), or
+            a train, val or test split with only one class.
     """
     df = df.sort_values("Time", kind="stable")
     rest = df["Time"] > stream_end_s
@@ -129,4 +130,10 @@ def split_by_time(df: pd.DataFrame, stream_end_s: float = STREAM_END_S,
     keep = label == first
     dropped = {s: int(((label == s) & ~keep).sum()) for s in SPLITS}
     frames = {s: df[(label == s) & keep] for s in SPLITS}
+    one_class = [s for s in ("train", "val", "test") if frames[s]["Class"].nunique() < 2]
+    if one_class:  # training reweights by class and the evaluation ranks frauds: both need each class in each split
+        raise TransactionsError(f"the {', '.join(one_class)} split(s) hold only one class (Class 0 or 1 throughout): "
+                                "the scorer trains and is judged on frauds and legitimate rows alike",
+                                "use a CSV with frauds spread over time, e.g. the whole ULB CSV "
+                                "(samples/fraud/README.md)")
     return TimeSplit(frames, {"stream_end": stream_end_s, "val_start": t_val, "test_start": t_test}, dropped)
