@@ -249,3 +249,19 @@ def test_evaluate_on_an_mr_series_ends_with_one_line(shared_data, tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert f"error: {d / '1-01.dcm'}: Modality is 'MR', not 'CT'" in p.stderr and "\nhint: " in p.stderr, p.stderr
     assert not (tmp_path / "rep").exists()
+
+
+def test_a_damaged_dcm_file_is_named_not_reported_missing(shared_data, tmp_path):
+    """A helper's pass on the samples: a slice overwritten with random bytes was skipped as a non-DICOM file and
+    the series then failed as "missing slice … restore the missing files", never naming the damaged file; a note
+    beside the slices (not named .dcm) is still skipped."""
+    d = _copy(shared_data, tmp_path / "s")
+    (d / "1-04.dcm").write_bytes(np.random.default_rng(0).bytes(4096))
+    (d / "notes.txt").write_text("acquired 2019\n")
+    with pytest.raises(SeriesError, match=r"1 file\(s\) named \.dcm in .* are not DICOM Part 10 files .* e\.g\. "
+                                          r"1-04\.dcm") as e:
+        read_dicom_series(d)
+    assert "restore them" in e.value.hint
+    (d / "1-04.dcm").unlink()
+    shutil.copyfile(shared_data / DICOM / "1-04.dcm", d / "1-04.dcm")
+    assert read_dicom_series(d).hu.shape[0] == 6  # the note is skipped

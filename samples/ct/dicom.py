@@ -35,13 +35,22 @@ def list_series_files(source: str | os.PathLike | Iterable[str | os.PathLike]) -
     """The DICOM Part 10 files in a directory (non-DICOM files such as notes are skipped), or the given files.
 
     Raises:
-        SeriesError: the directory does not exist or holds no DICOM file.
+        SeriesError: the directory does not exist, holds no DICOM file, or holds a ``.dcm`` file that is not a
+            Part 10 file (damaged, or without its preamble).
     """
     if isinstance(source, (str, os.PathLike)):
         d = Path(source)
         if not d.is_dir():
             raise SeriesError(f"DICOM series directory not found: {d}", "pass the folder holding the .dcm files")
-        files = sorted(p for p in d.iterdir() if p.is_file() and _is_dicom(p))
+        candidates = sorted(p for p in d.iterdir() if p.is_file())
+        files = [p for p in candidates if _is_dicom(p)]
+        # a file named .dcm that is not Part 10 is a damaged slice, not a note: said, not skipped (it was reported
+        # as a missing slice, and a series without the preamble as "no DICOM files")
+        broken = [p.name for p in candidates if p.suffix.lower() == ".dcm" and p not in files]
+        if broken:
+            raise SeriesError(f"{len(broken)} file(s) named .dcm in {d} are not DICOM Part 10 files (no 'DICM' at "
+                              f"byte 128), e.g. {broken[0]}",
+                              "restore them from the archive, or re-export the series as DICOM Part 10 files")
         if not files:
             raise SeriesError(f"no DICOM files in {d}", "a DICOM file has 'DICM' at byte 128; check the folder")
         return files
