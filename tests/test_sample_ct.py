@@ -387,7 +387,7 @@ def student_bundle(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_bundle_sliding_window_matches_torch_and_reports(student_bundle, scan, tmp_path):
+def test_bundle_sliding_window_matches_torch_and_reports(student_bundle, scan, tmp_path, monkeypatch):
     import dsedge
     import torch
 
@@ -419,6 +419,18 @@ def test_bundle_sliding_window_matches_torch_and_reports(student_bundle, scan, t
     assert body["schema"] == "dsedge.sample-ct-report/1" and body["froc"]["lesions"] == 3
     png = write_png(tmp_path / "r" / "report.png", scan, dets, {"untrained student": f})
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # the images' licences ask for attribution where results made from them are shown (a helper's pass): the
+    # sample's figure carries the credit line, and report.json the sources (samples/ct/__main__.py)
+    import matplotlib.figure
+
+    from samples.ct.__main__ import CREDIT, SOURCES
+
+    seen, save = [], matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (seen.append([t.get_text() for t in fig.texts]), save(fig, *a, **k))[1])
+    write_png(tmp_path / "r" / "credited.png", scan, dets, {"untrained student": f}, credit=CREDIT)
+    assert CREDIT in seen[0] and "10.7937/TCIA.2020.NNC2-0461" in CREDIT
+    assert [s["licence"].split(" ")[0] for s in SOURCES] == ["CC", "Apache-2.0"]
 
 
 def test_device_side_modules_import_without_torch():

@@ -516,3 +516,21 @@ def test_a_split_with_only_one_class_is_refused_before_training(frame):
         split_by_time(legit)
     assert e.value.hint and "whole ULB CSV" in e.value.hint
     split_by_time(frame)  # the real file: every split holds both classes
+
+
+def test_the_figure_carries_the_datas_attribution(tmp_path, monkeypatch):
+    """ODbL asks for attribution wherever the data, or what is made from it, is shown (a helper's pass: no output
+    named the licence or the paper): report.png carries data.ATTRIBUTION, report.json its licence and citation
+    (run.py)."""
+    import matplotlib.figure
+
+    from samples.fraud.data import ATTRIBUTION, CITATION, LICENCE
+
+    seen, save = [], matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (seen.append([t.get_text() for t in fig.texts]), save(fig, *a, **k))[1])
+    rng = np.random.default_rng(0)
+    y = (rng.random(300) < 0.1).astype(int)
+    plot(tmp_path / "report.png", y, {"a": rng.normal(size=300) + y}, {"m": rng.gamma(2, 0.1, 200)}, 3.0)
+    assert seen == [[ATTRIBUTION]] and "ODbL 1.0" in ATTRIBUTION and "Dal Pozzolo" in CITATION
+    assert LICENCE.startswith("Open Database License")

@@ -23,6 +23,17 @@ from dsedge import DsedgeError
 HERE = Path(__file__).resolve().parent
 HELD_OUT = "../shared/data/ct-totalsegmentator-example/example_ct.nii.gz"
 TIMING_VOLUME = "../shared/data/ct-chest-lung-pet-ct-dx-a0002"   # the whole chest: many more lung windows
+# the volumes' licences and citations (their PROVENANCE.md files): CC BY 4.0 and Apache-2.0 ask for attribution
+# wherever the images, or results made from them, are shown: in report.json and on report.png
+SOURCES = [
+    {"data": "ct-chest-lung-pet-ct-dx-a0002", "licence": "CC BY 4.0 (TCIA Data Usage Policy)",
+     "cite": "Li, P. et al. (2020). A Large-Scale CT and PET/CT Dataset for Lung Cancer Diagnosis (Lung-PET-CT-Dx). "
+             "The Cancer Imaging Archive. https://doi.org/10.7937/TCIA.2020.NNC2-0461"},
+    {"data": "ct-totalsegmentator-example", "licence": "Apache-2.0 (TotalSegmentator repository)",
+     "cite": "Wasserthal, J. et al. (2023). TotalSegmentator. Radiology: Artificial Intelligence."},
+]
+CREDIT = ("CT: Lung-PET-CT-Dx (TCIA, CC BY 4.0), doi:10.7937/TCIA.2020.NNC2-0461; TotalSegmentator example "
+          "(Apache-2.0), Wasserthal et al. 2023")
 # (target, precision) builds tried per model; one that fails (e.g. a precision this dsedge version cannot build) is
 # recorded with its error in builds.json, the other builds still run, and `build` then exits non-zero naming it.
 # Student builds calibrate on real chest patches and validate vs fp32 on held-out NIfTI windows (calibration.py);
@@ -180,14 +191,15 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
         "data": {"held_out": volume, "scans": n_scans, "lesions": sum(len(s.lesions) for s in scans),
                  "lesion_diameters_mm": [round(le.diameter_mm, 1) for s in scans for le in s.lesions],
                  "lung_ml": round(float(scans[0].mask.sum()) * float(np.prod(scans[0].spacing_mm)) / 1000.0, 1),
-                 "synthetic_lesions": True},
+                 "synthetic_lesions": True, "sources": SOURCES},
         "builds": builds, "summary": summary, "chest_timing": timing, "anchors": ANCHORS, "models": models,
     }
     write_json(Path(out) / "report.json", report)
     curves = {k: v["froc"] for k, v in models.items()}
     best = "student cpu fp32" if "student cpu fp32" in res["detections"] else next(iter(res["detections"]))
     write_png(Path(out) / "report.png", scans[0], res["detections"][best][0], curves,
-              title=f"{best}: synthetic lesions in the held-out volume (green: truth, red: detections)")
+              title=f"{best}: synthetic lesions in the held-out volume (green: truth, red: detections)",
+              credit=CREDIT)
     click.echo(json.dumps({"summary": summary, "chest_timing": timing}, indent=2))
 
 

@@ -32,9 +32,10 @@ def write_json(path: str | os.PathLike, report: dict[str, Any]) -> Path:
 
 
 def write_png(path: str | os.PathLike, scan: Scan, detections: list[Detection], curves: dict[str, dict],
-              n_slices: int = 3, min_score: float = 0.3, title: str = "") -> Path:
+              n_slices: int = 3, min_score: float = 0.3, title: str = "", credit: str = "") -> Path:
     """Axial slices through the first ``n_slices`` lesions of ``scan`` (green circles: ground truth; red circles:
-    detections with score ≥ ``min_score``, score printed) and the FROC curves (FP/scan on a log axis)."""
+    detections with score ≥ ``min_score``, score printed) and the FROC curves (FP/scan on a log axis); ``credit``:
+    a footer line (the images' licence and citation)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,7 +88,9 @@ def write_png(path: str | os.PathLike, scan: Scan, detections: list[Detection], 
         ax.text(0.5, 0.5, "no lesions: sensitivity n/a", ha="center", va="center", transform=ax.transAxes)
     if title:
         fig.suptitle(title, fontsize=10, wrap=True)
-    fig.tight_layout()
+    if credit:
+        fig.text(0.01, 0.01, credit, fontsize=6, color="0.35", wrap=True)
+    fig.tight_layout(rect=(0, 0.05 if credit else 0, 1, 1))
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.stem + ".tmp.png")

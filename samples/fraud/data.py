@@ -26,6 +26,12 @@ from .. import data_path
 V_COLUMNS = [f"V{i}" for i in range(1, 29)]
 FEATURE_COLUMNS = ["Time", *V_COLUMNS, "Amount"]
 COLUMNS = [*FEATURE_COLUMNS, "Class"]
+# the data's licence and citation (../shared/data/creditcard-fraud-ulb/PROVENANCE.md): ODbL asks for attribution
+# wherever the data, or what is made from it, is shown; written into report.json and on report.png
+LICENCE = "Open Database License (ODbL 1.0): attribution and share-alike"
+CITATION = ("Dal Pozzolo et al., \"Calibrating Probability with Undersampling for Unbalanced Classification\", "
+            "IEEE CIDM 2015 (ULB credit card fraud data)")
+ATTRIBUTION = f"Data: ULB credit card transactions, ODbL 1.0. Cite: {CITATION}."
 DEFAULT_CSV = Path("../shared/data/creditcard-fraud-ulb/creditcard_fraud_subsample.csv")
 STREAM_END_S = 3641.0          # last Time (s) of the contiguous stretch at the true fraud rate
 REAL_BASE_RATE = 492 / 284_807  # 0.172 %: fraud rate of the full ULB data set

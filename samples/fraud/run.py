@@ -36,7 +36,7 @@ from dsedge.runtime.storage import storage_error
 
 from .. import data_path
 from .baseline import baseline_scores, fit_baseline
-from .data import DEFAULT_CSV, REAL_BASE_RATE, STREAM_END_S, load_transactions, split_by_time
+from .data import CITATION, DEFAULT_CSV, LICENCE, REAL_BASE_RATE, STREAM_END_S, load_transactions, split_by_time
 from .features import Preprocessor, SparseEncoder
 from .metrics import choose_threshold, detection_metrics, threshold_metrics
 from .report import check_goals, format_table, plot, write_json
@@ -322,7 +322,8 @@ def _run(args: argparse.Namespace, steps: list[str]) -> None:
     thr = ev["models"]["student_compressed"]["operating_point"]["threshold"]
     st = stream(out, bundles["student"], pre, thr, args.csv, args.budget_ms, args.speed or None, threads=args.threads)
     lat = st.pop("_latencies")
-    report = {"data": {"csv": str(args.csv), "split": split.summary(), "real_base_rate": REAL_BASE_RATE,
+    report = {"data": {"csv": str(args.csv), "licence": LICENCE, "cite": CITATION, "split": split.summary(),
+                       "real_base_rate": REAL_BASE_RATE,
                        "caveat": "the subsample keeps all 492 frauds (4.5 %); PR-AUC and precision are also given "
                                  "reweighted to the real 0.172 % base rate"},
               "models": ev["models"], "stream": st,
