@@ -265,3 +265,26 @@ def test_int4_block_size_defaults_per_backend_and_tensorrt_takes_64_or_128_only(
     assert err.splitlines()[0] == ("error: --block-size 32 on jetson-orin: TensorRT's INT4 takes blocks of 64 or "
                                    "128 only")
     assert "--block-size 64" in err.splitlines()[1]
+
+
+def test_budget_ms_sets_the_bundles_default_budget_and_bad_ones_are_refused(tmp_path, capsys):
+    """A helper's pass on the samples: every bundle's latency_budget_ms was its target's default (50 ms on cpu), with
+    no way to set it, so the fraud scorer's bundles (3 ms goal) and their latency tests judged against 50 ms.
+    `dsedge build --budget-ms` (and build.toml's budget_ms) sets it; a bad value is refused before any work."""
+    model = mlp_onnx(tmp_path / "m.onnx")
+    m, _ = _build(["--target", "cpu", "--precision", "fp32", "--model", str(model), "--budget-ms", "3"],
+                  tmp_path / "a")
+    assert m["latency_budget_ms"] == 3.0
+    m, _ = _build(["--target", "cpu", "--precision", "fp32", "--model", str(model)], tmp_path / "b")
+    assert m["latency_budget_ms"] == 50.0  # the cpu target's default
+    for bad in ("0", "-1", "nan", "1e9"):
+        out = tmp_path / f"never-{bad}"
+        code, _, err = run_main(["build", "--target", "cpu", "--model", model, "--budget-ms", bad, "--out", out],
+                                capsys)
+        assert code == 2 and err.startswith("error: budget ") and "Traceback" not in err and not out.exists()
+    path = tmp_path / "build.toml"
+    path.write_text('[build]\nbudget_ms = "3"\n')
+    with pytest.raises(ConfigError, match="budget_ms = '3' is not a number"):
+        read_config_file(path)
+    path.write_text('[build]\nbudget_ms = 2.5\n')
+    assert read_config_file(path).budget_ms == 2.5

@@ -90,7 +90,7 @@ def test_nodes_on_a_precision_that_converts_every_layer_is_refused(mlp, tmp_path
     (["--precision", "bf16", "--int8-mode", "static"], "--int8-mode applies to INT8 quantization"),
     (["--precision", "fp16", "--algorithm", "awq"], "--algorithm applies to INT4"),
     (["--preset", "int8-dynamic", "--algorithm", "awq"], "--algorithm applies to INT4"),
-    (["--precision", "fp16", "--asymmetric"], "--asymmetric applies to INT4 and INT8"),
+    (["--precision", "fp16", "--asymmetric"], "--asymmetric applies to INT4 quantization"),
 ])
 def test_a_flag_the_chosen_quantization_ignores_is_refused(mlp, tmp_path, capsys, flags, words):
     """They were silently ignored (while --nodes and --qat-steps on the wrong precision were refused)."""

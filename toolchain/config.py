@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -33,6 +34,7 @@ BLOCK_SIZES = (16, 32, 64, 128)
 # TensorRT's INT4 is per-block with block sizes 64 or 128 only (TensorRT "Quantization Schemes"); the default there is
 # 64, the more accurate of the two (MiniLM jetson int4: cosine 0.9835 at 64; 0.9869 at 32, which TensorRT refuses)
 TRT_BLOCK_SIZES = (64, 128)
+MAX_BUDGET_MS = 3_600_000.0  # an hour: the manifest schema's bound on latency_budget_ms
 DEFAULT_BLOCK_SIZE = {"tensorrt": 64, "onnxruntime": 32}
 
 
@@ -55,6 +57,7 @@ class BuildConfig:
     embeddings: bool = True
     keep_fp32: bool = True
     latency_iterations: int = 50
+    budget_ms: float | None = None          # the bundle's default latency budget, ms (None: the target's)
     threads: int | None = None
     dla_core: int | None = None
     engine: bool = False
@@ -93,9 +96,11 @@ def config_from_mapping(data: Mapping[str, Any], what: str = "build config") -> 
         ok = (value is None and "None" in want) or (
             isinstance(value, bool) if want.startswith("bool") else
             isinstance(value, int) and not isinstance(value, bool) if want.startswith("int") else
+            isinstance(value, (int, float)) and not isinstance(value, bool) if want.startswith("float") else
             isinstance(value, str))
         if not ok:
-            kind = {"bool": "true or false", "int": "an integer", "str": "a string"}[want.split()[0]]
+            kind = {"bool": "true or false", "int": "an integer", "float": "a number",
+                    "str": "a string"}[want.split()[0]]
             raise ConfigError(f"{what}: {key} = {value!r} is not {kind}", f"write {key} as {kind}")
         if name == "threads" and value is not None and value < 1:
             raise ConfigError(f"{what}: threads = {value!r} is not an integer >= 1", "write threads = 2, or leave it out")
@@ -269,6 +274,9 @@ def plan_build(config: BuildConfig) -> BuildPlan:
     if config.block_size is not None and config.block_size not in BLOCK_SIZES:
         raise ConfigError(f"block size {config.block_size} is not one of {', '.join(map(str, BLOCK_SIZES))}",
                           "pass --block-size 32 (or 16, 64, 128)")
+    if config.budget_ms is not None and not (math.isfinite(config.budget_ms) and 0 < config.budget_ms <= MAX_BUDGET_MS):
+        raise ConfigError(f"budget {config.budget_ms!r} ms is not a number in (0, {MAX_BUDGET_MS:g}]",
+                          "pass --budget-ms 20 (the default request budget the bundle serves with), or leave it out")
     _check_int4_options(config)
     _check_heldout_is_not_calibration(config)
     _check_input_dirs(config)

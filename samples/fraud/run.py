@@ -124,15 +124,17 @@ def find_bundle(folder: Path, target: str) -> Path:
     return found[-1]
 
 
-def build(out: Path, teacher_run: Path, student_run: Path, precision: str = "int4") -> dict[str, Path]:
-    """Build the bundles with ``dsedge build`` (student at ``precision``, with its fp32 variant beside it);
+def build(out: Path, teacher_run: Path, student_run: Path, precision: str = "int4",
+          budget_ms: float = DEFAULT_BUDGET_MS) -> dict[str, Path]:
+    """Build the bundles with ``dsedge build`` (student at ``precision``, with its fp32 variant beside it), each
+    with the scorer's ``budget_ms`` as its default budget (what bench and the latency tests judge against);
     returns role → bundle path."""
     b = out / "bundles"
     dsedge_cli("build", "--model", str(teacher_run), "--target", "cpu", "--precision", "fp32",
-               "--out", str(b / "teacher"))
+               "--budget-ms", f"{budget_ms:g}", "--out", str(b / "teacher"))
     for target in ("cpu", "jetson"):
         dsedge_cli("build", "--model", str(student_run), "--target", target, "--precision", precision,
-                   "--calib", str(out / "calib"), "--out", str(b / f"student-{target}"))
+                   "--budget-ms", f"{budget_ms:g}", "--calib", str(out / "calib"), "--out", str(b / f"student-{target}"))
     return {"teacher": find_bundle(b / "teacher", "cpu"), "student": find_bundle(b / "student-cpu", "cpu"),
             "student_jetson": find_bundle(b / "student-jetson", "jetson-orin")}
 
@@ -310,7 +312,7 @@ def _run(args: argparse.Namespace, steps: list[str]) -> None:
     if "train" in steps:
         train(out, args.csv)
     if "build" in steps:
-        bundles = build(out, teacher_run, student_run, args.precision)
+        bundles = build(out, teacher_run, student_run, args.precision, args.budget_ms)
     if not {"evaluate", "stream", "report"} & set(steps):
         return
     if "build" not in steps:

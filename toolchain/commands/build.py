@@ -43,6 +43,9 @@ from ...runtime.params import OptionalValueCommand
 @click.option("--no-embeddings", is_flag=True, help="Keep embedding tables in fp32 (INT4 only).")
 @click.option("--no-fp32", is_flag=True, help="Do not ship the fp32 variant beside the compressed one.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads for the build-time latency measurement (default: the thread count of one serving instance on this machine, e.g. 1 on 2 cores, where the runtime serves on 2 x 1-thread instances).")
+@click.option("--budget-ms", type=float, default=None,
+              help="The bundle's default latency budget per request, ms (what load() and serve use when a request "
+                   "names none, and what bench and the latency tests judge against). Default: the target's.")
 @click.option("--dla", "dla_core", type=int, default=None,
               help="Use this DLA core in the engine recipe (targets with DLA; falls back to GPU where DLA cannot run).")
 @click.option("--engine", is_flag=True,
@@ -63,8 +66,8 @@ from ...runtime.params import OptionalValueCommand
 @click.pass_context
 def build(ctx: click.Context, target: str, model: str | None, out_dir: str, precision: str, fallback: bool,
           calib: str | None, heldout: str | None, block_size: str, algorithm: str, accuracy_gate: str | None,
-          no_embeddings: bool, no_fp32: bool, threads: int | None, dla_core: int | None, engine: bool,
-          prune: str | None, finetune_steps: int | None, qat_steps: int, as_json: bool,
+          no_embeddings: bool, no_fp32: bool, threads: int | None, budget_ms: float | None, dla_core: int | None,
+          engine: bool, prune: str | None, finetune_steps: int | None, qat_steps: int, as_json: bool,
           config_file: str | None) -> None:
     """Export, compress, validate and bundle a model for a target."""
     from rich.console import Console
@@ -78,7 +81,8 @@ def build(ctx: click.Context, target: str, model: str | None, out_dir: str, prec
                                calib=calib, heldout=heldout, fallback=fallback,
                                block_size=int(block_size) if block_size is not None else None,
                                algorithm=algorithm, accuracy_gate=accuracy_gate, embeddings=not no_embeddings,
-                               keep_fp32=not no_fp32, threads=threads, dla_core=dla_core, engine=engine,
+                               keep_fp32=not no_fp32, threads=threads, budget_ms=budget_ms, dla_core=dla_core,
+                               engine=engine,
                                prune=prune, finetune_steps=finetune_steps, qat_steps=qat_steps)
     logged: set[str] = set()
 
