@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -283,21 +284,32 @@ def test_warmup_of_integer_inputs_without_a_range_is_zeros(tmp_path):
     assert [w["batch_size"] for w in warm] == [1, 8]
 
 
-def test_a_bundle_with_engines_exports_them_as_model_plan(target_bundles, tmp_path):
+def _export_plans(bundle: Path, repo: Path) -> tuple[Any, dict[str, bytes]]:
+    """Re-hash ``bundle`` (engines added), export it, check every model went to Triton's TensorRT backend (the
+    default when every variant has an engine) without build_engine.sh; returns the export and each variant's
+    ``1/model.plan`` bytes."""
     from dsedge.runtime.bundle import read_manifest, write_manifest
 
+    write_manifest(bundle, read_manifest(bundle))
+    result = export_triton(bundle, repo)
+    assert {m.platform for m in result.models} == {"tensorrt"}
+    plans = {}
+    for v in ("int4", "fp32"):
+        model_dir = repo / f"all-minilm-l6-v2_{v}"
+        assert not (model_dir / "build_engine.sh").exists()
+        plans[v] = (model_dir / "1" / "model.plan").read_bytes()
+    return result, plans
+
+
+def test_a_bundle_with_engines_exports_them_as_model_plan(target_bundles, tmp_path):
     b = retarget_bundle(target_bundles["a100"], tmp_path / "with-engines.dse", "a100")
     (b / "engines").mkdir()
     for v in ("int4", "fp32"):
         (b / "engines" / f"{v}.plan").write_bytes(f"engine bytes of {v}".encode())  # never parsed by the export
-    write_manifest(b, read_manifest(b))
-    result = export_triton(b, tmp_path / "repo")  # every variant has an engine: tensorrt is the default
-    assert {m.platform for m in result.models} == {"tensorrt"}
+    _, plans = _export_plans(b, tmp_path / "repo")
+    assert plans == {v: f"engine bytes of {v}".encode() for v in ("int4", "fp32")}
     for v in ("int4", "fp32"):
-        model_dir = tmp_path / "repo" / f"all-minilm-l6-v2_{v}"
-        assert (model_dir / "1" / "model.plan").read_bytes() == f"engine bytes of {v}".encode()
-        assert not (model_dir / "build_engine.sh").exists()
-        cfg = parse_config(model_dir / "config.pbtxt")
+        cfg = parse_config(tmp_path / "repo" / f"all-minilm-l6-v2_{v}" / "config.pbtxt")
         assert cfg.platform == "tensorrt_plan" and cfg.max_batch_size == 128
 
 
@@ -321,13 +333,8 @@ def test_engines_dsedge_build_wrote_are_exported_as_their_plan(target_bundles, t
         write_engine(b / "engines" / key(v).slot(), f"plan of {v}".encode(), key(v))
     stale = key("fp32", model_sha256="0" * 64)  # another model file: never exported
     write_engine(b / "engines" / stale.slot(), b"stale plan", stale)
-    write_manifest(b, read_manifest(b))
-    result = export_triton(b, tmp_path / "repo")  # every variant has an engine: tensorrt is the default
-    assert {mo.platform for mo in result.models} == {"tensorrt"}
-    for v in ("int4", "fp32"):
-        model_dir = tmp_path / "repo" / f"all-minilm-l6-v2_{v}"
-        assert (model_dir / "1" / "model.plan").read_bytes() == f"plan of {v}".encode()
-        assert not (model_dir / "build_engine.sh").exists()
+    result, plans = _export_plans(b, tmp_path / "repo")
+    assert plans == {v: f"plan of {v}".encode() for v in ("int4", "fp32")}
     note = next(n for mo in result.models for n in mo.notes if n.startswith("1/model.plan is"))
     assert "NVIDIA A100-SXM4-80GB (sm80) with TensorRT 10.15.1.29" in note
     # only a DLA engine for int4: no GPU engine for every variant, so the default stays onnxruntime
