@@ -54,11 +54,14 @@ def main(argv: list[str] | None = None) -> None:
         opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
     model: str | bytes = str(sdk.path / sdk.variant.file)
-    rewrites = getattr(sdk._backend, "rewrites", 0)
-    if rewrites:  # the SDK rewrote the graph at load (ORT-CPU speed-ups): time the bare path on the same graph
-        from dsedge.runtime.backends.ort import _cpu_rewrites
+    from dsedge.runtime.backends.ort import WIDE_INT4_ACCURACY_LEVEL, _cpu_rewrites
 
-        model, _ = _cpu_rewrites(model)
+    # the graph and settings the SDK's session got (its ORT-CPU rewrites, the INT4 accuracy level), timed bare
+    rewritten, rewrites, wide_int4 = _cpu_rewrites(model)
+    if getattr(sdk._backend, "rewrites", 0):
+        model = rewritten
+    if wide_int4:
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", WIDE_INT4_ACCURACY_LEVEL)
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as OrtBackend opens its sessions
     bare = ort.InferenceSession(model, sess_options=opts, providers=providers)
     spin_opts = ort.SessionOptions()  # ORT's default: intra-op threads spin-wait between runs

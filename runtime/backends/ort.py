@@ -108,21 +108,30 @@ def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
     return [p for p in have if p in PROVIDER_CHAIN]
 
 
-def _cpu_rewrites(path: str) -> tuple[str | bytes, int]:
-    """Apply ORT-CPU load-time rewrites; returns the serialized model if anything changed, else the path. (A
+# ORT CPU fuses DequantizeLinear(INT4, block_size) → MatMul into MatMulNBits, by default at accuracy level 4 (INT8
+# activations). At blocks over 32 that kernel is not batch-invariant: a row alone and batched differed by 2.6e-2
+# (block 64) and 3.0e-2 (block 128) of max|alone| on MiniLM's jetson int4, against 3e-7 at block 32 or at level 1
+# (FP32 activations), which costs ~10 % here (b32×64: 549 vs 488 ms, one thread). Those graphs run at level 1.
+WIDE_INT4_ACCURACY_LEVEL = "1"
+
+
+def _cpu_rewrites(path: str) -> tuple[str | bytes, int, bool]:
+    """Apply ORT-CPU load-time rewrites; returns the serialized model if anything changed, else the path, the
+    number of rewrites, and whether the graph holds INT4 blocks over 32 (see ``WIDE_INT4_ACCURACY_LEVEL``). (A
     rewritten table's ids are checked at the session's input: ``dsedge.load`` reads their range from the graph.)"""
     try:
         import onnx
     except ModuleNotFoundError:  # the rewrites are a speed-up, never required
-        return path, 0
-    from .ort_rewrites import gather_block_quantized
+        return path, 0, False
+    from .ort_rewrites import gather_block_quantized, int4_blocks_over
 
     try:
         model = onnx.load(path)
     except Exception:  # let ORT report an unreadable model with its own message
-        return path, 0
+        return path, 0, False
+    wide = int4_blocks_over(model, 32)
     n = gather_block_quantized(model)
-    return (model.SerializeToString(), n) if n else (path, 0)
+    return (model.SerializeToString(), n, wide) if n else (path, 0, wide)
 
 
 def provider_options(providers: Sequence[str], manifest: Any = None, variant: Any = None,
@@ -256,7 +265,9 @@ class OrtBackend:
         model: str | bytes = os.fspath(model_path)
         self.rewrites = 0
         if chosen and chosen[0] == "CPUExecutionProvider":
-            model, self.rewrites = _cpu_rewrites(model)
+            model, self.rewrites, wide_int4 = _cpu_rewrites(model)
+            if wide_int4:  # batch invariance over INT8-activation speed (WIDE_INT4_ACCURACY_LEVEL)
+                opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", WIDE_INT4_ACCURACY_LEVEL)
         try:
             options = provider_options(chosen, *(bundle or (None, None)))
             self.session = ort.InferenceSession(model, sess_options=opts, providers=list(zip(chosen, options)))

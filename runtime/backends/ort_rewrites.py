@@ -59,3 +59,16 @@ def gather_block_quantized(model: Any) -> int:
     if rewritten and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return rewritten
+
+
+def int4_blocks_over(model: Any, size: int) -> bool:
+    """True when a DequantizeLinear of an INT4/UINT4 initializer has a ``block_size`` over ``size``."""
+    from onnx import TensorProto, helper
+
+    four = {t.name for t in model.graph.initializer if t.data_type in (TensorProto.INT4, TensorProto.UINT4)}
+    for n in model.graph.node:
+        if n.op_type == "DequantizeLinear" and n.input and n.input[0] in four:
+            block = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "block_size"), 0)
+            if block > size:
+                return True
+    return False
