@@ -147,9 +147,14 @@ def _write_onnxruntime(bundle: Path, manifest: Manifest, variant: Variant, versi
     if not gpu and variant.precision == "int4":
         import onnx
 
-        from ...runtime.backends.ort_rewrites import gather_block_quantized
+        from ...runtime.backends.ort_rewrites import gather_block_quantized, int4_blocks_over
 
         proto = onnx.load(str(src))
+        if int4_blocks_over(proto, 32):  # dsedge runs these at FP32 activations (runtime/backends/ort.py)
+            model.notes.append("INT4 blocks over 32: ORT CPU's fused MatMulNBits at its default accuracy level (INT8 "
+                               "activations), which Triton's onnxruntime backend uses, is not batch-invariant for "
+                               "them (a request's answer depends on its batch-mates); dsedge's runtime runs them at "
+                               "level 1 (session.qdq_matmulnbits_accuracy_level)")
         rewritten = gather_block_quantized(proto)
         if rewritten:
             onnx.save(proto, str(dst))
