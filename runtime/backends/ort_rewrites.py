@@ -61,14 +61,15 @@ def gather_block_quantized(model: Any) -> int:
     return rewritten
 
 
-def int4_blocks_over(model: Any, size: int) -> bool:
-    """True when a DequantizeLinear of an INT4/UINT4 initializer has a ``block_size`` over ``size``."""
+def int4_block_sizes(model: Any) -> set[int]:
+    """The ``block_size`` of every DequantizeLinear of an INT4/UINT4 initializer (0 for one without blocks)."""
     from onnx import TensorProto, helper
 
     four = {t.name for t in model.graph.initializer if t.data_type in (TensorProto.INT4, TensorProto.UINT4)}
-    for n in model.graph.node:
-        if n.op_type == "DequantizeLinear" and n.input and n.input[0] in four:
-            block = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "block_size"), 0)
-            if block > size:
-                return True
-    return False
+    return {next((helper.get_attribute_value(a) for a in n.attribute if a.name == "block_size"), 0)
+            for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input and n.input[0] in four}
+
+
+def int4_blocks_over(model: Any, size: int) -> bool:
+    """True when a DequantizeLinear of an INT4/UINT4 initializer has a ``block_size`` over ``size``."""
+    return any(b > size for b in int4_block_sizes(model))

@@ -51,13 +51,16 @@ def _graph_facts(path: Path) -> dict:
     DequantizeLinear feeds a Gather: a quantized embedding table), ``dq_unparsable`` (the DequantizeLinear inputs
     TensorRT's ONNX parser refuses: a UINT4 or INT32 (quantized bias) tensor, or a non-zero zero point; TensorRT
     quantizes symmetrically), ``int4_blocks`` (the block sizes of its INT4 DequantizeLinear nodes, 0 for one
-    without blocks) and ``conv_spatial`` (the most spatial dims of a Conv/ConvTranspose weight initializer; 0 without one; a weight
-    behind a DequantizeLinear counts through it)."""
+    without blocks) and ``conv_spatial`` (the most spatial dims of a Conv/ConvTranspose weight initializer; 0
+    without one; a weight behind a DequantizeLinear counts through it)."""
     import numpy as np
     import onnx
     from onnx import TensorProto, numpy_helper
 
-    g = onnx.load(os.fspath(path), load_external_data=False).graph
+    from ...runtime.backends.ort_rewrites import int4_block_sizes
+
+    m = onnx.load(os.fspath(path), load_external_data=False)
+    g = m.graph
     inits = {t.name: t for t in g.initializer}
     dq_out = {n.output[0]: n for n in g.node if n.op_type == "DequantizeLinear"}
     bad = []
@@ -76,12 +79,9 @@ def _graph_facts(path: Path) -> dict:
     conv_spatial = max((len(inits[weight(n.input[1])].dims) - 2 for n in g.node
                         if n.op_type in ("Conv", "ConvTranspose") and len(n.input) > 1
                         and weight(n.input[1]) in inits), default=0)
-    int4_blocks = sorted({next((a.i for a in n.attribute if a.name == "block_size"), 0) for n in dq_out.values()
-                          if inits.get(n.input[0]) is not None
-                          and inits[n.input[0]].data_type in (TensorProto.INT4, TensorProto.UINT4)})
     return {"ops": sorted({n.op_type for n in g.node}),
             "dq_gather": any(n.op_type == "Gather" and n.input and n.input[0] in dq_out for n in g.node),
-            "dq_unparsable": bad, "conv_spatial": conv_spatial, "int4_blocks": int4_blocks}
+            "dq_unparsable": bad, "conv_spatial": conv_spatial, "int4_blocks": sorted(int4_block_sizes(m))}
 
 
 def build_engines(work: Path, target: Target, exported: Exported, variants: list[Variant],
