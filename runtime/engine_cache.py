@@ -118,24 +118,50 @@ def read_engine(path: str | os.PathLike) -> tuple[dict[str, Any], bytes]:
         data = path.read_bytes()
     except OSError as e:
         raise EngineError(f"cannot read engine {path.name}: {e.strerror}", "rebuild the engine") from None
-    hint = "delete it; dsedge rebuilds the engine on the next load"
+    header, start = _parse_header(path.name, data)
+    plan = data[start:]
+    if len(plan) != header.get("plan_bytes") or hashlib.sha256(plan).hexdigest() != header.get("plan_sha256"):
+        raise EngineError(f"engine {path.name} is corrupt or truncated (plan sha256 mismatch)", _HINT)
+    return header, plan
+
+
+def read_engine_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The header alone, without reading or checking the plan (to choose among engine files; ``read_engine`` the
+    chosen one).
+
+    Raises:
+        EngineError: unreadable, not a dsedge engine file, truncated or malformed header.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC) + 4)
+            n = struct.unpack_from("<I", head, len(MAGIC))[0] if len(head) == len(MAGIC) + 4 else 0
+            data = head + f.read(min(n, _MAX_HEADER + 1))
+    except OSError as e:
+        raise EngineError(f"cannot read engine {path.name}: {e.strerror}", "rebuild the engine") from None
+    return _parse_header(path.name, data)[0]
+
+
+_HINT = "delete it; dsedge rebuilds the engine on the next load"
+
+
+def _parse_header(name: str, data: bytes) -> tuple[dict[str, Any], int]:
+    # (header, offset of the plan) from an engine file's leading bytes
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
-        raise EngineError(f"{path.name} is not a dsedge engine file (bad magic)", hint)
+        raise EngineError(f"{name} is not a dsedge engine file (bad magic)", _HINT)
     (n,) = struct.unpack_from("<I", data, len(MAGIC))
     start = len(MAGIC) + 4
     if n > _MAX_HEADER or start + n > len(data):
-        raise EngineError(f"engine {path.name} is truncated (header)", hint)
+        raise EngineError(f"engine {name} is truncated (header)", _HINT)
     try:
         header = json.loads(data[start:start + n])
         key = header["key"]
         if header.get("format") != FORMAT_VERSION or not isinstance(key, dict):
             raise ValueError
     except (ValueError, KeyError, TypeError, RecursionError):
-        raise EngineError(f"engine {path.name} has a malformed header", hint) from None
-    plan = data[start + n:]
-    if len(plan) != header.get("plan_bytes") or hashlib.sha256(plan).hexdigest() != header.get("plan_sha256"):
-        raise EngineError(f"engine {path.name} is corrupt or truncated (plan sha256 mismatch)", hint)
-    return header, plan
+        raise EngineError(f"engine {name} has a malformed header", _HINT) from None
+    return header, start + n
 
 
 def load_matching(path: str | os.PathLike, key: EngineKey) -> tuple[bytes | None, str | None]:

@@ -83,7 +83,7 @@ def _engine_file(bundle: Path, manifest: Manifest, variant: Variant) -> tuple[st
     ``(path, header key)`` for an engine ``dsedge build --engine`` wrote (``engines/*.engine``: a dsedge header, then
     the plan) for this variant's model file on the GPU (not a DLA core); of several, the one built for the target's
     compute capability, else the first by name. None when there is none."""
-    from ...runtime.engine_cache import SUFFIX, read_engine
+    from ...runtime.engine_cache import SUFFIX, read_engine_header
     from ...runtime.errors import EngineError
 
     for rel in sorted(manifest.files):
@@ -91,8 +91,8 @@ def _engine_file(bundle: Path, manifest: Manifest, variant: Variant) -> tuple[st
             return rel, None
     found = []
     for rel in sorted(r for r in manifest.files if r.startswith("engines/") and r.endswith(SUFFIX)):
-        try:
-            header, _ = read_engine(bundle / rel)
+        try:  # the header only: the chosen engine's plan is read (and its sha256 checked) once, when written
+            header = read_engine_header(bundle / rel)
         except EngineError:
             continue  # not one the export can vouch for: the ONNX and build_engine.sh stand in
         key = header["key"]
