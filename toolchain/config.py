@@ -25,16 +25,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..runtime.build_settings import INT4_BLOCKS
 from ..runtime.errors import ConfigError
+from ..runtime.io import MAX_BUDGET_MS
 from ..targets import Target, get_target
 
 ALGORITHM_CHOICES = ("auto", "rtn", "awq", "gptq", "awq+gptq")
 PRECISION_CHOICES = ("auto", "int4", "int8", "fp16", "bf16", "fp32")
 BLOCK_SIZES = (16, 32, 64, 128)
-# TensorRT's INT4 is per-block with block sizes 64 or 128 only (TensorRT "Quantization Schemes"); the default there is
+# TensorRT's INT4 is per-block with block sizes 64 or 128 only (build_settings.INT4_BLOCKS); the default there is
 # 64, the more accurate of the two (MiniLM jetson int4: cosine 0.9835 at 64; 0.9869 at 32, which TensorRT refuses)
-TRT_BLOCK_SIZES = (64, 128)
-MAX_BUDGET_MS = 3_600_000.0  # an hour: the manifest schema's bound on latency_budget_ms
 DEFAULT_BLOCK_SIZE = {"tensorrt": 64, "onnxruntime": 32}
 
 
@@ -195,9 +195,9 @@ def _block_size(config: BuildConfig, target: Any) -> int:
     or 128 only (TensorRT "Quantization Schemes"): another size for a TensorRT target is refused."""
     if config.block_size is None:
         return DEFAULT_BLOCK_SIZE.get(target.backend, 32)
-    if target.backend == "tensorrt" and config.block_size not in TRT_BLOCK_SIZES and config.precision in ("auto", "int4"):
+    if target.backend == "tensorrt" and config.block_size not in INT4_BLOCKS and config.precision in ("auto", "int4"):
         raise ConfigError(f"--block-size {config.block_size} on {target.name}: TensorRT's INT4 takes blocks of "
-                          f"{' or '.join(map(str, TRT_BLOCK_SIZES))} only",
+                          f"{' or '.join(map(str, INT4_BLOCKS))} only",
                           f"pass --block-size {DEFAULT_BLOCK_SIZE['tensorrt']} (or 128), or leave it out")
     return config.block_size
 

@@ -35,5 +35,6 @@ def write(plan: BuildPlan, model: Prepared, variants: list[VariantDraft], recipe
     return write_bundle(dest, name=source.name, target=target.to_dict(), inputs=exported.inputs,
                         outputs=exported.outputs, models=models, variants=shipped,
                         default_variant=report["precision"], shape_ranges=recipe.shape_ranges,
-                        latency_budget_ms=plan.config.budget_ms or target.default_budget_ms, source=report["source"], report=report,
+                        latency_budget_ms=plan.config.budget_ms or target.default_budget_ms,
+                        source=report["source"], report=report,
                         extra_files={**dict(recipe.files), **golden})
