@@ -48,10 +48,10 @@ def custom_ops(model: onnx.ModelProto) -> list[str]:
     return sorted({f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain not in _DEFAULT_DOMAINS})
 
 
-def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
-    inferred = onnx.shape_inference.infer_shapes(model)
-    g = inferred.graph
-    return {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.value_info, *g.output]}
+def _tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
+    # each named value's tensor type (element type, shape) after ONNX shape inference
+    g = onnx.shape_inference.infer_shapes(model).graph
+    return {v.name: v.type.tensor_type for v in [*g.input, *g.value_info, *g.output]}
 
 
 def lower_gelu(model: onnx.ModelProto) -> int:
@@ -61,7 +61,7 @@ def lower_gelu(model: onnx.ModelProto) -> int:
     gelus = [n for n in model.graph.node if n.op_type == "Gelu" and n.domain in _DEFAULT_DOMAINS]
     if not gelus:
         return 0
-    types = _elem_types(model)
+    types = {k: t.elem_type for k, t in _tensor_types(model).items()}
     out_nodes, inits = [], []
     for i, n in enumerate(model.graph.node):
         if n not in gelus:
@@ -107,8 +107,7 @@ def lower_layernorm(model: onnx.ModelProto, opset: int) -> int:
     norms = [n for n in model.graph.node if n.op_type == "LayerNormalization" and n.domain in _DEFAULT_DOMAINS]
     if not norms:
         return 0
-    inferred = onnx.shape_inference.infer_shapes(model).graph
-    info = {v.name: v.type.tensor_type for v in [*inferred.input, *inferred.value_info, *inferred.output]}
+    info = _tensor_types(model)
     used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
     out_nodes, inits, done = [], [], 0
     for i, n in enumerate(model.graph.node):
