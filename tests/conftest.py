@@ -31,3 +31,20 @@ def reference_build(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("reference-out")
     return build(BuildOptions(target="jetson", out_dir=str(out), latency_iterations=10))
+
+
+@pytest.fixture(autouse=True)
+def _cli_logging_restored():
+    """An in-process CLI call (``main([...])``, CliRunner) configures logging for the command: a stderr handler on
+    the root logger and the ``dsedge`` logger's level (ERROR under ``-q``). Restored after each test, so a later
+    test's ``caplog`` sees dsedge's warnings whatever ran before it (test_triton_export's ``-q`` export, then
+    test_tensorrt_backend's rebuild warnings, failed in that order)."""
+    import logging
+
+    dsedge_logger = logging.getLogger("dsedge")
+    level = dsedge_logger.level
+    yield
+    dsedge_logger.setLevel(level)
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if getattr(h, "_dsedge_cli", False)]:
+        root.removeHandler(h)
