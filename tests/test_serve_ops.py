@@ -290,3 +290,43 @@ def test_a_stalled_request_head_closes_its_connection_and_frees_its_slot(tmp_pat
         for sock in stalled:
             sock.close()
         proc.terminate()
+
+
+def test_one_client_cannot_take_every_connection_slot(tmp_path):
+    """--max-connections-per-client 2: a third connection from 127.0.0.1 is answered 503 (readable, not a reset)
+    while a client at 127.0.0.2 is served, and the count falls when one of the first two closes."""
+    import http.client
+    import json
+
+    bundle = mlp_bundle(tmp_path / "mlp.dse", tmp_path)
+    proc = ServeProcess([bundle], ["--max-connections-per-client", "2", "--max-connections", "10", "--threads", "1"],
+                        tmp_path / "serve.log")
+    host, port = proc.http.rsplit(":", 1)
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 64], "datatype": "FP32", "data": [0.5] * 64}]})
+
+    def infer(source: str) -> tuple[int, str, str]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=10, source_address=(source, 0))
+        try:
+            conn.request("POST", "/v2/models/mlp/infer", body=body, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, r.read().decode(), r.getheader("connection") or ""
+        finally:
+            conn.close()
+
+    held = [socket.create_connection((host, int(port)), timeout=10, source_address=("127.0.0.1", 0))
+            for _ in range(2)]
+    try:
+        time.sleep(0.2)
+        status, text, connection = infer("127.0.0.1")
+        assert (status, text, connection) == (503, "too many connections from this client\n", "close")
+        status, text, _ = infer("127.0.0.2")  # another address is served
+        assert status == 200 and json.loads(text)["outputs"][0]["shape"] == [1, 4]
+        held.pop().close()
+        time.sleep(0.2)
+        assert infer("127.0.0.1")[0] == 200  # one slot of 127.0.0.1's is free again
+    finally:
+        for sock in held:
+            sock.close()
+        proc.terminate()
+    log = proc.log_path.read_text()
+    assert log.count("refused a connection from 127.0.0.1") == 1 and "Traceback" not in log, log[-2000:]

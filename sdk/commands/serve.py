@@ -69,6 +69,9 @@ def _port(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
               help="Largest HTTP request body (compressed and inflated) and gRPC message.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Concurrent HTTP connections and gRPC calls; beyond that HTTP answers 503.")
+@click.option("--max-connections-per-client", type=click.IntRange(min=1), default=None,
+              help="HTTP connections one client address may hold open at once; one more is answered 503 and closed "
+                   "(nginx's limit_conn). Default: off (behind a load balancer every client is one address).")
 @click.option("--priority-levels", type=click.IntRange(min=1), default=3, show_default=True,
               help="Triton priority levels: 1 is the highest.")
 @click.option("--default-priority", type=click.IntRange(min=1), default=2, show_default=True,
@@ -92,7 +95,7 @@ def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port:
           max_batch: int | None, threads: int | None, instances: int | None, reserve_cores: int, spare_pause_cores: float,
           pin_instances: bool, standby: bool, worker_nice: int,
           max_inflight: int | None, max_queue: int,
-          max_body_bytes: int, max_connections: int, priority_levels: int, default_priority: int,
+          max_body_bytes: int, max_connections: int, max_connections_per_client: int | None, priority_levels: int, default_priority: int,
           drain_timeout: float, body_timeout: float, auth_token_file: str | None, tls_cert: str | None, tls_key: str | None,
           http_impl: str, log_format: str, log_level: str) -> None:
     """Serve BUNDLE... over the Open Inference Protocol (KServe v2): HTTP/REST and gRPC, with latency budgets.
@@ -112,6 +115,7 @@ def serve(bundles: tuple[str, ...], host: str, http_port: int | None, grpc_port:
                       worker_nice=worker_nice,
                       max_inflight=max_inflight, max_queue=max_queue,
                       max_body_bytes=max_body_bytes, max_connections=max_connections,
+                      max_connections_per_client=max_connections_per_client,
                       priority_levels=priority_levels, default_priority=default_priority,
                       drain_timeout_s=drain_timeout, body_timeout_s=body_timeout, auth_token_file=auth_token_file, tls_cert=tls_cert,
                       tls_key=tls_key, log_format=log_format, log_level=log_level,

@@ -32,6 +32,7 @@ from typing import Any, Iterator, Sequence
 
 from ..runtime.errors import ConfigError, DsedgeError
 from ..runtime.instances import MAX_THREADS_PER_CORE, host_cores
+from .client_cap import with_client_cap
 from .head_timeout import protocol_base, with_head_timeout
 from ..runtime.io import is_integer, is_real
 
@@ -63,6 +64,7 @@ class ServeConfig:
     max_queue: int = 1024
     max_body_bytes: int = 64 * 1024 * 1024
     max_connections: int = 1024
+    max_connections_per_client: int | None = None  # HTTP, per peer address (sdk/serve/client_cap.py); off
     priority_levels: int = 3
     default_priority: int = 2
     drain_timeout_s: float = 10.0
@@ -94,6 +96,7 @@ class ServeConfig:
                                      ("--max-inflight", self.max_inflight, 1), ("--max-queue", self.max_queue, 0),
                                      ("--max-body-bytes", self.max_body_bytes, 1024),
                                      ("--max-connections", self.max_connections, 1),
+                                     ("--max-connections-per-client", self.max_connections_per_client, 1),
                                      ("--priority-levels", self.priority_levels, 1),
                                      ("--default-priority", self.default_priority, 1)):
             if value is not None and not (is_integer(value) and value >= least):
@@ -322,6 +325,8 @@ async def serve(cfg: ServeConfig) -> int:
         sock = _socket(cfg.host, port)
         # a request head not complete within --body-timeout closes its connection (slowloris: sdk/serve/head_timeout.py)
         protocol = with_head_timeout(protocol_base(cfg.http_impl), cfg.body_timeout_s)
+        if cfg.max_connections_per_client is not None and kind == "http":  # one client cannot take every slot
+            protocol = with_client_cap(protocol, cfg.max_connections_per_client)
         conf = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", loop="asyncio", http=protocol,
                               # uvicorn counts the connection being served: N + 1 lets N in, not N - 1
                               limit_concurrency=cfg.max_connections + 1, timeout_keep_alive=5,
