@@ -4,7 +4,7 @@ override the file) and ``plan_build``, which validates it once, up front, into a
 Every incompatibility is refused in ``plan_build`` before any work is done (the torchtune habit: reject bad
 combinations in one place): unknown target, a precision the target lacks (without ``fallback``), a DLA core the
 target does not have, a bad ``--prune`` / ``--accuracy-gate`` spec, QAT without INT4, an INT4 algorithm that would
-undo the fine-tune, ``--engine`` on a machine without TensorRT.
+undo the fine-tune, ``--engine`` on a machine without TensorRT, a ``--gate-output`` an ONNX file lacks.
 
 A ``build.toml`` holds the same keys as ``BuildConfig`` (``[build]`` table or top level)::
 
@@ -64,6 +64,7 @@ class BuildConfig:
     prune: str | None = None                # "channels:0.3" | "2:4": prune the torch source before export
     finetune_steps: int | None = None       # fine-tune after --prune (None = 500 for torch sources, 0 = none)
     qat_steps: int = 0                      # INT4 fake-quant fine-tune before export (0 = off)
+    gate_output: str | None = None          # the output accuracy is judged on (None: sentence_embedding / the first)
 
     def replace(self, **changes: Any) -> "BuildConfig":
         """A copy with ``changes`` (the config itself never changes)."""
@@ -254,6 +255,25 @@ def check_heldout_is_not_calibration(calib_path: str | os.PathLike | None,
                           "on the calibration data", f"pass held-out data the model is not calibrated on{alternative}")
 
 
+def _check_gate_output(config: BuildConfig) -> None:
+    """An ONNX file's outputs are known before any work: a ``--gate-output`` it lacks is refused here (other sources
+    are checked once exported, where the accuracy is first measured)."""
+    if config.gate_output is None or config.model is None:
+        return
+    path = Path(config.model)
+    if path.suffix.lower() != ".onnx" or not path.is_file():
+        return
+    import onnx
+
+    from .evaluate import check_gate_output
+
+    try:
+        graph = onnx.load(os.fspath(path), load_external_data=False).graph
+    except Exception:  # not a readable ONNX file: resolving the source says so, with its own message
+        return
+    check_gate_output(config.gate_output, [o.name for o in graph.output], path.name)
+
+
 def plan_build(config: BuildConfig) -> BuildPlan:
     """Validate ``config`` against itself, the target and this machine, before any work.
 
@@ -280,6 +300,7 @@ def plan_build(config: BuildConfig) -> BuildPlan:
     _check_int4_options(config)
     _check_heldout_is_not_calibration(config)
     _check_input_dirs(config)
+    _check_gate_output(config)
     from .bundle_writer import check_out_dir
 
     check_out_dir(config.out_dir)

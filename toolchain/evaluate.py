@@ -74,30 +74,74 @@ def sentence_embedding_metrics(ref: np.ndarray, test: np.ndarray) -> dict[str, A
             "top1_flip_margins": sorted(top1_flip_margins(ref, test)), "n": int(len(ref))}
 
 
+def check_gate_output(gate_output: str | None, outputs: list[str], model: str) -> None:
+    """``--gate-output`` names one of ``outputs`` (the output names of ``model``, a name for the message).
+
+    Raises:
+        ConfigError: it names none of them (the hint lists them).
+    """
+    if gate_output is not None and gate_output not in outputs:
+        from ..runtime.errors import ConfigError
+
+        raise ConfigError(f"--gate-output {gate_output!r} is not an output of {model}",
+                          f"outputs: {', '.join(outputs)}")
+
+
+def token_mask(feeds: dict[str, np.ndarray], output: np.ndarray) -> np.ndarray | None:
+    """Boolean [N, T] of the real (not padding) positions of a per-token ``output`` [N, T, ...] (3-D or more):
+    ``feeds["attention_mask"] != 0`` when the feeds hold an ``attention_mask`` of shape [N, T] equal to the output's
+    first two dims and at least one real position; else None (judge every position)."""
+    mask = feeds.get("attention_mask")
+    if mask is None or output.ndim < 3 or np.ndim(mask) != 2 or tuple(np.shape(mask)) != output.shape[:2]:
+        return None
+    mask = np.asarray(mask) != 0
+    return mask if mask.any() else None
+
+
 def compare_models(reference_onnx: str | os.PathLike, test_onnx: str | os.PathLike, feeds: dict[str, np.ndarray],
-                   task: str = "generic", embedding_output: str = "sentence_embedding") -> dict[str, Any]:
+                   task: str = "generic", embedding_output: str = "sentence_embedding",
+                   output: str | None = None) -> dict[str, Any]:
     """Accuracy of ``test_onnx`` against ``reference_onnx`` on ``feeds`` (numpy arrays, batch axis 0).
 
-    ``task="sentence-embedding"``: metrics on the ``embedding_output`` [N, D] (cosine mean/min, top-1 neighbour
-    agreement). Otherwise: per-sample cosine of the first output, Pearson correlation of all its values, max abs
-    diff, and argmax agreement when the first output's last dim is > 1 (classifier logits); for two-class logits
-    (last dim 2, e.g. per-cell lesion logits ``[N, cells, 2]``) also ``two_class_metrics``.
+    The output judged is ``output`` (``dsedge build --gate-output``) when given, else ``embedding_output`` for
+    ``task="sentence-embedding"`` when the model has it, else the first output.
+
+    ``task="sentence-embedding"`` judging ``embedding_output`` [N, D]: cosine mean/min, top-1 neighbour agreement.
+    Otherwise (record ``output``: the name judged): per-sample cosine, Pearson correlation of all its values, max abs
+    diff, and argmax agreement when its last dim is > 1 (classifier logits); for two-class logits (last dim 2, e.g.
+    per-cell lesion logits ``[N, cells, 2]``) also ``two_class_metrics``. A per-token output [N, T, ...] with an
+    ``attention_mask`` [N, T] among ``feeds`` is judged on the real tokens only (mask != 0; padding can differ
+    freely, and nothing reads it): each sample's cosine over its real tokens, the other metrics over every real
+    token; the record then says ``masked_by: "attention_mask"`` and ``tokens`` (real positions judged).
+
+    Raises:
+        ConfigError: ``output`` is not an output of the model (the hint lists its outputs).
     """
     ref, test = model_outputs(reference_onnx, feeds), model_outputs(test_onnx, feeds)
-    if task == "sentence-embedding" and embedding_output in ref:
-        out = sentence_embedding_metrics(ref[embedding_output], test[embedding_output])
+    check_gate_output(output, list(ref), os.path.basename(reference_onnx))
+    if output is None and task == "sentence-embedding" and embedding_output in ref:
+        output = embedding_output
+    name = output if output is not None else next(iter(ref))
+    if task == "sentence-embedding" and name == embedding_output and ref[name].ndim == 2:
+        return sentence_embedding_metrics(ref[name], test[name])
+    r, t = ref[name], test[name]
+    mask = token_mask(feeds, r)
+    if mask is not None:  # zeroed padding adds nothing to a sample's dot product or norms: cosine over real tokens
+        keep = mask.reshape(mask.shape + (1,) * (r.ndim - 2))
+        cos = _cos_rows(np.where(keep, r, 0), np.where(keep, t, 0))[mask.any(1)]
+        r, t = r[mask], t[mask]  # [real tokens, ...]
     else:
-        name = next(iter(ref))
-        r, t = ref[name], test[name]
         cos = _cos_rows(r, t)
-        out = {"output": name, "cosine_mean": round(float(cos.mean()), 5), "cosine_min": round(float(cos.min()), 5),
-               "max_abs_diff": float(np.max(np.abs(r - t))), "n": int(len(r))}
-        out["pearson"] = round(float(np.corrcoef(r.reshape(-1).astype(np.float64),
-                                                 t.reshape(-1).astype(np.float64))[0, 1]), 5) if r.size > 1 else 1.0
-        if r.ndim >= 2 and r.shape[-1] > 1:
-            out["argmax_agreement"] = round(float(np.mean(r.argmax(-1) == t.argmax(-1))), 4)
-        if r.ndim >= 2 and r.shape[-1] == 2:
-            out.update(two_class_metrics(r, t))
+    out = {"output": name, "cosine_mean": round(float(cos.mean()), 5), "cosine_min": round(float(cos.min()), 5),
+           "max_abs_diff": float(np.max(np.abs(r - t))), "n": int(len(ref[name]))}
+    if mask is not None:
+        out.update(masked_by="attention_mask", tokens=int(mask.sum()))
+    out["pearson"] = round(float(np.corrcoef(r.reshape(-1).astype(np.float64),
+                                             t.reshape(-1).astype(np.float64))[0, 1]), 5) if r.size > 1 else 1.0
+    if r.ndim >= 2 and r.shape[-1] > 1:
+        out["argmax_agreement"] = round(float(np.mean(r.argmax(-1) == t.argmax(-1))), 4)
+    if r.ndim >= 2 and r.shape[-1] == 2:
+        out.update(two_class_metrics(r, t))
     return out
 
 

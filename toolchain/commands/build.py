@@ -9,6 +9,7 @@ from typing import Any, Callable, ContextManager, Iterator
 import click
 from click.core import ParameterSource
 
+from ...runtime.errors import DsedgeError
 from ...runtime.params import OptionalValueCommand
 
 
@@ -40,6 +41,9 @@ from ...runtime.params import OptionalValueCommand
               help="METRIC:THRESHOLD[,…], e.g. cosine:0.99: raise the most sensitive layers (INT4 → INT8 → float) "
                    "until it passes on held-out data. Metrics: cosine, cosine-min, top1 (argmax agreement of a "
                    "classifier's output; nearest-neighbour agreement of a sentence encoder's embeddings).")
+@click.option("--gate-output", "gate_output", default=None, metavar="NAME",
+              help="The model output whose accuracy vs fp32 the build judges (auto's choice, the accuracy table, "
+                   "--accuracy-gate). Default: sentence_embedding for a sentence encoder, else the first output.")
 @click.option("--no-embeddings", is_flag=True, help="Keep embedding tables in fp32 (INT4 only).")
 @click.option("--no-fp32", is_flag=True, help="Do not ship the fp32 variant beside the compressed one.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads for the build-time latency measurement (default: the thread count of one serving instance on this machine, e.g. 1 on 2 cores, where the runtime serves on 2 x 1-thread instances).")
@@ -60,15 +64,17 @@ from ...runtime.params import OptionalValueCommand
               show_default=True,
               help="INT4 fake-quant fine-tune (QAT) steps before export, with --precision int4 (0 = off; "
                    "--qat-steps alone = 500).")
-@click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON on stdout (last thing printed).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the build report as JSON on stdout (last thing printed); a failed build prints "
+                   '{"ok": false, "error": ..., "hint": ..., "type": ...} instead.')
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
               help="A build.toml ([build] table, the keys of these options); flags given here override it.")
 @click.pass_context
 def build(ctx: click.Context, target: str, model: str | None, out_dir: str, precision: str, fallback: bool,
           calib: str | None, heldout: str | None, block_size: str, algorithm: str, accuracy_gate: str | None,
           no_embeddings: bool, no_fp32: bool, threads: int | None, budget_ms: float | None, dla_core: int | None,
-          engine: bool, prune: str | None, finetune_steps: int | None, qat_steps: int, as_json: bool,
-          config_file: str | None) -> None:
+          engine: bool, prune: str | None, finetune_steps: int | None, qat_steps: int, gate_output: str | None,
+          as_json: bool, config_file: str | None) -> None:
     """Export, compress, validate and bundle a model for a target."""
     from rich.console import Console
 
@@ -77,21 +83,26 @@ def build(ctx: click.Context, target: str, model: str | None, out_dir: str, prec
 
     quiet = ctx.meta.get("dsedge.verbosity", 0) < 0
     console = Console(stderr=as_json)
-    config = config_from_flags(ctx, config_file, model=model, target=target, out_dir=out_dir, precision=precision,
-                               calib=calib, heldout=heldout, fallback=fallback,
-                               block_size=int(block_size) if block_size is not None else None,
-                               algorithm=algorithm, accuracy_gate=accuracy_gate, embeddings=not no_embeddings,
-                               keep_fp32=not no_fp32, threads=threads, budget_ms=budget_ms, dla_core=dla_core,
-                               engine=engine,
-                               prune=prune, finetune_steps=finetune_steps, qat_steps=qat_steps)
     logged: set[str] = set()
 
     def log(line: str) -> None:
         logged.add(line)
         if not quiet:
             console.print(f"[dim]·[/dim] {line}")
-    with stage_progress(console, enabled=not quiet) as progress:
-        result = pipeline.build(config, log=log, **({"progress": progress} if progress else {}))
+    try:
+        config = config_from_flags(ctx, config_file, model=model, target=target, out_dir=out_dir,
+                                   precision=precision, calib=calib, heldout=heldout, fallback=fallback,
+                                   block_size=int(block_size) if block_size is not None else None,
+                                   algorithm=algorithm, accuracy_gate=accuracy_gate, embeddings=not no_embeddings,
+                                   keep_fp32=not no_fp32, threads=threads, budget_ms=budget_ms, dla_core=dla_core,
+                                   engine=engine, prune=prune, finetune_steps=finetune_steps, qat_steps=qat_steps,
+                                   gate_output=gate_output)
+        with stage_progress(console, enabled=not quiet) as progress:
+            result = pipeline.build(config, log=log, **({"progress": progress} if progress else {}))
+    except DsedgeError as e:  # --json: stdout still holds one JSON object; the error line goes to stderr as always
+        if as_json:
+            click.echo(json.dumps(failure_record(e)))
+        raise
     console.print(summary_table(result.report))
     for line in compensation_lines(result.report):
         console.print(line)
@@ -102,7 +113,13 @@ def build(ctx: click.Context, target: str, model: str | None, out_dir: str, prec
     console.print(f"validated on {result.report['validation']['inputs']}; "
                   f"build wall time {result.report['wall_time_s']:.1f} s; bundle: {result.bundle}")
     if as_json:
-        click.echo(json.dumps(result.report, default=str))
+        click.echo(json.dumps({"ok": True, **result.report}, default=str))
+
+
+def failure_record(err: DsedgeError) -> dict[str, Any]:
+    """What ``dsedge build --json`` prints on stdout for a failed build: ``ok`` false, the one-line ``error``, its
+    ``hint``, the error class as ``type`` (e.g. ``AccuracyGateError``) and the process ``exit_code``."""
+    return {"ok": False, "error": str(err), "hint": err.hint, "type": type(err).__name__, "exit_code": err.exit_code}
 
 
 

@@ -14,6 +14,7 @@ from ...runtime.bundle import IOSpec
 from ...runtime.token_bounds import graph_value_ranges
 from ..artifacts import Prepared
 from ..config import BuildPlan
+from ..evaluate import check_gate_output
 from ..export import Exported, export_onnx
 from ..sources import Source
 
@@ -23,9 +24,12 @@ def export(plan: BuildPlan, source: Source, work: Path, log: Callable[[str], Non
 
     Raises:
         SourceError: the export fails or its outputs differ from torch's; or it is not fp32 (``check_fp32``).
+        ConfigError: ``--gate-output`` names no output of the export (an .onnx source was checked in plan_build);
+            said here, before any work that judges accuracy (auto would skip every candidate for it).
     """
     exported = export_with_ranges(source, work / "models" / "fp32.onnx")
     check_fp32(plan, exported.path)
+    check_gate_output(plan.config.gate_output, [o.name for o in exported.outputs], "the exported model")
     if exported.parity_max_abs_diff is None:  # an ONNX source: nothing exported, nothing to compare with torch
         log("ONNX source used as is: no export, no torch parity check")
     else:

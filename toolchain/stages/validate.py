@@ -37,7 +37,8 @@ def validate(plan: BuildPlan, model: Prepared, choice: Choice, opsets: dict[str,
         elif name == "fp32" and path == model.exported.path and opsets["fp32"] == 21 and not finetuned:
             acc = {"reference": "self"}
         else:
-            acc = compare_models(model.reference, path, model.validation, task=model.source.task)
+            acc = compare_models(model.reference, path, model.validation, task=model.source.task,
+                                 output=plan.config.gate_output)
         notes = [f"size vs fp32: {path.stat().st_size / fp32_size:.3f}"]
         if finetuned:
             notes.append("from the pruned/QAT-tuned student, not the original model; accuracy is vs the original")
