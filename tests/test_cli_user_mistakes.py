@@ -481,7 +481,8 @@ def test_an_empty_or_graphless_onnx_file_is_refused_like_a_build_source(tmp_path
     assert not (tmp_path / "out.onnx").exists()
 
 
-def test_a_model_with_nothing_to_quantize_or_prune_is_written_with_a_warning(tmp_path, capsys):
+def test_a_model_with_nothing_to_quantize_or_prune_is_refused(tmp_path, capsys):
+    """It was written unchanged with a warning, exit 0 (now refused: tests/test_prune_quantize_cli_user.py)."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -491,10 +492,10 @@ def test_a_model_with_nothing_to_quantize_or_prune_is_written_with_a_warning(tmp
     src = tmp_path / "add.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), src)
     code, out, err = run_main(["quantize", src, "-o", tmp_path / "q.onnx", "--algorithm", "rtn"], capsys)
-    assert code == 0 and "warning: no layer of" in err and "was quantized" in err, err
+    _one_line_error(code, err, "int4 has nothing to quantize in add.onnx")
     code, out, err = run_main(["prune", src, "-o", tmp_path / "p.onnx"], capsys)
-    assert code == 0 and "warning: nothing in" in err and "was pruned" in err, err
-    assert (tmp_path / "q.onnx").is_file() and (tmp_path / "p.onnx").is_file()
+    _one_line_error(code, err, "2:4 sparsity has nothing to prune in")
+    assert not (tmp_path / "q.onnx").exists() and not (tmp_path / "p.onnx").exists()
 
 
 @pytest.mark.parametrize("kind", ["file", "directory"])

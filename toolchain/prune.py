@@ -14,7 +14,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
@@ -108,23 +108,22 @@ def find_mlp_blocks(model: onnx.ModelProto) -> list[MLPBlock]:
     for n in model.graph.node:
         if n.op_type == "Constant" and n.attribute and n.attribute[0].type == onnx.AttributeProto.TENSOR:
             scalar_sizes[n.output[0]] = int(np.prod(n.attribute[0].t.dims))
+    behind = _identity_sources(model)             # a constant read through Identity (torch's shared equal weights)
     blocks = []
     for up in layers.values():
         h = up.n
         start = nodes[up.node].output[0]
         bias = None
         if up.op_type == "Gemm" and len(nodes[up.node].input) > 2 and nodes[up.node].input[2]:
-            c = nodes[up.node].input[2]               # torch's Linear: Gemm(transB=1) with the bias as C
+            c = behind.get(nodes[up.node].input[2], nodes[up.node].input[2])  # torch's Linear: the bias as C
             dims = list(inits[c].dims) if c in inits else None
             if dims is None or (int(np.prod(dims)) != 1 and (int(np.prod(dims)) != h or dims[-1] != h)):
                 continue                              # C is not a constant [H], [1, H] or scalar
-            if int(np.prod(dims)) == h:
-                if sum(c in n.input for n in model.graph.node) > 1:
-                    continue                          # a shared C would be cut for its other users too
+            if int(np.prod(dims)) == h:               # shared with other nodes: prune_channels cuts its own copy
                 bias = up.node
         cons = consumers.get(start, [])
         if bias is None and len(cons) == 1 and cons[0].op_type == "Add":
-            other = [i for i in cons[0].input if i != start]
+            other = [behind.get(i, i) for i in cons[0].input if i != start]
             if other and other[0] in inits and list(inits[other[0]].dims) == [h]:
                 bias = cons[0].name
                 start = cons[0].output[0]
@@ -165,8 +164,10 @@ def prune_channels(model: onnx.ModelProto, sparsity: float, *, activations: dict
 
     Channels are ranked together across blocks by ``||W1[:, j]|| * ||W2[j, :]||`` (× RMS of the hidden activation
     feeding ``down`` when ``activations`` has it); each block keeps at least ``min_keep`` channels and a multiple of
-    ``multiple_of`` (tensor-core friendly). Raises QuantizationError when no MLP block is found or ``sparsity`` is
-    outside [0, 1).
+    ``multiple_of`` (tensor-core friendly). A weight or bias a pruned block shares with other nodes (torch.onnx.export
+    dedups equal initializers, read directly or through Identity nodes) is cut in the block's own copy; the other
+    readers keep the whole tensor. Raises QuantizationError when no MLP block is found or ``sparsity`` is outside
+    [0, 1).
     """
     if not 0.0 <= sparsity < 1.0:
         raise QuantizationError(f"channel sparsity {sparsity} is outside [0, 1)", "e.g. --channels 0.3")
@@ -189,27 +190,98 @@ def prune_channels(model: onnx.ModelProto, sparsity: float, *, activations: dict
     flat = np.concatenate(scores)
     n_prune = int(round(sparsity * flat.size))
     threshold = np.sort(flat)[n_prune - 1] if n_prune else -np.inf
-    inits = initializers(out)
-    report = []
+    nodes = {n.name: n for n in out.graph.node}
+    report, detached = [], set()
     for b, s in zip(blocks, scores):
         keep_n = max(min_keep, int(np.count_nonzero(s > threshold)))
         keep_n = min(b.hidden, -(-keep_n // multiple_of) * multiple_of)
         keep = np.sort(np.argsort(-s)[:keep_n])
-        up, down = layers[b.up], layers[b.down]
+        # every tensor cut here must be this block's alone: torch.onnx.export shares equal initializers (BERT's
+        # zero-init biases), directly or through Identity nodes, and another layer reading one needs it whole
+        up, down = (replace(layers[name], weight=_own_initializer(out, nodes[name], 1, detached))
+                    for name in (b.up, b.down))
         w1, w2 = weight_kn(out, up), weight_kn(out, down)
         set_weight(out, up, w1[:, keep])
         set_weight(out, down, w2[keep, :])
         if b.bias:
-            bias_node = next(n for n in out.graph.node if n.name == b.bias)
-            bname = (bias_node.input[2] if bias_node.op_type == "Gemm"            # Gemm's own C
-                     else next(i for i in bias_node.input if i in inits))
-            _replace(out, bname, numpy_helper.to_array(inits[bname])[..., keep])
+            bias_node = nodes[b.bias]
+            index = (2 if bias_node.op_type == "Gemm"                            # Gemm's own C
+                     else next(j for j, i in enumerate(bias_node.input) if i != nodes[b.up].output[0]))
+            bname = _own_initializer(out, bias_node, index, detached)
+            _replace(out, bname, numpy_helper.to_array(initializers(out)[bname])[..., keep])
         report.append({"up": b.up, "down": b.down, "hidden_before": b.hidden, "hidden_after": int(keep_n)})
+    _drop_unread(out, detached)
     _clear_shapes(out)
     before = sum(r["hidden_before"] for r in report)
     after = sum(r["hidden_after"] for r in report)
     return out, {"pattern": "channels", "target_sparsity": sparsity, "sparsity": round(1 - after / before, 4),
                  "blocks": report}
+
+
+def _identity_sources(model: onnx.ModelProto) -> dict[str, str]:
+    """``{output of an Identity chain: the initializer it reads}`` (the graph is in topological order)."""
+    inits = initializers(model)
+    behind: dict[str, str] = {}
+    for n in model.graph.node:
+        if n.op_type == "Identity" and n.input and n.output:
+            src = behind.get(n.input[0], n.input[0])
+            if src in inits:
+                behind[n.output[0]] = src
+    return behind
+
+
+def _reads(graph: onnx.GraphProto) -> list[str]:
+    """Every tensor name the nodes of ``graph`` read, subgraphs (If/Loop/Scan bodies: outer-scope names) included."""
+    names = []
+    for n in graph.node:
+        names.extend(i for i in n.input if i)
+        for a in n.attribute:
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
+                      list(a.graphs) if a.type == onnx.AttributeProto.GRAPHS else []):
+                names.extend(_reads(g))
+    return names
+
+
+def _own_initializer(model: onnx.ModelProto, node: onnx.NodeProto, index: int, detached: set[str]) -> str:
+    """The name of an initializer that ``node.input[index]`` reads and nothing else does, made by copying when
+    needed: the input reads an initializer through Identity nodes, or the initializer has other readers (another
+    node, a graph output). ``node`` is rewired to the copy (the same tensor, a new unique name); the name it read
+    before is added to ``detached``. Returns the initializer's name."""
+    name = node.input[index]
+    src = _identity_sources(model).get(name, name)
+    graph_outputs = {o.name for o in model.graph.output}
+    if name == src and _reads(model.graph).count(src) == 1 and src not in graph_outputs:
+        return src
+    taken = ({t.name for t in model.graph.initializer} | {i.name for i in model.graph.input}
+             | {o for n in model.graph.node for o in n.output})
+    new, k = f"{src}.{node.name}", 1
+    while new in taken:
+        new, k = f"{src}.{node.name}.{k}", k + 1
+    copy = onnx.TensorProto()
+    copy.CopyFrom(initializers(model)[src])
+    copy.name = new
+    model.graph.initializer.append(copy)
+    node.input[index] = new
+    detached.add(name)
+    return new
+
+
+def _drop_unread(model: onnx.ModelProto, names: set[str]) -> None:
+    """Remove what :func:`_own_initializer` left unread: the Identity nodes producing ``names`` and the
+    initializers behind them, once nothing (no node, subgraph or graph output) reads them any more."""
+    keep = {o.name for o in model.graph.output} | {i.name for i in model.graph.input}
+    todo = set(names)
+    while todo:
+        read = set(_reads(model.graph)) | keep        # a graph input stays, an initializer it overrides too
+        gone = {t for t in todo if t not in read}
+        todo = set()
+        for n in list(model.graph.node):
+            if n.op_type == "Identity" and n.output[0] in gone:
+                model.graph.node.remove(n)
+                todo.add(n.input[0])                  # its own input may now be unread too
+        for t in list(model.graph.initializer):
+            if t.name in gone:
+                model.graph.initializer.remove(t)
 
 
 def _replace(model: onnx.ModelProto, name: str, arr: np.ndarray) -> None:

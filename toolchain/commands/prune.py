@@ -14,7 +14,7 @@ import click
 from click.core import ParameterSource
 
 from ...runtime.params import FiniteFloat
-from ...runtime.errors import ConfigError
+from ...runtime.errors import ConfigError, QuantizationError
 from ...runtime.files import atomic_path, check_output_file, check_report_file, write_text_atomic
 from .quantize import _load, check_loads_in_ort, save_model_atomic
 
@@ -55,6 +55,30 @@ def _prune_torch(model: str, output: Path, pattern: str, sparsity: float, steps:
     return {"parity_max_abs_diff": exported.parity_max_abs_diff, **report}
 
 
+def _refuse_nothing_pruned(source, model: str, report: dict) -> None:  # type: ignore[no-untyped-def]
+    """A 2:4 pass that pruned no layer (``report["layers"]`` empty) would write the source again as "pruned".
+
+    Raises:
+        QuantizationError: always; the message says why (the model is quantized already, its MatMul/Gemm weights
+            have K not a multiple of 4, or it has none).
+    """
+    from ..quantize.graph import quantized_nodes
+
+    quantized = quantized_nodes(source)
+    if quantized:
+        ops = sorted({n.op_type for n in quantized})
+        raise QuantizationError(f"2:4 sparsity has nothing to prune in {model}: it is quantized already "
+                                f"({len(quantized)} {'/'.join(ops)} nodes), and 2:4 prunes float MatMul/Gemm weights",
+                                "prune the float model, then quantize the pruned one (dsedge prune, then "
+                                "dsedge quantize)")
+    skipped = report.get("skipped") or []
+    raise QuantizationError(
+        f"2:4 sparsity has nothing to prune in {model}: it prunes MatMul/Gemm weights given as float initializers "
+        f"with K (input features) a multiple of 4, and the model has "
+        + (f"{len(skipped)} with other K (e.g. {skipped[0]!r})" if skipped else "none"),
+        "2:4 suits transformer/MLP Linear layers; Conv layers are not pruned here")
+
+
 @click.command("prune")
 @click.argument("model")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Output .onnx path.")
@@ -93,8 +117,11 @@ def prune(ctx: click.Context, model: str, output: Path, pattern: str, sparsity: 
         if finetune_steps:
             raise ConfigError("--finetune-steps needs a torch MODEL: ONNX weights are not trained here",
                               "pass the torch source (HF directory, run directory, module:function) or drop it")
-        out, report = prune_onnx(_load(Path(model)), pattern, sparsity, calib if calib else None)
-        # as quantize: a pruned graph ORT refuses (a bias two layers share, cut for one) never replaces --output
+        source = _load(Path(model))
+        out, report = prune_onnx(source, pattern, sparsity, calib if calib else None)
+        if not report["layers" if pattern == "2:4" else "blocks"]:
+            _refuse_nothing_pruned(source, model, report)
+        # as quantize: a pruned graph ORT refuses (a pruner bug) never replaces --output
         save_model_atomic(out, output, check=lambda tmp: check_loads_in_ort(
             tmp, f"the model pruned from {model}", "this is a dsedge bug for this model: report it with the model, "
             "and try --pattern 2:4 or a lower --sparsity meanwhile"))

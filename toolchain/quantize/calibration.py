@@ -31,27 +31,40 @@ def split_batches(arrays: Batch, batch_size: int = 16) -> list[Batch]:
     return [{k: v[i:i + batch_size] for k, v in arrays.items()} for i in range(0, n, batch_size)]
 
 
-def read_batches(source: CalibrationSource) -> list[Batch]:
+def npz_files(source: str | os.PathLike, what: str = "calibration") -> list[Path]:
+    """The ``.npz`` files of a data path: the file itself, or a directory's ``*.npz`` in sorted order (not read).
+
+    ``what`` names the data in errors (``"calibration"``, ``"held-out"``).
+
+    Raises:
+        CalibrationError: the path does not exist, or is a directory holding no ``.npz`` file.
+    """
+    path = Path(source)
+    if not path.exists():
+        raise CalibrationError(f"{what} data {str(path)!r} does not exist", "pass a .npz file or a directory")
+    files = sorted(path.glob("*.npz")) if path.is_dir() else [path]
+    if path.is_dir() and not files:
+        raise CalibrationError(f"{what} directory {str(path)!r} holds no .npz file",
+                               "save each batch with numpy.savez(file, **{input_name: array})")
+    return files
+
+
+def read_batches(source: CalibrationSource, what: str = "calibration") -> list[Batch]:
     """All batches of a calibration source as a list (a single ``{input: array}`` mapping is split in 16s).
+    ``what`` names the data in errors (``"calibration"``, ``"held-out"``).
 
     Raises CalibrationError when the path does not exist, holds no ``.npz`` file, or the set is empty.
     """
     if source is None:
-        raise CalibrationError("no calibration data given", "pass --calib DIR_OR_NPZ (or a Python iterable)")
+        raise CalibrationError(f"no {what} data given", "pass --calib DIR_OR_NPZ (or a Python iterable)"
+                               if what == "calibration" else "pass --heldout DIR_OR_NPZ (or a Python iterable)")
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.exists():
-            raise CalibrationError(f"calibration data {str(path)!r} does not exist", "pass a .npz file or a directory")
-        files = sorted(path.glob("*.npz")) if path.is_dir() else [path]
-        if path.is_dir() and not files:
-            raise CalibrationError(f"calibration directory {str(path)!r} holds no .npz file",
-                                   "save each batch with numpy.savez(file, **{input_name: array})")
         batches = []
-        for f in files:
+        for f in npz_files(source, what):
             try:
                 batches.append(read_npz(f))
             except (OSError, ValueError) as e:
-                raise CalibrationError(f"calibration file {str(f)!r} is not a readable .npz: {e}",
+                raise CalibrationError(f"{what} file {str(f)!r} is not a readable .npz: {e}",
                                        "save batches with numpy.savez") from None
     elif isinstance(source, dict):
         batches = split_batches(source)
@@ -60,7 +73,7 @@ def read_batches(source: CalibrationSource) -> list[Batch]:
     batches = [b for b in batches if b]
     if not batches or all(min((np.asarray(v).shape[0] if np.ndim(v) else 1) for v in b.values()) == 0
                           for b in batches):
-        raise CalibrationError("calibration data set is empty",
+        raise CalibrationError(f"{what} data set is empty",
                                "give at least one batch (e.g. 32-128 representative samples)")
     return batches
 
