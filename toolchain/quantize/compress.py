@@ -30,6 +30,8 @@ class Calibration:
         top1: what a gate's ``top1`` measures on that output: ``"argmax"`` (classifier logits) or ``"neighbour"``
             (nearest-neighbour agreement of embeddings; see ``mixed.cosine_metric``).
         on_step: called with one line per gate measurement (progress).
+        float_tables: ``{name: float32 TensorProto}`` of the INT4 word-embedding tables already in the model, which
+            the built-in INT4 gate may raise back to float like a weight layer (``compress_int4_with_tables``).
     """
 
     data: Any = None
@@ -38,6 +40,7 @@ class Calibration:
     output: int | str = 0
     top1: str = "argmax"
     on_step: Callable[[str], None] | None = None
+    float_tables: dict[str, Any] | None = None
 
 
 def compress(model: Any, preset: Preset | str, calibration: Calibration | Any = None) -> Compressed:
@@ -67,7 +70,9 @@ def compress_int4_with_tables(model: Any, preset: Preset, calibration: Calibrati
     INT4 without them, the only form TensorRT's ONNX parser takes; the preset's block size), in the order ``dsedge build``
     and ``dsedge quantize`` share: before a gated search (``preset.accuracy_gate``), so the gate measures the final
     model, against ``calibration.reference`` or else the float model given here; otherwise after the weight
-    quantizer, whose calibration then runs on the float tables. ``details["embeddings"]`` lists the tables.
+    quantizer, whose calibration then runs on the float tables. Under the built-in INT4 gate (``mixed.quantize_mixed``)
+    each table is a candidate the gate can raise back to float, like a weight layer. ``details["embeddings"]`` lists
+    the tables that stayed INT4 (``details["tables"]``: each table's final precision, under that gate).
 
     Raises:
         as ``compress``.
@@ -85,7 +90,12 @@ def compress_int4_with_tables(model: Any, preset: Preset, calibration: Calibrati
         base, done = quantize_embedding_tables(base, block_size=preset.block_size, symmetric=symmetric_tables)
         if calibration.reference is None:
             calibration = dataclasses.replace(calibration, reference=model)
+        if done:  # the gate may raise a table back to float, like a weight layer
+            floats = {t.name: t for t in model.graph.initializer}
+            calibration = dataclasses.replace(calibration, float_tables={d["name"]: floats[d["name"]] for d in done})
         out = compress(base, preset, calibration)
+        if "tables" in out.details:  # the built-in gate said which tables stayed INT4
+            done = [d for d in done if out.details["tables"].get(d["name"]) == "int4"]
     else:
         out = compress(model, preset, calibration)
         if tables:

@@ -7,6 +7,8 @@ Every float tensor becomes FP16 (or BF16), except:
 - initializers read only by islands stay FP32 (LayerNorm gamma/beta keep full precision);
 - graph inputs and outputs keep their FP32 type (a Cast at each), so the model's IO contract does not change;
 - inputs ONNX requires as float32 (Resize's roi/scales) stay FP32;
+- ops whose ONNX schema at the model's opset has no such 16-bit type are islands too (BF16 Conv, MaxPool,
+  AveragePool and GlobalAveragePool came only with opset 22): a BF16 Conv below it is a model no runtime loads;
 - control-flow nodes (If, Loop, Scan: any node with a subgraph) are islands too, their bodies left as they are: a
   body reads outer-scope tensors by name, so converting an initializer it reads (and not the body) gave a model ONNX
   Runtime refuses to load. The float tensors a body reads from the outer graph are read in FP32 (a Cast where the
@@ -98,6 +100,35 @@ def _rename_reads(graph: onnx.GraphProto, old: str, new: str) -> None:
             o.name = new
 
 
+def _refuses(node: onnx.NodeProto, low: int, opsets: dict[str, int], is_float) -> bool:  # type: ignore[no-untyped-def]
+    """Whether ONNX's schema of ``node`` at the model's opset refuses ``low`` (FLOAT16 / BFLOAT16) for one of its float
+    inputs or outputs, so converting it would give a model no runtime loads: e.g. BF16 for Conv, MaxPool or
+    GlobalAveragePool before opset 22, BatchNormalization before 15. Such a node is an FP32 island (both dtypes);
+    positions ONNX types as float32 anyway (:data:`FP32_INPUT_POSITIONS`) are not asked; an op without a known schema
+    (another domain) is left as it is."""
+    version = opsets.get(node.domain or "", opsets.get("ai.onnx"))
+    if version is None:
+        return False
+    try:
+        schema = onnx.defs.get_schema(node.op_type, version, node.domain or "")
+    except onnx.defs.SchemaError:
+        return False
+    allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+    want = "tensor(bfloat16)" if low == TensorProto.BFLOAT16 else "tensor(float16)"
+
+    def refused(formals, names: list[str], skip: tuple[int, ...] = ()) -> bool:
+        for j, name in enumerate(names):
+            if j in skip or not is_float(name) or not formals:
+                continue
+            type_str = formals[min(j, len(formals) - 1)].type_str
+            if want not in allowed.get(type_str, {type_str}):
+                return True
+        return False
+
+    return (refused(schema.inputs, list(node.input), FP32_INPUT_POSITIONS.get(node.op_type, ()))
+            or refused(schema.outputs, list(node.output)))
+
+
 def convert_float16(model: onnx.ModelProto, *, dtype: str = "fp16", island_ops: frozenset[str] = FP32_ISLAND_OPS,
                     keep_fp32_nodes: list[str] | None = None) -> tuple[onnx.ModelProto, dict]:
     """A copy of the fp32 ``model`` computing in FP16 (``dtype="fp16"``) or BF16 (``"bf16"``) with FP32 islands.
@@ -107,8 +138,9 @@ def convert_float16(model: onnx.ModelProto, *, dtype: str = "fp16", island_ops: 
             Scan) are always islands, their bodies unchanged.
         keep_fp32_nodes: extra node names computed in FP32 (e.g. layers the accuracy gate raised).
     Returns:
-        (model, report) — report lists ``fp32_nodes`` (names of island nodes), ``casts_inserted``, ``clamped``
-        (initializer values clamped to the 16-bit range).
+        (model, report) — report lists ``fp32_nodes`` (names of island nodes), ``fp32_untyped_nodes`` (those among
+        them because ONNX's schema at the model's opset has no 16-bit type for them: :func:`_refuses`),
+        ``casts_inserted``, ``clamped`` (initializer values clamped to the 16-bit range).
     Raises:
         QuantizationError for an unknown dtype or a model that is not fp32.
     """
@@ -133,6 +165,9 @@ def convert_float16(model: onnx.ModelProto, *, dtype: str = "fp16", island_ops: 
     is_float = lambda name: bool(name) and types.get(name) == TensorProto.FLOAT  # noqa: E731
     keep = set(keep_fp32_nodes or [])
     island = {n.name for n in g.node if n.op_type in island_ops or n.name in keep or _subgraphs(n)}
+    opsets = {o.domain or "": o.version for o in m.opset_import}
+    untyped = {n.name for n in g.node if n.name not in island and _refuses(n, low, opsets, is_float)}
+    island |= untyped
     # what each control-flow node's bodies read from the main graph (float only): read in FP32, like an island input
     implicit = {n.name: [t for t in _outer_reads_of(n) if is_float(t)] for n in g.node if _subgraphs(n)}
     consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
@@ -229,5 +264,5 @@ def convert_float16(model: onnx.ModelProto, *, dtype: str = "fp16", island_ops: 
     g.node.extend(new_nodes)
     del g.value_info[:]
     report = {"precision": dtype, "fp32_nodes": sorted(island), "fp32_initializers": sorted(keep_init),
-              "casts_inserted": casts, "clamped": clamped}
+              "casts_inserted": casts, "clamped": clamped, "fp32_untyped_nodes": sorted(untyped)}
     return m, report

@@ -20,6 +20,37 @@ from .fit import fit_target
 from .measure import latency_threads, measure_latency, measure_latency_side_by_side
 
 AUTO_MIN_SPEEDUP = 1.10  # ... and, choosing by latency, only compressed variants ≥ 10 % faster than fp32 at b1 p50
+# auto tries int4 only when the weights INT4 converts (MatMul/Gemm weight initializers, and word-embedding tables
+# unless --no-embeddings) are at least this share of the model's float initializer bytes: INT4 is weight-only for
+# GEMMs (TensorRT's too), Conv stays float. Measured on a small CNN (2 Conv + BN + Linear(32, 10), jetson): 5.9 %
+# (1280 of 21672 bytes); its "int4" was 0.972x the fp32 size with both Convs fp32, INT8 Q/DQ 0.455x at cosine
+# 0.99999. A 3-Gemm MLP is 99.4 %; a BERT ~100 % (its word-embedding table counts when INT4 converts it).
+AUTO_INT4_MIN_WEIGHT_SHARE = 0.50
+
+
+def int4_weight_share(path: Path, tables: bool) -> tuple[float, int, int]:
+    """``(share, int4_bytes, float_bytes)`` of the ONNX model at ``path``: the bytes of the float32 initializers INT4
+    would convert (``find_weight_sites``: MatMul/Gemm 2-D weights, with ``tables`` the word-embedding Gather tables),
+    over the bytes of its float32 initializers (share 0.0 when it has none), lookup tables that only Gather nodes read
+    and INT4 leaves float not counted (e.g. with ``--no-embeddings`` a BERT's tables: no compute runs on them).
+    Reads no external data."""
+    import onnx
+    from onnx import TensorProto
+
+    from ..quantize.int4 import find_weight_sites
+
+    model = onnx.load(str(path), load_external_data=False)
+    size = {t.name: 4 * int(np.prod(t.dims, dtype=np.int64)) for t in model.graph.initializer
+            if t.data_type == TensorProto.FLOAT}
+    sites = {s.name for s in find_weight_sites(model, embeddings=tables)}
+    reads: dict[str, set[tuple[str, int]]] = {}
+    for n in model.graph.node:
+        for j, i in enumerate(n.input):
+            reads.setdefault(i, set()).add((n.op_type, j))
+    lookup = {name for name in size if name not in sites and reads.get(name) == {("Gather", 0)}}
+    int4_bytes = sum(size[name] for name in sites if name in size)
+    total = sum(b for name, b in size.items() if name not in lookup)
+    return (int4_bytes / total if total else 0.0), int4_bytes, total
 
 
 def choose_auto(plan: BuildPlan, exported: Exported, reference_onnx: Path, work: Path,
@@ -33,7 +64,8 @@ def choose_auto(plan: BuildPlan, exported: Exported, reference_onnx: Path, work:
     a compressed one only when it is at least ``AUTO_MIN_SPEEDUP`` × faster than fp32 (within measurement noise the
     exact model wins; e.g. INT8 Q/DQ Conv3d runs slower than fp32 on ORT CPU, so a 3-D CNN stays fp32). Other
     targets keep the first accurate one in their order. A candidate whose compressor refuses the model, or that
-    quantized no layer of it (``check_converted``), is skipped and said.
+    quantized no layer of it (``check_converted``), is skipped and said; so is int4, unbuilt, when the weights it
+    converts are under ``AUTO_INT4_MIN_WEIGHT_SHARE`` of the model's (``int4_weight_share``: e.g. a CNN's Convs).
 
     Returns:
         (chosen precision, measured candidates by precision, the choice's record for report.json: rule, candidates
@@ -56,6 +88,15 @@ def choose_auto(plan: BuildPlan, exported: Exported, reference_onnx: Path, work:
     record: dict[str, Any] = {"rule": rule, "candidates": []}
     skipped: list[dict[str, Any]] = []
     for p in order:
+        if p == "int4":
+            share, int4_bytes, float_bytes = int4_weight_share(exported.path, opts.embeddings)
+            if share < AUTO_INT4_MIN_WEIGHT_SHARE:
+                why = (f"INT4 converts MatMul/Gemm weights{' and word-embedding tables' if opts.embeddings else ''} "
+                       f"only, {share:.1%} of this model's float weight bytes ({int4_bytes} of {float_bytes}; "
+                       f"auto needs >= {AUTO_INT4_MIN_WEIGHT_SHARE:.0%}): the rest (e.g. Conv) would stay float")
+                skipped.append({"precision": p, "skipped": why, "int4_weight_share": round(share, 4)})
+                log(f"auto candidate {p}: skipped ({why})")
+                continue
         try:
             comp = check_converted(COMPRESSORS[p](exported, work, plan, source), source, asked=False)
             opset = fit_target(comp.path, target)
@@ -64,7 +105,7 @@ def choose_auto(plan: BuildPlan, exported: Exported, reference_onnx: Path, work:
             log(f"auto candidate {p}: skipped ({e})")
             continue
         try:
-            acc = compare_models(reference_onnx, comp.path, validation, task=source.task)
+            acc = compare_models(reference_onnx, comp.path, validation, task=source.task, output=opts.gate_output)
         except DsedgeError as e:  # e.g. BF16 Add has no ORT CPU kernel: it cannot be validated on this host
             skipped.append({"precision": p, "skipped": f"cannot be validated on ORT CPU here: {e}"})
             log(f"auto candidate {p}: skipped (cannot be validated on ORT CPU here: {e})")
