@@ -103,6 +103,10 @@ def model_files_size(path: Path, format: str | None = None) -> int:
               help="static = W8A8 Q/DQ (TensorRT and ORT); dynamic = ORT CPU only.")
 @click.option("--smooth-alpha", type=FiniteFloat(0, 1), default=None,
               help="INT8 static: SmoothQuant (arXiv:2211.10438) with this alpha first (e.g. 0.5).")
+@click.option("--float-bias", is_flag=True,
+              help="INT8 static: keep Conv/Gemm biases float, as TensorRT's ONNX parser needs (it refuses the INT32 "
+              "bias DequantizeLinear written by default, which ORT CPU fuses into QLinearConv); dsedge build does "
+              "this for TensorRT targets.")
 @click.option("--nodes", help="Comma-separated node names to quantize (default: all MatMul/Gemm weights).")
 @click.option("--embeddings/--no-embeddings", default=None,
               help="INT4: word-embedding tables (Gather tables of 1024+ rows) INT4 too, blockwise along the hidden "
@@ -114,10 +118,11 @@ def model_files_size(path: Path, format: str | None = None) -> int:
 def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset: str | None, list_presets: bool,
              precision: str, algorithm: str, block_size: int, asymmetric: bool, calib: Path | None,
              heldout: Path | None, gate: str | None, method: str, int8_mode: str, smooth_alpha: float | None,
-             nodes: str | None, embeddings: bool | None, gate_output: str | None, report_path: Path | None,
+             float_bias: bool, nodes: str | None, embeddings: bool | None, gate_output: str | None, report_path: Path | None,
              as_json: bool) -> None:
     """Quantize an ONNX MODEL and write the result to --output (written atomically)."""
     from ..config import check_heldout_is_not_calibration
+    from ..quantize.calibration import npz_files
     from ..quantize.compress import Calibration, compress, compress_int4_with_tables
 
     if list_presets:
@@ -134,7 +139,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
         algorithm = "gptq" if calib is not None else "rtn"
     chosen = _preset_from_flags(ctx, preset, precision=precision, algorithm=algorithm, block_size=block_size,
                                 asymmetric=asymmetric, gate=gate, method=method, int8_mode=int8_mode,
-                                smooth_alpha=smooth_alpha, nodes=nodes)
+                                smooth_alpha=smooth_alpha, nodes=nodes, float_bias=float_bias)
     _check_flags_apply(ctx, chosen)
     tables_too = chosen.precision == "int4" and (embeddings if embeddings is not None else chosen.nodes is None)
     if chosen.nodes is not None and chosen.precision != "int4":
@@ -148,6 +153,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
         if heldout is None:
             raise SourceError("--accuracy-gate needs --heldout data", "pass --heldout DIR_OR_NPZ")
         check_heldout_is_not_calibration(calib, heldout)
+        npz_files(heldout, "held-out")  # missing, or a directory without .npz: said before any work, as held-out
     m = _load(model)
     outputs = [o.name for o in m.graph.output]
     if gate_output is not None and not chosen.accuracy_gate:
@@ -156,6 +162,8 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
     if gate_output is not None and gate_output not in outputs:
         raise ConfigError(f"--gate-output {gate_output!r} is not an output of {model.name}",
                           f"outputs: {', '.join(outputs)}")
+    if chosen.precision == "int4":
+        _refuse_nothing_for_int4(m, model, tables_too)
     gated = gate_output if gate_output is not None else 0
     source_size = model_files_size(model)  # before writing: -o may be MODEL itself; external data files included
     # INT4 and INT8 static search for the layers to keep higher; every other precision is checked once, after
@@ -193,6 +201,28 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
         click.echo(json.dumps(report, default=float))
 
 
+def _refuse_nothing_for_int4(m, model: Path, tables: bool) -> None:  # type: ignore[no-untyped-def]
+    """INT4 converts float MatMul/Gemm weight initializers and, with ``tables``, word-embedding tables (Gather tables
+    of 1024+ rows); a model with neither (a pure CNN) would be written unquantized under the name "int4".
+
+    Raises:
+        QuantizationError: nothing INT4 converts (a quantized or fp16 model has its own message, first).
+    """
+    from ..quantize.graph import layer_coverage, refuse_quantized
+    from ..quantize.int4 import find_weight_sites
+
+    refuse_quantized(m)  # as compress would: "already quantized" is the reason then
+    if find_weight_sites(m, embeddings=tables):
+        return
+    _, float_layers = layer_coverage(m)
+    still = ", ".join(f"{c} {op}" for op, c in sorted(float_layers.items()))
+    raise QuantizationError(
+        f"int4 has nothing to quantize in {model.name}: it converts MatMul/Gemm weights"
+        + (" and word-embedding tables" if tables else "") + " given as float initializers, and the model has none"
+        + (f" (its weight layers: {still})" if still else ""),
+        "quantize a CNN (Conv layers) with --precision int8 (W8A8, needs --calib data), or use --precision fp16")
+
+
 def _check_gate(source, compressed, preset, heldout: Path, output: int | str = 0) -> dict:  # type: ignore[no-untyped-def]
     """``--accuracy-gate`` on a precision without a gated search (FP16/BF16, dynamic/row-wise/weight-only INT8):
     the compressed model vs the source on the held-out inputs. Returns ``{"gate", "gate_values"}``.
@@ -217,29 +247,38 @@ def _check_gate(source, compressed, preset, heldout: Path, output: int | str = 0
 
 def _check_flags_apply(ctx: click.Context, chosen) -> None:  # type: ignore[no-untyped-def]
     """Refuse flags given on the command line that the chosen preset would ignore without a word (``--nodes`` has
-    its own message)."""
+    its own message): ConfigError naming the flag."""
     static8 = chosen.precision == "int8" and chosen.algorithm == "static"
+    if chosen.accuracy_gate is None and ctx.get_parameter_source("heldout") in (ParameterSource.COMMANDLINE,
+                                                                                 ParameterSource.ENVIRONMENT):
+        raise ConfigError("--heldout is the data --accuracy-gate measures, and no gate was given: it would not be read",
+                          "add --accuracy-gate (e.g. cosine:0.99), or drop --heldout")
     applies = {"block_size": ("INT4", chosen.precision == "int4"),
                "algorithm": ("INT4", chosen.precision == "int4"),
                "smooth_alpha": ("INT8 static", static8), "method": ("INT8 static", static8),
+               "float_bias": ("INT8 static", static8),
                "int8_mode": ("INT8", chosen.precision == "int8"),
                # INT8's quantizers write symmetric weights (zero points 0) whatever the flag: INT4 only
                "asymmetric": ("INT4", chosen.precision == "int4"),
-               "embeddings": ("INT4", chosen.precision == "int4")}
+               "embeddings": ("INT4", chosen.precision == "int4"),
+               # INT8 dynamic/row-wise scale activations at run time, INT8 weight-only and FP16/BF16 read no data
+               "calib": ("INT4 and INT8 static", chosen.precision == "int4" or static8)}
+    why = {"calib": ": it reads no calibration data"}
     # the algorithm only where a precision has several ("bf16 (bf16 float16)" named the converter's registry key)
     run = chosen.precision + (f" {chosen.algorithm}" if chosen.precision in ("int4", "int8") else "")
     for param, (what, ok) in applies.items():
         if not ok and ctx.get_parameter_source(param) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
             flag = "--" + ("no-" if ctx.params.get(param) is False and param == "embeddings" else "") \
                 + param.replace("_", "-")
-            raise ConfigError(f"{flag} applies to {what} quantization, and this run is {chosen.name} ({run})",
+            raise ConfigError(f"{flag} applies to {what} quantization, and this run is {chosen.name} ({run})"
+                              + why.get(param, ""),
                               f"drop {flag}, or pick a preset or --precision it applies to "
                               "(dsedge quantize --list-presets)")
 
 
 def _preset_from_flags(ctx: click.Context, name: str | None, *, precision: str, algorithm: str, block_size: int,
                        asymmetric: bool, gate: str | None, method: str, int8_mode: str, smooth_alpha: float | None,
-                       nodes: str | None):  # type: ignore[no-untyped-def]
+                       nodes: str | None, float_bias: bool = False):  # type: ignore[no-untyped-def]
     """The preset to run: ``--preset NAME`` with the flags given on the command line over it, or, without
     ``--preset``, the preset the flags name (``int4-ALGORITHM``, ``int8-static``, ``int8-dynamic``, ``fp16``,
     ``bf16``) with every flag applied."""
@@ -270,6 +309,8 @@ def _preset_from_flags(ctx: click.Context, name: str | None, *, precision: str, 
         changes["method"] = method
     if given("smooth_alpha"):
         changes["smooth_alpha"] = smooth_alpha
+    if given("float_bias") and float_bias:
+        changes["quantize_bias"] = False
     if given("nodes"):
         changes["nodes"] = tuple(n.strip() for n in nodes.split(",") if n.strip()) if nodes else None
     return base.replace(**changes)

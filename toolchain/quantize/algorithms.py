@@ -68,7 +68,7 @@ def _int4_weight_only(model: Any, preset: "Preset", calib: "Calibration") -> tup
         return quantize_mixed(model, calib.data, gate=preset.accuracy_gate, heldout=calib.heldout,
                               algorithm=preset.algorithm, block_size=preset.block_size, symmetric=preset.symmetric,
                               nodes=nodes, on_step=calib.on_step, output=calib.output, reference=calib.reference,
-                              top1=calib.top1)
+                              top1=calib.top1, tables=calib.float_tables)
     from .weight_only import quantize_weight_only
 
     return quantize_weight_only(model, calib.data, algorithm=preset.algorithm, block_size=preset.block_size,
@@ -83,11 +83,13 @@ def _int8_static(model: Any, preset: "Preset", calib: "Calibration") -> tuple[An
 
         return quantize_int8_gated(model, calib.data, gate=preset.accuracy_gate, heldout=calib.heldout,
                                    method=preset.method, smooth_alpha=preset.smooth_alpha, output=calib.output,
-                                   on_step=calib.on_step, reference=calib.reference, top1=calib.top1)
+                                   on_step=calib.on_step, reference=calib.reference, top1=calib.top1,
+                                   quantize_bias=preset.quantize_bias)
     from .int8 import quantize_int8_static
 
     exclude = {"nodes_to_exclude": list(preset.exclude)} if preset.exclude is not None else {}
-    return quantize_int8_static(model, calib.data, method=preset.method, smooth_alpha=preset.smooth_alpha, **exclude)
+    return quantize_int8_static(model, calib.data, method=preset.method, smooth_alpha=preset.smooth_alpha,
+                                quantize_bias=preset.quantize_bias, **exclude)
 
 
 def _int8_dynamic(model: Any, preset: "Preset", calib: "Calibration") -> tuple[Any, dict[str, Any]]:

@@ -44,14 +44,28 @@ def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def ensure_qdq_opset(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Model at default-domain opset >= 21 and IR >= 10 (blockwise DequantizeLinear and INT4 need both).
+INT8_QDQ_OPSET = 13  # per-channel DequantizeLinear (its ``axis``) since opset 13; TensorRT 8.5 (Xavier) reads <= 17
 
-    ``onnx.version_converter`` leaves IR 8 behind, so the IR version is raised explicitly.
+
+def ensure_qdq_opset(model: onnx.ModelProto, minimum: int = 21) -> onnx.ModelProto:
+    """Model at default-domain opset >= ``minimum``; a model already there is returned as it is.
+
+    ``minimum=21`` (INT4): blockwise DequantizeLinear and INT4 need opset 21 and IR >= 10 (``onnx.version_converter``
+    leaves IR 8 behind, so the IR version is raised explicitly). ``minimum=INT8_QDQ_OPSET`` (INT8 Q/DQ, SmoothQuant):
+    per-channel DequantizeLinear needs 13, and a model at 13–20 keeps its opset, so an INT8 variant still fits a
+    target that reads opset <= 17 (raising an opset-17 BERT to 21 could not come back down: the converter has no
+    ConstantOfShape adapter from 21 to 20).
     """
-    from .int4 import ensure_opset21
+    if minimum >= 21:
+        from .int4 import ensure_opset21
 
-    return ensure_opset21(model)
+        return ensure_opset21(model)
+    version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if version >= minimum:
+        return model
+    from onnx import version_converter
+
+    return version_converter.convert_version(model, minimum)
 
 
 def initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:

@@ -84,12 +84,12 @@ def smooth_quant(model: onnx.ModelProto, batches: list[Batch], *, alpha: float =
     For each group of MatMul/Gemm layers reading the same activation ``X`` ``[rows, K]``, per input channel
     ``s_k = max|X_k|^alpha / max|W_k,:|^(1-alpha)``; the weights become ``diag(s) W`` and a ``Mul(X, 1/s)`` is
     inserted (the float function is unchanged), so per-tensor activation quantization no longer wastes its range on
-    a few outlier channels. Returns (model at opset 21, report with the smoothed groups).
+    a few outlier channels. Returns (model at opset >= 13, its own if higher; report with the smoothed groups).
     """
     from .calibration import collect_activations
-    from .graph import ensure_qdq_opset, insert_input_scale, select_layers, set_weight, weight_kn
+    from .graph import INT8_QDQ_OPSET, ensure_qdq_opset, insert_input_scale, select_layers, set_weight, weight_kn
 
-    out = ensure_qdq_opset(name_nodes(_copy(model)))
+    out = ensure_qdq_opset(name_nodes(_copy(model)), INT8_QDQ_OPSET)
     layers = select_layers(out, nodes)
     acts = collect_activations(out, batches, sorted({lay.activation for lay in layers}))
     groups: dict[str, list] = {}
@@ -155,7 +155,7 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
                          percentile: float = 99.999, per_channel: bool = True, symmetric_activations: bool = True,
                          op_types: tuple[str, ...] = DEFAULT_OP_TYPES, nodes_to_exclude: list[str] | None = None,
                          weights_only_matmul: bool = True, smooth_alpha: float | None = None,
-                         ) -> tuple[onnx.ModelProto, dict]:
+                         quantize_bias: bool = True) -> tuple[onnx.ModelProto, dict]:
     """W8A8 Q/DQ model from an fp32 ONNX model and a calibration set.
 
     Args:
@@ -167,6 +167,10 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
         smooth_alpha: apply :func:`smooth_quant` with this alpha first (0.5 in the paper; None = off).
         weights_only_matmul: keep MatMuls of two activations (attention scores, attention x V) in float; per-tensor
             INT8 there costs most of the accuracy of transformer encoders.
+        quantize_bias: Conv/Gemm biases as INT32 DequantizeLinear (scale = input scale × weight scale), what ORT CPU
+            needs to fuse DQ → Conv → Q into QLinearConv. False keeps them float32 initializers: TensorRT's ONNX
+            parser refuses an INT32 DequantizeLinear input (only activation types may feed one; TensorRT adds the
+            float bias after the INT8 GEMM/convolution itself), so every TensorRT target needs False.
     Returns:
         (quantized model, report with method, counts of QuantizeLinear/DequantizeLinear and the op types done).
     Raises:
@@ -193,7 +197,7 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
     # consumer, so bias Adds, residual Adds and LayerNorms read float tensors (W8A8 MiniLM: cosine 0.85 -> 0.98).
     # Conv keeps its output Q/DQ: ORT CPU then fuses DQ -> Conv -> Q into QLinearConv.
     extra = {"ActivationSymmetric": symmetric_activations, "WeightSymmetric": True,
-             "CalibMovingAverage": False, "DedicatedQDQPair": True,
+             "CalibMovingAverage": False, "DedicatedQDQPair": True, "QuantizeBias": quantize_bias,
              "OpTypesToExcludeOutputQuantization": [t for t in op_types if t in ("MatMul", "Gemm")]}
     if method == "percentile":
         extra["CalibPercentile"] = percentile
@@ -221,6 +225,7 @@ def quantize_int8_static(model: onnx.ModelProto, calibration: CalibrationSource 
     counts = Counter(n.op_type for n in out.graph.node)
     report = {"precision": "int8", "mode": "static", "method": method, "per_channel": per_channel,
               "symmetric_activations": symmetric_activations, "calibration_batches": len(batches),
+              "bias": "int32" if quantize_bias else "float",
               "quantize_linear": counts.get("QuantizeLinear", 0),
               "dequantize_linear": counts.get("DequantizeLinear", 0), "op_types": list(op_types),
               "excluded": list(nodes_to_exclude or []), "smooth_quant": smooth,

@@ -26,7 +26,7 @@ import onnx
 from ...runtime.errors import AccuracyGateError, ConfigError
 from .calibration import CalibrationSource, load_calibration
 from .float_restore import restore_float_initializer
-from .graph import ensure_qdq_opset, name_nodes
+from .graph import INT8_QDQ_OPSET, ensure_qdq_opset, name_nodes
 from .int8 import _copy, quantize_int8_static, smooth_quant
 from .mixed import AccuracyGate, GateCheck
 
@@ -90,7 +90,8 @@ def quantize_int8_gated(model: onnx.ModelProto, calibration: CalibrationSource |
                         metric: Callable[[onnx.ModelProto], float | dict[str, float]] | None = None,
                         output: int | str = 0, smooth_alpha: float | None = 0.5, method: str = "minmax",
                         on_step: Callable[[str], None] | None = None,
-                        reference: onnx.ModelProto | None = None, top1: str = "argmax") -> tuple[onnx.ModelProto, dict]:
+                        reference: onnx.ModelProto | None = None, top1: str = "argmax",
+                        quantize_bias: bool = True) -> tuple[onnx.ModelProto, dict]:
     """W8A8 explicit Q/DQ model whose most sensitive layers stay float until ``gate`` passes.
 
     Args:
@@ -103,6 +104,7 @@ def quantize_int8_gated(model: onnx.ModelProto, calibration: CalibrationSource |
         method: activation range calibration, ``minmax`` | ``entropy`` | ``percentile``.
         reference: the model the built-in metric compares with (default ``model``), e.g. the original model when
             ``model`` is a pruned or QAT-tuned student of it.
+        quantize_bias: as in :func:`.int8.quantize_int8_static` (False for TensorRT: float biases).
     Returns:
         (model, report): report["kept_float"] lists ``{node, sensitivity, rank, value_after, reason}``,
         report["values_all_int8"] / ["values"] the gate metrics before and after.
@@ -116,11 +118,11 @@ def quantize_int8_gated(model: onnx.ModelProto, calibration: CalibrationSource |
     measure, passes, show = check.measure, check.passes, check.show
     log = on_step or (lambda msg: None)
 
-    base = ensure_qdq_opset(name_nodes(_copy(model)))
+    base = ensure_qdq_opset(name_nodes(_copy(model)), INT8_QDQ_OPSET)
     smooth = None
     if smooth_alpha is not None:
         base, smooth = smooth_quant(base, load_calibration(base, calibration), alpha=smooth_alpha)
-    q, report = quantize_int8_static(base, calibration, method=method)
+    q, report = quantize_int8_static(base, calibration, method=method, quantize_bias=quantize_bias)
     report["smooth_quant"] = smooth
     values = base_values = measure(q)
     log(f"all int8 (W8A8, {method}): {show(values)}")

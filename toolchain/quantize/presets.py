@@ -34,6 +34,8 @@ class Preset:
         smooth_alpha: INT8 static: SmoothQuant (arXiv:2211.10438) with this migration strength first.
         nodes: only these node names (None: every MatMul/Gemm weight).
         exclude: INT8 static: node names kept float.
+        quantize_bias: INT8 static: Conv/Gemm biases as INT32 DequantizeLinear (ORT CPU's QLinearConv needs them);
+            False keeps them float, as TensorRT's ONNX parser requires (``dsedge build`` sets it for TensorRT targets).
         clip_search: INT4: per-block MSE clip search of the scales (False: plain absmax, what QAT trained for).
         fuse: INT8 dynamic: ORT transformer fusion applied first (``bert`` or None).
         description: one line for ``--list-presets``.
@@ -49,6 +51,7 @@ class Preset:
     smooth_alpha: float | None = None
     nodes: tuple[str, ...] | None = None
     exclude: tuple[str, ...] | None = None
+    quantize_bias: bool = True
     clip_search: bool = True
     fuse: str | None = "bert"
     description: str = ""

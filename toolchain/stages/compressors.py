@@ -56,8 +56,16 @@ def _calibration(source: Any, what: str) -> Any:
     return source.calibration
 
 
-def _embedding_output(exported: Any, source: Any) -> int | str:
+def _embedding_output(exported: Any, source: Any, gate_output: str | None = None) -> int | str:
+    """The output the INT4/INT8 accuracy gates measure: ``gate_output`` (``--gate-output``) when given, else a
+    sentence encoder's ``sentence_embedding``, else the first (index 0). Raises ConfigError when the model has no
+    output ``gate_output``."""
+    from ..evaluate import check_gate_output
+
     names = [o.name for o in exported.outputs]
+    if gate_output is not None:
+        check_gate_output(gate_output, names, exported.path.name)
+        return gate_output
     if source.task == "sentence-embedding" and "sentence_embedding" in names:
         return "sentence_embedding"
     return 0
@@ -101,8 +109,8 @@ def compress_int4(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
         out = compress_int4_with_tables(
             model, preset.replace(accuracy_gate=gate),
             Calibration(calib, heldout=heldout, reference=_gate_reference(exported, model),
-                        output=_embedding_output(exported, source), top1=_top1(source)), tables=opts.embeddings,
-            symmetric_tables=symmetric_tables)
+                        output=_embedding_output(exported, source, opts.gate_output), top1=_top1(source)),
+            tables=opts.embeddings, symmetric_tables=symmetric_tables)
     else:
         out = compress_int4_with_tables(model, preset.replace(clip_search=not qat), Calibration(calib),
                                         tables=opts.embeddings, symmetric_tables=symmetric_tables)
@@ -229,7 +237,8 @@ def compress_int8(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
 
     - CNNs (any Conv node), every target: W8A8 explicit Q/DQ, per-channel weights (axis 0 = output channel),
       per-tensor symmetric activations calibrated with MinMax on ``source.calibration``, Q/DQ on the inputs and
-      outputs of each Conv/Gemm (ORT CPU then runs QLinearConv), the model's outputs kept float, and the Conv(s)
+      outputs of each Conv/Gemm (ORT CPU then runs QLinearConv; on TensorRT targets biases stay float, since its
+      parser refuses INT32 DequantizeLinear inputs), the model's outputs kept float, and the Conv(s)
       reading the model input kept float (``INPUT_CONV_REASON``; listed in the report's layers). No SmoothQuant (it
       acts on MatMul/Gemm only). Calibration data is required (CalibrationError otherwise).
     - Other models on ORT targets (cpu): dynamic INT8 with per-row activation scales after ORT's transformer
@@ -246,10 +255,12 @@ def compress_int8(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
     model = onnx.load(os.fspath(exported.path))
     calib = source.calibration
     heldout = source.validation
+    # TensorRT's ONNX parser refuses INT32 (quantized bias) DequantizeLinear inputs: float biases there
+    float_bias = {"quantize_bias": False} if target.backend == "tensorrt" else {}
     if has_conv(model):
         name_nodes(model)
         stem = input_convs(model)
-        out = compress(model, get_preset("int8-static").replace(exclude=tuple(stem)),
+        out = compress(model, get_preset("int8-static").replace(exclude=tuple(stem), **float_bias),
                        Calibration(_calibration(source, "INT8 Q/DQ of a CNN (Conv)")))
         q, details = out.model, out.details
         details["form"] = "W8A8 explicit Q/DQ (CNN): per-channel weights, per-tensor activations, MinMax"
@@ -265,12 +276,12 @@ def compress_int8(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
         details["fusion_export"] = "torchscript (parity-checked)" if fused is not None else "none"
     elif calib is not None and heldout is not None:
         gate = opts.accuracy_gate or DEFAULT_INT8_GATE
-        out = compress(model, get_preset("int8-smoothquant").replace(accuracy_gate=gate),
+        out = compress(model, get_preset("int8-smoothquant").replace(accuracy_gate=gate, **float_bias),
                        Calibration(calib, heldout=heldout, reference=_gate_reference(exported, model),
-                                   output=_embedding_output(exported, source), top1=_top1(source)))
+                                   output=_embedding_output(exported, source, opts.gate_output), top1=_top1(source)))
         q, details = out.model, out.details
     elif calib is not None:
-        out = compress(model, "int8-smoothquant", Calibration(calib))
+        out = compress(model, get_preset("int8-smoothquant").replace(**float_bias), Calibration(calib))
         q, details = out.model, out.details
     elif plan.chosen_for_user("int8"):
         # int8 chosen for the user (auto, or --fallback from int4) and no calibration data:
@@ -280,7 +291,8 @@ def compress_int8(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
         details["note"] = ("no calibration data: INT8 weight-only (W8A16 per-channel Q/DQ); pass --calib for "
                            "W8A8 with calibrated activations")
     else:
-        out = compress(model, "int8-static", Calibration(_calibration(source, "INT8 W8A8")))
+        out = compress(model, get_preset("int8-static").replace(**float_bias),
+                       Calibration(_calibration(source, "INT8 W8A8")))
         q, details = out.model, out.details
     if source.calibration_kind:
         details["calibration"] = source.calibration_kind
