@@ -4,7 +4,9 @@ same student in plain PyTorch fp32 eager, same windows, same batch size, same th
     python benchmarks/ct_sliding_window.py [--bundle runs/bundles/student-cpu-fp32] [--run runs/ct-student]
 
 Goal (issue 9): bundle ≥ 2× faster than torch fp32 at equal sensitivity. Prints the ratio; timings on a shared
-machine are noisy, so each scan is timed ``--repeats`` times and the fastest pass is kept.
+machine are noisy, so after one untimed warm-up pass per model each scan is timed ``--repeats`` times, the models'
+order reversed each round, and the median pass is kept (the sliding window alone; detection is timed apart:
+samples/ct/evaluate.py).
 """
 from __future__ import annotations
 

@@ -433,6 +433,71 @@ def test_bundle_sliding_window_matches_torch_and_reports(student_bundle, scan, t
     assert [s["licence"].split(" ")[0] for s in SOURCES] == ["CC", "Apache-2.0"]
 
 
+@pytest.mark.slow
+def test_evaluate_warms_up_alternates_and_times_the_same_work(student_bundle, scan, tmp_path, monkeypatch):
+    """Found by a user: held-out scans were timed once with no warm-up, always in the same model order (torch right
+    after a bundle or the reverse), with detection time added in. Now: one untimed pass per model, then rounds in
+    alternating order, the median of the sliding window alone."""
+    from safetensors.torch import save_file
+
+    import samples.ct.evaluate as ev
+    from samples.ct.model import student_source
+
+    run = tmp_path / "run" / "final"                    # a finished "dsedge train" run of the bundle's own model
+    run.mkdir(parents=True)
+    (run / "model.json").write_text(json.dumps({"factory": "samples.ct.model:make_student", "kwargs": {}}))
+    save_file({k: v.contiguous() for k, v in student_source()[0].state_dict().items()}, str(run / "model.safetensors"))
+    calls = []                                          # (runner, timed seconds) in call order
+
+    def recorded(run_batch, *a, **k):
+        prob, st = sliding_window(run_batch, *a, **k)
+        calls.append((run_batch, st["seconds"]))
+        return prob, st
+
+    monkeypatch.setattr(ev, "sliding_window", recorded)
+    entries = [ev.ModelEntry("bundle", "bundle", str(student_bundle)),
+               ev.ModelEntry("torch", "torch", str(tmp_path / "run"), batch_from="bundle")]
+    models = ev.evaluate(entries, [scan, scan], threads=2, repeats=2,
+                         batch_sizes={"bundle": 8, "torch": 8})["models"]
+    name = {calls[0][0]: "bundle", calls[1][0]: "torch"}  # the warm-up runs the entries in list order
+    assert [name[r] for r, _ in calls] == (["bundle", "torch"]                       # warm-up, untimed
+                                           + ["bundle", "torch", "torch", "bundle"] * 2)  # scan 1, scan 2: alternating
+    for e, m in models.items():
+        timed = [t for r, t in calls[2:] if name[r] == e]
+        assert [t for st in m["per_scan"] for t in st["seconds_passes"]] == timed and m["timed_passes"] == 4
+        # the median of the sliding-window passes alone: detection is timed apart and not added in
+        assert m["volume_seconds_median"] == round(float(np.median(timed)), 4)
+        assert m["per_scan"][0]["seconds"] == round(float(np.median(timed[:2])), 4)
+        assert m["detect_seconds_median"] > 0 and "detection excluded" in m["timing"]
+        assert m["froc"]["lesions"] == 6                   # detections of both scans scored once each
+    assert models["bundle"]["froc"]["cpm"] == models["torch"]["froc"]["cpm"]  # same model: same detections
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        ev.evaluate(entries[:1], [scan], repeats=0)
+
+
+@pytest.mark.parametrize("args, quiet, every", [((), False, 30.0), (("-q", "--every", "5"), True, 5.0)])
+def test_train_follows_each_runs_log_for_progress_lines(monkeypatch, args, quiet, every):
+    """Found by a user: `python -m samples.ct train` captured dsedge's output and printed nothing for minutes. Each
+    command now runs with progress lines from its run's metrics.jsonl (samples.progress; tested on a real training
+    in test_sample_fraud.py); -q turns them off. The commands are recorded here, not run (minutes each)."""
+    from click.testing import CliRunner
+
+    import samples.progress
+    from samples.ct.__main__ import main
+
+    calls = []
+    monkeypatch.setattr(samples.progress, "run_training", lambda cmd, metrics, steps, label, **kw:
+                        calls.append((cmd[3:], metrics, steps, label, kw)) or 0)
+    r = CliRunner().invoke(main, ["train", *args])
+    assert r.exit_code == 0, r.output
+    here = REPO / "samples" / "ct"
+    assert calls == [
+        (["train", "-q", str(here / "teacher.toml")], Path("runs/ct-teacher/metrics.jsonl"), 240, "teacher",
+         {"interval_s": every, "quiet": quiet}),
+        (["distill", "-q", str(here / "student.toml")], Path("runs/ct-student/metrics.jsonl"), 160, "student",
+         {"interval_s": every, "quiet": quiet})]
+
+
 def test_device_side_modules_import_without_torch():
     """Reading, preprocessing, sliding window, NMS and FROC run where torch is absent (a Jetson image)."""
     code = ("import sys; sys.modules['torch'] = None\n"

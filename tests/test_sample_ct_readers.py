@@ -225,6 +225,42 @@ def test_a_nifti_affine_with_a_zero_voxel_size_is_refused(shared_data, tmp_path)
     assert e.value.hint
 
 
+@pytest.mark.parametrize("degrees", [20.0, 0.5, 0.05])
+def test_an_oblique_nifti_affine_is_refused_and_float_noise_is_not(shared_data, tmp_path, degrees):
+    """Found by a user: an affine rotated 20° about z was read silently as axis-aligned (the same array, no flag).
+    The pipeline only flips and transposes axes, so beyond OBLIQUE_TOL_DEG (0.1°) the volume is refused."""
+    import nibabel as nib
+
+    data, affine = _canonical(shared_data)
+    t = np.radians(degrees)
+    rot = np.array([[np.cos(t), -np.sin(t), 0.0], [np.sin(t), np.cos(t), 0.0], [0.0, 0.0, 1.0]])
+    aff = affine.copy()
+    aff[:3, :3] = rot @ affine[:3, :3]
+    nib.save(nib.Nifti1Image(data, aff), str(tmp_path / "o.nii.gz"))
+    if degrees > 0.1:                                   # samples.ct.nifti.OBLIQUE_TOL_DEG
+        with pytest.raises(SeriesError) as e:
+            read_nifti(tmp_path / "o.nii.gz")
+        assert str(e.value) == (f"{tmp_path / 'o.nii.gz'}: the NIfTI affine is oblique (a voxel axis is "
+                                f"{degrees:.2f}° off the patient axes, more than 0.1°); this sample reads "
+                                "axis-aligned volumes only")
+        assert "resample_to_output" in e.value.hint
+    else:                                               # within tolerance: read as the axis-aligned original
+        v = read_nifti(tmp_path / "o.nii.gz")
+        assert v.spacing_mm == (3.0, 3.0, 3.0)
+        np.testing.assert_array_equal(v.hu, read_nifti(shared_data / NIFTI).hu)
+
+
+def test_a_nifti_affine_with_two_axes_along_one_is_refused(tmp_path):
+    import nibabel as nib
+
+    aff = np.array([[3.0, 3.0, 0, 0], [0, 0.001, 0, 0], [0, 0, 3.0, 0], [0, 0, 0, 1]])
+    nib.save(nib.Nifti1Image(np.zeros((8, 8, 8), np.float32), aff), str(tmp_path / "d.nii.gz"))
+    with pytest.raises(SeriesError, match=r"d\.nii\.gz: the NIfTI affine points two voxel axes along the same "
+                                          r"patient axis") as e:
+        read_nifti(tmp_path / "d.nii.gz")
+    assert "set_sform" in e.value.hint
+
+
 def test_a_complex_nifti_is_refused(shared_data, tmp_path):
     """The imaginary part was dropped with only a numpy ComplexWarning."""
     import nibabel as nib

@@ -3,6 +3,8 @@ the baseline, a real bundle scored by the streaming scorer, malformed rows, the 
 from __future__ import annotations
 
 import json
+import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -324,6 +326,30 @@ def test_report_json_png_and_goals(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_the_p99_goal_counts_refused_requests_as_never_answered():
+    """Found by a user: a stream replay had 43 of 4,002 requests refused for budget, and the p99 goal (0.56 ms, met)
+    was taken over the 3,959 answered ones alone. A refused request now counts as never answered (+inf)."""
+    lat = latency_summary(np.full(3959, 0.5), refused=43)   # every answered request well within the 1 ms goal
+    assert (lat["count"], lat["refused"], lat["requests"]) == (3959, 43, 4002)
+    assert lat["p99_ms"] is None and lat["answered_p99_ms"] == 0.5 and lat["p50_ms"] == lat["p90_ms"] == 0.5
+    models = {"teacher": {"roc_auc": 0.96}, "student_compressed": {"roc_auc": 0.96}}
+    goal = check_goals(models, {"model": lat}, {})["single_stream_p99_ms"]
+    assert goal["met"] is False and goal["value"] is None and (goal["refused"], goal["requests"]) == (43, 4002)
+    assert goal["answered_p99_ms"] == 0.5 and "refused" in goal["rule"]
+    # 10 of 4,002 refused (0.25 %): the p99 is an answered request's, ranked among all 4,002
+    answered = np.linspace(0.1, 0.9, 3992)
+    few = latency_summary(answered[::-1], refused=10)
+    assert few["p99_ms"] == pytest.approx(np.percentile(np.r_[answered, np.full(10, 1e9)], 99))
+    assert few["p99_ms"] > np.percentile(answered, 99) == few["answered_p99_ms"]
+    goal = check_goals(models, {"model": few}, {})["single_stream_p99_ms"]
+    assert goal["met"] is True and goal["refused"] == 10
+    # every request refused: nothing answered, the goal is not met (not "not measured")
+    none = latency_summary([], refused=5)
+    assert none == {"count": 0, "refused": 5, "requests": 5}
+    assert check_goals(models, {"model": none}, {})["single_stream_p99_ms"]["met"] is False
+    assert latency_summary([1.0, 2.0])["p99_ms"] == pytest.approx(1.99)   # none refused: the plain percentile
+
+
 _FULL_DISK = """
 import errno, resource, signal, sys
 from pathlib import Path
@@ -424,6 +450,50 @@ every = 6
     np.testing.assert_allclose([s.score for s in scored], logits[:, 1] - logits[:, 0], atol=1e-5)
 
 
+def test_training_prints_progress_lines_from_the_runs_log(shared_data, tmp_path):
+    """Found by a user: `python -m samples.ct train` (and the fraud sample's training, with stderr not a terminal)
+    printed nothing for minutes. run_training follows the run's metrics.jsonl and prints step, loss, validation loss
+    and elapsed time; -q (quiet) prints none."""
+    from dsedge.toolchain.train.metrics import read_metrics
+    from samples.progress import run_training
+
+    csv = shared_data / CSV
+    (tmp_path / "t.toml").write_text(f"""
+out_dir = "{tmp_path / "run"}"
+seed = 0
+steps = 6
+[data]
+factory = "samples.fraud.datasets:make_datasets"
+kwargs = {{ csv = "{csv}", hash_buckets = 1000, max_rows = 512 }}
+batch_size = 64
+[loss]
+kind = "cross_entropy"
+[checkpoint]
+every = 6
+[model]
+factory = "samples.fraud.model:make_student"
+kwargs = {{ hidden = [8], embed_dim = 4, hash_buckets = 1000 }}
+input_names = ["dense", "sparse_ids"]
+output_names = ["logits"]
+""")
+    (tmp_path / "run").mkdir()                         # an earlier run's log: its records are not this run's
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 5, "loss": 9.0, "time": 1.0}\n')
+    lines: list[str] = []
+    cmd = [sys.executable, "-m", "dsedge", "train", "-q", str(tmp_path / "t.toml")]
+    assert run_training(cmd, tmp_path / "run" / "metrics.jsonl", 6, "student", interval_s=0.5, echo=lines.append) == 0
+    last = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    val = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+           if '"checkpoint"' in x][-1]["val_loss"]
+    assert last["step"] == 6 and lines, lines
+    assert re.fullmatch(rf"student: step 6/6 \(100 %\), loss {last['loss']:.4g}, val loss {val:.4g}, "
+                        r"elapsed \d+:\d\d", lines[-1]), lines
+    assert all(re.fullmatch(r"student: (preparing data|step [1-6]/6 .*), elapsed \d+:\d\d.*", x) for x in lines)
+    assert not any("loss 9" in x for x in lines)
+    quiet: list[str] = []                              # -q: no lines; a failing command's status comes back
+    bad = [sys.executable, "-m", "dsedge", "train", "-q", str(tmp_path / "missing.toml")]
+    assert run_training(bad, tmp_path / "none.jsonl", 6, "x", quiet=True, echo=quiet.append) == 2 and quiet == []
+
+
 def test_single_row_features_equal_the_batched_ones(frame, pre):
     from samples.fraud.data import FEATURE_COLUMNS
 
@@ -460,11 +530,21 @@ def test_run_out_puts_the_configs_runs_and_bundles_of_train_and_build_under_out(
     before = sorted(p for p in (repo / "out").rglob("*")) if (repo / "out").exists() else []
     calls: list[tuple[str, ...]] = []
     monkeypatch.setattr(run, "dsedge_cli", lambda *args: calls.append(args))
+    followed: list[tuple] = []                          # train/distill run with progress lines from their logs
+
+    def training(cmd, metrics, steps, label, **kw):
+        calls.append(tuple(cmd[3:]))
+        followed.append((Path(metrics), steps, label, kw["quiet"]))
+        return 0
+
+    monkeypatch.setattr(run, "run_training", training)
     monkeypatch.setattr(run, "find_bundle", lambda folder, target: folder / f"m-{target}.dse")
     out, csv = tmp_path / "x", shared_data / CSV
     run.main(["--out", str(out), "--csv", str(csv), "--only", "prepare,train,build"])
 
-    assert calls[:2] == [("train", str(out / "teacher.toml")), ("distill", str(out / "student.toml"))]
+    assert calls[:2] == [("train", "-q", str(out / "teacher.toml")), ("distill", "-q", str(out / "student.toml"))]
+    assert followed == [(out / "teacher-run" / "metrics.jsonl", 1000, "teacher-run", False),
+                        (out / "student-run" / "metrics.jsonl", 1000, "student-run", False)]
     teacher, student = load_config(out / "teacher.toml"), load_config(out / "student.toml", distill=True)
     assert (teacher.out_dir, student.out_dir) == (str(out / "teacher-run"), str(out / "student-run"))
     assert student.distill.teacher == str(out / "teacher-run")

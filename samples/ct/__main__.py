@@ -56,15 +56,28 @@ def main() -> None:
 
 
 @main.command()
-def train() -> None:
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines: dsedge's errors and result lines only.")
+@click.option("--every", "interval_s", default=30.0, show_default=True, type=click.FloatRange(min=1),
+              help="Seconds between progress lines (step, loss, validation loss, elapsed, time left).")
+def train(quiet: bool = False, interval_s: float = 30.0) -> None:
     """Train the teacher, then distill the student (dsedge train / dsedge distill) into runs/ct-teacher and
     runs/ct-student: the out_dir of teacher.toml and student.toml (edit them to move the runs; "build --runs"
-    reads them from there)."""
-    for verb, cfg in (("train", HERE / "teacher.toml"), ("distill", HERE / "student.toml")):
-        p = _dsedge(verb, str(cfg))
-        sys.stderr.write(p.stderr[-2000:])
-        if p.returncode:
-            raise DsedgeError(f"dsedge {verb} {cfg.name} failed (exit {p.returncode})", "see the output above")
+    reads them from there). Prints a progress line every --every seconds (from the run's metrics.jsonl)."""
+    from ..progress import run_training
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    for verb, cfg, label in (("train", HERE / "teacher.toml", "teacher"),
+                             ("distill", HERE / "student.toml", "student")):
+        conf = tomllib.loads(cfg.read_text(encoding="utf-8"))
+        click.echo(f"$ dsedge {verb} -q {cfg}", err=True)
+        rc = run_training([sys.executable, "-m", "dsedge", verb, "-q", str(cfg)],
+                          Path(conf["out_dir"]) / "metrics.jsonl", int(conf.get("steps", 0)), label,
+                          interval_s=interval_s, quiet=quiet)
+        if rc:
+            raise DsedgeError(f"dsedge {verb} {cfg.name} failed (exit {rc})", "see the output above")
 
 
 @main.command()
@@ -141,11 +154,16 @@ def build(runs: str, out: str) -> None:
 @click.option("--stream", is_flag=True, help="Also run the student bundle through session.stream (per-window budget).")
 @click.option("--timing-volume", default=TIMING_VOLUME, show_default=True,
               help="A whole chest volume timed (no scoring) for volume time and patches/s; '' to skip.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Timed passes per volume and model (after one untimed warm-up pass each); the median is reported.")
 def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesions: int, budget_ms: float,
-             threads: int, stream: bool, timing_volume: str) -> None:
-    """FROC and timing on the held-out volume: runs/ct-report/report.json and report.png."""
+             threads: int, stream: bool, timing_volume: str, repeats: int) -> None:
+    """FROC and timing on the held-out volume: runs/ct-report/report.json and report.png.
+
+    Timing: one untimed warm-up pass per model, then REPEATS timed passes per volume with the models' order
+    alternating each round; the median of the sliding window alone (detection excluded) is reported."""
     from .scans import make_scans
-    from .evaluate import ANCHORS, ModelEntry, evaluate as run_eval
+    from .evaluate import ANCHORS, TIMING, ModelEntry, evaluate as run_eval
     from .report import write_json, write_png
 
     builds_json = Path(bundles) / "builds.json"
@@ -170,17 +188,18 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
     entries.append(ModelEntry("teacher torch fp32", "torch", f"{runs}/ct-teacher", batch_from="teacher cpu fp32"))
     entries = [e for e in entries if e.kind == "bundle" or e.batch_from in {x.name for x in entries}]
     scans = make_scans(volume, n_scans, lesions, seed=100)
-    res = run_eval(entries, scans, budget_ms=budget_ms, threads=threads)
+    res = run_eval(entries, scans, budget_ms=budget_ms, threads=threads, repeats=repeats)
     models = res["models"]
     if stream and ("student", "cpu", "fp32") in ok:
         sres = run_eval([ModelEntry("student cpu fp32 (stream)", "bundle", ok[("student", "cpu", "fp32")])], scans,
-                        budget_ms=budget_ms, threads=threads, stream=True)
+                        budget_ms=budget_ms, threads=threads, stream=True, repeats=repeats)
         models.update(sres["models"])
     timing = {}
     if timing_volume:
         chest = make_scans(timing_volume, 1, 0, seed=0)
         same = {k: v["batch_plan"]["batch_size"] for k, v in models.items()}
-        tres = run_eval(entries, chest, budget_ms=budget_ms, threads=threads, repeats=2, batch_sizes=same)["models"]
+        tres = run_eval(entries, chest, budget_ms=budget_ms, threads=threads, repeats=repeats,
+                        batch_sizes=same)["models"]
         timing = {"volume": timing_volume, "shape": list(chest[0].image.shape),
                   "models": {k: {"volume_seconds_median": v["volume_seconds_median"],
                                  "patches_per_s": v["patches_per_s"], "windows": v["per_scan"][0]["windows"],
@@ -194,6 +213,7 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
                  "lesion_diameters_mm": [round(le.diameter_mm, 1) for s in scans for le in s.lesions],
                  "lung_ml": round(float(scans[0].mask.sum()) * float(np.prod(scans[0].spacing_mm)) / 1000.0, 1),
                  "synthetic_lesions": True, "sources": SOURCES},
+        "timing": TIMING.replace("REPEATS", str(repeats)),
         "builds": builds, "summary": summary, "chest_timing": timing, "anchors": ANCHORS, "models": models,
     }
     write_json(Path(out) / "report.json", report)

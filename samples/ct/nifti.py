@@ -9,6 +9,11 @@ import numpy as np
 from .volume import SeriesError, Volume
 
 AIR_HU = -1024.0  # what NaN or infinite voxels become
+# Largest angle (degrees) between a voxel axis and its nearest patient axis that is still read as axis-aligned: float32
+# noise in a written sform, and tilts whose displacement across a 500 mm field (0.9 mm) stays under half a 2 mm voxel
+# of the working grid. Beyond it the volume is refused: the pipeline (reorientation by axis flips and transposes,
+# resampling by spacing alone, the model trained on axis-aligned anatomy) has no rotation to apply.
+OBLIQUE_TOL_DEG = 0.1
 
 
 def read_nifti(path: str | os.PathLike) -> Volume:
@@ -30,7 +35,9 @@ def read_nifti(path: str | os.PathLike) -> Volume:
         downstream).
     Raises:
         SeriesError: the file is missing, unreadable, not a 3-D volume, holds complex or non-scalar (e.g. RGB) voxels,
-            has an affine whose voxel size is zero or not finite, or has no finite voxel.
+            has an affine whose voxel size is zero or not finite, has an oblique affine (a voxel axis more than
+            ``OBLIQUE_TOL_DEG`` off every patient axis, or two voxel axes nearest the same one), or has no finite
+            voxel.
     """
     import nibabel as nib
 
@@ -46,6 +53,7 @@ def read_nifti(path: str | os.PathLike) -> Volume:
         raise SeriesError(f"{p}: NIfTI voxels are {dtype} ({'complex' if dtype.kind == 'c' else 'not scalar'}), "
                           "expected real HU values", "pass a CT volume stored as integers or floats")
     _check_affine_zooms(p, img.affine)
+    _check_axis_aligned(p, img.affine)
     try:
         img = nib.as_closest_canonical(img)
         data = np.asarray(img.dataobj, dtype=np.float32)
@@ -77,3 +85,25 @@ def _check_affine_zooms(path: Path, affine: np.ndarray) -> np.ndarray:
         raise SeriesError(f"{path}: the NIfTI affine (sform/qform) gives voxel size {zooms.round(6).tolist()} mm",
                           "set a valid sform or qform (with non-zero pixdim), e.g. with nibabel's set_sform")
     return zooms
+
+
+def _check_axis_aligned(path: Path, affine: np.ndarray, tol_deg: float = OBLIQUE_TOL_DEG) -> float:
+    """The largest angle in degrees between a voxel axis (an affine column) and its nearest patient axis.
+
+    Raises:
+        SeriesError: the angle exceeds ``tol_deg`` (a rotated or sheared grid, which ``nibabel.as_closest_canonical``
+            would only relabel, never resample), or two voxel axes share their nearest patient axis."""
+    a = np.asarray(affine, dtype=np.float64)[:3, :3]
+    cosines = np.abs(a / np.linalg.norm(a, axis=0))           # |direction cosine| of each column with x, y, z
+    nearest = cosines.argmax(axis=0)
+    angle = float(np.degrees(np.arccos(np.clip(cosines.max(axis=0), 0.0, 1.0))).max())
+    if len(set(nearest.tolist())) < 3:
+        raise SeriesError(f"{path}: the NIfTI affine points two voxel axes along the same patient axis "
+                          f"(columns {np.round(a, 4).T.tolist()})", "set a valid sform or qform, e.g. with nibabel's "
+                          "set_sform")
+    if angle > tol_deg:
+        raise SeriesError(f"{path}: the NIfTI affine is oblique (a voxel axis is {angle:.2f}° off the patient axes, "
+                          f"more than {tol_deg:g}°); this sample reads axis-aligned volumes only",
+                          "resample it onto an axis-aligned grid first, e.g. nibabel.processing.resample_to_output"
+                          "(img) or 3dWarp -deoblique (AFNI)")
+    return angle

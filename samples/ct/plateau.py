@@ -98,8 +98,8 @@ def run_experiment(out: Path, seeds: list[int], steps: int, every: int, scans: l
             vals = [e["val_loss"] for e in ev if e["event"] == "checkpoint"]
             raised = [(e["step"], e["strength"]) for e in ev if e["event"] == "augment"]
             name = f"{arm} s{seed}"
-            res = evaluate([ModelEntry(name, "torch", str(run_dir))], scans, threads=threads,
-                           batch_sizes={name: 16})["models"][name]["froc"]
+            res = evaluate([ModelEntry(name, "torch", str(run_dir))], scans, threads=threads, repeats=1,
+                           batch_sizes={name: 16})["models"][name]["froc"]   # FROC only: one timed pass
             row = {"seed": seed, "val_loss": vals, "augment_raised": raised,
                    "sensitivity_at": res["sensitivity_at"], "cpm": res["cpm"]}
             cached.write_text(json.dumps(row))

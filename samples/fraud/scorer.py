@@ -224,13 +224,34 @@ class StreamScorer:
         return out
 
 
-def latency_summary(ms: Iterable[float]) -> dict[str, float]:
-    """p50/p90/p99/max/mean of latencies in ms (perf_analyzer-style field names)."""
-    a = np.asarray(list(ms), np.float64)
+def latency_summary(ms: Iterable[float], refused: int = 0) -> dict[str, Any]:
+    """p50/p90/p99/max/mean of latencies in ms (perf_analyzer-style field names), counting refused requests.
+
+    Args:
+        ms: latencies in ms of the answered requests.
+        refused: requests refused (budget, overload, deadline) and so never answered within the budget. Each counts
+            in the percentiles as a request that never got its answer (latency +inf), as a latency SLO counts an
+            error: with more than 1 % refused the p99 is a refused request and ``p99_ms`` is None.
+    Returns:
+        ``count`` (answered), ``refused``, ``requests`` (both), ``p50_ms``/``p90_ms``/``p99_ms`` over all requests
+        (linear interpolation; None where the percentile reaches a refused request), ``answered_p99_ms`` (the
+        answered ones alone, for comparison), ``max_ms``/``mean_ms`` of the answered ones. ``{"count": 0, ...}``
+        without ``*_ms`` keys when nothing was answered.
+    """
+    a = np.sort(np.asarray(list(ms), np.float64))
+    refused = int(refused)
+    if refused < 0:
+        raise ValueError(f"refused must be >= 0, got {refused}")
+    out: dict[str, Any] = {"count": int(a.size), "refused": refused, "requests": int(a.size) + refused}
     if a.size == 0:
-        return {"count": 0}
-    return {"count": int(a.size), "p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
-            "p99_ms": float(np.percentile(a, 99)), "max_ms": float(a.max()), "mean_ms": float(a.mean())}
+        return out
+    every = np.concatenate([a, np.full(refused, np.inf)])
+    with np.errstate(invalid="ignore"):  # interpolating towards +inf gives inf or nan: both mean "a refused one"
+        for q in (50, 90, 99):
+            v = float(np.percentile(every, q))
+            out[f"p{q}_ms"] = v if math.isfinite(v) else None
+    out.update(answered_p99_ms=float(np.percentile(a, 99)), max_ms=float(a.max()), mean_ms=float(a.mean()))
+    return out
 
 
 def batched_throughput(session: Any, inputs: dict[str, np.ndarray], batch: int = 1024, repeats: int = 3) -> dict[str, float]:
@@ -268,4 +289,5 @@ def stream_burst(session: Any, inputs: dict[str, np.ndarray], budget_ms: float =
     return {"rows": n, "seconds": wall, "transactions_per_s": n / wall, "budget_ms": budget_ms, "window": window,
             "within_budget": sum(bool(a.within_budget) for a in answers) / n, "rejected": dict(rejected),
             "mean_batch_size": m.get("mean_batch_size"),
-            "latency": latency_summary(a.latency_ms for a in answers if getattr(a, "ok", False))}
+            "latency": latency_summary((a.latency_ms for a in answers if getattr(a, "ok", False)),
+                                       refused=sum(not getattr(a, "ok", False) for a in answers))}
