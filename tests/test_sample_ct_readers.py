@@ -182,6 +182,65 @@ def test_a_coronal_series_is_transposed_to_z_y_x(shared_data, tmp_path, top6):
     assert v.meta["acquired_spacing_mm"] == v.spacing_mm
 
 
+def _rotated(degrees: float, axis: str):
+    """ImageOrientationPatient and ImagePositionPatient rotated together by ``degrees`` about patient ``axis``
+    (through the origin): the same pixels, in a grid turned rigidly, slices still stepping along their normal."""
+    t = np.radians(degrees)
+    c, s = np.cos(t), np.sin(t)
+    rot = {"z": np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]]),
+           "x": np.array([[1.0, 0.0, 0.0], [0.0, c, -s], [0.0, s, c]])}[axis]
+
+    def edit(ds, _name):
+        ds.ImageOrientationPatient = [f"{v:.10f}" for v in (*rot[:, 0], *rot[:, 1])]   # rotated (1,0,0), (0,1,0)
+        ds.ImagePositionPatient = [f"{v:.6f}" for v in rot @ np.array([float(p) for p in ds.ImagePositionPatient])]
+    return edit
+
+
+@pytest.mark.parametrize("axis, says", [
+    ("z", "[0.9397, 0.342, 0.0, -0.342, 0.9397, 0.0] is oblique (the row direction is 20.00°"),
+    ("x", "[1.0, 0.0, 0.0, 0.0, 0.9397, 0.342] is oblique (the column direction is 20.00°"),
+])
+def test_an_oblique_series_is_refused_and_float_noise_is_not(shared_data, tmp_path, top6, axis, says):
+    """Found by a user: a series whose ImageOrientationPatient was rotated 20° was read silently, snapped to the
+    closest axes (the same array and spacing as the unrotated series). Beyond OBLIQUE_TOL_DEG (0.1°, as for NIfTI)
+    it is refused; a 0.05° rotation still reads as the axis-aligned original."""
+    d = _copy(shared_data, tmp_path / "s20", _rotated(20.0, axis))
+    with pytest.raises(SeriesError) as e:
+        read_dicom_series(d)
+    assert str(e.value) == (f"{d / '1-01.dcm'}: ImageOrientationPatient {says} off the patient axes, more than "
+                            "0.1°); this sample reads axis-aligned series only")
+    assert "resample_to_output" in e.value.hint
+
+    v = read_dicom_series(_copy(shared_data, tmp_path / "s005", _rotated(0.05, axis)))
+    np.testing.assert_array_equal(v.hu, top6.hu)
+    assert v.spacing_mm == pytest.approx(top6.spacing_mm, rel=1e-6)
+
+
+def _tilted(degrees: float):
+    """Axial slices whose positions drift anterior-posterior by tan(``degrees``) per mm of z, as a tilted gantry
+    writes them (IOP unchanged)."""
+    def edit(ds, _name):
+        x, y, z = (float(p) for p in ds.ImagePositionPatient)
+        ds.ImagePositionPatient = [x, f"{y + (z - 312.0) * np.tan(np.radians(degrees)):.6f}", z]
+    return edit
+
+
+def test_a_gantry_tilted_series_is_refused_and_float_noise_is_not(shared_data, tmp_path, top6):
+    """A 15° gantry tilt was read silently as a straight stack (the same array: each slice shifted in y by up to
+    10.7 mm over these 40 mm, 62 mm over the whole 232 mm series). Beyond 0.1° it is refused; 0.05° reads as is."""
+    d = _copy(shared_data, tmp_path / "t15", _tilted(15.0))
+    with pytest.raises(SeriesError) as e:
+        read_dicom_series(d)
+    assert str(e.value) == (f"gantry-tilted series: the slice positions (ImagePositionPatient, {d / '1-06.dcm'} to "
+                            "1-01.dcm) step 15.00° off the slice normal, more than 0.1°; this sample reads "
+                            "axis-aligned series only")
+    assert "_Tilt" in e.value.hint
+
+    v = read_dicom_series(_copy(shared_data, tmp_path / "t005", _tilted(0.05)))
+    np.testing.assert_array_equal(v.hu, top6.hu)
+    assert v.spacing_mm == top6.spacing_mm
+
+
 # ------------------------------------------------------------------------------------------------- 5. NIfTI
 def _canonical(shared_data):
     import nibabel as nib

@@ -5,7 +5,8 @@ Geometry follows DICOM PS3.3 C.7.6.2 (Image Plane Module): slices are ordered by
 ImagePositionPatient on the slice normal (the cross product of the two ImageOrientationPatient direction cosines);
 the slice spacing is taken from those positions, not from SliceThickness. The (slice, row, column) axes are then
 transposed and flipped to the closest patient axes, so the volume is in LPS index order whatever the patient
-position. HU = stored value × RescaleSlope + RescaleIntercept (PS3.3 C.11.1.1.2).
+position; a series that is oblique or gantry-tilted by more than ``OBLIQUE_TOL_DEG`` (0.1°) is refused, not
+snapped to those axes. HU = stored value × RescaleSlope + RescaleIntercept (PS3.3 C.11.1.1.2).
 """
 from __future__ import annotations
 
@@ -15,8 +16,13 @@ from typing import Iterable
 
 import numpy as np
 
+from .nifti import OBLIQUE_TOL_DEG, axis_angles
 from .volume import SeriesError, Volume
 
+DEOBLIQUE_HINT = ("convert it to NIfTI (dcm2niix) and resample that onto an axis-aligned grid, e.g. "
+                  "nibabel.processing.resample_to_output(img) or 3dWarp -deoblique (AFNI)")
+TILT_HINT = ("convert it with dcm2niix, which also writes a copy resampled onto a rectangular grid (the file with "
+             "'_Tilt' in its name), and read that copy")
 DECODER_HINT = ("install a pixel-data decoder for pydicom, e.g. pip install pylibjpeg pylibjpeg-libjpeg "
                 "pylibjpeg-openjpeg (or python-gdcm), or decompress the series with `gdcmconv --raw`")
 
@@ -84,7 +90,9 @@ def read_dicom_series(source: str | os.PathLike | Iterable[str | os.PathLike], *
             non-finite or degenerate ImagePositionPatient / ImageOrientationPatient / PixelSpacing (spacing ≤ 0),
             a missing or non-finite RescaleSlope / RescaleIntercept or a zero slope, differing orientation / matrix
             size / pixel spacing, duplicate slice positions, missing slices (a gap that is a whole multiple of the
-            spacing), inconsistent slice spacing, compressed pixel data without a decoder.
+            spacing), inconsistent slice spacing, compressed pixel data without a decoder, an oblique
+            ImageOrientationPatient (the row or column direction or the slice normal more than ``OBLIQUE_TOL_DEG``,
+            0.1°, off the patient axes) or a gantry tilt (slice positions stepping more than that off the normal).
     """
     import pydicom
 
@@ -145,6 +153,7 @@ def read_dicom_series(source: str | os.PathLike | Iterable[str | os.PathLike], *
     row_dir, col_dir = ref_orient[:3], ref_orient[3:]
     normal = np.cross(row_dir, col_dir)
     normal /= np.linalg.norm(normal)
+    _check_axis_aligned(files[0], np.column_stack([row_dir, col_dir, normal]))
     pos = np.array([float(np.dot(g["position"], normal)) for g in geoms])
     order = np.argsort(pos, kind="stable")
     files = [files[i] for i in order]
@@ -152,6 +161,7 @@ def read_dicom_series(source: str | os.PathLike | Iterable[str | os.PathLike], *
     pos = pos[order]
 
     dz = _check_slice_gaps(files, pos, spacing_rtol)
+    _check_no_tilt(files, np.array([g["position"] for g in geoms]), pos, normal)
 
     slices = []
     for f, g in zip(files, geoms):
@@ -229,6 +239,42 @@ def _slice_geometry(path: Path, ds) -> dict:
                           "the header is corrupt: restore the original file from the archive")
     return {"position": _floats(path, ds, "ImagePositionPatient", 3), "orientation": orient, "spacing": spacing,
             "slope": float(slope), "intercept": float(_floats(path, ds, "RescaleIntercept", 1)[0])}
+
+
+def _check_axis_aligned(path: Path, axes: np.ndarray, tol_deg: float = OBLIQUE_TOL_DEG) -> float:
+    """The largest angle in degrees between the row direction, column direction or slice normal (the columns of
+    ``axes``) and its nearest patient axis, as ``nifti._check_axis_aligned`` measures an affine's voxel axes.
+
+    Raises:
+        SeriesError: the angle exceeds ``tol_deg``: an oblique ImageOrientationPatient, which ``_to_lps`` would only
+            snap to the closest axes (flips and transposes), placing every voxel off its patient position."""
+    angles, _nearest = axis_angles(axes)   # > tol_deg whenever two share an axis (they are orthogonal: ≥ 45°)
+    worst = int(angles.argmax())
+    if angles[worst] > tol_deg:
+        what = ("row direction", "column direction", "slice normal")[worst]
+        raise SeriesError(f"{path}: ImageOrientationPatient {np.round(axes[:, :2].T.ravel(), 4).tolist()} is "
+                          f"oblique (the {what} is {angles[worst]:.2f}° off the patient axes, more than {tol_deg:g}°); "
+                          "this sample reads axis-aligned series only", DEOBLIQUE_HINT)
+    return float(angles[worst])
+
+
+def _check_no_tilt(files: list[Path], positions: np.ndarray, along: np.ndarray, normal: np.ndarray,
+                   tol_deg: float = OBLIQUE_TOL_DEG) -> float:
+    """The angle in degrees between the line the slice positions (sorted, ``along`` the normal) step along and the
+    slice normal: the least-squares in-plane drift per mm along the normal, so that rounding in single positions
+    averages out.
+
+    Raises:
+        SeriesError: the angle exceeds ``tol_deg``: a gantry-tilted (sheared) series, whose slices the reader would
+            stack straight along the normal, shifting each one in-plane by its offset from the first."""
+    inplane = positions - np.outer(along, normal)                    # each slice's position within its own plane
+    drift = np.polyfit(along - along.mean(), inplane, 1)[0]          # mm in-plane per mm along the normal (3,)
+    angle = float(np.degrees(np.arctan(np.linalg.norm(drift))))
+    if angle > tol_deg:
+        raise SeriesError(f"gantry-tilted series: the slice positions (ImagePositionPatient, {files[0]} to "
+                          f"{files[-1].name}) step {angle:.2f}° off the slice normal, more than {tol_deg:g}°; this "
+                          "sample reads axis-aligned series only", TILT_HINT)
+    return angle
 
 
 def _to_lps(hu: np.ndarray, axes_dir: tuple[np.ndarray, ...], spacing: tuple[float, float, float]

@@ -87,6 +87,14 @@ def _check_affine_zooms(path: Path, affine: np.ndarray) -> np.ndarray:
     return zooms
 
 
+def axis_angles(columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each column of ``columns`` (3 × n, patient x, y, z rows; any non-zero length): the angle in degrees to
+    its nearest patient axis, and that axis (0, 1, 2). Shared with the DICOM reader's orientation check."""
+    a = np.asarray(columns, dtype=np.float64)
+    cosines = np.abs(a / np.linalg.norm(a, axis=0))           # |direction cosine| of each column with x, y, z
+    return np.degrees(np.arccos(np.clip(cosines.max(axis=0), 0.0, 1.0))), cosines.argmax(axis=0)
+
+
 def _check_axis_aligned(path: Path, affine: np.ndarray, tol_deg: float = OBLIQUE_TOL_DEG) -> float:
     """The largest angle in degrees between a voxel axis (an affine column) and its nearest patient axis.
 
@@ -94,9 +102,8 @@ def _check_axis_aligned(path: Path, affine: np.ndarray, tol_deg: float = OBLIQUE
         SeriesError: the angle exceeds ``tol_deg`` (a rotated or sheared grid, which ``nibabel.as_closest_canonical``
             would only relabel, never resample), or two voxel axes share their nearest patient axis."""
     a = np.asarray(affine, dtype=np.float64)[:3, :3]
-    cosines = np.abs(a / np.linalg.norm(a, axis=0))           # |direction cosine| of each column with x, y, z
-    nearest = cosines.argmax(axis=0)
-    angle = float(np.degrees(np.arccos(np.clip(cosines.max(axis=0), 0.0, 1.0))).max())
+    angles, nearest = axis_angles(a)
+    angle = float(angles.max())
     if len(set(nearest.tolist())) < 3:
         raise SeriesError(f"{path}: the NIfTI affine points two voxel axes along the same patient axis "
                           f"(columns {np.round(a, 4).T.tolist()})", "set a valid sform or qform, e.g. with nibabel's "
