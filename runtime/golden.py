@@ -11,6 +11,10 @@ before it is cached) runs the golden inputs through the backend in use and passe
     cosine_min  >= build-time cosine_min - 0.005     (per-row cosine, rows flattened, float64)
     max_abs_diff <= 2 x build-time max_abs_diff       (the build-time figure is floored at 1% of max |reference|)
 
+Rank-0 inputs (a scalar flag such as ``use_cache`` or ``temperature``) are stored as they are, one value, and fed
+unchanged with every call of rows; the row count comes from the batched inputs. A model whose inputs are all rank-0
+has no rows to check (``dsedge build`` writes no golden I/O for it).
+
 Loading uses ``numpy.load(allow_pickle=False)``: no code runs from a bundle.
 """
 from __future__ import annotations
@@ -38,7 +42,8 @@ ABS_FLOOR_REL = 0.01  # the build-time max abs diff is at least 1% of max |refer
 
 @dataclass
 class Golden:
-    """The golden rows of a bundle: ``inputs`` / ``outputs`` name → array (batch axis 0), and ``info``."""
+    """The golden rows of a bundle: ``inputs`` / ``outputs`` name → array (batch axis 0; a rank-0 input is one
+    value, fed with every row), and ``info``."""
 
     inputs: dict[str, np.ndarray]
     outputs: dict[str, np.ndarray]
@@ -46,7 +51,12 @@ class Golden:
 
     @property
     def rows(self) -> int:
-        return int(len(next(iter(self.inputs.values()))))
+        return count_rows(self.inputs) or count_rows(self.outputs)
+
+
+def count_rows(arrays: Mapping[str, np.ndarray]) -> int:
+    """Rows of ``arrays``: axis 0 of the first array that has one (a rank-0 array holds no rows); 0 if none has."""
+    return next((int(np.shape(a)[0]) for a in arrays.values() if np.ndim(a)), 0)
 
 
 def has_golden(manifest: Manifest) -> bool:
@@ -73,10 +83,15 @@ def load_golden(bundle: str | os.PathLike, manifest: Manifest) -> Golden:
     """
     if not has_golden(manifest):
         scalars = [s.name for s in manifest.inputs if not s.shape]
-        raise BundleError("this bundle has no golden I/O (golden/inputs.npz, golden/outputs.npz)",
-                          f"its input(s) {', '.join(map(repr, scalars))} have no batch axis to cut golden rows from "
-                          "(report.json's notes say so); check it with `dsedge bench` or your own data" if scalars
-                          else "rebuild it with `dsedge build` (bundles carry golden I/O since dsedge 0.1)")
+        if scalars and len(scalars) == len(manifest.inputs):
+            hint = (f"its input(s) {', '.join(map(repr, scalars))} have no batch axis to cut golden rows from "
+                    "(report.json's notes say so); check it with `dsedge bench` or your own data")
+        elif scalars:  # built before golden I/O carried rank-0 inputs
+            hint = (f"rebuild it with this version's `dsedge build`: it was built when a rank-0 input such as "
+                    f"{scalars[0]!r} left a bundle without golden I/O")
+        else:
+            hint = "rebuild it with `dsedge build` (bundles carry golden I/O since dsedge 0.1)"
+        raise BundleError("this bundle has no golden I/O (golden/inputs.npz, golden/outputs.npz)", hint)
     root = Path(bundle)
     inputs, outputs = _npz(root / INPUTS_FILE), _npz(root / OUTPUTS_FILE)
     try:
@@ -96,8 +111,9 @@ def load_golden(bundle: str | os.PathLike, manifest: Manifest) -> Golden:
 
 def _check_golden_arrays(manifest: Manifest, inputs: Mapping[str, np.ndarray],
                          outputs: Mapping[str, np.ndarray]) -> None:
-    """Golden arrays the check can run: inputs of the manifest's dtypes and ranks, outputs the manifest lists, and
-    the same number (>= 1) of rows in every array. Raises BundleError (the bundle cannot be checked, exit 2) rather
+    """Golden arrays the check can run: inputs of the manifest's dtypes and ranks (a rank-0 input is one value),
+    outputs the manifest lists, and the same number (>= 1) of rows in every batched input and every output, with at
+    least one batched input to count them. Raises BundleError (the bundle cannot be checked, exit 2) rather
     than a backend traceback or a misleading "outside tolerance"."""
     for s in manifest.inputs:
         a = inputs[s.name]
@@ -109,7 +125,10 @@ def _check_golden_arrays(manifest: Manifest, inputs: Mapping[str, np.ndarray],
     if extra:
         raise BundleError(f"golden output {extra[0]!r} is not an output of the bundle ({', '.join(sorted(names))})",
                           "rebuild the bundle")
-    used = {**{s.name: inputs[s.name] for s in manifest.inputs}, **outputs}
+    if all(not s.shape for s in manifest.inputs):
+        raise BundleError("golden I/O of a bundle whose inputs are all rank-0 has no rows to check (no input has a "
+                          "batch axis)", "check it with `dsedge bench` or your own data")
+    used = {**{s.name: inputs[s.name] for s in manifest.inputs if s.shape}, **outputs}
     rows = {k: (a.shape[0] if a.ndim else 0) for k, a in used.items()}
     if len(set(rows.values())) != 1 or not next(iter(rows.values())):
         raise BundleError("golden arrays hold " + ", ".join(f"{k} {n}" for k, n in rows.items()) + " rows; every "
@@ -117,8 +136,9 @@ def _check_golden_arrays(manifest: Manifest, inputs: Mapping[str, np.ndarray],
 
 
 def batch_limits(inputs: list[IOSpec], shape_ranges: Mapping[str, Mapping[str, int]]) -> tuple[int, int]:
-    """(min, max) rows one call may take: the batch symbol's shape range, a static first dim, or (1, 1 << 30)."""
-    first = inputs[0].shape[0] if inputs and inputs[0].shape else None
+    """(min, max) rows one call may take: the batch symbol's shape range, a static first dim, or (1, 1 << 30), from
+    the first input that has a batch axis (a rank-0 input has none)."""
+    first = next((s.shape[0] for s in inputs if s.shape), None)
     if isinstance(first, int):
         return first, first
     rng = shape_ranges.get(str(first), {}) if first is not None else {}
@@ -128,15 +148,20 @@ def batch_limits(inputs: list[IOSpec], shape_ranges: Mapping[str, Mapping[str, i
 def run_rows(run: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]], feeds: Mapping[str, np.ndarray],
              limits: tuple[int, int] = (1, 1 << 30)) -> dict[str, np.ndarray]:
     """Run ``feeds`` (batch axis 0) in calls of ``limits`` rows; a short last call is padded by repeating its last
-    row (an engine with a static or minimum batch), and the padding is cut from the outputs."""
+    row (an engine with a static or minimum batch), and the padding is cut from the outputs. A rank-0 feed (a scalar
+    flag) is no rows: it goes unchanged with every call, and the row count comes from the batched feeds (all rank-0:
+    one call, its outputs as they are)."""
+    if not any(np.ndim(v) for v in feeds.values()):
+        return {k: np.asarray(v) for k, v in run(dict(feeds)).items()}
     lo, hi = max(1, limits[0]), max(1, limits[1])
-    n = int(len(next(iter(feeds.values()))))
+    n = count_rows(feeds)
     parts: dict[str, list[np.ndarray]] = {}
     for i in range(0, n, hi):
-        chunk = {k: v[i:i + hi] for k, v in feeds.items()}
-        rows = len(next(iter(chunk.values())))
+        chunk = {k: v[i:i + hi] if np.ndim(v) else v for k, v in feeds.items()}
+        rows = count_rows(chunk)
         if rows < lo:
-            chunk = {k: np.concatenate([v, np.repeat(v[-1:], lo - rows, axis=0)]) for k, v in chunk.items()}
+            chunk = {k: np.concatenate([v, np.repeat(v[-1:], lo - rows, axis=0)]) if np.ndim(v) else v
+                     for k, v in chunk.items()}
         for k, v in run(chunk).items():
             parts.setdefault(k, []).append(np.asarray(v)[:rows])
     return {k: np.concatenate(v) for k, v in parts.items()}

@@ -5,7 +5,8 @@ Rows: up to ``MAX_ROWS`` spread evenly over the build's validation inputs (``--h
 ``--calib``, else the example inputs: whatever the build validated on). Size cap: the golden arrays hold at most
 ``CAP_BYTES`` (256 KiB, uncompressed); the largest outputs are left out first (a per-token
 ``last_hidden_state`` of a text encoder), then rows are halved until the rest fits; ``golden/golden.json`` says what
-was left out. The files are ``np.savez_compressed`` (no pickle) and hash-listed like every bundle file.
+was left out. A rank-0 input (a scalar flag such as ``use_cache``) is stored as it is, one value fed with every row,
+and counts its bytes once. The files are ``np.savez_compressed`` (no pickle) and hash-listed like every bundle file.
 See runtime/golden.py for the check.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from ..runtime.backends.ort import OrtBackend
 from ..runtime.bundle import IOSpec, Variant
-from ..runtime.golden import INFO_FILE, INPUTS_FILE, OUTPUTS_FILE, compare, run_rows, tolerances
+from ..runtime.golden import INFO_FILE, INPUTS_FILE, OUTPUTS_FILE, compare, count_rows, run_rows, tolerances
 from .evaluate import host_backend
 
 MAX_ROWS = 8
@@ -43,21 +44,45 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 
 def fit_cap(inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray], cap: int = CAP_BYTES
             ) -> tuple[int, list[str]]:
-    """(rows to keep, outputs to keep): leave out the largest outputs first (at least one stays), then halve rows."""
-    n = len(next(iter(inputs.values())))
-    per_row_in = _nbytes(inputs) / max(n, 1)
+    """(rows to keep, outputs to keep): leave out the largest outputs first (at least one stays), then halve rows.
+    Rank-0 inputs (one value, not rows) count their bytes once, whatever the rows."""
+    n = count_rows(inputs)
+    fixed = _nbytes({k: v for k, v in inputs.items() if v.ndim == 0})
+    per_row_in = _nbytes({k: v for k, v in inputs.items() if v.ndim}) / max(n, 1)
     per_row_out = {k: v.nbytes / max(n, 1) for k, v in outputs.items()}
     keep = sorted(outputs, key=lambda k: per_row_out[k])
-    while len(keep) > 1 and n * (per_row_in + sum(per_row_out[k] for k in keep)) > cap:
+    while len(keep) > 1 and fixed + n * (per_row_in + sum(per_row_out[k] for k in keep)) > cap:
         keep.pop()
-    while n > 1 and n * (per_row_in + sum(per_row_out[k] for k in keep)) > cap:
+    while n > 1 and fixed + n * (per_row_in + sum(per_row_out[k] for k in keep)) > cap:
         n //= 2
     return n, [k for k in outputs if k in keep]
 
 
+def scalar_inputs(inputs: list[IOSpec]) -> list[str]:
+    """The model's rank-0 inputs (a scalar flag such as ``use_cache`` or ``temperature``): golden I/O stores each as
+    one value, fed unchanged with every chunk of rows."""
+    return [s.name for s in inputs if not s.shape]
+
+
 def unbatched_inputs(validation: dict[str, np.ndarray], inputs: list[IOSpec]) -> list[str]:
-    """Inputs with no axis 0 to cut golden rows from (a rank-0 flag)."""
-    return [s.name for s in inputs if not s.shape or np.ndim(validation[s.name]) == 0]
+    """The inputs that leave no golden rows to cut, when there are none to cut ([] otherwise): every input is
+    rank-0 (no batch axis anywhere), a batched input's validation array has no axis 0, or a rank-0 input's
+    validation value is not one value. A rank-0 input beside batched ones is no obstacle: it is stored whole."""
+    scalars = scalar_inputs(inputs)
+    batched = [s.name for s in inputs if s.shape]
+    broken = [s.name for s in inputs if s.shape and np.ndim(validation[s.name]) == 0]
+    odd = [n for n in scalars if np.size(validation[n]) != 1]
+    if not batched or broken or odd:
+        return scalars + broken
+    return []
+
+
+def _golden_value(validation: np.ndarray, spec: IOSpec, idx: np.ndarray) -> np.ndarray:
+    """The golden array of one input: its rows ``idx``, or a rank-0 input's one value as a rank-0 array (the
+    build's own example inputs may hold it as ``[v]``)."""
+    if not spec.shape:
+        return np.asarray(validation).reshape(())
+    return np.ascontiguousarray(validation[idx])
 
 
 def attach_golden(reference_onnx: str | os.PathLike, models: dict[str, str | os.PathLike], variants: list[Variant],
@@ -68,21 +93,22 @@ def attach_golden(reference_onnx: str | os.PathLike, models: dict[str, str | os.
     Args:
         reference_onnx: the untouched fp32 export the build validates against.
         models: bundle path → ONNX file, as given to ``write_bundle`` (``variants[i].file`` is a key).
-        validation: the inputs the build validated on, name → array with batch axis 0 (every input has one:
-            ``unbatched_inputs`` names those that do not, and the build then attaches no golden I/O).
+        validation: the inputs the build validated on, name → array with batch axis 0, or one value for a rank-0
+            input (stored rank-0, fed with every chunk of rows). At least one input has a batch axis:
+            ``unbatched_inputs`` names the inputs when none has, and the build then attaches no golden I/O.
     Returns:
         extra bundle files: ``golden/inputs.npz``, ``golden/outputs.npz`` (bytes), ``golden/golden.json`` (text).
     """
     from ..runtime.golden import batch_limits
 
     limits = batch_limits(inputs, shape_ranges)
-    n = len(next(iter(validation.values())))
+    n = count_rows({s.name: validation[s.name] for s in inputs if s.shape})
     idx = pick_rows(n, MAX_ROWS)
-    feeds = {s.name: np.ascontiguousarray(validation[s.name][idx]) for s in inputs}
+    feeds = {s.name: _golden_value(validation[s.name], s, idx) for s in inputs}
     ref_backend = OrtBackend(reference_onnx, providers=["CPUExecutionProvider"])
     reference = run_rows(ref_backend.run, feeds, limits)
     rows, kept = fit_cap(feeds, reference, cap)
-    feeds = {k: v[:rows] for k, v in feeds.items()}
+    feeds = {k: v[:rows] if v.ndim else v for k, v in feeds.items()}
     reference = {k: np.ascontiguousarray(reference[k][:rows]) for k in kept}
     for v in variants:
         got = run_rows(host_backend(models[v.file]).run, feeds, limits)  # a BF16 variant: its FP32 emulation

@@ -23,12 +23,15 @@ def write(plan: BuildPlan, model: Prepared, variants: list[VariantDraft], recipe
     dest = bundle_path(plan.config.out_dir, source.name, target.name)
     models = {v.file: v.path for v in variants}
     shipped = [v.to_variant() for v in variants]
+    # a rank-0 input (a scalar flag) beside batched ones is stored as one value and fed with every chunk of rows;
+    # a model whose inputs are all rank-0 has no rows to cut (a user's pass: it crashed with an IndexError here)
     unbatched = unbatched_inputs(model.validation, exported.inputs)
-    if unbatched:  # a user's pass: a model with a scalar bool input crashed in attach_golden with an IndexError
+    if unbatched:
         golden = {}
         report.setdefault("notes", []).append(
-            f"no golden I/O: input(s) {', '.join(map(repr, unbatched))} have no batch axis to cut golden rows from "
-            "(`dsedge verify` cannot check this bundle; `dsedge bench` and the runtime serve it)")
+            f"no golden I/O: input(s) {', '.join(map(repr, unbatched))} have no batch axis to cut golden rows from"
+            + (" and no other input has one" if len(unbatched) == len(exported.inputs) else "")
+            + " (`dsedge verify` cannot check this bundle; `dsedge bench` and the runtime serve it)")
     else:
         golden = attach_golden(model.reference, models, shipped, model.validation, exported.inputs,
                                recipe.shape_ranges, source.validation_kind)
