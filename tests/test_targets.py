@@ -285,3 +285,27 @@ def test_layernorm_is_lowered_for_tensorrt_8_5_and_kept_where_the_parser_has_it(
     np.testing.assert_allclose(got, ref, atol=2e-6)
     for kept in ("jetson-orin", "t4"):  # TensorRT 10.x parses LayerNormalization
         assert "LayerNormalization" in {n.op_type for n in convert_for_target(m, get_target(kept)).graph.node}
+
+
+def test_a_dynamo_global_average_pool_converts_down_to_xavier_opset():
+    """A user's pass: torch's dynamo exporter writes ReduceMean(x, axes) with noop_with_empty_axes=0 (opset 18's
+    form); onnx.version_converter put axes back as an attribute for opset 17 but kept noop_with_empty_axes, so every
+    precision of a ResNet-style CNN failed for jetson-xavier ("Unrecognized attribute: noop_with_empty_axes"). The
+    attribute is dropped below 18 (and a noop ReduceMean with no axes is the identity)."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("ReduceMean", ["x", "axes"], ["pooled"], keepdims=1, noop_with_empty_axes=0),
+             helper.make_node("ReduceMax", ["x"], ["same"], keepdims=1, noop_with_empty_axes=1),
+             helper.make_node("Add", ["pooled", "same"], ["y"])]
+    g = helper.make_graph(nodes, "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4, 4])],
+                          [numpy_helper.from_array(np.array([-1, -2], np.int64), "axes")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    out = convert_for_target(model, get_target("jetson-xavier"))
+    assert model_opset(out) == 17
+    ops = {n.op_type: {a.name for a in n.attribute} for n in out.graph.node}
+    assert ops["ReduceMean"] == {"axes", "keepdims"} and "ReduceMax" not in ops and "Identity" in ops
+    x = rng.standard_normal((2, 3, 4, 4)).astype(np.float32)
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
+    np.testing.assert_allclose(run(out), x.mean(axis=(-1, -2), keepdims=True) + x, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(run(out), run(model), rtol=1e-6, atol=1e-6)

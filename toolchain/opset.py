@@ -156,6 +156,39 @@ def lower_layernorm(model: onnx.ModelProto, opset: int) -> int:
     return done
 
 
+# Reduce ops that gained ``noop_with_empty_axes`` (and ``axes`` as an input) in opset 18; ReduceSum had both from 13
+_REDUCE_18 = frozenset({"ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
+                        "ReduceLogSumExp", "ReduceSumSquare"})
+
+
+def drop_reduce_noop_attribute(model: onnx.ModelProto, opset: int) -> int:
+    """Remove, in place, ``noop_with_empty_axes`` from the Reduce ops that have no such attribute before opset 18,
+    when ``model`` was moved below 18: ``onnx.version_converter`` puts ``axes`` back as an attribute but keeps the
+    opset-18 attribute, so the model fails ``onnx.checker`` ("Unrecognized attribute: noop_with_empty_axes for
+    operator ReduceMean"; torch's dynamo exporter writes it on every ReduceMean, e.g. a global average pool).
+
+    With ``axes`` given, or at its default 0, the attribute changes nothing. A node with ``noop_with_empty_axes=1``
+    and no axes is the identity (ONNX spec) and becomes an Identity node. Returns the number of nodes changed.
+    """
+    if opset >= 18:
+        return 0
+    changed = 0
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in _REDUCE_18:
+            continue
+        noop = next((a for a in node.attribute if a.name == "noop_with_empty_axes"), None)
+        if noop is None:
+            continue
+        axes = next((a for a in node.attribute if a.name == "axes"), None)
+        if noop.i and (axes is None or not axes.ints) and len(node.input) < 2:
+            node.op_type = "Identity"
+            del node.attribute[:]
+        else:
+            node.attribute.remove(noop)
+        changed += 1
+    return changed
+
+
 def convert_for_target(model: onnx.ModelProto, target: Target) -> onnx.ModelProto:
     """Return ``model`` at an opset within ``target.opset`` (unchanged opset when already inside) and the lowest
     IR version that opset allows, so an older parser (TensorRT 8.5 ships ONNX 1.12, IR 8) can read it.
@@ -197,6 +230,7 @@ def convert_for_target(model: onnx.ModelProto, target: Target) -> onnx.ModelProt
             raise TargetError(f"cannot convert the model from opset {current} to {want} for {target.name}: {first}",
                               f"{target.name} reads opset {lo}–{hi}; re-export the model at an opset in that range"
                               ) from None
+        drop_reduce_noop_attribute(out, want)
     trt = target.trt_version if target.backend == "tensorrt" else None
     if trt is not None and trt < (8, 6):  # no LayerNormalization importer before TensorRT 8.6 (lower_layernorm)
         lower_layernorm(out, want)
