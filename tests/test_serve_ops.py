@@ -318,7 +318,14 @@ def test_one_client_cannot_take_every_connection_slot(tmp_path):
     try:
         time.sleep(0.2)
         status, text, connection = infer("127.0.0.1")
-        assert (status, text, connection) == (503, "too many connections from this client\n", "close")
+        assert (status, connection) == (503, "close")
+        assert json.loads(text) == {"reason": "too_many_connections", "error": "too_many_connections: this client "
+                                    "address already holds 2 open connections (--max-connections-per-client 2)"}
+        client = httpclient.InferenceServerClient(proc.http)  # what tritonclient users see: the error text
+        with pytest.raises(InferenceServerException, match="too_many_connections: this client address"):
+            client.infer("mlp", [httpclient.InferInput("x", [1, 64], "FP32").set_data_from_numpy(
+                np.full((1, 64), 0.5, np.float32))])
+        client.close()
         status, text, _ = infer("127.0.0.2")  # another address is served
         assert status == 200 and json.loads(text)["outputs"][0]["shape"] == [1, 4]
         held.pop().close()

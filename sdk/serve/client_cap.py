@@ -2,27 +2,38 @@
 
 ``--max-connections`` bounds the server as a whole, so one client that opens that many connections (kept-alive
 idle ones count) leaves every other client a 503. This is nginx's ``limit_conn`` keyed by ``$binary_remote_addr``:
-connections are counted per peer IP address, and the one over the cap is answered ``503 Service Unavailable`` with
+connections are counted per peer IP address, and the one over the cap is answered ``503 Service Unavailable`` (the
+JSON error body of every dsedge refusal, reason ``too_many_connections``, which tritonclient shows) with
 ``Connection: close`` before anything of its request is read, then closed. The response is written, the write side
 shut (FIN), and what the client still sends is read and dropped until it closes or 2 s pass, so the client reads
 the 503 rather than a connection reset (nginx's lingering close). Such a connection never reaches uvicorn: it takes
 no ``--max-connections`` slot and no request is counted.
 
 Off by default, as ``limit_conn`` is: behind a load balancer or a NAT every request comes from one address. gRPC
-calls are not capped per client (``--max-connections`` bounds them as ``maximum_concurrent_rpcs``).
+calls are not capped per client (``--max-connections`` bounds them as ``maximum_concurrent_rpcs``). With TLS a
+connection counts once its handshake is done (asyncio calls ``connection_made`` then); one that never finishes it
+is closed by asyncio's handshake timeout (60 s), not counted.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
 
 LINGER_S = 2.0
-_BODY = b"too many connections from this client\n"
-REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
-           b"retry-after: 1\r\ncontent-length: " + str(len(_BODY)).encode() + b"\r\n\r\n" + _BODY)
+REASON = "too_many_connections"
 log = logging.getLogger("dsedge.serve")
+
+
+def refusal(per_client: int) -> bytes:
+    """The whole HTTP/1.1 503 response: dsedge's JSON error body (``{"error", "reason"}``, what tritonclient reads
+    from a KServe v2 server's error), ``Connection: close`` and ``Retry-After: 1``."""
+    body = json.dumps({"error": f"{REASON}: this client address already holds {per_client} open connections "
+                                f"(--max-connections-per-client {per_client})", "reason": REASON}).encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"retry-after: 1\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
 def peer_host(transport: asyncio.BaseTransport) -> str | None:
@@ -36,6 +47,7 @@ def with_client_cap(base: type, per_client: int) -> type:
     ``per_client`` (>= 1) open connections to this listener. One counter per class made: one per listener."""
     open_by_host: dict[str, int] = {}
     warned: dict[str, float] = {}
+    answer = refusal(per_client)
 
     class ClientCapProtocol(base):  # type: ignore[misc, valid-type]
         max_per_client = int(per_client)
@@ -75,7 +87,7 @@ def with_client_cap(base: type, per_client: int) -> type:
 
         def _refuse(self, transport: asyncio.Transport, host: str) -> None:
             self._cap_refused = True
-            transport.write(REFUSAL)
+            transport.write(answer)
             if transport.can_write_eof():
                 transport.write_eof()
             asyncio.get_event_loop().call_later(LINGER_S, transport.close)
