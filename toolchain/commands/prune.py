@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import click
+import numpy as np
 from click.core import ParameterSource
 
 from ...runtime.params import FiniteFloat
@@ -79,6 +80,35 @@ def _refuse_nothing_pruned(source, model: str, report: dict) -> None:  # type: i
         "2:4 suits transformer/MLP Linear layers; Conv layers are not pruned here")
 
 
+PRUNE_WARN_COSINE = 0.99  # below this (cosine mean vs the source) a prune without fine-tuning gets a warning
+
+
+def accuracy_vs_source(source: Path, pruned: Path, model, calib: Path | None) -> tuple[dict | None, str]:  # type: ignore[no-untyped-def]
+    """The pruned ONNX file against its source (``toolchain.evaluate.compare_models``: cosine per sample of the first
+    output, …) on up to 64 rows of ``calib`` (a .npz file or a directory of them), else on 8 synthetic inputs
+    (``runtime.bench.synthetic_inputs``, 32 tokens). Returns (record, what it was measured on); (None, why) when
+    it cannot be measured (e.g. synthetic token ids outside the model's vocabulary)."""
+    from ...runtime.bench import synthetic_inputs
+    from ...runtime.npz import read_npz
+    from ..evaluate import compare_models
+    from ..export import io_specs
+    from ..npz_inputs import read_npz_dir
+
+    specs, _ = io_specs(model)
+    try:
+        if calib is not None:
+            feeds = read_npz_dir(calib, specs) if Path(calib).is_dir() else dict(read_npz(calib))
+            on = f"--calib {calib}"
+        else:
+            feeds = synthetic_inputs(specs, batch=8, seq_len=32)
+            on = "8 synthetic inputs (pass --calib for real ones)"
+        feeds = {k: v[:64] if np.ndim(v) else v for k, v in feeds.items()}
+        return compare_models(source, pruned, feeds), on
+    except Exception as e:  # ORT refusing made-up inputs, unreadable data: the prune itself stands
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        return None, f"not measured ({first}); pass --calib data the model accepts"
+
+
 @click.command("prune")
 @click.argument("model")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Output .onnx path.")
@@ -125,6 +155,8 @@ def prune(ctx: click.Context, model: str, output: Path, pattern: str, sparsity: 
         save_model_atomic(out, output, check=lambda tmp: check_loads_in_ort(
             tmp, f"the model pruned from {model}", "this is a dsedge bug for this model: report it with the model, "
             "and try --pattern 2:4 or a lower --sparsity meanwhile"))
+        acc, on = accuracy_vs_source(Path(model), output, source, calib)
+        report["accuracy_vs_source"] = {"on": on, **(acc or {})}
     else:
         report = _prune_torch(model, output, pattern, sparsity, finetune_steps, calib)
         report = {**report.pop("prune"), **report}
@@ -144,6 +176,15 @@ def prune(ctx: click.Context, model: str, output: Path, pattern: str, sparsity: 
                 if report["sparsity"] < sparsity - 0.005 else "")
         say(f"wrote {output}: {report['sparsity']:.1%} of MLP hidden channels removed in {len(report['blocks'])} "
             f"blocks{said}")
+    acc = report.get("accuracy_vs_source")
+    if acc and "cosine_mean" in acc:
+        say(f"cosine vs the source on {acc['on']}: mean {acc['cosine_mean']:.4f}, min {acc['cosine_min']:.4f}")
+        if acc["cosine_mean"] < PRUNE_WARN_COSINE:
+            click.echo(f"warning: pruning cost accuracy (cosine mean {acc['cosine_mean']:.4f} < {PRUNE_WARN_COSINE}) "
+                       "and an ONNX file is not fine-tuned here: prune the torch source (dsedge prune DIR, or "
+                       "dsedge build --prune) to fine-tune, or prune less", err=True)
+    elif acc:
+        say(f"accuracy vs the source: {acc['on']}")
     if report.get("finetune"):
         b, a = report["heldout_before"], report["heldout_after"]
         say(f"fine-tune {report['finetune']['steps']} steps: held-out cosine mean vs the unpruned model "
