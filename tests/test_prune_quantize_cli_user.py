@@ -93,8 +93,9 @@ def test_channel_pruning_gives_each_pruned_layer_its_own_copy_of_a_shared_bias(t
 
 def _conv_only(path):
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32), "w1"),
-             numpy_helper.from_array(rng.standard_normal((4, 8, 3, 3)).astype(np.float32), "w2")]
+    # input channels 3 and 6: neither Conv can take 2:4 (it groups input channels in 4s)
+    inits = [numpy_helper.from_array(rng.standard_normal((6, 3, 3, 3)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal((4, 6, 3, 3)).astype(np.float32), "w2")]
     nodes = [helper.make_node("Conv", ["x", "w1"], ["h"], name="conv1", pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["h"], ["r"], name="relu"),
              helper.make_node("Conv", ["r", "w2"], ["y"], name="conv2", pads=[1, 1, 1, 1])]
@@ -121,7 +122,8 @@ def test_a_prune_that_would_change_nothing_is_refused_and_writes_nothing(tmp_pat
         words = ["2:4 sparsity has nothing to prune in", "it is quantized already", "prune the float model"]
     else:
         src = _conv_only(tmp_path / "cnn.onnx")
-        words = ["2:4 sparsity has nothing to prune in", "and the model has none", "Conv layers are not pruned"]
+        words = ["2:4 sparsity has nothing to prune in", "and the model has 2 with other K (e.g. 'conv1')",
+                 "a stem reading 1-3 image channels cannot take it"]
     out = tmp_path / "p.onnx"
     code, stdout, err = run_main(["prune", src, "-o", out], capsys)
     _one_line_error(code, err, *words)
@@ -190,3 +192,35 @@ def test_an_onnx_prune_reports_its_accuracy_against_the_source_and_warns_when_it
     assert acc["on"] == f"--calib {tmp_path / 'calib'}" and acc["n"] == 16
     assert acc["cosine_mean"] == pytest.approx(float(cos.mean()), abs=1e-4) and acc["cosine_mean"] < 0.99
     assert "warning: pruning cost accuracy" in err and f"mean {acc['cosine_mean']:.4f}" in err
+
+
+def test_2_4_prunes_conv_weights_along_input_channels_as_tensorrt_wants(tmp_path, capsys):
+    """A user's pass: 2:4 skipped every Conv, though TensorRT's structured sparsity covers convolutions (for each
+    output channel and kernel position, 2 of every 4 consecutive input channels zero). A stem with 3 input channels
+    cannot take the pattern and is skipped."""
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((8, 3, 3, 3)).astype(np.float32)
+    w2 = rng.standard_normal((16, 8, 3, 3)).astype(np.float32)
+    g = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w1"], ["h"], name="stem", pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["h"], ["r"], name="relu"),
+         helper.make_node("Conv", ["r", "w2"], ["y"], name="conv2", pads=[1, 1, 1, 1])],
+        "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 16, 8, 8])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(tmp_path / "cnn.onnx"))
+    code, out, err = run_main(["prune", tmp_path / "cnn.onnx", "-o", tmp_path / "p.onnx", "--pattern", "2:4",
+                               "--json"], capsys)
+    assert code in (0, None), err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["layers"] == [{"node": "conv2", "op": "Conv", "sparsity": 0.5}] and report["skipped"] == ["stem"]
+    pruned = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "p.onnx")).graph.initializer}
+    groups = pruned["w2"].reshape(16, 2, 4, 3, 3)
+    assert ((groups == 0).sum(axis=2) == 2).all()                     # 2 of every 4 input channels, everywhere
+    kept = np.sort(np.abs(w2.reshape(16, 2, 4, 3, 3)), axis=2)[:, :, 2:]
+    np.testing.assert_array_equal(np.sort(np.abs(groups), axis=2)[:, :, 2:], kept)  # the 2 largest |w| stay
+    np.testing.assert_array_equal(pruned["w1"], w1)
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    assert _run(tmp_path / "p.onnx", x)["y"].shape == (2, 16, 8, 8)

@@ -3,7 +3,9 @@
 - **2:4** (``prune_2_4``): in every group of 4 consecutive input channels (K) of each output column of a
   MatMul/Gemm weight, the 2 least important weights are zeroed — the pattern Ampere+ sparse tensor cores run
   (TensorRT ``--sparsity=enable``; A100 and Orin). Importance is ``|w| * ||x_k||`` (Wanda, arXiv:2306.11695) with
-  calibration data, else ``|w|``.
+  calibration data, else ``|w|``. A Conv weight ``[K, C/groups, kh, kw]`` gets the pattern TensorRT's structured
+  sparsity asks of a convolution: for each output channel and each kernel position, 2 of every 4 consecutive input
+  channels are zero (by ``|w|``; C/groups a multiple of 4, else the layer is skipped).
 - **Channels** (``prune_channels``): hidden channels of ``MatMul/Gemm(W1) [+ bias] → elementwise activation →
   MatMul/Gemm(W2)`` blocks (transformer FFNs, MLPs; a Gemm as torch exports ``nn.Linear``: ``transB=1``, the bias
   as C) are removed — columns of W1 and the bias, rows of W2 — to a global
@@ -47,11 +49,13 @@ def nm_mask(w: np.ndarray, n: int = 2, m: int = 4, importance: np.ndarray | None
 
 def prune_2_4(model: onnx.ModelProto, activations: dict[str, np.ndarray] | None = None, *,
               nodes: list[str] | None = None) -> tuple[onnx.ModelProto, dict]:
-    """A copy of ``model`` whose MatMul/Gemm weights follow 2:4 sparsity along K.
+    """A copy of ``model`` whose MatMul/Gemm weights follow 2:4 sparsity along K, and whose Conv weights along the
+    input channels (:func:`conv_nm_mask`; by magnitude).
 
     Args:
-        activations: ``{input tensor: [rows, K]}`` calibration activations (Wanda importance); None = magnitude.
-        nodes: layers to prune (default all with K % 4 == 0; others are listed as skipped).
+        activations: ``{input tensor: [rows, K]}`` calibration activations (Wanda importance for MatMul/Gemm);
+            None = magnitude.
+        nodes: layers to prune (default all with K (a Conv's C/groups) % 4 == 0; others are listed as skipped).
     Returns:
         (model, report: per-layer sparsity, skipped layers).
     """
@@ -69,8 +73,35 @@ def prune_2_4(model: onnx.ModelProto, activations: dict[str, np.ndarray] | None 
         mask = nm_mask(w, 2, 4, imp)
         set_weight(out, layer, np.where(mask, w, 0.0))
         done.append({"node": layer.node, "sparsity": round(float(1 - mask.mean()), 4)})
+    inits = initializers(out)
+    for node in out.graph.node:
+        if node.op_type != "Conv" or len(node.input) < 2 or node.input[1] not in inits \
+                or (nodes is not None and node.name not in nodes):
+            continue
+        w = numpy_helper.to_array(inits[node.input[1]])
+        if w.ndim < 3 or not np.issubdtype(w.dtype, np.floating):
+            continue
+        if w.shape[1] % 4:  # e.g. a stem reading 3 image channels
+            skipped.append(node.name)
+            continue
+        check_finite(w, node.name)
+        mask = conv_nm_mask(w)
+        _replace(out, node.input[1], np.where(mask, w, 0).astype(w.dtype))
+        done.append({"node": node.name, "op": "Conv", "sparsity": round(float(1 - mask.mean()), 4)})
     return out, {"pattern": "2:4", "layers": done, "skipped": skipped,
                  "importance": "wanda" if activations is not None else "magnitude"}
+
+
+def conv_nm_mask(w: np.ndarray, n: int = 2, m: int = 4) -> np.ndarray:
+    """Boolean keep-mask of a Conv weight ``[K, C, *kernel]`` keeping the ``n`` largest ``|w|`` of every ``m``
+    consecutive input channels, for each output channel and kernel position (TensorRT's structured sparsity for
+    convolutions). C must be a multiple of ``m``."""
+    k, c = w.shape[:2]
+    g = np.abs(w).reshape(k, c // m, m, *w.shape[2:])
+    order = np.argsort(g, axis=2)                                  # ascending along the group of m channels
+    keep = np.ones_like(g, dtype=bool)
+    np.put_along_axis(keep, order[:, :, : m - n], False, axis=2)
+    return keep.reshape(w.shape)
 
 
 @dataclass

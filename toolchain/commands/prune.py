@@ -74,10 +74,11 @@ def _refuse_nothing_pruned(source, model: str, report: dict) -> None:  # type: i
                                 "dsedge quantize)")
     skipped = report.get("skipped") or []
     raise QuantizationError(
-        f"2:4 sparsity has nothing to prune in {model}: it prunes MatMul/Gemm weights given as float initializers "
-        f"with K (input features) a multiple of 4, and the model has "
+        f"2:4 sparsity has nothing to prune in {model}: it prunes MatMul/Gemm and Conv weights given as float "
+        f"initializers with K (input features; a Conv's input channels per group) a multiple of 4, and the model has "
         + (f"{len(skipped)} with other K (e.g. {skipped[0]!r})" if skipped else "none"),
-        "2:4 suits transformer/MLP Linear layers; Conv layers are not pruned here")
+        "2:4 suits layers with 4k input features or channels (TensorRT --sparsity=enable on A100/Orin); a stem "
+        "reading 1-3 image channels cannot take it")
 
 
 PRUNE_WARN_COSINE = 0.99  # below this (cosine mean vs the source) a prune without fine-tuning gets a warning
