@@ -106,13 +106,16 @@ def compare_models(reference_onnx: str | os.PathLike, test_onnx: str | os.PathLi
     The output judged is ``output`` (``dsedge build --gate-output``) when given, else ``embedding_output`` for
     ``task="sentence-embedding"`` when the model has it, else the first output.
 
-    ``task="sentence-embedding"`` judging ``embedding_output`` [N, D]: cosine mean/min, top-1 neighbour agreement.
+    ``task="sentence-embedding"`` judging ``embedding_output`` or another rank-2 output [N, D] (an embedding): cosine
+    mean/min, top-1 neighbour agreement (``top1_agreement``, no argmax: a sentence embedding's largest dim is no class).
     Otherwise (record ``output``: the name judged): per-sample cosine, Pearson correlation of all its values, max abs
     diff, and argmax agreement when its last dim is > 1 (classifier logits); for two-class logits (last dim 2, e.g.
     per-cell lesion logits ``[N, cells, 2]``) also ``two_class_metrics``. A per-token output [N, T, ...] with an
     ``attention_mask`` [N, T] among ``feeds`` is judged on the real tokens only (mask != 0; padding can differ
     freely, and nothing reads it): each sample's cosine over its real tokens, the other metrics over every real
-    token; the record then says ``masked_by: "attention_mask"`` and ``tokens`` (real positions judged).
+    token; the record then says ``masked_by: "attention_mask"``, ``tokens`` (real positions judged) and
+    ``token_cosine_mean`` / ``token_cosine_min``: the cosine of each real token's vector alone (``cosine_min``, what
+    the gates read, is the worst sample's cosine over all its real tokens, which can hide one bad token).
 
     Raises:
         ConfigError: ``output`` is not an output of the model (the hint lists its outputs).
@@ -122,8 +125,8 @@ def compare_models(reference_onnx: str | os.PathLike, test_onnx: str | os.PathLi
     if output is None and task == "sentence-embedding" and embedding_output in ref:
         output = embedding_output
     name = output if output is not None else next(iter(ref))
-    if task == "sentence-embedding" and name == embedding_output and ref[name].ndim == 2:
-        return sentence_embedding_metrics(ref[name], test[name])
+    if task == "sentence-embedding" and ref[name].ndim == 2:  # an encoder's [N, D] embedding: top-1 = neighbour
+        return {"output": name, **sentence_embedding_metrics(ref[name], test[name])}
     r, t = ref[name], test[name]
     mask = token_mask(feeds, r)
     if mask is not None:  # zeroed padding adds nothing to a sample's dot product or norms: cosine over real tokens
@@ -134,8 +137,10 @@ def compare_models(reference_onnx: str | os.PathLike, test_onnx: str | os.PathLi
         cos = _cos_rows(r, t)
     out = {"output": name, "cosine_mean": round(float(cos.mean()), 5), "cosine_min": round(float(cos.min()), 5),
            "max_abs_diff": float(np.max(np.abs(r - t))), "n": int(len(ref[name]))}
-    if mask is not None:
-        out.update(masked_by="attention_mask", tokens=int(mask.sum()))
+    if mask is not None:  # a sample's cosine averages its tokens: the worst single real token, beside it
+        tok = _cos_rows(r, t)
+        out.update(masked_by="attention_mask", tokens=int(mask.sum()),
+                   token_cosine_mean=round(float(tok.mean()), 5), token_cosine_min=round(float(tok.min()), 5))
     out["pearson"] = round(float(np.corrcoef(r.reshape(-1).astype(np.float64),
                                              t.reshape(-1).astype(np.float64))[0, 1]), 5) if r.size > 1 else 1.0
     if r.ndim >= 2 and r.shape[-1] > 1:

@@ -135,13 +135,22 @@ def _onnx_file(path: Path) -> Source:
 
     from ..runtime.bench import synthetic_inputs
 
-    inputs, _ = io_specs(model)
+    inputs, outputs = io_specs(model)
     static = {int(s.shape[0]) for s in inputs if s.shape and not isinstance(s.shape[0], str)}
     example = synthetic_inputs(inputs, batch=static.pop() if len(static) == 1 else 2, seq_len=16)  # a static batch axis: its size
     dyn = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in inputs}
     name = path.stem.lower().replace("_", "-")
     return Source(kind="onnx", name=name, example_inputs=example, dynamic_axes=dyn, onnx_path=path,
+                  task=onnx_task(outputs),
                   fingerprint=_fingerprint([path]), ref=str(path), **graph_token_bounds(model))
+
+
+def onnx_task(outputs: list[Any]) -> str:
+    """``"sentence-embedding"`` for an ONNX file with a rank-2 output ``sentence_embedding`` [N, D] (a
+    sentence-transformers export: ``token_embeddings`` [N, T, D] beside it), judged like the reference encoder
+    (cosine and nearest-neighbour top-1 of the sentence embeddings); else ``"generic"``. ``outputs``: IOSpecs."""
+    return "sentence-embedding" if any(o.name == "sentence_embedding" and len(o.shape) == 2 for o in outputs) \
+        else "generic"
 
 
 def _to_numpy(x: Any) -> np.ndarray:

@@ -19,6 +19,7 @@ have it (A100, H100); ORT CPU runs few BF16 kernels.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -139,7 +140,8 @@ def convert_float16(model: onnx.ModelProto, *, dtype: str = "fp16", island_ops: 
         keep_fp32_nodes: extra node names computed in FP32 (e.g. layers the accuracy gate raised).
     Returns:
         (model, report) — report lists ``fp32_nodes`` (names of island nodes), ``fp32_untyped_nodes`` (those among
-        them because ONNX's schema at the model's opset has no 16-bit type for them: :func:`_refuses`),
+        them because ONNX's schema at the model's opset has no 16-bit type for them: :func:`_refuses`; then also
+        ``fp32_untyped_note``, one line naming them by op type and the opset that has the type),
         ``casts_inserted``, ``clamped`` (initializer values clamped to the 16-bit range).
     Raises:
         QuantizationError for an unknown dtype or a model that is not fp32.
@@ -168,6 +170,8 @@ def convert_float16(model: onnx.ModelProto, *, dtype: str = "fp16", island_ops: 
     opsets = {o.domain or "": o.version for o in m.opset_import}
     untyped = {n.name for n in g.node if n.name not in island and _refuses(n, low, opsets, is_float)}
     island |= untyped
+    # named before the rewiring below renames their inputs (the opset that types them is asked on the fp32 graph)
+    note = _untyped_note(dtype, [n for n in g.node if n.name in untyped], low, opsets, is_float) if untyped else None
     # what each control-flow node's bodies read from the main graph (float only): read in FP32, like an island input
     implicit = {n.name: [t for t in _outer_reads_of(n) if is_float(t)] for n in g.node if _subgraphs(n)}
     consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
@@ -265,4 +269,41 @@ def convert_float16(model: onnx.ModelProto, *, dtype: str = "fp16", island_ops: 
     del g.value_info[:]
     report = {"precision": dtype, "fp32_nodes": sorted(island), "fp32_initializers": sorted(keep_init),
               "casts_inserted": casts, "clamped": clamped, "fp32_untyped_nodes": sorted(untyped)}
+    if note:
+        report["fp32_untyped_note"] = note
     return m, report
+
+
+def _typed_from(node: onnx.NodeProto, low: int, opsets: dict[str, int], is_float: Callable[[str], bool]) -> int | None:
+    """The first opset above the model's whose schema of ``node`` takes ``low``, or None (none yet, or another
+    domain)."""
+    domain = node.domain or ""
+    if domain not in ("", "ai.onnx") or domain not in opsets:
+        return None
+    for v in range(opsets[domain] + 1, onnx.defs.onnx_opset_version() + 1):
+        if not _refuses(node, low, {**opsets, domain: v}, is_float):
+            return v
+    return None
+
+
+def _untyped_note(dtype: str, nodes: list[onnx.NodeProto], low: int, opsets: dict[str, int],
+                  is_float: Callable[[str], bool]) -> str:
+    """``"bf16: 2 Conv, 1 GlobalAveragePool stay FP32: ONNX has no BF16 for them before opset 22 (the model's opset:
+    17)"``: what :func:`_refuses` kept FP32, by op type, and the opset that would convert them."""
+    counts: dict[str, int] = defaultdict(int)
+    first: dict[str, int | None] = {}
+    for n in nodes:
+        counts[n.op_type] += 1
+        first.setdefault(n.op_type, _typed_from(n, low, opsets, is_float))
+    ops = ", ".join(f"{c} {op}" for op, c in sorted(counts.items()))
+    verb = "stays" if sum(counts.values()) == 1 else "stay"
+    model_opset = opsets.get("", opsets.get("ai.onnx"))
+    at = set(first.values())
+    if at == {None}:
+        why = "in any opset"
+    elif len(at) == 1:
+        why = f"before opset {at.pop()} (the model's opset: {model_opset})"
+    else:
+        by = ", ".join(f"{op} from opset {v}" if v else f"{op} in none yet" for op, v in sorted(first.items()))
+        why = f"at the model's opset {model_opset} ({by})"
+    return f"{dtype}: {ops} {verb} FP32: ONNX has no {dtype.upper()} for {'it' if verb == 'stays' else 'them'} {why}"

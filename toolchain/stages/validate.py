@@ -19,7 +19,9 @@ def validate(plan: BuildPlan, model: Prepared, choice: Choice, opsets: dict[str,
     """The variants to ship (the chosen precision first, then fp32 unless ``--no-fp32``) with their accuracy, and
     warnings for the report, each also logged: a fine-tune that did not recover the accuracy; a compressed variant
     judged only on the source's example inputs (no ``--calib``/``--heldout``: synthetic for an ONNX file); a
-    compressed variant whose argmax agreement with fp32 (a classifier's top-1) is below ``MIN_ARGMAX_AGREEMENT``.
+    compressed variant whose argmax agreement with fp32 (a classifier's top-1) is below ``MIN_ARGMAX_AGREEMENT`` (not
+    for a sentence encoder: no output of it holds class scores). The shipped variant's notes also say which nodes a
+    float precision left FP32 because ONNX has no 16-bit type for them at the model's opset (also logged).
 
     Raises:
         AccuracyGateError: the shipped variant misses ``--accuracy-gate`` (nothing is written).
@@ -49,6 +51,10 @@ def validate(plan: BuildPlan, model: Prepared, choice: Choice, opsets: dict[str,
         partial = float_layers_note(name, choice.compressed.details) if name == choice.precision else None
         if partial:
             notes.append(partial)
+        untyped = choice.compressed.details.get("fp32_untyped_note") if name == choice.precision else None
+        if untyped:  # e.g. bf16 of a CNN below opset 22: every Conv FP32, the file ~fp32's size
+            notes.append(untyped)
+            log(untyped)
         invariant = choice.compressed.details.get("batch_invariant") if name == choice.precision else None
         variants.append(VariantDraft(name=name, path=path, accuracy=acc, notes=notes, batch_invariant=invariant))
     shipped = check_shipped(list(plan.gates), plan.config.accuracy_gate, choice.precision, variants[0].accuracy,
@@ -83,7 +89,8 @@ def _judged_warnings(plan: BuildPlan, model: Prepared, choice: Choice, accuracy:
         out.append(f"warning: {judged} on {n} example input{'s' if n != 1 else ''} only ({what}), not on real data: "
                    "pass --calib DIR or --heldout DIR of real inputs")
     agree = accuracy.get("argmax_agreement")
-    if agree is not None and agree < MIN_ARGMAX_AGREEMENT:
+    # a sentence encoder's outputs are embeddings, no class scores: its top-1 is nearest-neighbour agreement
+    if agree is not None and agree < MIN_ARGMAX_AGREEMENT and source.task != "sentence-embedding":
         out.append(f"warning: the {p} variant's argmax (top-1 class, if {accuracy.get('output', 'the output')!r} "
                    f"holds a classifier's scores) agrees with fp32 on {agree:.2f} of {accuracy.get('n', n)} samples "
                    f"(below {MIN_ARGMAX_AGREEMENT}): check it on real data, add --accuracy-gate top1:0.99, or build "
