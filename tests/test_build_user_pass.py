@@ -35,11 +35,12 @@ def _no_initializers(path: Path) -> Path:
     return _save(g, path)
 
 
-def _cnn(path: Path) -> Path:
-    """Conv 3→32 (3×3) → Relu → GlobalAveragePool → Flatten → MatMul 32→10 + b: INT4 converts the MatMul only."""
+def _cnn(path: Path, channels: int = 32) -> Path:
+    """Conv 3→channels (3×3) → Relu → GlobalAveragePool → Flatten → MatMul channels→10 + b: INT4 converts the
+    MatMul only."""
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array((rng.standard_normal((32, 3, 3, 3)) * 0.3).astype(np.float32), "wc"),
-             numpy_helper.from_array((rng.standard_normal((32, 10)) * 0.3).astype(np.float32), "wf"),
+    inits = [numpy_helper.from_array((rng.standard_normal((channels, 3, 3, 3)) * 0.3).astype(np.float32), "wc"),
+             numpy_helper.from_array((rng.standard_normal((channels, 10)) * 0.3).astype(np.float32), "wf"),
              numpy_helper.from_array(np.zeros(10, np.float32), "bf")]
     g = helper.make_graph([helper.make_node("Conv", ["x", "wc"], ["c"], name="conv", pads=[1, 1, 1, 1]),
                            helper.make_node("Relu", ["c"], ["r"]),
@@ -105,8 +106,9 @@ def test_auto_skips_a_candidate_that_quantizes_no_layer_and_says_so(tmp_path):
 
 
 def test_int4_of_a_cnn_says_which_layers_stayed_float(tmp_path):
-    lines: list[str] = []
-    r = build(BuildOptions(model=str(_cnn(tmp_path / "cnn.onnx")), target="jetson", out_dir=str(tmp_path / "out"),
+    lines: list[str] = []  # MatMul K 64: TensorRT's INT4 takes it (K 32 < its block of 64 stays float, or is refused)
+    r = build(BuildOptions(model=str(_cnn(tmp_path / "cnn.onnx", channels=64)), target="jetson",
+                           out_dir=str(tmp_path / "out"),
                            precision="int4", latency_iterations=3), log=lines.append)
     note = ("int4: 1 layer converted, 1 weight layer stayed float (1 Conv; int4 converts MatMul/Gemm weights and "
             "word-embedding tables)")
@@ -152,9 +154,10 @@ def test_a_build_on_real_data_with_top1_kept_does_not_warn(tmp_path):
     rng = np.random.default_rng(5)
     for i in range(2):
         np.savez(calib / f"{i}.npz", x=rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
-    lines: list[str] = []
-    r = build(BuildOptions(model=str(_cnn(tmp_path / "cnn.onnx")), target="jetson", out_dir=str(tmp_path / "out"),
-                           precision="int4", calib=str(calib), latency_iterations=3), log=lines.append)
+    lines: list[str] = []  # MatMul K 64: one block of TensorRT's INT4 (a K 32 one is refused for jetson)
+    r = build(BuildOptions(model=str(_cnn(tmp_path / "cnn.onnx", channels=64)), target="jetson",
+                           out_dir=str(tmp_path / "out"), precision="int4", calib=str(calib), latency_iterations=3),
+              log=lines.append)
     assert r.report["variants"][0]["accuracy"]["argmax_agreement"] >= 0.9
     assert not [n for n in r.report["notes"] if n.startswith("warning")]
     assert not [line for line in lines if line.startswith("warning")]

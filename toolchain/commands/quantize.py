@@ -183,15 +183,20 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
         if not quantized_nodes(out.model):  # nothing it converts (no MatMul/Gemm weights, or --nodes none of them)
             click.echo(f"warning: no layer of {model} was quantized: it has none that {chosen.precision} "
                        f"({chosen.algorithm}) converts; it is written unquantized", err=True)
+    if out.details.get("fp32_untyped_note"):  # e.g. BF16 Conv below opset 22: the file stays nearly fp32
+        click.echo(f"warning: {out.details['fp32_untyped_note']}", err=True)
     save_model_atomic(out.model, output,
                       check=lambda tmp: check_loads_in_ort(tmp, f"the {chosen.precision} model made from {model}"))
     report = {"source": str(model), "output": str(output), "precision": chosen.precision,
               "size_bytes": model_files_size(output, format="protobuf"),  # binary whatever its suffix (.json)
               "source_size_bytes": source_size, **out.details, **checked}
+    if chosen.precision == "int4":  # what it really is: a gate may have raised layers (and tables) above INT4
+        report["layer_precisions"], report["int4_summary"] = int4_mix(out.details)
     if report_path:
         write_text_atomic(report_path, json.dumps(report, indent=2, default=float) + "\n")
     ratio = report["size_bytes"] / max(report["source_size_bytes"], 1)
-    say(f"wrote {output} ({chosen.precision}, {report['size_bytes'] / 1e6:.2f} MB, {ratio:.1%} of the source)")
+    what = f"{report['int4_summary']};" if "int4_summary" in report else f"{chosen.precision},"
+    say(f"wrote {output} ({what} {report['size_bytes'] / 1e6:.2f} MB, {ratio:.1%} of the source)")
     for r in report.get("raised", []):
         say(f"  kept {r['to']}: {r['node']} — {r['reason']}")
     for r in report.get("kept_float", []):
@@ -199,6 +204,29 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
             say(f"  kept float: {r['node']} — {r['reason']}")
     if as_json:
         click.echo(json.dumps(report, default=float))
+
+
+def int4_mix(details: dict) -> tuple[dict[str, int], str]:
+    """What an INT4 run made of the layers and word-embedding tables, from its report: (``{"int4", "int8",
+    "float"}`` layer counts, one phrase for the output line), e.g. ``"int4: 0 of 12 layers INT4, 12 INT8, table
+    float"`` when an accuracy gate raised everything, ``"int4: 12 of 12 layers INT4, table INT4"``."""
+    if "precision_by_layer" in details:                   # the gated search (mixed.quantize_mixed)
+        rungs = list(details["precision_by_layer"].values())
+    else:                                                 # weight_only.quantize_weight_only
+        rungs = [("int4" if r.get("bits") == 4 else "int8") for r in details.get("layers", [])]
+        rungs += ["float"] * len([k for k in details.get("kept_float") or [] if isinstance(k, str)])
+    counts = {p: rungs.count(p) for p in ("int4", "int8", "float")}
+    higher = ", ".join(f"{counts[p]} {p.upper() if p == 'int8' else p}" for p in ("int8", "float") if counts[p])
+    text = f"int4: {counts['int4']} of {len(rungs)} layer{'s' if len(rungs) != 1 else ''} INT4" + (
+        f", {higher}" if higher else "")
+    tables = dict(details.get("tables") or {})            # the gate's say, else the tables written INT4
+    tables.update({t["name"]: "int4" for t in details.get("embeddings") or [] if t["name"] not in tables})
+    if tables:
+        each = sorted(set(tables.values()))
+        text += (f", table {each[0].upper() if each[0] == 'int4' else each[0]}" if len(tables) == 1 else
+                 f", tables: " + ", ".join(f"{list(tables.values()).count(p)} {p.upper() if p == 'int4' else p}"
+                                           for p in each))
+    return counts, text
 
 
 def _refuse_nothing_for_int4(m, model: Path, tables: bool) -> None:  # type: ignore[no-untyped-def]

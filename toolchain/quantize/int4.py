@@ -184,3 +184,33 @@ def quantize_int4(model: Any, *, block_size: int = 32, symmetric: bool = True, e
     report = {"algorithm": "rtn-mse" if scale_search else "rtn", "block_size": block_size, "symmetric": symmetric, "embeddings": embeddings,
               "layers": layers, "bytes_before": before, "bytes_after": after}
     return model, report
+
+
+def per_channel_int4_as_blocks(model: Any) -> int:
+    """In place: every per-channel INT4/UINT4 DequantizeLinear of a 2-D weight (no ``block_size``: the form
+    ``graph.write_blockwise_weight`` gives a weight whose K fits in one block) rewritten as one block along K
+    (``block_size`` = K, scales ``[1, N]``, or ``[N, 1]`` for a ``[N, K]`` weight): the same codes and scales, so the
+    same values, in the blockwise form TensorRT's INT4 takes. Returns how many were rewritten."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    done = 0
+    for node in model.graph.node:
+        if node.op_type != "DequantizeLinear" or not node.input or node.input[0] not in inits:
+            continue
+        x = inits[node.input[0]]
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if x.data_type not in (TensorProto.INT4, TensorProto.UINT4) or len(x.dims) != 2 or attrs.get("block_size"):
+            continue
+        k_axis = 1 - (attrs.get("axis", 1) % 2)              # the per-channel axis is N; the blocks run along K
+        shape = [1, -1] if k_axis == 0 else [-1, 1]
+        for name in node.input[1:3]:                        # scales, then the zero point when there is one
+            if name and name in inits:
+                t = inits[name]
+                t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).reshape(shape), name))
+        kept = [a for a in node.attribute if a.name not in ("axis", "block_size")]
+        del node.attribute[:]
+        node.attribute.extend([*kept, helper.make_attribute("axis", k_axis),
+                               helper.make_attribute("block_size", int(x.dims[k_axis]))])
+        done += 1
+    return done

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from ...runtime.errors import AccuracyGateError, ConfigError
+from ...runtime.errors import AccuracyGateError, ConfigError, QuantizationError
 from ..evaluate import top1_neighbour_agreement
 from .bf16_host import has_bf16, host_twin
 from .calibration import CalibrationSource, check_batches, load_calibration, ort_session, read_batches
@@ -293,16 +293,17 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
         proxy = {lay.node: q[4][lay.node].result.rel_error or 0.0 for lay in layers}
         by_proxy = sorted(layers, key=lambda lay: -proxy[lay.node])
         probed = by_proxy if max_probe is None else by_proxy[:max_probe]
+        n_probes = len(probed) + len(tables)               # the tables are candidates too, counted as the ranks are
         for i, layer in enumerate(probed):
             trial = dict(rung)
             trial[layer.node] = 8
             sensitivity[layer.node] = primary.gain(values[primary.metric], measure(build(trial))[primary.metric])
-            log(f"sensitivity {i + 1}/{len(probed)}: {layer.node} int4 -> int8 improves {primary.metric} by "
+            log(f"sensitivity {i + 1}/{n_probes}: {layer.node} int4 -> int8 improves {primary.metric} by "
                 f"{sensitivity[layer.node]:+.5f}")
-        for name in tables:                                # a table's next rung is float
+        for i, name in enumerate(tables, len(probed) + 1):  # a table's next rung is float
             table_gain[name] = primary.gain(values[primary.metric],
                                             measure(build(rung, {**table_rung, name: 32}))[primary.metric])
-            log(f"sensitivity of embedding table {name}: int4 -> float improves {primary.metric} by "
+            log(f"sensitivity {i}/{n_probes}: embedding table {name} int4 -> float improves {primary.metric} by "
                 f"{table_gain[name]:+.5f}")
         rest = by_proxy[len(probed):]
         # (is a table, name), most sensitive first; the unprobed layers follow by their relative output error
@@ -360,3 +361,20 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
         "int4_layers": [q[4][layer.node].result.__dict__ for layer in layers],
     }
     return build(rung), report
+
+
+def require_int4_left(report: dict, name: str, offered: tuple[str, ...] = ()) -> None:
+    """A gated search (``quantize_mixed``'s ``report``) whose gate raised every layer to INT8 or float left no INT4
+    layer: a variant named int4 would be INT8 weight-only (or float). Raises QuantizationError saying the mix and,
+    from ``offered`` (the target's precisions), what to build instead; ``name`` is the model's."""
+    counts = report.get("counts") or {}
+    n = sum(counts.values())
+    if not n or counts.get("int4", 0):
+        return
+    tables = [t for t, p in (report.get("tables") or {}).items() if p == "int4"]
+    raise QuantizationError(
+        f"int4 kept none of {name}'s {n} layers INT4 to meet the accuracy gate {report.get('gate')}: "
+        f"{counts.get('int8', 0)} INT8, {counts.get('float', 0)} float"
+        + (f" (only the embedding table{'s' if len(tables) > 1 else ''} stayed INT4)" if tables else ""),
+        "loosen --accuracy-gate, or build --precision "
+        + " or ".join([p for p in ("int8", "fp16") if p in offered] or ["fp32"]))

@@ -222,3 +222,81 @@ def quantize_embedding_tables(model: onnx.ModelProto, *, block_size: int = 32, s
         done.append({"name": site.name, "node": site.node, "shape": list(site.shape), "bits": 4,
                      "block_size": block_size, "rel_rms_error": round(err, 5)})
     return model, done
+
+
+def tensorrt_int4_fit(model: onnx.ModelProto, block_size: int, *, tables: bool = True,
+                      min_vocab: int = 1024) -> tuple[list[str], list[dict]]:
+    """Which weights TensorRT's INT4 can take at ``block_size``: its INT4 is weight-only and blockwise along K
+    (TensorRT docs, "Quantization Schemes"), so K must be a whole number of blocks. A layer with K < ``block_size``
+    would be written per-channel (one scale per output channel, no ``block_size``: ``graph.write_blockwise_weight``)
+    and one with a partial last block has a scale shape TensorRT does not take.
+
+    Args:
+        model: the float model, its nodes named (``graph.name_nodes``).
+        tables: judge the word-embedding tables too (Gather tables of >= ``min_vocab`` rows; K = the hidden dim,
+            the axis their blocks run along).
+    Returns:
+        (names of the MatMul/Gemm nodes whose weight fits, in graph order; one dict per weight that does not:
+        ``{"node", "weight", "op", "k", "reason"}``, ``op`` "Gather" for a table).
+    """
+    from .graph import weight_layers
+    from .int4 import find_weight_sites
+
+    fit, unfit = [], []
+    for layer in weight_layers(model):
+        if layer.k % block_size == 0:
+            fit.append(layer.node)
+        else:
+            unfit.append({"node": layer.node, "weight": layer.weight, "op": layer.op_type, "k": layer.k,
+                          "reason": f"K {layer.k} < block {block_size}: it would be per-channel INT4"
+                          if layer.k < block_size else f"K {layer.k} is not a multiple of block {block_size}"})
+    for site in find_weight_sites(model, embeddings=True, min_vocab=min_vocab) if tables else ():
+        k = int(site.shape[site.axis])
+        if site.op == "Gather" and k % block_size:
+            unfit.append({"node": site.node, "weight": site.name, "op": "Gather", "k": k,
+                          "reason": f"hidden dim {k} is not a multiple of block {block_size}"})
+    return fit, unfit
+
+
+def tensorrt_int4_plan(model: onnx.ModelProto, block_size: int, *, tables: bool, target: str, name: str,
+                       offered: tuple[str, ...] = ()) -> tuple[tuple[str, ...] | None, bool, dict]:
+    """INT4 for a TensorRT target (``dsedge build``): only the weights ``tensorrt_int4_fit`` passes. A layer whose K
+    is not a multiple of the block stays float, and so do the word-embedding tables when one's hidden dim is not
+    (``quantize_embedding_tables`` takes every table or none). Names ``model``'s unnamed nodes (in place), so the
+    layers picked here are the ones the quantizer sees.
+
+    Args:
+        target, name: the target's and the model's names, for the error. offered: the target's precisions (hint).
+    Returns:
+        (the nodes to quantize, None for all; whether to quantize the tables; the record for the report:
+        ``block_size``, ``float`` (each weight kept float, with its reason), ``note`` (one line, "" when none)).
+    Raises:
+        QuantizationError: the model has MatMul/Gemm layers and none fits: an int4 variant would hold no INT4 layer
+            TensorRT can run (``--precision auto`` moves on to its next precision).
+    """
+    from collections import Counter
+
+    from .graph import name_nodes
+
+    fit, unfit = tensorrt_int4_fit(name_nodes(model), block_size, tables=tables)
+    layers = [u for u in unfit if u["op"] != "Gather"]
+    gathers = [u for u in unfit if u["op"] == "Gather"]
+    ks = ", ".join(f"{k}" + (f" ×{c}" if c > 1 else "") for k, c in sorted(Counter(u["k"] for u in layers).items()))
+    # TensorRT's other block size (build_settings.INT4_BLOCKS: 64, 128): 64 takes the layers of K 64, 192, …
+    smaller = sum(1 for u in unfit if block_size > 64 and u["k"] % 64 == 0)
+    if layers and not fit:
+        others = [p for p in ("fp16", "int8") if p in offered]
+        raise QuantizationError(
+            f"int4 for {target} has no layer of {name} to convert: TensorRT's INT4 is blockwise along K with blocks "
+            f"of {block_size}, and none of its {len(layers)} MatMul/Gemm layers has K a multiple of {block_size} "
+            f"(K: {ks})",
+            ("--block-size 64 fits some; or " if any(block_size > 64 and u["k"] % 64 == 0 for u in layers) else "")
+            + (f"build --precision {' or '.join(others)}" if others else "build another precision")
+            + " (or --precision auto, which skips int4)")
+    said = ([f"{len(layers)} MatMul/Gemm layer{'s' if len(layers) > 1 else ''} (K {ks})"] if layers else []) + (
+        ["the word-embedding table" + ("s" if len(gathers) > 1 else "") + " ("
+         + ", ".join(f"{u['weight']}: hidden dim {u['k']}" for u in gathers) + ")"] if gathers else [])
+    note = (f"TensorRT's INT4 is blockwise along K, K a multiple of the block ({block_size}): kept float "
+            + " and ".join(said) + (f"; --block-size 64 fits {smaller} of them" if smaller else "")) if said else ""
+    return (tuple(fit) if layers else None), tables and not gathers, {"block_size": block_size, "float": unfit,
+                                                                      "note": note}

@@ -9,7 +9,8 @@ Each picks a preset (:mod:`..quantize.presets`) for the model and target and com
   INT4, no zero point: TensorRT quantizes symmetrically, and its ONNX parser refuses a DequantizeLinear with a
   UINT4 input or a non-zero zero point, so an asymmetric table made the whole variant unparseable), for ONNX Runtime
   targets asymmetric (UINT4 + zero point; ORT gathers the 4-bit rows; measured on MiniLM: cosine cost of the table
-  0.0008 vs 0.0012 symmetric).
+  0.0008 vs 0.0012 symmetric). For TensorRT targets only weights whose K is a whole number of blocks (its INT4 is
+  blockwise along K), the rest float and said; none fitting is refused (``weight_only.tensorrt_int4_plan``).
 - ``int8``: CNNs (Conv) on every target: W8A8 explicit Q/DQ calibrated with MinMax (needs calibration data);
   other models on ORT targets (cpu) per-row dynamic INT8 after ORT's transformer fusions (batch-invariant);
   for TensorRT targets W8A8 explicit Q/DQ calibrated with MinMax after SmoothQuant (alpha 0.5); with held-out
@@ -104,17 +105,36 @@ def compress_int4(exported: Exported, work: Path, plan: BuildPlan, source: Sourc
     # after QAT: absmax scales without clip search, the quantizer the fake-quant fine-tune trained for
     qat = not gate and opts.qat_steps > 0 and algorithm == "rtn"
     symmetric_tables = plan.target.backend == "tensorrt"  # TensorRT's parser takes INT4 with zero point 0 only
+    with_tables, trt = opts.embeddings, None
+    if plan.target.backend == "tensorrt":  # INT4 only where TensorRT's blocks along K fit: the rest stays float
+        from ..quantize.weight_only import tensorrt_int4_plan
+
+        nodes, with_tables, trt = tensorrt_int4_plan(model, opts.block_size, tables=with_tables,
+                                                     target=plan.target.name, name=source.name,
+                                                     offered=plan.target.precisions)
+        preset = preset.replace(nodes=nodes)
     if gate:
         heldout = source.validation if source.validation is not None else source.example_inputs
         out = compress_int4_with_tables(
             model, preset.replace(accuracy_gate=gate),
             Calibration(calib, heldout=heldout, reference=_gate_reference(exported, model),
                         output=_embedding_output(exported, source, opts.gate_output), top1=_top1(source)),
-            tables=opts.embeddings, symmetric_tables=symmetric_tables)
+            tables=with_tables, symmetric_tables=symmetric_tables)
     else:
         out = compress_int4_with_tables(model, preset.replace(clip_search=not qat), Calibration(calib),
-                                        tables=opts.embeddings, symmetric_tables=symmetric_tables)
+                                        tables=with_tables, symmetric_tables=symmetric_tables)
     q, details = out.model, out.details
+    if trt is not None:
+        from ..quantize.int4 import per_channel_int4_as_blocks
+
+        trt["one_block_layers"] = per_channel_int4_as_blocks(q)  # K == block: one block, not per-channel
+        details["tensorrt_int4"] = trt
+        if trt["float"]:
+            details["float_reason"] = trt["note"]
+    if gate:  # a variant named int4 holds INT4 layers
+        from ..quantize.mixed import require_int4_left
+
+        require_int4_left(details, source.name, plan.target.precisions)
     if qat:
         details["clip_search"] = False
     tables = details["embeddings"]
@@ -370,13 +390,19 @@ def float_layers_note(precision: str, details: dict[str, Any]) -> str | None:
     """``"int4: 1 layer converted, 2 stayed float (2 Conv; int4 converts MatMul/Gemm weights ...)"``, or None when
     every weight layer was converted (or the precision is not a quantizing one)."""
     float_layers = details.get("float_layers") or {}
-    if precision not in QUANTIZED_LAYERS or not float_layers:
+    why = details.get("float_reason")  # e.g. int4 for TensorRT: what its INT4 blocks do not fit (compress_int4)
+    if precision not in QUANTIZED_LAYERS or not (float_layers or why):
         return None
+    if not float_layers:
+        return f"{precision}: {why}"
     n = details.get("converted_layers", 0)
     kept = sum(float_layers.values())
     ops = ", ".join(f"{c} {op}" for op, c in sorted(float_layers.items()))
+    what = f"{precision} converts {QUANTIZED_LAYERS[precision]}"
+    if why:  # it explains float MatMul/Gemm layers; other ops (Conv) are float because int4 does not convert them
+        what = why if set(float_layers) <= {"MatMul", "Gemm"} else f"{what}; {why}"
     return (f"{precision}: {n} layer{'s' if n != 1 else ''} converted, {kept} weight layer{'s' if kept != 1 else ''} "
-            f"stayed float ({ops}; {precision} converts {QUANTIZED_LAYERS[precision]})")
+            f"stayed float ({ops}; {what})")
 
 
 COMPRESSORS = {"int4": compress_int4, "int8": compress_int8, "fp16": _compress_float("fp16"),
