@@ -402,20 +402,25 @@ def _cli(*args: str) -> None:
 
 
 @pytest.mark.slow
-def test_pipeline_on_a_slice_train_distill_build_stream(shared_data, split, tmp_path):
-    """dsedge train → dsedge distill → dsedge build on 512 real rows, then the scorer on the built bundle."""
-    from samples.fraud.datasets import fit_preprocessor
-
-    csv = shared_data / CSV
-    here = Path(__file__).resolve().parents[1] / "samples" / "fraud"
-    common = f"""
+def _slice_run(csv) -> str:
+    """The TOML of a 6-step run on 512 real rows: seed, steps, [data] (1000 hash buckets, batches of 64)."""
+    return f"""
 seed = 0
 steps = 6
 [data]
 factory = "samples.fraud.datasets:make_datasets"
 kwargs = {{ csv = "{csv}", hash_buckets = 1000, max_rows = 512 }}
 batch_size = 64
-[loss]
+"""
+
+
+def test_pipeline_on_a_slice_train_distill_build_stream(shared_data, split, tmp_path):
+    """dsedge train → dsedge distill → dsedge build on 512 real rows, then the scorer on the built bundle."""
+    from samples.fraud.datasets import fit_preprocessor
+
+    csv = shared_data / CSV
+    here = Path(__file__).resolve().parents[1] / "samples" / "fraud"
+    common = _slice_run(csv) + """[loss]
 kind = "cross_entropy"
 class_weights = [1.0, 4.0]
 [optim]
@@ -458,21 +463,13 @@ def test_training_prints_progress_lines_from_the_runs_log(shared_data, tmp_path)
     from samples.progress import run_training
 
     csv = shared_data / CSV
-    (tmp_path / "t.toml").write_text(f"""
-out_dir = "{tmp_path / "run"}"
-seed = 0
-steps = 6
-[data]
-factory = "samples.fraud.datasets:make_datasets"
-kwargs = {{ csv = "{csv}", hash_buckets = 1000, max_rows = 512 }}
-batch_size = 64
-[loss]
+    (tmp_path / "t.toml").write_text(f'out_dir = "{tmp_path / "run"}"' + _slice_run(csv) + """[loss]
 kind = "cross_entropy"
 [checkpoint]
 every = 6
 [model]
 factory = "samples.fraud.model:make_student"
-kwargs = {{ hidden = [8], embed_dim = 4, hash_buckets = 1000 }}
+kwargs = { hidden = [8], embed_dim = 4, hash_buckets = 1000 }
 input_names = ["dense", "sparse_ids"]
 output_names = ["logits"]
 """)
