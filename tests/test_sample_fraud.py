@@ -453,6 +453,16 @@ every = 6
         x = pre.transform(split["stream"].iloc[:64])
         logits = session.run(x)["logits"]
     np.testing.assert_allclose([s.score for s in scored], logits[:, 1] - logits[:, 0], atol=1e-5)
+    # the sample's own build step (a user's pass: its INT4 jetson build failed once INT4 for TensorRT took only
+    # blocks that fit, and the sample stopped there): int4 for cpu, what auto picks for jetson
+    from samples.fraud.run import build as sample_build, prepare
+
+    (tmp_path / "out").mkdir()
+    prepare(tmp_path / "out", csv, hash_buckets=1000, calib_files=2, calib_rows=64)
+    built = sample_build(tmp_path / "out", tmp_path / "teacher", tmp_path / "student", "int4", 3.0)
+    precisions = {role: json.loads((path / "manifest.json").read_text())["default_variant"]
+                  for role, path in built.items()}
+    assert precisions == {"teacher": "fp32", "student": "int4", "student_jetson": "int8"}, precisions
 
 
 def test_training_prints_progress_lines_from_the_runs_log(shared_data, tmp_path):

@@ -8,7 +8,8 @@ Steps (each a function, runnable alone):
             calibration/validation inputs → OUT/calib/*.npz (train rows calibrate, validation rows validate)
   train     ``dsedge train`` then ``dsedge distill`` on samples/fraud/teacher.toml and student.toml with their paths
             under OUT → OUT/teacher.toml, OUT/student.toml, runs OUT/teacher-run, OUT/student-run
-  build     ``dsedge build --model RUN_DIR`` : teacher fp32 for cpu; student int4 (+ fp32) for cpu and jetson
+  build     ``dsedge build --model RUN_DIR`` : teacher fp32 for cpu; student int4 (+ fp32) for cpu, and for jetson the
+            precision auto picks (int8: TensorRT's INT4 blocks of 64 fit none of the student's layers)
             → OUT/bundles
   evaluate  test-split metrics for teacher, student, compressed student (bundles via dsedge.load) and the
             scikit-learn baseline; the threshold is chosen on the validation split
@@ -145,7 +146,11 @@ def build(out: Path, teacher_run: Path, student_run: Path, precision: str = "int
     dsedge_cli("build", "--model", str(teacher_run), "--target", "cpu", "--precision", "fp32",
                "--budget-ms", f"{budget_ms:g}", "--out", str(b / "teacher"))
     for target in ("cpu", "jetson"):
-        dsedge_cli("build", "--model", str(student_run), "--target", target, "--precision", precision,
+        # TensorRT's INT4 is blockwise along K in blocks of 64/128: the student's layers (K 32, 45) and embedding
+        # tables (16 wide) have none that fits, so INT4 for jetson is refused; auto builds what Orin's TensorRT takes
+        # (INT8 Q/DQ with the calibration rows)
+        p = "auto" if target == "jetson" and precision == "int4" else precision
+        dsedge_cli("build", "--model", str(student_run), "--target", target, "--precision", p,
                    "--budget-ms", f"{budget_ms:g}", "--calib", str(out / "calib"), "--out", str(b / f"student-{target}"))
     return {"teacher": find_bundle(b / "teacher", "cpu"), "student": find_bundle(b / "student-cpu", "cpu"),
             "student_jetson": find_bundle(b / "student-jetson", "jetson-orin")}
@@ -335,7 +340,7 @@ def _run(args: argparse.Namespace, steps: list[str]) -> None:
     if "build" not in steps:
         b = out / "bundles"
         bundles = {"teacher": find_bundle(b / "teacher", "cpu"), "student": find_bundle(b / "student-cpu", "cpu")}
-        if (b / "student-jetson").is_dir():
+        if any((b / "student-jetson").glob("*.dse")):  # a failed build leaves at most its empty folder
             bundles["student_jetson"] = find_bundle(b / "student-jetson", "jetson-orin")
     ev = evaluate(out, bundles, pre, split, threads=args.threads)
     thr = ev["models"]["student_compressed"]["operating_point"]["threshold"]
