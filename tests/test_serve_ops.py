@@ -331,6 +331,15 @@ def test_one_client_cannot_take_every_connection_slot(tmp_path):
         held.pop().close()
         time.sleep(0.2)
         assert infer("127.0.0.1")[0] == 200  # one slot of 127.0.0.1's is free again
+        import re
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{proc.metrics}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        counted = [ln for ln in text.splitlines() if ln.startswith("dsedge_requests_total{")
+                   and 'reason="too_many_connections"' in ln]
+        assert len(counted) == 1 and 'outcome="rejected"' in counted[0] and 'protocol="http"' in counted[0]
+        assert re.search(r"} 2\.0$", counted[0]), counted  # both refusals above: http.client's and tritonclient's
     finally:
         for sock in held:
             sock.close()

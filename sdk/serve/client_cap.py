@@ -7,7 +7,7 @@ JSON error body of every dsedge refusal, reason ``too_many_connections``, which 
 ``Connection: close`` before anything of its request is read, then closed. The response is written, the write side
 shut (FIN), and what the client still sends is read and dropped until it closes or 2 s pass, so the client reads
 the 503 rather than a connection reset (nginx's lingering close). Such a connection never reaches uvicorn: it takes
-no ``--max-connections`` slot and no request is counted.
+no ``--max-connections`` slot; it is counted as a refused request (model label empty, protocol ``http``).
 
 Off by default, as ``limit_conn`` is: behind a load balancer or a NAT every request comes from one address. gRPC
 calls are not capped per client (``--max-connections`` bounds them as ``maximum_concurrent_rpcs``). With TLS a
@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 LINGER_S = 2.0
 REASON = "too_many_connections"
@@ -42,9 +42,11 @@ def peer_host(transport: asyncio.BaseTransport) -> str | None:
     return str(peer[0]) if isinstance(peer, (tuple, list)) and peer else None
 
 
-def with_client_cap(base: type, per_client: int) -> type:
+def with_client_cap(base: type, per_client: int, on_refuse: Callable[[], None] | None = None) -> type:
     """``base`` (a uvicorn HTTP/1.1 protocol class) answering 503 to a connection whose peer address already holds
-    ``per_client`` (>= 1) open connections to this listener. One counter per class made: one per listener."""
+    ``per_client`` (>= 1) open connections to this listener; ``on_refuse()`` is called for each one (the server
+    counts it in ``dsedge_requests_total{outcome="rejected", reason="too_many_connections"}``). One counter per class
+    made: one per listener."""
     open_by_host: dict[str, int] = {}
     warned: dict[str, float] = {}
     answer = refusal(per_client)
@@ -87,6 +89,8 @@ def with_client_cap(base: type, per_client: int) -> type:
 
         def _refuse(self, transport: asyncio.Transport, host: str) -> None:
             self._cap_refused = True
+            if on_refuse is not None:
+                on_refuse()
             transport.write(answer)
             if transport.can_write_eof():
                 transport.write_eof()

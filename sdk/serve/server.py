@@ -326,7 +326,8 @@ async def serve(cfg: ServeConfig) -> int:
         # a request head not complete within --body-timeout closes its connection (slowloris: sdk/serve/head_timeout.py)
         protocol = with_head_timeout(protocol_base(cfg.http_impl), cfg.body_timeout_s)
         if cfg.max_connections_per_client is not None and kind == "http":  # one client cannot take every slot
-            protocol = with_client_cap(protocol, cfg.max_connections_per_client)
+            protocol = with_client_cap(protocol, cfg.max_connections_per_client, on_refuse=lambda: metrics.failed(
+                "", "http", "rejected", "too_many_connections"))
         conf = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", loop="asyncio", http=protocol,
                               # uvicorn counts the connection being served: N + 1 lets N in, not N - 1
                               limit_concurrency=cfg.max_connections + 1, timeout_keep_alive=5,
