@@ -133,7 +133,7 @@ def test_health_is_open_everything_else_needs_the_token(server, client, gclient)
 
 def test_server_and_model_metadata(client, gclient):
     md = client.get_server_metadata(headers=auth())
-    assert md["name"] == "dsedge" and md["extensions"] == ["binary_tensor_data"]
+    assert md["name"] == "dsedge" and md["extensions"] == ["binary_tensor_data", "model_configuration", "statistics"]
     for name in ("mlp-cpu", "mlp-t4"):  # same model, two targets: distinct names
         m = client.get_model_metadata(name, headers=auth())
         assert m["versions"] == ["1"]
@@ -144,7 +144,7 @@ def test_server_and_model_metadata(client, gclient):
         assert g["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "64"]}]
         assert gclient.is_model_ready(name, headers=gauth())
     assert not client.is_model_ready("mlp-cpu", "2", headers=auth())
-    assert gclient.get_server_metadata(headers=gauth(), as_json=True)["extensions"] == ["binary_tensor_data"]
+    assert gclient.get_server_metadata(headers=gauth(), as_json=True)["extensions"] == ["binary_tensor_data", "model_configuration", "statistics"]
 
 
 @pytest.mark.parametrize("binary_in, binary_out", [(True, True), (False, False), (True, False)])
@@ -379,12 +379,13 @@ def test_malformed_requests_get_4xx_with_a_message(server, body, headers, status
 def test_unknown_endpoints_and_methods_get_a_json_error(server, client):
     from tritonclient.utils import InferenceServerException
 
-    code, err = _raw_post(server, "/v2/repository/index", b"{}")
-    assert code == 404 and err["reason"] == "not_found" and "no such endpoint '/v2/repository/index'" in err["error"]
+    code, err = _raw_post(server, "/v2/repository/models/mlp-cpu/load", b"{}")
+    assert code == 404 and err["reason"] == "not_found" and \
+        "no such endpoint '/v2/repository/models/mlp-cpu/load'" in err["error"]
     code, err = _raw_post(server, "/v2/health/live", b"{}")
     assert code == 405 and err["reason"] == "method_not_allowed" and "POST is not allowed" in err["error"], err
     with pytest.raises(InferenceServerException) as e:  # tritonclient reads the error body (it was plain text)
-        client.get_model_config("mlp-cpu", headers=AUTH)
+        client.unload_model("mlp-cpu", headers=AUTH)
     assert "no such endpoint" in e.value.message() and "Parse error" not in e.value.message()
 
 
@@ -678,8 +679,8 @@ def test_priority_gate_orders_bounds_and_times_out():
 
 def test_unimplemented_methods_and_out_of_range_budgets_get_clean_errors(server, gclient):
     with pytest.raises(InferenceServerException) as e:
-        gclient.get_inference_statistics(headers=gauth())
-    assert e.value.status() == "StatusCode.UNIMPLEMENTED" and "ModelInfer only" in e.value.message()
+        gclient.unload_model("mlp-cpu", headers=gauth())
+    assert e.value.status() == "StatusCode.UNIMPLEMENTED" and "ModelStatistics only" in e.value.message()
     # Triton's timeout may be anything: past an hour it is capped, not refused
     g = gclient.infer("mlp-cpu", [_grpc_input(_x(1))], headers=gauth(), timeout=2**62)
     gp = g.get_response(as_json=True)["parameters"]

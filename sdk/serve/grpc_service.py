@@ -1,8 +1,10 @@
 """The KServe v2 gRPC service (``inference.GRPCInferenceService``) on ``grpc.aio``.
 
-Implemented: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelInfer. Every other method of
-the service (ModelStreamInfer, repository, statistics, …) answers UNIMPLEMENTED. The message classes and the
-servicer base are the stubs generated from the v2 ``grpc_service.proto`` that ``tritonclient[grpc]`` ships.
+Implemented: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelInfer, and for Triton's tools
+ModelConfig, RepositoryIndex and ModelStatistics (the dicts of model_config.py parsed into the messages). Every
+other method of the service (ModelStreamInfer, model load/unload, shared memory, trace, logging, …) answers
+UNIMPLEMENTED. The message classes and the servicer base are the stubs generated from the v2 ``grpc_service.proto``
+that ``tritonclient[grpc]`` ships.
 
 ModelInfer takes ``raw_input_contents`` (what tritonclient sends) or the typed ``contents`` fields, and answers
 with ``raw_output_contents`` (little-endian, row-major), as Triton does. Errors end the call with the status code
@@ -24,9 +26,12 @@ from typing import Any, Callable
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
+from .model_config import repository_index
 from .models import VERSION, Repository
 from .protocol import NUMPY_OF_V2, ServeError, check_no_shared_memory, check_shape, from_list, from_raw, invalid, \
     rejection, v2_datatype
@@ -155,6 +160,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelMetadataResponse(name=md["name"], versions=md["versions"], platform=md["platform"],
                                         inputs=tensors(md["inputs"]), outputs=tensors(md["outputs"]))
 
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        try:
+            cfg = self.repo.get(request.name, request.version).config()
+        except ServeError as e:
+            await self._abort(context, e)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(cfg, model_config_pb2.ModelConfig()))
+
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        index = repository_index(self.repo, VERSION, self.state.draining, request.ready)
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m) for m in index])
+
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        try:
+            ms = [self.repo.get(request.name, request.version)] if request.name else list(self.repo.models.values())
+        except ServeError as e:
+            await self._abort(context, e)
+        stats = {"model_stats": [m.stats.json(m.name, VERSION) for m in ms]}
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         received = time.perf_counter()
         remaining = context.time_remaining()  # None without a gRPC deadline
@@ -197,7 +221,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
 async def _unimplemented(self: Any, request: Any, context: Any) -> None:
     await context.abort(grpc.StatusCode.UNIMPLEMENTED, "dsedge serve implements ServerLive, ServerReady, "
-                        "ServerMetadata, ModelReady, ModelMetadata and ModelInfer only",
+                        "ServerMetadata, ModelReady, ModelMetadata, ModelInfer, ModelConfig, RepositoryIndex and "
+                        "ModelStatistics only",
                         (("dsedge-reason", "unimplemented"),))
 
 

@@ -1,8 +1,9 @@
 """The KServe v2 REST API on Starlette (served by uvicorn), with Triton's binary-tensor extension.
 
-Routes: ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2``, ``GET /v2/models/{m}[/versions/{v}]``,
-``GET …/ready``, ``POST …/infer``. Errors are ``{"error": message, "reason": …}`` with the status of
-``protocol.ServeError``.
+Routes: ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2``, ``GET /v2/models/{m}[/versions/{v}]``, ``GET
+…/ready``, ``POST …/infer``; Triton's ``GET …/config``, ``GET /v2/models[/{m}[/versions/{v}]]/stats`` and ``POST
+/v2/repository/index`` (sdk/serve/model_config.py). Errors are ``{"error": message, "reason": …}`` with the status
+of ``protocol.ServeError``.
 
 Binary tensors (Triton's ``binary_tensor_data`` extension): a request whose JSON header is followed by raw data says
 so with ``Inference-Header-Content-Length: <json bytes>``; each binary input carries ``parameters.binary_data_size``
@@ -27,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .auth import TokenCheck
+from .model_config import repository_index as index_of
 from .models import VERSION, Repository
 from .protocol import ServeError, check_no_shared_memory, from_list, from_raw, invalid, not_found, rejection, \
     v2_datatype
@@ -265,6 +267,33 @@ def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck |
         ok = m.ready and not state.draining
         return JSONResponse({"name": m.name, "ready": ok}, status_code=200 if ok else 503)
 
+    async def model_config(request: Request) -> Response:
+        try:
+            m = repo.get(request.path_params["model"], request.path_params.get("version"))
+        except ServeError as e:
+            return _error(e)
+        return JSONResponse(m.config())
+
+    async def repository_index(request: Request) -> Response:
+        try:  # an optional body {"ready": bool}: only the models ready to infer
+            body = await _read_body(request, 65536, body_timeout_s, state.stopping)
+            req = json.loads(body) if body.strip() else {}
+            if not isinstance(req, dict) or not isinstance(req.get("ready", False), bool):
+                raise invalid("the repository index request must be an object, with 'ready' a boolean")
+        except ServeError as e:
+            return _error(e)
+        except ValueError as e:
+            return _error(invalid(f"the repository index request is not JSON: {e}"))
+        return JSONResponse(index_of(repo, VERSION, state.draining, req.get("ready", False)))
+
+    async def model_stats(request: Request) -> Response:
+        name = request.path_params.get("model")
+        try:
+            ms = [repo.get(name, request.path_params.get("version"))] if name else list(repo.models.values())
+        except ServeError as e:
+            return _error(e)
+        return JSONResponse({"model_stats": [m.stats.json(m.name, VERSION) for m in ms]})
+
     async def infer(request: Request) -> Response:
         name = request.path_params["model"]
         m = None  # once known, every refusal is counted against it (infer() counts only answers and cancels)
@@ -292,8 +321,14 @@ def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck |
 
     routes = [
         Route("/v2/health/live", live), Route("/v2/health/ready", ready), Route("/v2", metadata),
+        Route("/v2/models/stats", model_stats),  # before /v2/models/{model}, which it would match
         Route("/v2/models/{model}", model_metadata), Route("/v2/models/{model}/versions/{version}", model_metadata),
         Route("/v2/models/{model}/ready", model_ready),
+        Route("/v2/models/{model}/stats", model_stats),
+        Route("/v2/models/{model}/versions/{version}/stats", model_stats),
+        Route("/v2/models/{model}/config", model_config),
+        Route("/v2/models/{model}/versions/{version}/config", model_config),
+        Route("/v2/repository/index", repository_index, methods=["POST"]),
         Route("/v2/models/{model}/versions/{version}/ready", model_ready),
         Route("/v2/models/{model}/infer", infer, methods=["POST"]),
         Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
@@ -307,7 +342,8 @@ def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck |
                                      + (f" (allowed: {allowed['Allow']})" if "Allow" in allowed else ""),
                                      "method_not_allowed"))
         return _error(not_found(f"no such endpoint {request.url.path!r}: dsedge serve implements health, "
-                                "metadata, ready and infer of the KServe v2 protocol (docs/serve.md)"))
+                                "metadata, ready and infer of the KServe v2 protocol and Triton's model config, "
+                                "repository index and statistics (docs/serve.md)"))
 
     app = Starlette(routes=routes, exception_handlers={404: no_route, 405: no_route})
     return app if auth is None else auth.asgi(app, open_paths=("/v2/health/",))

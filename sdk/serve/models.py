@@ -25,6 +25,7 @@ from ..runtime.errors import DsedgeError, InputError, SessionClosedError
 from ..runtime.io import validate_inputs
 from ..runtime.results import Rejected
 from .metrics import ServeMetrics
+from .model_config import ModelStats, model_config
 from .priority import PriorityGate, PriorityLevels
 from .protocol import PRIORITY_PARAM, Deadline, ServeError, check_unsupported, deadline, invalid, not_found, \
     rejection, v2_datatype, v2_shape
@@ -40,6 +41,8 @@ class InferAnswer:
     outputs: dict[str, np.ndarray]
     parameters: dict[str, Any]
     answered_at: float | None = None  # perf_counter when the backend answered (None: answered at admission)
+    rows: int = 1  # the request's rows along the batch axis (1 without one)
+    compute_ms: float = 0.0  # start of the batch that served it → its answer
 
 
 _SERVED_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -140,10 +143,15 @@ class ServedModel:
     ready: bool = False
     draining: bool = False
     way_back: WayBack = field(default_factory=WayBack)
+    stats: ModelStats = field(default_factory=ModelStats)  # Triton's statistics (model_config.ModelStats)
     _ids: Any = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
+        from ..runtime.batching import BatchLayout
+
         self._inflight = self.metrics.inflight.labels(self.name)  # its child, looked up once
+        self._batched = BatchLayout.of(self.session.inputs, self.session.outputs).dynamic
+        self._config: dict[str, Any] | None = None
 
     # -- metadata ---------------------------------------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:
@@ -155,6 +163,13 @@ class ServedModel:
             "outputs": [{"name": o.name, "datatype": v2_datatype(o.dtype), "shape": v2_shape(o.shape)}
                         for o in s.outputs],
         }
+
+    def config(self) -> dict[str, Any]:
+        """Triton's model configuration (JSON; see model_config.model_config), built once."""
+        if self._config is None:
+            self._config = model_config(self.name, self.session, self.metadata()["platform"],
+                                        self.default_budget_ms())
+        return self._config
 
     def describe(self) -> dict[str, Any]:
         s = self.session
@@ -180,6 +195,7 @@ class ServedModel:
         """Count a request of this model that ended with ``e`` (``dsedge_requests_total``: outcome ``rejected`` for
         a refusal, ``error`` for a server fault, else ``invalid``; reason ``e.reason``)."""
         self.metrics.failed(self.name, protocol, failure_outcome(e), e.reason)
+        self.stats.failed()
 
     # -- inference --------------------------------------------------------------------------------------------
     async def infer(self, inputs: Mapping[str, np.ndarray] | Callable[[], Mapping[str, np.ndarray]],
@@ -209,12 +225,14 @@ class ServedModel:
         try:
             answer = await self._infer(inputs, params, outputs, t_arrive, transport_deadline, way_back_sent)
         except asyncio.CancelledError:  # the client went away or its gRPC deadline passed while it waited
+            self.stats.failed()
             self.metrics.failed(self.name, protocol, "rejected", "deadline" if transport_deadline is not None
                                 and time.perf_counter() >= transport_deadline else "cancelled")
             raise
         p = answer.parameters
         self.metrics.answered(self.name, protocol, p["variant"], p["latency_ms"] / 1e3, p["queue_ms"] / 1e3,
                               p["batch_size"], p["latency_ms"] <= p["budget_ms"])
+        self.stats.answered(answer.rows, p["batch_size"], p["latency_ms"], p["queue_ms"], answer.compute_ms)
         return answer
 
     def _answer_bytes(self, checked: Mapping[str, np.ndarray], wanted: Sequence[str]) -> int:
@@ -315,6 +333,8 @@ class ServedModel:
                         "queue_ms": round(waited_ms + res.queue_ms, 3), "batch_size": int(res.batch_size),
                         "budget_ms": round(dl.budget_ms, 3), "budget_source": dl.source, "priority_level": level},
             answered_at=done_at[0] if done_at else None,
+            rows=int(np.shape(next(iter(checked.values())))[0]) if self._batched and checked else 1,
+            compute_ms=max(0.0, res.latency_ms - res.queue_ms),
         )
 
 

@@ -296,7 +296,7 @@ async def serve(cfg: ServeConfig) -> int:
                       reserve_cores=cfg.reserve_cores, pin_instances=cfg.pin_instances, standby=cfg.standby)
     repo.check()  # before any port is bound: a bad --variant or --max-batch is one line, not a failed start
     state = ServerState(stopping=asyncio.get_running_loop().create_future())
-    extensions = ["binary_tensor_data"]
+    extensions = ["binary_tensor_data", "model_configuration", "statistics"]  # Triton's extension names
 
     def server_metadata() -> dict[str, Any]:
         return {"name": "dsedge", "version": __version__, "extensions": extensions}
