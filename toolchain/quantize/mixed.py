@@ -253,8 +253,8 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
         table's ``node`` is its name, with ``"table": True``); report["tables"]: table name → ``"int4"``/``"float"``.
     Raises:
         AccuracyGateError when even all-float (tables included) fails (message says the best reached); ConfigError
-        for a gate metric
-        without a metric function; CalibrationError / QuantizationError as in :func:`quantize_weight_only`.
+        for a gate metric without a metric function; CalibrationError / QuantizationError as in
+        :func:`quantize_weight_only`.
     """
     check = GateCheck(gate, metric=metric, heldout=heldout, reference=reference if reference is not None else model,
                       output=output, top1=top1)
