@@ -34,22 +34,21 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return httpclient.InferenceServerClient(server.http)
+def clients(server):
+    """tritonclient's HTTP (``.http``) and gRPC (``.grpc``) clients of the module's server."""
+    from types import SimpleNamespace
 
-
-@pytest.fixture(scope="module")
-def gclient(server):
-    return grpcclient.InferenceServerClient(server.grpc)
+    return SimpleNamespace(http=httpclient.InferenceServerClient(server.http),
+                           grpc=grpcclient.InferenceServerClient(server.grpc))
 
 
 def _x(rows: int) -> np.ndarray:
     return np.random.default_rng(rows).random((rows, 64), dtype=np.float32)
 
 
-def test_model_config_http(client):
+def test_model_config_http(clients):
     for version in ("", "1"):
-        cfg = client.get_model_config("mlp", version)
+        cfg = clients.http.get_model_config("mlp", version)
         assert cfg["name"] == "mlp" and cfg["backend"] == "dsedge"
         assert cfg["max_batch_size"] == 32  # the bundle's batch range max
         assert cfg["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [64]}]
@@ -57,19 +56,19 @@ def test_model_config_http(client):
         assert cfg["dynamic_batching"] == {}
         assert cfg["parameters"]["dsedge_budget_ms"]["string_value"] == "250"
     with pytest.raises(InferenceServerException, match="unknown model"):
-        client.get_model_config("nope")
+        clients.http.get_model_config("nope")
     with pytest.raises(InferenceServerException, match="no version"):
-        client.get_model_config("mlp", "2")
+        clients.http.get_model_config("mlp", "2")
 
 
-def test_model_config_grpc(gclient):
-    cfg = gclient.get_model_config("mlpg").config
+def test_model_config_grpc(clients):
+    cfg = clients.grpc.get_model_config("mlpg").config
     assert cfg.name == "mlpg" and cfg.backend == "dsedge" and cfg.max_batch_size == 32
     assert [(i.name, i.data_type, list(i.dims)) for i in cfg.input] == [("x", 11, [64])]  # 11: TYPE_FP32
     assert [(o.name, o.data_type, list(o.dims)) for o in cfg.output] == [("logits", 11, [4])]
     assert cfg.HasField("dynamic_batching")
     with pytest.raises(InferenceServerException, match="unknown model"):
-        gclient.get_model_config("nope")
+        clients.grpc.get_model_config("nope")
 
 
 def test_model_config_without_a_batch_axis():
@@ -85,10 +84,10 @@ def test_model_config_without_a_batch_axis():
     assert cfg["output"] == [{"name": "y", "data_type": "TYPE_FP16", "dims": [1, -1, 8]}]
 
 
-def test_repository_index(server, client, gclient):
-    assert client.get_model_repository_index() == [{"name": "mlp", "version": "1", "state": "READY"},
+def test_repository_index(server, clients):
+    assert clients.http.get_model_repository_index() == [{"name": "mlp", "version": "1", "state": "READY"},
                                                    {"name": "mlpg", "version": "1", "state": "READY"}]
-    index = gclient.get_model_repository_index().models
+    index = clients.grpc.get_model_repository_index().models
     assert [(m.name, m.version, m.state) for m in index] == [("mlp", "1", "READY"), ("mlpg", "1", "READY")]
 
     def post(body: bytes) -> tuple[int, object]:
@@ -119,38 +118,38 @@ def _check(stats: dict, name: str, rows: int, requests: int, fails: int) -> None
     assert int(s["last_inference"]) > 1.7e12  # ms since the epoch
 
 
-def test_statistics_http(server, client):
-    before = client.get_inference_statistics("mlp")["model_stats"][0]
+def test_statistics_http(server, clients):
+    before = clients.http.get_inference_statistics("mlp")["model_stats"][0]
     assert before["inference_count"] == 0 and before["inference_stats"]["success"] == {"count": 0, "ns": 0}
     for i in range(N):
         x = _x(1)
         inp = httpclient.InferInput("x", list(x.shape), "FP32")
         inp.set_data_from_numpy(x)
-        client.infer("mlp", [inp])
+        clients.http.infer("mlp", [inp])
     bad = httpclient.InferInput("x", [1, 3], "FP32")
     bad.set_data_from_numpy(np.zeros((1, 3), np.float32))
     with pytest.raises(InferenceServerException):
-        client.infer("mlp", [bad])
-    _check(client.get_inference_statistics("mlp"), "mlp", N, N, 1)
-    _check(client.get_inference_statistics("mlp", "1"), "mlp", N, N, 1)
+        clients.http.infer("mlp", [bad])
+    _check(clients.http.get_inference_statistics("mlp"), "mlp", N, N, 1)
+    _check(clients.http.get_inference_statistics("mlp", "1"), "mlp", N, N, 1)
     # every model, and the route is not taken for a model named "stats"
     with urllib.request.urlopen(f"http://{server.http}/v2/models/stats") as r:
         every = json.loads(r.read())
     assert [s["name"] for s in every["model_stats"]] == ["mlp", "mlpg"]
     with pytest.raises(InferenceServerException, match="unknown model"):
-        client.get_inference_statistics("nope")
+        clients.http.get_inference_statistics("nope")
 
 
-def test_statistics_grpc(gclient):
-    assert gclient.get_inference_statistics("mlpg").model_stats[0].inference_count == 0
+def test_statistics_grpc(clients):
+    assert clients.grpc.get_inference_statistics("mlpg").model_stats[0].inference_count == 0
     for rows in (1, 3):
         for _ in range(N):
             x = _x(rows)
             inp = grpcclient.InferInput("x", list(x.shape), "FP32")
             inp.set_data_from_numpy(x)
-            gclient.infer("mlpg", [inp])
-    _check(gclient.get_inference_statistics("mlpg", as_json=True), "mlpg", 4 * N, 2 * N, 0)
-    every = gclient.get_inference_statistics().model_stats
+            clients.grpc.infer("mlpg", [inp])
+    _check(clients.grpc.get_inference_statistics("mlpg", as_json=True), "mlpg", 4 * N, 2 * N, 0)
+    every = clients.grpc.get_inference_statistics().model_stats
     assert [s.name for s in every] == ["mlp", "mlpg"]
     with pytest.raises(InferenceServerException, match="unknown model"):
-        gclient.get_inference_statistics("nope")
+        clients.grpc.get_inference_statistics("nope")

@@ -252,12 +252,18 @@ def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck |
     async def metadata(request: Request) -> Response:
         return JSONResponse(server_metadata())
 
-    async def model_metadata(request: Request) -> Response:
-        try:
-            m = repo.get(request.path_params["model"], request.path_params.get("version"))
-        except ServeError as e:
-            return _error(e)
-        return JSONResponse(m.metadata())
+    def model_view(view: Callable[[Any], dict]) -> Callable[[Request], Any]:
+        """A GET handler answering ``view(model)`` as JSON for /v2/models/{model}[/versions/{version}][/…]."""
+        async def handler(request: Request) -> Response:
+            try:
+                m = repo.get(request.path_params["model"], request.path_params.get("version"))
+            except ServeError as e:
+                return _error(e)
+            return JSONResponse(view(m))
+        return handler
+
+    model_metadata = model_view(lambda m: m.metadata())
+    model_config = model_view(lambda m: m.config())  # Triton's model configuration extension
 
     async def model_ready(request: Request) -> Response:
         try:
@@ -267,12 +273,6 @@ def build_app(repo: Repository, state: Any, *, max_body: int, auth: TokenCheck |
         ok = m.ready and not state.draining
         return JSONResponse({"name": m.name, "ready": ok}, status_code=200 if ok else 503)
 
-    async def model_config(request: Request) -> Response:
-        try:
-            m = repo.get(request.path_params["model"], request.path_params.get("version"))
-        except ServeError as e:
-            return _error(e)
-        return JSONResponse(m.config())
 
     async def repository_index(request: Request) -> Response:
         try:  # an optional body {"ready": bool}: only the models ready to infer
