@@ -22,6 +22,8 @@ import logging
 import time
 from typing import Any, Callable
 
+from uvicorn.protocols.utils import get_remote_addr
+
 LINGER_S = 2.0
 REASON = "too_many_connections"
 log = logging.getLogger("dsedge.serve")
@@ -34,12 +36,6 @@ def refusal(per_client: int) -> bytes:
                                 f"(--max-connections-per-client {per_client})", "reason": REASON}).encode()
     return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"retry-after: 1\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-
-
-def peer_host(transport: asyncio.BaseTransport) -> str | None:
-    """The peer's IP address (``"127.0.0.1"``, ``"::1"``), or None (a Unix socket, or a peer already gone)."""
-    peer = transport.get_extra_info("peername")
-    return str(peer[0]) if isinstance(peer, (tuple, list)) and peer else None
 
 
 def with_client_cap(base: type, per_client: int, on_refuse: Callable[[], None] | None = None) -> type:
@@ -57,7 +53,8 @@ def with_client_cap(base: type, per_client: int, on_refuse: Callable[[], None] |
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self._cap_host: str | None = None
             self._cap_refused = False
-            host = peer_host(transport)
+            addr = get_remote_addr(transport)  # uvicorn's own (ip, port); None for a Unix socket
+            host = addr[0] if addr else None
             if host is not None and open_by_host.get(host, 0) >= self.max_per_client:
                 self._refuse(transport, host)
                 return

@@ -122,6 +122,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
              as_json: bool) -> None:
     """Quantize an ONNX MODEL and write the result to --output (written atomically)."""
     from ..config import check_heldout_is_not_calibration
+    from ..evaluate import check_gate_output
     from ..quantize.calibration import npz_files
     from ..quantize.compress import Calibration, compress, compress_int4_with_tables
 
@@ -159,9 +160,7 @@ def quantize(ctx: click.Context, model: Path | None, output: Path | None, preset
     if gate_output is not None and not chosen.accuracy_gate:
         raise ConfigError("--gate-output names what --accuracy-gate measures, and no gate was given",
                           "add --accuracy-gate, or drop --gate-output")
-    if gate_output is not None and gate_output not in outputs:
-        raise ConfigError(f"--gate-output {gate_output!r} is not an output of {model.name}",
-                          f"outputs: {', '.join(outputs)}")
+    check_gate_output(gate_output, outputs, model.name)
     if chosen.precision == "int4":
         _refuse_nothing_for_int4(m, model, tables_too)
     gated = gate_output if gate_output is not None else 0
