@@ -13,7 +13,9 @@ before it is cached) runs the golden inputs through the backend in use and passe
 
 Rank-0 inputs (a scalar flag such as ``use_cache`` or ``temperature``) are stored as they are, one value, and fed
 unchanged with every call of rows; the row count comes from the batched inputs. A model whose inputs are all rank-0
-has no rows to check (``dsedge build`` writes no golden I/O for it).
+has no rows to check (``dsedge build`` writes no golden I/O for it). A rank-0 output (a loss, a count: one value per
+call, not rows) is stored once, from one call over the golden rows, and compared with every call's value (its
+cosine over one value is sign agreement).
 
 Loading uses ``numpy.load(allow_pickle=False)``: no code runs from a bundle.
 """
@@ -57,6 +59,12 @@ class Golden:
 def count_rows(arrays: Mapping[str, np.ndarray]) -> int:
     """Rows of ``arrays``: axis 0 of the first array that has one (a rank-0 array holds no rows); 0 if none has."""
     return next((int(np.shape(a)[0]) for a in arrays.values() if np.ndim(a)), 0)
+
+
+def take_rows(arrays: Mapping[str, np.ndarray], index: Any) -> dict[str, np.ndarray]:
+    """``arrays`` with every batched array cut to rows ``index`` (a slice or indices along axis 0); a rank-0 array
+    (a scalar flag such as ``temperature``: one value, no rows) is kept whole, to go unchanged with every cut."""
+    return {k: v[index] if np.ndim(v) else v for k, v in arrays.items()}
 
 
 def has_golden(manifest: Manifest) -> bool:
@@ -128,7 +136,12 @@ def _check_golden_arrays(manifest: Manifest, inputs: Mapping[str, np.ndarray],
     if all(not s.shape for s in manifest.inputs):
         raise BundleError("golden I/O of a bundle whose inputs are all rank-0 has no rows to check (no input has a "
                           "batch axis)", "check it with `dsedge bench` or your own data")
-    used = {**{s.name: inputs[s.name] for s in manifest.inputs if s.shape}, **outputs}
+    for s in manifest.outputs:  # a rank-0 golden output (one value, no rows) only where the output has no axis
+        if s.name in outputs and s.shape and not outputs[s.name].ndim:
+            raise BundleError(f"golden output {s.name!r} is one value ({outputs[s.name].dtype} []), the manifest's "
+                              f"output is {s.dtype} {list(s.shape)}", "rebuild the bundle")
+    used = {**{s.name: inputs[s.name] for s in manifest.inputs if s.shape},
+            **{k: a for k, a in outputs.items() if a.ndim}}
     rows = {k: (a.shape[0] if a.ndim else 0) for k, a in used.items()}
     if len(set(rows.values())) != 1 or not next(iter(rows.values())):
         raise BundleError("golden arrays hold " + ", ".join(f"{k} {n}" for k, n in rows.items()) + " rows; every "
@@ -146,29 +159,42 @@ def batch_limits(inputs: list[IOSpec], shape_ranges: Mapping[str, Mapping[str, i
 
 
 def run_rows(run: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]], feeds: Mapping[str, np.ndarray],
-             limits: tuple[int, int] = (1, 1 << 30)) -> dict[str, np.ndarray]:
+             limits: tuple[int, int] = (1, 1 << 30), calls: dict[str, list[np.ndarray]] | None = None
+             ) -> dict[str, np.ndarray]:
     """Run ``feeds`` (batch axis 0) in calls of ``limits`` rows; a short last call is padded by repeating its last
     row (an engine with a static or minimum batch), and the padding is cut from the outputs. A rank-0 feed (a scalar
     flag) is no rows: it goes unchanged with every call, and the row count comes from the batched feeds (all rank-0:
-    one call, its outputs as they are)."""
+    one call, its outputs as they are).
+
+    A rank-0 output (a loss, a count: one value per call, not rows) comes back as the first call's value; ``calls``,
+    when given, receives every call's value of each rank-0 output (name → list in call order), for ``compare``."""
     if not any(np.ndim(v) for v in feeds.values()):
-        return {k: np.asarray(v) for k, v in run(dict(feeds)).items()}
+        out = {k: np.asarray(v) for k, v in run(dict(feeds)).items()}
+        if calls is not None:
+            calls.update({k: [v] for k, v in out.items() if not v.ndim})
+        return out
     lo, hi = max(1, limits[0]), max(1, limits[1])
     n = count_rows(feeds)
     parts: dict[str, list[np.ndarray]] = {}
     for i in range(0, n, hi):
-        chunk = {k: v[i:i + hi] if np.ndim(v) else v for k, v in feeds.items()}
+        chunk = take_rows(feeds, slice(i, i + hi))
         rows = count_rows(chunk)
         if rows < lo:
             chunk = {k: np.concatenate([v, np.repeat(v[-1:], lo - rows, axis=0)]) if np.ndim(v) else v
                      for k, v in chunk.items()}
         for k, v in run(chunk).items():
-            parts.setdefault(k, []).append(np.asarray(v)[:rows])
-    return {k: np.concatenate(v) for k, v in parts.items()}
+            v = np.asarray(v)
+            parts.setdefault(k, []).append(v[:rows] if v.ndim else v)
+    if calls is not None:
+        calls.update({k: v for k, v in parts.items() if not v[0].ndim})
+    return {k: np.concatenate(v) if v[0].ndim else v[0] for k, v in parts.items()}
 
 
-def compare(reference: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) -> dict[str, dict[str, float]]:
+def compare(reference: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray],
+            calls: Mapping[str, list[np.ndarray]] | None = None) -> dict[str, dict[str, float]]:
     """Per output of ``reference``: ``cosine_min`` (per row, float64) and ``max_abs_diff`` of ``got`` against it.
+    A rank-0 reference output (stored once) is compared with each call's value, ``calls[name]`` from ``run_rows``
+    (else ``got[name]`` alone): one value per row, its cosine is sign agreement.
 
     Raises:
         OutputMismatchError: an output is missing or has another shape.
@@ -177,12 +203,18 @@ def compare(reference: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) 
     for name, r in reference.items():
         if name not in got:
             raise OutputMismatchError(f"the backend gave no output {name!r}", "rebuild the engine / bundle")
-        g = np.asarray(got[name])
-        if g.shape != r.shape:
-            raise OutputMismatchError(f"output {name!r} has shape {list(g.shape)}, golden {list(r.shape)}",
+        # a batched output: its rows; a rank-0 one: every call's value (else the one given)
+        each = [np.asarray(v) for v in ((calls or {}).get(name, [got[name]]) if not r.ndim else [got[name]])]
+        bad = next((g for g in each if g.shape != r.shape), None)
+        if bad is not None:
+            raise OutputMismatchError(f"output {name!r} has shape {list(bad.shape)}, golden {list(r.shape)}",
                                       "check the engine's optimization profile covers the golden shapes")
-        a = r.reshape(len(r), -1).astype(np.float64)
-        b = g.reshape(len(g), -1).astype(np.float64)
+        if r.ndim:
+            a = r.reshape(len(r), -1).astype(np.float64)
+            b = each[0].reshape(len(r), -1).astype(np.float64)
+        else:  # one value, stored once: a row of it per call
+            b = np.stack(each).reshape(len(each), 1).astype(np.float64)
+            a = np.broadcast_to(r.astype(np.float64), b.shape)
         cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12)
         both_zero = (np.linalg.norm(a, axis=1) == 0) & (np.linalg.norm(b, axis=1) == 0)
         cos = np.where(both_zero, 1.0, cos)
@@ -268,8 +300,10 @@ def check_run(bundle: str | os.PathLike, manifest: Manifest, variant: Variant,
     """
     golden = golden or load_golden(bundle, manifest)
     feeds = {s.name: golden.inputs[s.name] for s in manifest.inputs}
-    got = run_rows(run, feeds, limits or batch_limits(manifest.inputs, manifest.shape_ranges))
-    return judge(variant, compare(golden.outputs, got), backend=backend, providers=providers, rows=golden.rows)
+    calls: dict[str, list[np.ndarray]] = {}
+    got = run_rows(run, feeds, limits or batch_limits(manifest.inputs, manifest.shape_ranges), calls)
+    return judge(variant, compare(golden.outputs, got, calls), backend=backend, providers=providers,
+                 rows=golden.rows)
 
 
 def require_pass(report: GoldenReport, what: str = "") -> GoldenReport:

@@ -22,16 +22,14 @@ def _session(path: str | os.PathLike) -> Any:
 
 
 def _run_batches(backend: Any, feeds: dict[str, np.ndarray], batch: int = 16) -> dict[str, np.ndarray]:
-    n = len(next(iter(feeds.values())))
-    parts: dict[str, list[np.ndarray]] = {}
-    for i in range(0, n, batch):
-        for k, v in backend.run({k: v[i:i + batch] for k, v in feeds.items()}).items():
-            parts.setdefault(k, []).append(v)
-    return {k: np.concatenate(v) for k, v in parts.items()}
+    from ..runtime.golden import run_rows
+
+    return run_rows(backend.run, feeds, (1, batch))
 
 
 def model_outputs(onnx_path: str | os.PathLike, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every output of ``onnx_path`` on ``feeds`` (batch axis 0), run in batches of 16 on ORT's CPU provider."""
+    """Every output of ``onnx_path`` on ``feeds`` (batch axis 0), run in batches of 16 on ORT's CPU provider; a
+    rank-0 input goes unchanged with every batch, a rank-0 output is the first batch's (``golden.run_rows``)."""
     return _run_batches(_session(onnx_path), feeds)
 
 

@@ -6,8 +6,9 @@ Rows: up to ``MAX_ROWS`` spread evenly over the build's validation inputs (``--h
 ``CAP_BYTES`` (256 KiB, uncompressed); the largest outputs are left out first (a per-token
 ``last_hidden_state`` of a text encoder), then rows are halved until the rest fits; ``golden/golden.json`` says what
 was left out. A rank-0 input (a scalar flag such as ``use_cache``) is stored as it is, one value fed with every row,
-and counts its bytes once. The files are ``np.savez_compressed`` (no pickle) and hash-listed like every bundle file.
-See runtime/golden.py for the check.
+and counts its bytes once; so does a rank-0 output (a loss, a count), which is one value per call: with one, the
+golden rows are cut to what one call takes (the batch range's max) and its reference value is stored once. The files
+are ``np.savez_compressed`` (no pickle) and hash-listed like every bundle file. See runtime/golden.py for the check.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import numpy as np
 
 from ..runtime.backends.ort import OrtBackend
 from ..runtime.bundle import IOSpec, Variant
-from ..runtime.golden import INFO_FILE, INPUTS_FILE, OUTPUTS_FILE, compare, count_rows, run_rows, tolerances
+from ..runtime.golden import (INFO_FILE, INPUTS_FILE, OUTPUTS_FILE, compare, count_rows, run_rows, take_rows,
+                              tolerances)
 from .evaluate import host_backend
 
 MAX_ROWS = 8
@@ -45,15 +47,20 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 def fit_cap(inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray], cap: int = CAP_BYTES
             ) -> tuple[int, list[str]]:
     """(rows to keep, outputs to keep): leave out the largest outputs first (at least one stays), then halve rows.
-    Rank-0 inputs (one value, not rows) count their bytes once, whatever the rows."""
+    Rank-0 inputs and outputs (one value, not rows) count their bytes once, whatever the rows."""
     n = count_rows(inputs)
     fixed = _nbytes({k: v for k, v in inputs.items() if v.ndim == 0})
     per_row_in = _nbytes({k: v for k, v in inputs.items() if v.ndim}) / max(n, 1)
-    per_row_out = {k: v.nbytes / max(n, 1) for k, v in outputs.items()}
+    per_row_out = {k: v.nbytes / max(n, 1) if v.ndim else 0.0 for k, v in outputs.items()}
+    once_out = {k: 0 if v.ndim else v.nbytes for k, v in outputs.items()}
     keep = sorted(outputs, key=lambda k: per_row_out[k])
-    while len(keep) > 1 and fixed + n * (per_row_in + sum(per_row_out[k] for k in keep)) > cap:
+
+    def size(rows: int) -> float:
+        return fixed + sum(once_out[k] for k in keep) + rows * (per_row_in + sum(per_row_out[k] for k in keep))
+
+    while len(keep) > 1 and size(n) > cap:
         keep.pop()
-    while n > 1 and fixed + n * (per_row_in + sum(per_row_out[k] for k in keep)) > cap:
+    while n > 1 and size(n) > cap:
         n //= 2
     return n, [k for k in outputs if k in keep]
 
@@ -108,11 +115,18 @@ def attach_golden(reference_onnx: str | os.PathLike, models: dict[str, str | os.
     ref_backend = OrtBackend(reference_onnx, providers=["CPUExecutionProvider"])
     reference = run_rows(ref_backend.run, feeds, limits)
     rows, kept = fit_cap(feeds, reference, cap)
-    feeds = {k: v[:rows] if v.ndim else v for k, v in feeds.items()}
-    reference = {k: np.ascontiguousarray(reference[k][:rows]) for k in kept}
+    scalar_out = [k for k in kept if not reference[k].ndim]
+    if scalar_out:  # one value per call (a loss, a count over the call's rows): one call, stored once
+        rows = min(rows, max(1, limits[1]))
+    if rows < len(idx):
+        feeds = take_rows(feeds, slice(0, rows))
+        # a rank-0 output depends on the rows of its call: computed again on the rows kept
+        reference = run_rows(ref_backend.run, feeds, limits) if scalar_out else take_rows(reference, slice(0, rows))
+    reference = {k: np.array(reference[k], order="C") for k in kept}  # (ascontiguousarray makes a 0-d [1])
     for v in variants:
-        got = run_rows(host_backend(models[v.file]).run, feeds, limits)  # a BF16 variant: its FP32 emulation
-        v.golden = tolerances(reference, compare(reference, got))
+        calls: dict[str, list[np.ndarray]] = {}
+        got = run_rows(host_backend(models[v.file]).run, feeds, limits, calls)  # BF16: its FP32 emulation
+        v.golden = tolerances(reference, compare(reference, got, calls))
     inputs_npz, outputs_npz = _npz_bytes(feeds), _npz_bytes(reference)
     info = {"rows": int(rows), "outputs": kept, "left_out": [k for k in ref_backend.output_names if k not in kept],
             "from": validation_kind or "the build's validation inputs", "row_indices": [int(i) for i in idx[:rows]],

@@ -1,6 +1,8 @@
 """Real model inputs from ``*.npz`` files (``--calib`` / ``--heldout``): one reader for the build, ``dsedge prune``
 and the quantizers — arrays named like the model's inputs, batch axis 0, checked against the model's input specs,
-integer inputs of different lengths zero-padded like a tokenizer's ``padding=True``."""
+integer inputs of different lengths zero-padded like a tokenizer's ``padding=True``. A rank-0 input (a scalar such as
+``temperature`` or ``use_cache``) holds one value in every file and is returned once, rank-0, to be fed unchanged with
+every batch cut from the others (``runtime.golden.take_rows``)."""
 from __future__ import annotations
 
 import os
@@ -10,16 +12,19 @@ import numpy as np
 
 from ..runtime.bundle import IOSpec
 from ..runtime.errors import CalibrationError
+from ..runtime.golden import count_rows, take_rows
 from ..runtime.npz import read_npz
 
 
 def read_npz_dir(path: str | os.PathLike, specs: list[IOSpec], what: str = "calibration") -> dict[str, np.ndarray]:
     """Real inputs from the ``*.npz`` files of a directory (arrays named like the model's inputs, batch axis 0),
-    concatenated in file order.
+    concatenated in file order. A rank-0 input (spec shape ``[]``) must hold the same value in every file: it is
+    returned once, as a rank-0 array; the samples are the rows of the batched inputs.
 
     Raises:
         CalibrationError: missing/empty directory, unreadable file, missing input names, dtypes or shapes that do
-            not match the model's inputs, no sample at all.
+            not match the model's inputs, a rank-0 input that differs between files, no sample at all (or no
+            batched input to hold one).
     """
     from ..runtime.errors import InputError
     from ..runtime.io import check_finite, validate_inputs
@@ -33,6 +38,13 @@ def read_npz_dir(path: str | os.PathLike, specs: list[IOSpec], what: str = "cali
     if not files:
         raise CalibrationError(f"{what} directory {str(d)!r} has no .npz files",
                                f"save real inputs with np.savez(f, {', '.join(n + '=…' for n in input_names)})")
+    scalars = {s.name for s in specs if not s.shape}
+    if scalars and len(scalars) == len(input_names):
+        raise CalibrationError(f"{what} data cannot be read for this model: its input(s) "
+                               f"{', '.join(map(repr, input_names))} are all rank-0 (one value each), so there are "
+                               "no samples (rows along a batch axis) to cut",
+                               f"drop --{'calib' if what == 'calibration' else 'heldout'}: a model needs a batched "
+                               "input for real inputs to calibrate or validate on")
     parts: dict[str, list[np.ndarray]] = {n: [] for n in input_names}
     for f in files:
         try:
@@ -51,9 +63,14 @@ def read_npz_dir(path: str | os.PathLike, specs: list[IOSpec], what: str = "cali
         except InputError as e:
             raise CalibrationError(f"{what} file {f}: {e}", e.hint) from None
         for n in input_names:
-            parts[n].append(arrays[n])
-    data = {n: _concat_padded(n, v, what) for n, v in parts.items()}
-    if len(next(iter(data.values()))) == 0:
+            a = arrays[n]
+            if n in scalars and parts[n] and not np.array_equal(a, parts[n][0]):
+                raise CalibrationError(f"{what} input {n!r} is rank-0 (one value for every sample) and holds "
+                                       f"{parts[n][0].item()!r} in {files[0].name} but {a.item()!r} in {f.name}",
+                                       f"save one value of {n!r} in every file (e.g. the value you deploy with)")
+            parts[n].append(a)
+    data = {n: (np.asarray(v[0]) if n in scalars else _concat_padded(n, v, what)) for n, v in parts.items()}
+    if count_rows(data) == 0:
         raise CalibrationError(f"{what} directory {str(d)!r} holds 0 samples", "save at least one sample per file")
     return data
 
@@ -80,12 +97,13 @@ def load_calibration_dir(path: str | os.PathLike, specs: list[IOSpec]) -> tuple[
         CalibrationError: as ``read_npz_dir``, or fewer than 2 samples.
     """
     data = read_npz_dir(path, specs)
-    count = len(next(iter(data.values())))
+    count = count_rows(data)
     if count < 2:
         raise CalibrationError(f"calibration directory {str(path)!r} holds {count} sample(s)", "give at least 2 (more is better)")
     half = count // 2
-    return {n: v[:half] for n, v in data.items()}, {n: v[half:] for n, v in data.items()}
+    return take_rows(data, slice(None, half)), take_rows(data, slice(half, None))  # a rank-0 input goes with both
 
 
 def count_samples(arrays: dict[str, np.ndarray]) -> int:
-    return int(len(next(iter(arrays.values()))))
+    """Samples (rows) of ``arrays``: those of the first batched input (a rank-0 input holds one value, no rows)."""
+    return count_rows(arrays)

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import click
-import numpy as np
 from click.core import ParameterSource
 
 from ...runtime.params import FiniteFloat
@@ -90,6 +89,7 @@ def accuracy_vs_source(source: Path, pruned: Path, model, calib: Path | None) ->
     (``runtime.bench.synthetic_inputs``, 32 tokens). Returns (record, what it was measured on); (None, why) when
     it cannot be measured (e.g. synthetic token ids outside the model's vocabulary)."""
     from ...runtime.bench import synthetic_inputs
+    from ...runtime.golden import take_rows
     from ...runtime.npz import read_npz
     from ..evaluate import compare_models
     from ..export import io_specs
@@ -103,7 +103,7 @@ def accuracy_vs_source(source: Path, pruned: Path, model, calib: Path | None) ->
         else:
             feeds = synthetic_inputs(specs, batch=8, seq_len=32)
             on = "8 synthetic inputs (pass --calib for real ones)"
-        feeds = {k: v[:64] if np.ndim(v) else v for k, v in feeds.items()}
+        feeds = take_rows(feeds, slice(None, 64))  # a rank-0 input goes whole
         return compare_models(source, pruned, feeds), on
     except Exception as e:  # ORT refusing made-up inputs, unreadable data: the prune itself stands
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]

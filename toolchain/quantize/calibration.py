@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 
 from ...runtime.errors import CalibrationError
+from ...runtime.golden import count_rows, take_rows
 from ...runtime.io import check_finite
 from ...runtime.npz import read_npz
 
@@ -26,9 +27,10 @@ _KINDS = {"f": "float", "i": "int", "u": "int", "b": "bool"}
 
 
 def split_batches(arrays: Batch, batch_size: int = 16) -> list[Batch]:
-    """One ``{input: array}`` set with the batch on axis 0 → batches of at most ``batch_size`` samples."""
-    n = min((len(a) for a in arrays.values()), default=0)
-    return [{k: v[i:i + batch_size] for k, v in arrays.items()} for i in range(0, n, batch_size)]
+    """One ``{input: array}`` set with the batch on axis 0 → batches of at most ``batch_size`` samples; a rank-0
+    input (a scalar such as ``temperature``, ``read_npz_dir``'s one value) goes unchanged with every batch."""
+    n = count_rows(arrays)
+    return [take_rows(arrays, slice(i, i + batch_size)) for i in range(0, n, batch_size)]
 
 
 def npz_files(source: str | os.PathLike, what: str = "calibration") -> list[Path]:

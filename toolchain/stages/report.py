@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ...runtime.golden import count_rows
 from ..artifacts import Choice, Prepared, Recipe, VariantDraft
 from ..bundle_writer import bundle_path
 from ..config import BuildPlan
@@ -34,7 +35,7 @@ def assemble_report(plan: BuildPlan, model: Prepared, choice: Choice, opsets: di
         "compression": {k: v for k, v in compressed.details.items() if k != "layers"},
         "layers": compressed.details.get("layers", []),
         "validation": {"inputs": source.validation_kind,
-                       "samples": int(len(next(iter(model.validation.values()))))},
+                       "samples": count_rows(model.validation)},
         "variants": [{"name": v.name, "precision": v.precision, "size_bytes": int(v.path.stat().st_size),
                       "size_vs_fp32": round(v.path.stat().st_size / fp32_size, 4),
                       "accuracy": v.accuracy, "latency_ms": v.latency_ms} for v in variants],

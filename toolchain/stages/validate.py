@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ...runtime.golden import count_rows
 from ..artifacts import Choice, Prepared, VariantDraft
 from ..config import BuildPlan
 from ..evaluate import compare_models
@@ -80,7 +81,7 @@ def _judged_warnings(plan: BuildPlan, model: Prepared, choice: Choice, accuracy:
     if choice.precision == "fp32" or accuracy.get("reference") == "self":
         return []
     source, p = model.source, choice.precision
-    n = int(len(next(iter(model.validation.values()))))
+    n = count_rows(model.validation)  # a rank-0 input (one value) holds no samples
     judged = (f"auto chose {p} judging accuracy" if plan.config.precision == "auto"
               else f"the {p} variant's accuracy was measured")
     out = []
