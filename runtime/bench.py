@@ -106,7 +106,7 @@ def synthetic_inputs(
     Integer inputs named like an attention mask are ones (no padding: the full sequence is computed), token-type
     ids are zeros, position ids count 0..n-1, other integers (token ids) are uniform in ``[0, vocab_size)``
     (default ``DEFAULT_ID_RANGE``). Floats are standard normal, bools are True. Arrays are C-contiguous with
-    exactly the spec's dtype.
+    exactly the spec's dtype and rank (a rank-0 input, e.g. ``temperature`` ``[]``, is one 0-d value).
 
     Returns:
         input name → numpy array.
@@ -134,7 +134,7 @@ def synthetic_inputs(
                 arr = rng.integers(0, high, size=shape, dtype=dtype)
         else:
             arr = rng.standard_normal(size=shape).astype(dtype)
-        out[spec.name] = np.ascontiguousarray(arr)
+        out[spec.name] = np.asarray(arr, order="C")  # not ascontiguousarray: it makes a rank-0 input [1]
     return out
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from .bundle import IOSpec
 from .errors import BenchError, InputError
+from .golden import count_rows, take_rows
 from .npz import read_npz
 
 
@@ -18,12 +19,15 @@ def read_inputs_dir(path: str | os.PathLike, specs: Sequence[IOSpec]) -> dict[st
     """Real inputs from ``*.npz`` files in ``path`` (arrays named like the bundle's inputs, batch axis 0), joined
     along axis 0 in file-name order. Arrays whose symbolic axes (a name in the input's shape, e.g. ``sequence``)
     differ between files are right-padded with zeros to the longest (token ids 0 / mask 0, the BERT convention); a
-    static axis must hold the input's size in every file. Loaded with ``allow_pickle=False``.
+    static axis must hold the input's size in every file. A rank-0 input (shape ``[]``, e.g. ``temperature``) is one
+    value, no rows: it must hold the same value in every file and is returned once, 0-d, to go with every window
+    (``input_windows``). Loaded with ``allow_pickle=False``.
 
     Raises:
         InputError: no such directory, no ``.npz`` files, a file lacking one of the inputs, an array whose rank is
             neither the input's (rows) nor one less (a single row), an array whose static axis (after the batch
-            axis) differs from the input's, or a file whose arrays do not hold the same number (>= 1) of rows.
+            axis) differs from the input's, a file whose batched arrays do not hold the same number (>= 1) of rows,
+            or a rank-0 input whose value differs between files.
     """
     root = Path(path)
     if not root.is_dir():
@@ -44,6 +48,17 @@ def read_inputs_dir(path: str | os.PathLike, specs: Sequence[IOSpec]) -> dict[st
                 raise InputError(f"{f.name} has no array {s.name!r} (it has {', '.join(z) or 'none'})",
                                  "name the arrays like the bundle's inputs (dsedge inspect BUNDLE)")
             a = z[s.name]
+            if not s.shape:  # rank-0: one value, no rows; the same in every file (it goes with every window)
+                if a.ndim:
+                    raise InputError(f"{f.name}: array {s.name!r} has shape {list(a.shape)}, the input is rank-0 "
+                                     "(one value, no batch axis)", f"save {s.name} as one value: numpy.savez(…, "
+                                     f"{s.name}=numpy.array(value))")
+                if parts[s.name] and not np.array_equal(a, parts[s.name][0]):
+                    raise InputError(f"rank-0 input {s.name!r} holds {parts[s.name][0].item()!r} in {files[0].name} "
+                                     f"but {a.item()!r} in {f.name}: one value goes with every batch",
+                                     f"save one value of {s.name!r} in every file (e.g. the value you deploy with)")
+                parts[s.name].append(a)
+                continue
             if a.ndim not in (len(s.shape), len(s.shape) - 1):
                 raise InputError(f"{f.name}: array {s.name!r} has shape {list(a.shape)}, the input is "
                                  f"{list(s.shape)}", "save rows along axis 0, or one row without the batch axis")
@@ -55,7 +70,7 @@ def read_inputs_dir(path: str | os.PathLike, specs: Sequence[IOSpec]) -> dict[st
                                      f"{s.shape[i]} there", f"save {s.name} with {s.shape[i]} on axis {i} in {f.name} (only symbolic "
                                      "axes, e.g. token axes, may differ: shorter ones are zero-padded; dsedge inspect "
                                      "BUNDLE shows the shapes)")
-            rows[s.name] = a.shape[0] if a.ndim else 1
+            rows[s.name] = a.shape[0]
             parts[s.name].append(a)
         if len(set(rows.values())) > 1 or not min(rows.values(), default=1):
             raise InputError(f"{f.name}: the arrays hold " + ", ".join(f"{k} {n}" for k, n in rows.items()) + " rows",
@@ -63,6 +78,9 @@ def read_inputs_dir(path: str | os.PathLike, specs: Sequence[IOSpec]) -> dict[st
     out = {}
     for s in specs:  # static axes match the spec in every file (checked above): only symbolic ones are padded
         arrays = parts[s.name]
+        if not s.shape:
+            out[s.name] = arrays[0]
+            continue
         ndim = arrays[0].ndim
         top = [max(a.shape[i] for a in arrays) for i in range(ndim)]
         padded = [np.pad(a, [(0, 0)] + [(0, 0 if _static(s.shape[i]) else top[i] - a.shape[i])
@@ -77,13 +95,17 @@ def _static(dim: int | str) -> bool:
 
 
 def input_windows(arrays: Mapping[str, np.ndarray], batch: int) -> list[dict[str, np.ndarray]]:
-    """Consecutive windows of ``batch`` rows over ``arrays`` (wrapping around when rows run out), at most 64."""
-    n = len(next(iter(arrays.values())))
+    """Consecutive windows of ``batch`` rows over ``arrays`` (wrapping around when rows run out), at most 64. Rows
+    are those of the batched arrays (``golden.count_rows``); a rank-0 array (e.g. ``temperature``) goes whole with
+    every window, and arrays that are all rank-0 are one window as they are."""
+    n = count_rows(arrays)
+    if not n:
+        return [dict(arrays)]
     count = max(1, min(64, n // batch)) if n >= batch else 1
     out = []
     for w in range(count):
         idx = (np.arange(batch) + w * batch) % n
-        out.append({k: np.ascontiguousarray(v[idx]) for k, v in arrays.items()})
+        out.append({k: np.ascontiguousarray(v) if v.ndim else v for k, v in take_rows(arrays, idx).items()})
     return out
 
 

@@ -64,7 +64,7 @@ class BuildConfig:
     prune: str | None = None                # "channels:0.3" | "2:4": prune the torch source before export
     finetune_steps: int | None = None       # fine-tune after --prune (None = 500 for torch sources, 0 = none)
     qat_steps: int = 0                      # INT4 fake-quant fine-tune before export (0 = off)
-    gate_output: str | None = None          # the output accuracy is judged on (None: sentence_embedding / the first)
+    gate_output: str | None = None          # the output accuracy is judged on (None: sentence_embedding / the first batched)
 
     def replace(self, **changes: Any) -> "BuildConfig":
         """A copy with ``changes`` (the config itself never changes)."""

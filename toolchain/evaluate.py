@@ -85,6 +85,30 @@ def check_gate_output(gate_output: str | None, outputs: list[str], model: str) -
                           f"outputs: {', '.join(outputs)}")
 
 
+def judged_output(ranks: dict[str, int], output: str | None, model: str) -> str:
+    """The output accuracy is judged on, from ``ranks`` (output name → rank, in the model's order): ``output`` when
+    given (``--gate-output``), else the first batched output. A rank-0 output (a loss, a count: one value per call)
+    has no samples to compare: cosine per sample, argmax and neighbour agreement need rows, and the cosine of one
+    value is only its sign (any same-sign value passes cosine:0.99), so it is never the default and never judged.
+
+    Raises:
+        ConfigError: ``output`` is not an output of ``model``, or is rank-0; or every output is rank-0.
+    """
+    from ..runtime.errors import ConfigError
+
+    check_gate_output(output, list(ranks), model)
+    batched = [n for n, r in ranks.items() if r]
+    if output is not None and ranks[output]:
+        return output
+    if output is None and batched:
+        return batched[0]
+    what = (f"--gate-output {output!r} is a rank-0 output" if output is not None
+            else f"every output of {model} is rank-0 ({', '.join(ranks)})")
+    raise ConfigError(f"{what}: one value per call, no samples to judge accuracy on (cosine per sample, top1)",
+                      f"gate on a batched output such as {batched[0]!r}" if batched else
+                      "export the model with a batched output (e.g. the values before the reduction)")
+
+
 def token_mask(feeds: dict[str, np.ndarray], output: np.ndarray) -> np.ndarray | None:
     """Boolean [N, T] of the real (not padding) positions of a per-token ``output`` [N, T, ...] (3-D or more):
     ``feeds["attention_mask"] != 0`` when the feeds hold an ``attention_mask`` of shape [N, T] equal to the output's
@@ -102,7 +126,8 @@ def compare_models(reference_onnx: str | os.PathLike, test_onnx: str | os.PathLi
     """Accuracy of ``test_onnx`` against ``reference_onnx`` on ``feeds`` (numpy arrays, batch axis 0).
 
     The output judged is ``output`` (``dsedge build --gate-output``) when given, else ``embedding_output`` for
-    ``task="sentence-embedding"`` when the model has it, else the first output.
+    ``task="sentence-embedding"`` when the model has it, else the first batched output (a rank-0 output, one value
+    per call, is skipped: ``judged_output``).
 
     ``task="sentence-embedding"`` judging ``embedding_output`` or another rank-2 output [N, D] (an embedding): cosine
     mean/min, top-1 neighbour agreement (``top1_agreement``, no argmax: a sentence embedding's largest dim is no class).
@@ -116,13 +141,13 @@ def compare_models(reference_onnx: str | os.PathLike, test_onnx: str | os.PathLi
     the gates read, is the worst sample's cosine over all its real tokens, which can hide one bad token).
 
     Raises:
-        ConfigError: ``output`` is not an output of the model (the hint lists its outputs).
+        ConfigError: ``output`` is not an output of the model (the hint lists its outputs), or is rank-0; every
+            output is rank-0 (``judged_output``).
     """
     ref, test = model_outputs(reference_onnx, feeds), model_outputs(test_onnx, feeds)
-    check_gate_output(output, list(ref), os.path.basename(reference_onnx))
     if output is None and task == "sentence-embedding" and embedding_output in ref:
         output = embedding_output
-    name = output if output is not None else next(iter(ref))
+    name = judged_output({k: v.ndim for k, v in ref.items()}, output, os.path.basename(reference_onnx))
     if task == "sentence-embedding" and ref[name].ndim == 2:  # an encoder's [N, D] embedding: top-1 = neighbour
         return {"output": name, **sentence_embedding_metrics(ref[name], test[name])}
     r, t = ref[name], test[name]

@@ -133,11 +133,12 @@ def bench(ctx: click.Context, bundle: Path, variant: str | None, batches: list[i
     real, tiled = None, []
     if inputs_dir is not None:
         from ..runtime.bench_load import read_inputs_dir
+        from ..runtime.golden import count_rows
 
         real = read_inputs_dir(inputs_dir, session.inputs)
-        rows = len(next(iter(real.values())))
+        rows = count_rows(real)  # of the batched inputs: a rank-0 one (e.g. temperature) is one value, no rows
         short = [str(b) for b in batches if b > rows]
-        if short:  # said before measuring, and kept in the report's notes: these batches repeat rows
+        if rows and short:  # said before measuring, and kept in the report's notes: these batches repeat rows
             tiled = [f"--inputs {str(inputs_dir)!r} holds {rows} row{'s' * (rows != 1)}, fewer than batch size "
                      f"{', '.join(short)}: the rows are repeated to fill each batch"]
             log.warning("%s", tiled[0])

@@ -43,7 +43,7 @@ from ...runtime.params import OptionalValueCommand
                    "classifier's output; nearest-neighbour agreement of a sentence encoder's embeddings).")
 @click.option("--gate-output", "gate_output", default=None, metavar="NAME",
               help="The model output whose accuracy vs fp32 the build judges (auto's choice, the accuracy table, "
-                   "--accuracy-gate). Default: sentence_embedding for a sentence encoder, else the first output.")
+                   "--accuracy-gate). Default: sentence_embedding for a sentence encoder, else the first batched output.")
 @click.option("--no-embeddings", is_flag=True, help="Keep embedding tables in fp32 (INT4 only).")
 @click.option("--no-fp32", is_flag=True, help="Do not ship the fp32 variant beside the compressed one.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads for the build-time latency measurement (default: the thread count of one serving instance on this machine, e.g. 1 on 2 cores, where the runtime serves on 2 x 1-thread instances).")

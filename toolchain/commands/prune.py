@@ -84,9 +84,9 @@ PRUNE_WARN_COSINE = 0.99  # below this (cosine mean vs the source) a prune witho
 
 
 def accuracy_vs_source(source: Path, pruned: Path, model, calib: Path | None) -> tuple[dict | None, str]:  # type: ignore[no-untyped-def]
-    """The pruned ONNX file against its source (``toolchain.evaluate.compare_models``: cosine per sample of the first
-    output, …) on up to 64 rows of ``calib`` (a .npz file or a directory of them), else on 8 synthetic inputs
-    (``runtime.bench.synthetic_inputs``, 32 tokens). Returns (record, what it was measured on); (None, why) when
+    """The pruned ONNX file against its source (``toolchain.evaluate.compare_models``: cosine per sample of the
+    first batched output, …) on up to 64 rows of ``calib`` (a .npz file or a directory of them), else on 8
+    synthetic inputs (``runtime.bench.synthetic_inputs``, 32 tokens). Returns (record, what it was measured on); (None, why) when
     it cannot be measured (e.g. synthetic token ids outside the model's vocabulary)."""
     from ...runtime.bench import synthetic_inputs
     from ...runtime.golden import take_rows

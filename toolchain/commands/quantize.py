@@ -95,8 +95,8 @@ def model_files_size(path: Path, format: str | None = None) -> int:
               "(INT4: raise sensitive layers until all pass; INT8 static: keep the most sensitive layers float). "
               "Measured on --gate-output: cosine per sample, top1 = argmax agreement over its last axis.")
 @click.option("--gate-output", "gate_output", default=None,
-              help="The output --accuracy-gate measures (default: the model's first; e.g. sentence_embedding "
-              "for a sentence encoder whose first output is per-token).")
+              help="The output --accuracy-gate measures (default: the model's first batched output; e.g. "
+              "sentence_embedding for a sentence encoder whose first output is per-token).")
 @click.option("--method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",
               show_default=True, help="INT8 activation calibration.")
 @click.option("--int8-mode", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 
 from ...runtime.errors import AccuracyGateError, ConfigError, QuantizationError
-from ..evaluate import top1_neighbour_agreement
+from ..evaluate import judged_output, top1_neighbour_agreement
 from .bf16_host import has_bf16, host_twin
 from .calibration import CalibrationSource, check_batches, load_calibration, ort_session, read_batches
 from .graph import drop_unused_initializer, ensure_qdq_opset, name_nodes, select_layers
@@ -112,7 +112,9 @@ def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list,
                   reduce: str | None = None, top1: str = "argmax"
                   ) -> Callable[[onnx.ModelProto], dict[str, float] | float]:
     """Metric ``model -> {"cosine", "cosine-min", "top1"}`` of output ``output`` (index or name) per sample vs
-    the fp32 ``reference`` on held-out batches.
+    the fp32 ``reference`` on held-out batches. ``output=0`` (the default) is the first batched output: a rank-0 one
+    (a loss, a count: one value per call, no samples) is skipped; a rank-0 output named (or indexed, past 0) is a
+    ConfigError (``evaluate.judged_output``).
 
     Each sample's output (flattened) is compared with the reference's (cosine mean and min over samples).
     ``top1``: ``"argmax"`` (default) = the fraction of positions (every index but the last axis) whose argmax over
@@ -126,11 +128,12 @@ def cosine_metric(reference: onnx.ModelProto, heldout: CalibrationSource | list,
     batches = check_batches(reference, read_batches(heldout, "held-out"), what="held-out")
     sess = ort_session(reference)
     names = [o.name for o in sess.get_outputs()]
-    if isinstance(output, str):
-        if output not in names:
-            raise ConfigError(f"the model has no output {output!r}", f"outputs: {', '.join(names)}")
-        output = names.index(output)
-    refs = [sess.run(None, b)[output] for b in batches]
+    if isinstance(output, str) and output not in names:
+        raise ConfigError(f"the model has no output {output!r}", f"outputs: {', '.join(names)}")
+    first = sess.run(None, batches[0])
+    asked = output if isinstance(output, str) else (names[output] if output else None)
+    output = names.index(judged_output({n: np.ndim(a) for n, a in zip(names, first)}, asked, "the model"))
+    refs = [first[output]] + [sess.run(None, b)[output] for b in batches[1:]]
 
     def metric(model: onnx.ModelProto) -> dict[str, float] | float:
         s = ort_session(host_twin(model) if has_bf16(model) else model)  # ORT CPU has no BF16 kernels
@@ -238,7 +241,7 @@ def quantize_mixed(model: onnx.ModelProto, calibration: CalibrationSource | list
             cosine-min / top1: :func:`cosine_metric` of ``output`` vs the fp32 model on ``heldout`` (required then).
             ``auc-drop`` etc. need a caller-supplied metric.
         on_step: called with a one-line progress message after each measurement.
-        output: the output (index or name) the default cosine metric compares.
+        output: the output (index or name) the default cosine metric compares (0: the first batched output).
         top1: what the default metric's ``top1`` means: ``"argmax"`` or ``"neighbour"`` (:func:`cosine_metric`).
         reference: the fp32 model the default metric compares with (default ``model``); pass the original when
             ``model`` already has other parts quantized (e.g. INT4 embedding tables), so the gate sees the final

@@ -59,8 +59,8 @@ def _calibration(source: Any, what: str) -> Any:
 
 def _embedding_output(exported: Any, source: Any, gate_output: str | None = None) -> int | str:
     """The output the INT4/INT8 accuracy gates measure: ``gate_output`` (``--gate-output``) when given, else a
-    sentence encoder's ``sentence_embedding``, else the first (index 0). Raises ConfigError when the model has no
-    output ``gate_output``."""
+    sentence encoder's ``sentence_embedding``, else the first batched one (index 0: ``cosine_metric``). Raises
+    ConfigError when the model has no output ``gate_output``."""
     from ..evaluate import check_gate_output
 
     names = [o.name for o in exported.outputs]
