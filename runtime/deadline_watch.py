@@ -43,10 +43,19 @@ class DeadlineWatch:
                 return
             heapq.heappush(self._heap, (req.deadline, next(self._order), req, lanes))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="dsedge-deadlines", daemon=True)
-                self._thread.start()
+                self._start()
             elif self._heap[0][2] is req:  # earlier than what the thread sleeps until
                 self._cond.notify()
+
+    def start(self) -> None:
+        """Start the watching thread now (idempotent; a closed watch starts nothing)."""
+        with self._cond:
+            if self._thread is None and not self._closed:
+                self._start()
+
+    def _start(self) -> None:  # under self._cond
+        self._thread = threading.Thread(target=self._loop, name="dsedge-deadlines", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
         with self._cond:

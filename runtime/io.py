@@ -164,9 +164,11 @@ def check_session_options(path: Any, *, budget_ms: Any = None, max_batch: Any = 
     def integer(name: str, value: Any, low: int, optional: bool = True, high: int | None = None) -> None:
         if value is None and optional:
             return
-        if not is_integer(value) or not low <= int(value) <= (2**31 - 1 if high is None else high):
-            wanted = f">= {low}" if high is None else f"in {low}..{high}"
-            hint = f"pass {name}={max(low, 1)} or more" if high is None else f"pass {name} between {low} and {high}"
+        top = 2**31 - 1 if high is None else high  # (ONNX Runtime and the queues take C ints)
+        if not is_integer(value) or not low <= int(value) <= top:
+            over = high is not None or (is_integer(value) and int(value) > top)  # say the bound it broke
+            wanted = f"in {low}..{top}" if over else f">= {low}"
+            hint = f"pass {name} between {low} and {top}" if over else f"pass {name}={low} or more"
             raise InputError(f"{name} must be an integer {wanted}, got {value!r}", hint)
 
     integer("max_batch", max_batch, 1)

@@ -30,7 +30,9 @@ class StreamMetrics:
     it ran: not the session's promise to break). Every admitted request is either answered within its budget or
     a *miss*: answered late (``answered_late``), answered with a backend error, or dropped at its deadline
     (``dropped_at_deadline``, reason "deadline"). ``budget_missed`` counts them all and
-    ``budget_miss_rate`` = budget_missed / admitted.
+    ``budget_miss_rate`` = budget_missed / (admitted − cancelled): a request its caller cancelled while queued was
+    admitted but never run, and neither kept nor broke its budget (it counted as kept, and 20 cancellations beside
+    12 answers, 2 of them late, gave 0.0625 instead of 0.167; a user's pass, 2026-12-06).
 
     Units and bases: ``p50_ms``/``p90_ms``/``p99_ms``/``mean_ms`` are submit → answer wall-clock ms over answers
     without a backend error (None before the first); ``queue_p99_ms`` submit → batch start, ms; ``elapsed_s`` first
@@ -114,7 +116,8 @@ class StreamMetrics:
                 "goodput_per_s": round(self.within / elapsed, 3) if elapsed > 0 else 0.0,
                 "throughput_per_s": round(self.answered / elapsed, 3) if elapsed > 0 else 0.0,
                 "rejection_rate": round(n_rej / self.submitted, 5) if self.submitted else 0.0,
-                "budget_miss_rate": round(missed / admitted, 5) if admitted > 0 else 0.0,
+                "budget_miss_rate": (round(missed / (admitted - self.cancelled), 5)
+                                     if admitted - self.cancelled > 0 else 0.0),
                 "elapsed_s": round(elapsed, 3), "cascaded": dict(self.cascaded),
             }
 

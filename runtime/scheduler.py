@@ -46,7 +46,10 @@ the cores for 3-5 s.
 Cold start: a lane starts with whatever its profile was seeded with (the bundle's build-time figures, scaled once
 this machine measured something) and its worker's first act is a warm-up run off the caller's thread (untimed: it
 allocates), then one timed run, alone: not while another lane of the session is in its first run or timing
-(``WarmUpGate``). Until
+(``WarmUpGate``); a request queued meanwhile skips the timing (the gate is woken at once). A request already queued
+when the worker starts (the caller's first ``submit``) runs instead of both, as the backend's first run, untimed:
+behind them, the fraud scorer's first requests (3 ms budget) were admitted on the bundle's figures and then dropped
+at their deadline (1-3 of 200 per cold start, a user's pass, 2026-12-06). Until
 anything is known at all, requests are admitted (up to ``max_queue``) and queued with their own deadlines; EDF
 then serves them in deadline order and drops, as counted misses, those that can no longer make it.
 
@@ -201,7 +204,8 @@ class WarmUpGate:
     every request of the first half second was refused. Thread-safe.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, poll_s: float = 0.005) -> None:
+        self.poll_s = float(poll_s)  # how often a lane waiting to time its warm-up looks again without a ``wake``
         self._cond = threading.Condition()
         self._first = 0  # lanes in their first run now
         self._timing = False  # a lane's timed warm-up run is on now
@@ -219,7 +223,7 @@ class WarmUpGate:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
-    def timed_run(self, timeout_s: float, abort: Callable[[], bool], poll_s: float = 0.005) -> Iterator[bool]:
+    def timed_run(self, timeout_s: float, abort: Callable[[], bool], poll_s: float | None = None) -> Iterator[bool]:
         """Around a lane's timed warm-up run: waits until no lane is in its first run and no other is timing, and
         yields True, or False (run nothing) when ``abort()`` turned true or ``timeout_s`` passed first."""
         end = _clock() + timeout_s
@@ -228,7 +232,7 @@ class WarmUpGate:
                 left = end - _clock()
                 if left <= 0 or abort():
                     break
-                self._cond.wait(min(left, poll_s))
+                self._cond.wait(min(left, self.poll_s if poll_s is None else poll_s))
             ok = not (self._first or self._timing) and not abort()
             if ok:
                 self._timing = True
@@ -239,6 +243,12 @@ class WarmUpGate:
                 with self._cond:
                     self._timing = False
                     self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Make the lanes waiting for their timed run check their ``abort`` now (a request was queued on one): a
+        queued request skips the timing and runs at once, not at the next poll (up to ``poll_s`` later)."""
+        with self._cond:
+            self._cond.notify_all()
 
 
 class Lane:
@@ -280,6 +290,8 @@ class Lane:
             profile predicts, to re-measure a batch size measured here whose estimate rests on old samples (see
             ``_pick``), ms; ``math.inf``: never.
         cpus: cores the worker thread is pinned to (Linux; runtime/thread_priority.py), None: the process's.
+        start_gate: what the worker waits on (its ``wait()``) before anything else (a ``threading.Event``, or the
+            session's ``streaming.StartGate``); None: it starts at once.
     """
 
     def __init__(self, name: str, run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
@@ -291,7 +303,7 @@ class Lane:
                  calibration: PlanCalibration | None = None, instance: int = 0, fallback: bool = False,
                  nice: int = 0, warm_gate: WarmUpGate | None = None, warm_quiet_ms: float = 500.0,
                  explore_interval_ms: float = 250.0, cpus: frozenset[int] | None = None,
-                 probe_limit: float = 4.0, start_gate: threading.Event | None = None) -> None:
+                 probe_limit: float = 4.0, start_gate: Any = None) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -343,6 +355,7 @@ class Lane:
         self._refused: Request | None = None  # the latest request refused for its budget: the next probe
         self._last_future: Future | None = None  # of the latest request offered to try_inline
         self._t_probe = 0.0
+        self._first_unobserved = False  # the next batch is the backend's first run (its warm-up was skipped for it)
         self._served: dict[tuple[int, int], float] = {}  # (rows, length bucket) -> end of its latest real batch
         self.standby: Standby | None = None  # the variant's standby list (set by BudgetScheduler; runtime/standby.py)
         self.from_standby = 0
@@ -643,7 +656,9 @@ class Lane:
             self._last_arrival = self._t_admit = now
             self._insert(req)
             self._cond.notify()
-            return True
+        if not self.warm.is_set() and self._warm_gate is not None:
+            self._warm_gate.wake()  # a worker waiting to time its warm-up serves this instead
+        return True
 
     def _insert(self, req: Request) -> None:
         # under self._cond: into the queue in EDF order (deadline, then priority, then arrival); a probe running
@@ -839,6 +854,14 @@ class Lane:
 
     def _warm_up(self) -> None:
         try:
+            with self._cond:
+                waiting = bool(self._queue)
+            if waiting and self._warm_feed is not None and not self.fallback:
+                # a request queued before this worker ran (the caller's first submit): it goes first, as the
+                # backend's first run, untimed, instead of waiting behind two warm-up runs (the fraud scorer's
+                # first requests, 3 ms budget, were admitted and then dropped at their deadline behind them)
+                self._first_unobserved = True
+                return
             if self._warm_feed is not None:
                 feed = self._warm_feed(1, self._warm_seq)
                 with self._cores(), self._warm_gate.first_run():  # on the cores' terms, as any run (core_share.py)
@@ -882,7 +905,7 @@ class Lane:
         return True
 
     def _loop(self) -> None:
-        if self._start_gate is not None:  # set once the caller has made every lane (StreamingCore)
+        if self._start_gate is not None:  # every lane made, the first request queued (streaming.StartGate)
             self._start_gate.wait()
         self.niced = lower_current_thread(self.nice)
         self.pinned = pin_current_thread(self.cpus) if self.cpus else False
@@ -1006,7 +1029,9 @@ class Lane:
             return
         rows = sum(r.rows for r in batch)
         failed = None
-        with self._cores():  # timed once the cores are this lane's: a wait for the other side is no service time
+        first, self._first_unobserved = self._first_unobserved, False
+        with self._cores(), (self._warm_gate.first_run() if first else contextlib.nullcontext()):
+            # timed once the cores are this lane's: a wait for the other side is no service time
             t0 = _clock()
             try:
                 feed, seq = self.layout.stack([r.feed for r in batch])
@@ -1024,7 +1049,7 @@ class Lane:
             parts, seq = [{} for _ in batch], None
             e = failed
             error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
-        if error is None:
+        if error is None and not first:  # a backend's first run allocates: it says nothing of the next ones
             self.profile.observe(rows, seq, (t1 - t0) * 1e3, t1)
             self._served[(rows, seq_bucket(seq))] = t1
         for r, part in zip(batch, parts):
@@ -1175,6 +1200,7 @@ class BudgetScheduler:
         self.arrivals = ArrivalRate()
         self.overload_cold_z = overload_cold_z
         self.deadlines = DeadlineWatch()
+        self.deadlines.start()  # now, while the lanes' workers still wait for their start (deadline_watch.py)
         self._groups = self._wire(_instance_groups(self.lanes, self.standby))  # once per lane set: submit is hot
         self.layout = layout
         self.metrics = metrics

@@ -39,6 +39,31 @@ _MEASURE_SEQS = (16, 64)
 PROFILE_MODES = ("auto", "measure", "bundle")
 
 
+class StartGate:
+    """Where a session's lane workers wait before their first act: until every lane exists (``open``), then until
+    the caller's first ``submit`` has queued its request (``submitted``), or ``grace_s`` after ``open`` when no
+    request comes (a core built by ``warmup()``). A worker let go earlier (pinning itself, warming up: with two
+    1-thread instances and the 2-thread fallback, up to four compute threads on 2 cores) held the interpreter lock
+    and the cores while that submit still ran: MiniLM's first submit took 2-8 ms (over 5 ms in 5 of 16 loads,
+    quiet 2-core host), most of it queueing the request behind the warming workers. Thread-safe."""
+
+    def __init__(self, grace_s: float = 0.02) -> None:
+        self.grace_s = float(grace_s)
+        self._made = threading.Event()
+        self._first = threading.Event()
+
+    def open(self) -> None:
+        self._made.set()
+
+    def submitted(self) -> None:
+        if not self._first.is_set():
+            self._first.set()
+
+    def wait(self) -> None:
+        self._made.wait()
+        self._first.wait(self.grace_s)
+
+
 class AnswerWindow:
     """Hands answers to ``put`` as their futures finish: in completion order, or in input order (``ordered``).
 
@@ -182,7 +207,7 @@ class StreamingCore:
         # the lanes' workers wait on this until every lane exists: a worker that went on at once (pinning itself,
         # preparing its warm-up) held the interpreter lock while the caller, in a first submit(), waited to start
         # the next lane's thread (first submit p50 8-9 ms; 1.1 ms with this gate: 3 lanes, a busy 2-core host)
-        self._start_gate = threading.Event()
+        self._start_gate = StartGate()
         layout = self.layout
         batch_range = manifest.shape_ranges.get(layout.batch_symbol or "", {})
         self.max_batch = 1 if not layout.dynamic else int(max_batch or batch_range.get("max", 32))
@@ -199,7 +224,7 @@ class StreamingCore:
             self.scheduler = BudgetScheduler([primary] + more, layout, metrics, standby=standby,
                                              caller_weight=caller_weight)
         finally:
-            self._start_gate.set()
+            self._start_gate.open()
         self.cascade_ready = threading.Event()
         self._closed = False
         self._closing = threading.Lock()  # orders close() against the cascade thread joining its lanes
@@ -315,7 +340,9 @@ class StreamingCore:
     def submit(self, feed: dict, budget_ms: float, priority: int = 0, id: Any = None,
                arrived: float | None = None) -> Future:
         """See ``BudgetScheduler.submit`` (``feed`` already validated). Raises RuntimeError after ``close``."""
-        return self.scheduler.submit(feed, budget_ms, priority, id, arrived)
+        fut = self.scheduler.submit(feed, budget_ms, priority, id, arrived)
+        self._start_gate.submitted()  # the workers start now (``StartGate``)
+        return fut
 
     def default_window(self) -> int:
         return max(2, 2 * self.lanes[0].max_batch)

@@ -261,7 +261,8 @@ class Session:
             priority: higher wins among equal deadlines.
             id: reported back in the answer (default: a per-session counter).
         Raises:
-            InputError: inputs do not match the bundle, or hold more rows than ``max_batch`` (checked before
+            InputError: inputs do not match the bundle, or hold more rows than ``max_batch``; ``budget_ms`` is
+                not a finite number in (0, 3 600 000] ms; ``priority`` is not an integer (all checked before
                 queueing).
             SessionClosedError: the session is closed, or its worker threads were started in another process
                 (this one is a fork of it: load the bundle again here).

@@ -173,13 +173,18 @@ def test_a_default_budget_that_is_not_a_number_is_an_input_error(tmp_path):
     ({"budget_ms": 1e9}, re.escape("budget_ms must be a finite number in (0, 3600000] ms, got 1000000000.0")),
     ({"profile": "fast"}, "profile must be one of auto, measure, bundle"),
     ({"threads": 0}, "threads must be an integer >= 1"),
+    # a user's pass, 2026-12-06: the bound broken is the one said (not ">= 1" for 10**12, not "1 or more" for -1)
+    ({"max_queue": 10**12}, re.escape("max_queue must be an integer in 1..2147483647, got 1000000000000")),
+    ({"reserve_cores": -1}, "reserve_cores must be an integer >= 0, got -1"),
 ])
 def test_load_options_are_checked_before_anything_opens(tmp_path, kw, words):
     """Found beyond the issue: a negative max_batch or a str one died in raw ValueError/TypeError at the first
     submit, max_queue=0 or max_delay_ms=nan rejected every request, an unknown profile was silently ignored."""
     b = tiny_bundle(tmp_path / "mlp-cpu.dse", tmp_path)
-    with pytest.raises(InputError, match=words):
+    with pytest.raises(InputError, match=words) as e:
         dsedge.load(b, **kw)
+    if "reserve_cores" in kw:
+        assert e.value.hint == "pass reserve_cores=0 or more"
 
 
 def test_an_empty_variant_name_is_refused_not_read_as_the_default(tmp_path):

@@ -756,3 +756,22 @@ def test_a_timed_warm_up_run_is_not_timed_against_another_lanes_first_run(backen
     assert all(lane.profile.to_dict()["points"] for lane in lanes)  # both were timed
     for lane in lanes:
         lane.close()
+
+
+def test_the_miss_rate_is_over_requests_that_ran_or_were_dropped_not_those_their_callers_cancelled():
+    """A user's pass: 20 cancelled while queued beside 12 answered (2 late) gave budget_miss_rate 2/32; a cancelled
+    request neither kept nor broke its budget, so the rate is 2/12."""
+    m = StreamMetrics()
+    for i in range(32):
+        m.on_submit()
+    for i in range(20):
+        m.on_cancelled()
+    for i in range(12):
+        m.on_answer(Result(i, {}, 150.0 if i < 2 else 5.0, 0.0, 1, "fp32", budget_ms=100.0))
+    snap = m.snapshot()
+    assert snap["admitted"] == 32 and snap["cancelled"] == 20 and snap["budget_missed"] == 2
+    assert snap["budget_miss_rate"] == pytest.approx(2 / 12, abs=1e-4)
+    m2 = StreamMetrics()  # all cancelled: no rate to speak of
+    m2.on_submit()
+    m2.on_cancelled()
+    assert m2.snapshot()["budget_miss_rate"] == 0.0
