@@ -290,6 +290,10 @@ class Lane:
             profile predicts, to re-measure a batch size measured here whose estimate rests on old samples (see
             ``_pick``), ms; ``math.inf``: never.
         cpus: cores the worker thread is pinned to (Linux; runtime/thread_priority.py), None: the process's.
+        cut_after_ms: a batch expected (the profile's median) to take longer than this runs stoppable, so that
+            ``close(drain=False)`` or a drain's timeout stops it between two kernels (its requests: "shutdown")
+            instead of waiting for it (two 64 × 512-token MiniLM batches held ``close(drain=False)`` for 15 s);
+            None: every batch runs to its end. Only on a backend that can stop a run (ONNX Runtime).
         start_gate: what the worker waits on (its ``wait()``) before anything else (a ``threading.Event``, or the
             session's ``streaming.StartGate``); None: it starts at once.
     """
@@ -303,7 +307,7 @@ class Lane:
                  calibration: PlanCalibration | None = None, instance: int = 0, fallback: bool = False,
                  nice: int = 0, warm_gate: WarmUpGate | None = None, warm_quiet_ms: float = 500.0,
                  explore_interval_ms: float = 250.0, cpus: frozenset[int] | None = None,
-                 probe_limit: float = 4.0, start_gate: Any = None) -> None:
+                 probe_limit: float = 4.0, start_gate: Any = None, cut_after_ms: float | None = 50.0) -> None:
         self.name = name
         self.run = run
         self.profile = profile
@@ -346,6 +350,8 @@ class Lane:
         # a probe on a backend that can stop a run (runtime/run_cancel.py): planned as an idle lane, and stopped
         # by the first request queued here or a batch of the other side of the cores
         self._probing: RunCancel | None = None
+        self._cutting: RunCancel | None = None  # the running batch's stop, when it runs stoppable (``_execute``)
+        self._cut_after_ms = cut_after_ms
         self._busy_until = 0.0
         self._run_mid = 0.0  # expected end (s) of the running batch, and its tail margin (s)
         self._run_dev = 0.0
@@ -1030,17 +1036,36 @@ class Lane:
         rows = sum(r.rows for r in batch)
         failed = None
         first, self._first_unobserved = self._first_unobserved, False
+        # a long batch runs stoppable: ``close(drain=False)``, or a drain whose time is up, stops it (a short one
+        # is waited for: binding the stop costs a run a few µs)
+        cut = (RunCancel() if cancellable(self.run) and self._cut_after_ms is not None
+               and self.predict(rows, max(r.seq or 0 for r in batch) or None, k_dev=0.0) > self._cut_after_ms
+               else None)
+        if cut is not None:
+            with self._cond:
+                self._cutting = cut
+                if self._closing and not self._drain:
+                    cut.cancel()
         with self._cores(), (self._warm_gate.first_run() if first else contextlib.nullcontext()):
             # timed once the cores are this lane's: a wait for the other side is no service time
             t0 = _clock()
             try:
                 feed, seq = self.layout.stack([r.feed for r in batch])
-                outputs = self.run(feed)
+                outputs = self.run(feed) if cut is None else self.run(feed, cancel=cut)
                 parts = self.layout.split(outputs, [r.feed for r in batch])
                 error = None
+            except RunCancelled:  # stopped by close: nothing observed; its requests are refused "shutdown"
+                with self._cond:
+                    self._cutting = None
+                self._reject_shutdown(batch, f"stopped while running on {self.name}: the session closed without "
+                                             "draining")
+                return
             except Exception as e:  # a backend failure fails this batch only; the lane keeps serving
                 failed = e
             t1 = _clock()
+        if cut is not None:
+            with self._cond:
+                self._cutting = None
         if failed is not None:
             if len(batch) > 1:  # one bad request must not fail its batch-mates: each runs alone once more
                 for r in batch:
@@ -1063,7 +1088,8 @@ class Lane:
         expires, "overload"), as when open.
 
         After ``timeout_s`` of draining (at once, without draining), whatever is still queued is rejected with
-        "shutdown" then, not after the batch running meanwhile (a long one held a 1 s drain timeout for 9 s).
+        "shutdown" then, not after the batch running meanwhile (a long one held a 1 s drain timeout for 9 s); that
+        batch, too, is stopped then when it runs stoppable (``cut_after_ms``).
         """
         self.begin_close(drain)
         self._thread.join(timeout_s)
@@ -1086,16 +1112,21 @@ class Lane:
             pending = [] if drain else self._take_queue()
             if self._probing is not None:  # nobody waits for a probe: closing does not either
                 self._probing.cancel()
+            if not drain and self._cutting is not None:  # nor, without draining, for a long batch
+                self._cutting.cancel()
             self._cond.notify_all()
         self._reject_shutdown(pending)
 
     def stop_draining(self) -> None:
-        """A drain's time is up: reject what is still queued ("shutdown") now; the running batch finishes."""
+        """A drain's time is up: reject what is still queued ("shutdown") now; the running batch finishes, unless
+        it runs stoppable (``cut_after_ms``): it is stopped."""
         if not self._thread.is_alive():
             return
         with self._cond:
             self._drain = False
             pending = self._take_queue()
+            if self._cutting is not None:  # a long batch still running: stopped too
+                self._cutting.cancel()
             self._cond.notify_all()
         self._reject_shutdown(pending)
 
@@ -1110,10 +1141,10 @@ class Lane:
         self._queue.clear()
         return pending
 
-    def _reject_shutdown(self, pending: list[Request]) -> None:
+    def _reject_shutdown(self, pending: list[Request], why: str = "session closed before this request ran") -> None:
         # from the closing thread, while a batch may still run: answered "shutdown" now, not after it
         for r in pending:
-            self._reject(r, SHUTDOWN, "session closed before this request ran")
+            self._reject(r, SHUTDOWN, why)
 
 
 def _closed_run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -775,3 +775,39 @@ def test_the_miss_rate_is_over_requests_that_ran_or_were_dropped_not_those_their
     m2.on_submit()
     m2.on_cancelled()
     assert m2.snapshot()["budget_miss_rate"] == 0.0
+
+
+@pytest.mark.parametrize("how", ["no drain", "drain timeout"])
+def test_close_without_draining_stops_a_long_running_batch(tmp_path, how):
+    """A user's pass: two 64 x 512-token MiniLM batches held ``close(drain=False)`` for 15 s ("a running batch
+    finishes first"). On ONNX Runtime a batch expected to take longer than ``cut_after_ms`` runs stoppable: closing
+    without draining (or a drain whose time is up) stops it between two kernels and refuses its request
+    "shutdown"; a short batch still runs to its end."""
+    heavy_backend = OrtBackend(text_embedder(tmp_path / "heavy.onnx", dim=512, layers=8), threads=1)
+    layout = BatchLayout.of(*TEXT_IO)
+    rng = np.random.default_rng(0)
+    heavy = {"input_ids": rng.integers(1, 100, size=(16, 1024)), "attention_mask": np.ones((16, 1024), np.int64)}
+    t0 = time.perf_counter()
+    heavy_backend.run(heavy)
+    full_ms = (time.perf_counter() - t0) * 1e3
+    assert full_ms > 200, full_ms  # long enough to see a cut
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    prof.set(16, 1024, full_ms, 0.0)
+    lane = Lane("fp32", heavy_backend.run, prof, layout, StreamMetrics(), max_batch=1, inline_ms=0.0,
+                observe_warmup=False)
+    sched = BudgetScheduler([lane], layout, lane.metrics)
+    assert lane.warm.wait(10)
+    running = sched.submit(heavy, 600_000)
+    while not lane._running:
+        time.sleep(0.001)
+    time.sleep(min(0.05, full_ms / 1e3 / 10))  # on the backend
+    t1 = time.perf_counter()
+    if how == "no drain":
+        sched.close(drain=False)
+    else:
+        sched.close(drain=True, timeout_s=0.01)
+    closed_ms = (time.perf_counter() - t1) * 1e3
+    got = running.result(0)
+    assert isinstance(got, Rejected) and got.reason == "shutdown" and "stopped while running" in got.detail, got
+    assert closed_ms < full_ms / 2, (closed_ms, full_ms)
+    assert lane.metrics.snapshot()["rejected"] == {"shutdown": 1}
