@@ -1147,6 +1147,12 @@ class Lane:
             self._reject(r, SHUTDOWN, why)
 
 
+def _spent(t0: float, now: float) -> str:
+    # what a refusal's budget had lost before admission (a first submit builds the lanes: 1.5-3 ms), when it shows
+    spent = (now - t0) * 1e3
+    return f" ({spent:.1f} ms of it spent before admission)" if spent >= 0.5 else ""
+
+
 def _closed_run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     raise SessionClosedError("this lane is closed: its backend was released", "load the bundle again")
 
@@ -1340,13 +1346,13 @@ class BudgetScheduler:
                         # the median). A miss from the caller's CPU load (``slow``) keeps the standby list's wait
                         said = f"{(done - now) * 1e3:.1f} ms" if not math.isinf(done) else "its batch"
                         reasons.append((BUDGET, f"predicted {said} alone on idle {where} at its tail > budget "
-                                                f"{budget_ms:g} ms"))
+                                                f"{budget_ms:g} ms{_spent(t0, now)}"))
                         idle_tail_at = len(reasons)
                         continue
                     said = (f"predicted {(done - now) * 1e3:.1f} ms" if not math.isinf(done)
                             else "no batch meets its deadline and those queued before it")
                     reasons.append((OVERLOAD, f"{said} with {inst.depth} queued on {where} > budget "
-                                              f"{budget_ms:g} ms"))
+                                              f"{budget_ms:g} ms{_spent(t0, now)}"))
                     if wait_on is None and lane.standby is not None:
                         wait_on = (lane, lane.last_start(req))
                     continue

@@ -41,8 +41,8 @@ PROFILE_MODES = ("auto", "measure", "bundle")
 
 class StartGate:
     """Where a session's lane workers wait before their first act: until every lane exists (``open``), then until
-    the caller's first ``submit`` has queued its request (``submitted``), or ``grace_s`` after ``open`` when no
-    request comes (a core built by ``warmup()``). A worker let go earlier (pinning itself, warming up: with two
+    the caller's first ``submit`` has queued its request (``submitted``), or ``grace_s`` after they started when no
+    request comes (a core built by ``warmup()``; then also until ``open``). A worker let go earlier (pinning itself, warming up: with two
     1-thread instances and the 2-thread fallback, up to four compute threads on 2 cores) held the interpreter lock
     and the cores while that submit still ran: MiniLM's first submit took 2-8 ms (over 5 ms in 5 of 16 loads,
     quiet 2-core host), most of it queueing the request behind the warming workers. Thread-safe."""
@@ -60,8 +60,10 @@ class StartGate:
             self._first.set()
 
     def wait(self) -> None:
-        self._made.wait()
-        self._first.wait(self.grace_s)
+        # one wake-up, at the first request: woken at ``open`` too, three workers took the lock in turn while that
+        # request was being admitted
+        if not self._first.wait(self.grace_s):
+            self._made.wait()
 
 
 class AnswerWindow:

@@ -132,3 +132,18 @@ def test_a_sessions_workers_start_once_the_first_request_is_queued_or_after_a_gr
     t0 = time.perf_counter()
     quick.wait()
     assert 0.04 <= time.perf_counter() - t0 < 2.0
+
+
+def test_a_refusal_says_how_much_of_its_budget_was_gone_before_admission(backend):
+    """A first submit builds the session's lanes (1.5-3 ms) inside the request's budget: a 3 ms request was refused
+    "predicted 1.0 ms alone … > budget 3 ms", which read as a contradiction. The refusal now says what was spent."""
+    from dsedge.runtime.results import Rejected
+
+    lane = Lane("fp32", backend.run, _seeded(), LAYOUT, StreamMetrics(), inline_ms=0.0)
+    sched = BudgetScheduler([lane], LAYOUT, lane.metrics)
+    got = sched.submit(text_request(np.random.default_rng(0), 8), 3.0, arrived=time.perf_counter() - 0.0025).result(5)
+    assert isinstance(got, Rejected) and got.reason == "budget", got
+    assert "> budget 3 ms (2." in got.detail and "ms of it spent before admission)" in got.detail, got.detail
+    fresh = sched.submit(text_request(np.random.default_rng(1), 8), 0.9).result(5)  # nothing spent: nothing said
+    assert isinstance(fresh, Rejected) and "spent before admission" not in fresh.detail, fresh.detail
+    sched.close()
