@@ -15,49 +15,26 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from cli_helpers import run_main
-from dsedge.runtime.bundle import IOSpec, Variant, read_manifest, verify_bundle, write_manifest
+from dsedge.runtime.bundle import Variant, read_manifest, verify_bundle, write_manifest
 from dsedge.runtime.errors import CalibrationError
 from dsedge.runtime.golden import INPUTS_FILE, OUTPUTS_FILE, compare, load_golden, run_rows
 from dsedge.toolchain.npz_inputs import count_samples, load_calibration_dir, read_npz_dir
 
-W = (np.random.default_rng(0).standard_normal((4, 4)) / 2).astype(np.float32)
-SPECS = [IOSpec("temperature", "float32", ()), IOSpec("x", "float32", ("batch", 4))]
+from scalar_models import SPECS, W, npz_dir, scalar_model, stacked_x
 
 
 def _model(path, total: bool = False):
-    """y = (x @ W) / temperature, x float32 [batch, 4], temperature float32 [] (rank 0); with ``total`` also a rank-0
-    output total = ReduceSum(y) (keepdims=0)."""
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc"),
-             helper.make_node("Div", ["h", "temperature"], ["y"], name="div")]
-    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])]
-    if total:
-        nodes.append(helper.make_node("ReduceSum", ["y"], ["total"], keepdims=0, name="sum"))
-        outputs.append(helper.make_tensor_value_info("total", TensorProto.FLOAT, []))
-    g = helper.make_graph(nodes, "scalar_temperature",
-                          [helper.make_tensor_value_info("temperature", TensorProto.FLOAT, []),
-                           helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                          outputs, [numpy_helper.from_array(W, "w")])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 9
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
-    return path
+    """The scalar model (tests/scalar_models.py): output y, and with ``total`` also the rank-0 total."""
+    return scalar_model(path, ("y", "total") if total else ("y",))
 
 
 def _npz_dir(d, rows=(6, 6), temperatures=(2.0, 2.0), seed=1):
-    d.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    for i, (n, t) in enumerate(zip(rows, temperatures)):
-        np.savez(d / f"{i}.npz", x=rng.standard_normal((n, 4)).astype(np.float32),
-                 temperature=np.array(t, np.float32))
-    return d
+    return npz_dir(d, rows, temperatures, seed)
 
 
-def _x(d):
-    return np.concatenate([np.load(f)["x"] for f in sorted(d.glob("*.npz"))])
+_x = stacked_x
 
 
 # ------------------------------------------------------------------------------------------------ read_npz_dir

@@ -11,8 +11,8 @@ import json
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import numpy_helper
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from cli_helpers import run_main
 from dsedge.runtime.bench import synthetic_inputs
@@ -20,42 +20,20 @@ from dsedge.runtime.bench_load import input_windows, read_inputs_dir
 from dsedge.runtime.bundle import IOSpec, Variant
 from dsedge.runtime.errors import ConfigError
 
-W = (np.random.default_rng(0).standard_normal((4, 4)) / 2).astype(np.float32)
-SPECS = [IOSpec("temperature", "float32", ()), IOSpec("x", "float32", ("batch", 4))]
+from scalar_models import SPECS, W, npz_dir, scalar_model, stacked_x
 
 
 def _model(path, total_first: bool = True, only_total: bool = False):
-    """y = (x @ W) / temperature and total = ReduceSum(y) (keepdims=0, rank 0); outputs (total, y) with
-    ``total_first``, else (y, total); ``only_total``: total alone."""
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc"),
-             helper.make_node("Div", ["h", "temperature"], ["y"], name="div"),
-             helper.make_node("ReduceSum", ["y"], ["total"], keepdims=0, name="sum")]
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
-    total = helper.make_tensor_value_info("total", TensorProto.FLOAT, [])
-    outputs = [total] if only_total else [total, y] if total_first else [y, total]
-    g = helper.make_graph(nodes, "scalar_temperature",
-                          [helper.make_tensor_value_info("temperature", TensorProto.FLOAT, []),
-                           helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                          outputs, [numpy_helper.from_array(W, "w")])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 9
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
-    return path
+    """The scalar model (tests/scalar_models.py): outputs (total, y) with ``total_first``, else (y, total);
+    ``only_total``: total alone."""
+    return scalar_model(path, ("total",) if only_total else ("total", "y") if total_first else ("y", "total"))
 
 
 def _npz_dir(d, rows=(3, 2), temperatures=None, seed=1):
-    d.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    for i, n in enumerate(rows):
-        t = 2.0 if temperatures is None else temperatures[i]
-        np.savez(d / f"{i}.npz", x=rng.standard_normal((n, 4)).astype(np.float32),
-                 temperature=np.array(t, np.float32))
-    return d
+    return npz_dir(d, rows, temperatures, seed)
 
 
-def _x(d):
-    return np.concatenate([np.load(f)["x"] for f in sorted(d.glob("*.npz"))])
+_x = stacked_x
 
 
 # ------------------------------------------------------------------------------------- 1. synthetic inputs

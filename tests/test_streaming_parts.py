@@ -502,17 +502,24 @@ def test_a_request_far_over_its_budget_is_not_kept_as_a_probe(backend):
     sched.close()
 
 
+def _heavy(tmp_path) -> tuple[OrtBackend, dict, float]:
+    """A 1-thread backend of an 8-layer, 512-wide embedder, a 16 x 1024-token request for it, and how long that
+    request took alone (ms): a run long enough to be stopped midway."""
+    backend = OrtBackend(text_embedder(tmp_path / "heavy.onnx", dim=512, layers=8), threads=1)
+    rng = np.random.default_rng(0)
+    heavy = {"input_ids": rng.integers(1, 100, size=(16, 1024)), "attention_mask": np.ones((16, 1024), np.int64)}
+    t0 = time.perf_counter()
+    backend.run(heavy)
+    return backend, heavy, (time.perf_counter() - t0) * 1e3
+
+
 def test_a_probe_yields_to_a_request_that_comes_while_it_runs(tmp_path):
     """A probe re-measures a refused request nobody waits for: on ONNX Runtime it is stopped (RunOptions.terminate)
     by the first request queued on its lane, which is answered then, not after the probe (through dsedge serve, a
     refused 64 x 256-token request's probe refused every small request for 3 s)."""
-    heavy_backend = OrtBackend(text_embedder(tmp_path / "heavy.onnx", dim=512, layers=8), threads=1)
+    heavy_backend, heavy, full_ms = _heavy(tmp_path)  # full_ms: what the probe takes when nothing stops it
     layout = BatchLayout.of(*TEXT_IO)
     rng = np.random.default_rng(0)
-    heavy = {"input_ids": rng.integers(1, 100, size=(16, 1024)), "attention_mask": np.ones((16, 1024), np.int64)}
-    t0 = time.perf_counter()
-    heavy_backend.run(heavy)
-    full_ms = (time.perf_counter() - t0) * 1e3  # what the probe takes when nothing stops it
     prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
     prof.set(16, 1024, full_ms, 0.0)
     prof.set(1, 8, 2.0, 0.0)
@@ -783,13 +790,8 @@ def test_close_without_draining_stops_a_long_running_batch(tmp_path, how):
     finishes first"). On ONNX Runtime a batch expected to take longer than ``cut_after_ms`` runs stoppable: closing
     without draining (or a drain whose time is up) stops it between two kernels and refuses its request
     "shutdown"; a short batch still runs to its end."""
-    heavy_backend = OrtBackend(text_embedder(tmp_path / "heavy.onnx", dim=512, layers=8), threads=1)
+    heavy_backend, heavy, full_ms = _heavy(tmp_path)
     layout = BatchLayout.of(*TEXT_IO)
-    rng = np.random.default_rng(0)
-    heavy = {"input_ids": rng.integers(1, 100, size=(16, 1024)), "attention_mask": np.ones((16, 1024), np.int64)}
-    t0 = time.perf_counter()
-    heavy_backend.run(heavy)
-    full_ms = (time.perf_counter() - t0) * 1e3
     assert full_ms > 200, full_ms  # long enough to see a cut
     prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
     prof.set(16, 1024, full_ms, 0.0)
