@@ -40,12 +40,12 @@ PROFILE_MODES = ("auto", "measure", "bundle")
 
 
 class StartGate:
-    """Where a session's lane workers wait before their first act: until every lane exists (``open``), then until
-    the caller's first ``submit`` has queued its request (``submitted``), or ``grace_s`` after they started when no
-    request comes (a core built by ``warmup()``; then also until ``open``). A worker let go earlier (pinning itself, warming up: with two
-    1-thread instances and the 2-thread fallback, up to four compute threads on 2 cores) held the interpreter lock
-    and the cores while that submit still ran: MiniLM's first submit took 2-8 ms (over 5 ms in 5 of 16 loads,
-    quiet 2-core host), most of it queueing the request behind the warming workers. Thread-safe."""
+    """Where a session's lane workers wait before their first act: until the caller's first ``submit`` has queued
+    its request (``submitted``, after every lane exists), or, when no request comes (a core built by ``warmup()``),
+    ``grace_s`` after they started and until every lane exists (``open``). A worker let go earlier (pinning itself,
+    warming up: with two 1-thread instances and the 2-thread fallback, up to four compute threads on 2 cores) held
+    the interpreter lock and the cores while that submit still ran: MiniLM's first submit took 2-8 ms (over 5 ms in
+    5 of 16 loads, quiet 2-core host), most of it queueing the request behind the warming workers. Thread-safe."""
 
     def __init__(self, grace_s: float = 0.02) -> None:
         self.grace_s = float(grace_s)
@@ -206,9 +206,10 @@ class StreamingCore:
         self._worker_nice = int(worker_nice)
         self._seed_scale = seed_scale
         self._warm_gate = WarmUpGate()  # the lanes warm up together: none is timed against another's first run
-        # the lanes' workers wait on this until every lane exists: a worker that went on at once (pinning itself,
-        # preparing its warm-up) held the interpreter lock while the caller, in a first submit(), waited to start
-        # the next lane's thread (first submit p50 8-9 ms; 1.1 ms with this gate: 3 lanes, a busy 2-core host)
+        # the lanes' workers wait on this until every lane exists and the first request is queued: a worker that
+        # went on at once (pinning itself, preparing its warm-up) held the interpreter lock while the caller, in a
+        # first submit(), waited to start the next lane's thread (first submit p50 8-9 ms; 1.1 ms with a gate at
+        # the last lane: 3 lanes, a busy 2-core host) and then to queue its request (``StartGate``)
         self._start_gate = StartGate()
         layout = self.layout
         batch_range = manifest.shape_ranges.get(layout.batch_symbol or "", {})

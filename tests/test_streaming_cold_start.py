@@ -17,7 +17,8 @@ from dsedge.runtime.scheduler import BudgetScheduler, Lane, WarmUpGate
 
 from streaming_models import text_embedder, text_request
 
-TEXT_IO = ([IOSpec("input_ids", "int64", ("batch", "sequence")), IOSpec("attention_mask", "int64", ("batch", "sequence"))],
+TEXT_IO = ([IOSpec("input_ids", "int64", ("batch", "sequence")),
+            IOSpec("attention_mask", "int64", ("batch", "sequence"))],
            [IOSpec("last_hidden_state", "float32", ("batch", "sequence", 32)),
             IOSpec("sentence_embedding", "float32", ("batch", 32))])
 LAYOUT = BatchLayout.of(*TEXT_IO)
@@ -94,7 +95,7 @@ def test_a_request_queued_before_the_worker_starts_runs_first_and_untimed(backen
     start = threading.Event()
     prof = _seeded()
     lane = Lane("fp32", run, prof, LAYOUT, StreamMetrics(), inline_ms=0.0, start_gate=start,
-                warm_feed=lambda b, s: {"input_ids": np.ones((b, s), np.int64), "attention_mask": np.ones((b, s), np.int64)},
+                warm_feed=lambda b, s: {k: np.ones((b, s), np.int64) for k in ("input_ids", "attention_mask")},
                 warm_seq=8)
     sched = BudgetScheduler([lane], LAYOUT, lane.metrics)
     first = text_request(np.random.default_rng(0), 16)
