@@ -72,6 +72,12 @@ def test_load_trained_gives_eval_model_and_examples(baseline):
     meta = json.loads((out / "final" / "model.json").read_text())
     assert meta["factory"] == "train_models:make_tiny" and meta["output_names"] == ["logits"]
     assert meta["step"] == 6
+    # the weights get the mode model.json gets (the umask's), not safetensors' 0600 (a user's pass: another user or
+    # a container running as non-root could not read them)
+    from dsedge.runtime.files import usual_mode
+
+    for f in ("model.safetensors", "model.json"):
+        assert (out / "final" / f).stat().st_mode & 0o777 == usual_mode(), f
 
 
 def test_resume_skips_corrupt_and_partial_checkpoints_and_matches(baseline, tmp_path, capsys):

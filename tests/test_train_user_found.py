@@ -484,3 +484,15 @@ def test_a_token_budget_run_resumed_on_another_process_count_is_refused(tmp_path
     trainer.write_text(json.dumps({k: v for k, v in json.loads(trainer.read_text()).items() if k != "world_size"}))
     proc = torchrun_cli(tmp_path, "train", cfg)
     assert proc.returncode == 0 and "trained 6 steps" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_model_whose_forward_does_not_take_the_datas_inputs_is_one_line(tmp_path):
+    """A user's pass (2026-12-06): ``forward(features)`` fed two inputs ended in a raw ``TypeError … takes 2
+    positional arguments but 3 were given`` (a traceback per rank under the launcher); a distillation teacher's
+    mismatch was already one line. The student's is now too, naming the data's inputs."""
+    cfg = from_dict(config(tmp_path / "run", model={"factory": "train_models:make_tiny", "input_names": []},
+                           data={"factory": "train_models:make_two_input_data", "kwargs": {}}))
+    with pytest.raises(ConfigError, match=r"the model \(train_models:make_tiny\) cannot run on this data's inputs "
+                                          r"\(\[\d+, 4\] float32, \[\d+\] int64\): TypeError") as e:
+        train.run(cfg)
+    assert "make forward() take the [data] factory's inputs" in e.value.hint

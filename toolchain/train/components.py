@@ -71,3 +71,20 @@ def build_sampler(cfg: TrainConfig, dataset: Any, env: par.DistEnv, weights: Dom
         lengths = [as_inputs(dataset[i][0])[0].shape[0] for i in range(len(dataset))]
     return TokenBudgetBatchSampler(lengths, d.max_tokens, d.max_batch_size, d.memory_limit_mb, d.bytes_per_token,
                                    env.dp_rank, env.dp, cfg.seed, d.shuffle)
+
+
+def first_forward(model: torch.nn.Module, x: tuple, cfg: Any) -> Any:
+    """The model on its first batch: a model whose forward() does not take the data's inputs (their number, shapes
+    or dtypes) is a one-line ConfigError, as a distillation teacher's is, not a traceback per rank (a user's pass,
+    2026-12-06: ``forward(dense)`` fed (dense, ids) ended in ``TypeError … takes 2 positional arguments``)."""
+    try:
+        return model(*x)
+    except (RuntimeError, TypeError, ValueError, IndexError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in x
+                           if isinstance(t, torch.Tensor))
+        raise ConfigError(f"{cfg.source}: the model ({cfg.model.factory}) cannot run on this data's inputs ({shapes}):"
+                          f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                          "make forward() take the [data] factory's inputs, in order (items are (inputs, target))"
+                          ) from None

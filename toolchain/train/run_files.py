@@ -33,6 +33,7 @@ def write_final(run_dir: Path, cfg: TrainConfig, state: dict[str, torch.Tensor],
     from safetensors.torch import save_file
 
     from ...runtime.bundle import atomic_directory
+    from ...runtime.files import usual_mode
 
     names = list(cfg.model.input_names) or [f"input_{i}" for i in range(len(example))]
     meta = {
@@ -45,6 +46,7 @@ def write_final(run_dir: Path, cfg: TrainConfig, state: dict[str, torch.Tensor],
     }
     with atomic_directory(run_dir / "final") as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(tmp / "model.safetensors", usual_mode())  # safetensors writes 0600; model.json gets the umask's
         (tmp / "model.json").write_text(json.dumps(meta, indent=2))
     return run_dir / "final"
 

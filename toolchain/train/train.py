@@ -21,11 +21,13 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, default_collate
 
 from ...runtime.errors import ConfigError, TrainingError
 from . import parallel as par
 from .checkpoint import Checkpointer
-from .components import as_inputs, build_data, build_domain_weights, build_sampler, call_factory, to_device
+from .components import as_inputs, build_data, build_domain_weights, build_sampler, call_factory, first_forward
+from .components import to_device
 from .config import TrainConfig
 from .domains import MultiDomain
 from .evaluation import adapt, validation_figures
@@ -118,8 +120,6 @@ def check_class_weights(model: torch.nn.Module, train_ds: Any, hard_loss: Callab
         ConfigError: the loss's own, naming both counts. Any other error of this one-sample forward is left to the
             first training step (a forward may need the device the model is not on yet).
     """
-    from torch.utils.data import default_collate
-
     x, y = (pad_collate if padded else default_collate)([train_ds[0]])
     was_training = model.training
     model.eval()
@@ -272,8 +272,6 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
                     "weighted mean of its slice and the ranks average those, the global weighted mean only in "
                     "expectation (docs/train.md)")
 
-    from torch.utils.data import DataLoader
-
     if plateau is not None:
         train_ds.set_augment_strength(plateau.strength)
     collate = pad_collate if isinstance(sampler, TokenBudgetBatchSampler) else None
@@ -324,7 +322,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
                 if forward_loss is not None:
                     loss = forward_loss(model, x, y)
                 else:
-                    out = model(*x)
+                    out = first_forward(model, x, cfg) if step == start_step else model(*x)
                     loss = step_loss(out[0] if isinstance(out, (tuple, list)) else out, y)
             (scaler.scale(loss) if scaler is not None else loss).backward()
             if comm is not None and step == start_step:  # DDP, first step of this process
