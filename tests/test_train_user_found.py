@@ -496,3 +496,64 @@ def test_a_model_whose_forward_does_not_take_the_datas_inputs_is_one_line(tmp_pa
                                           r"\(\[\d+, 4\] float32, \[\d+\] int64\): TypeError") as e:
         train.run(cfg)
     assert "make forward() take the [data] factory's inputs" in e.value.hint
+
+
+def _descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(k) for t in os.listdir(f"/proc/{p}/task")
+                    for k in open(f"/proc/{p}/task/{t}/children").read().split()]
+        except OSError:
+            continue
+        out.update(kids)
+        todo.extend(kids)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_to_the_launcher_stops_its_ranks(tmp_path):
+    """A user's pass (2026-12-06): `kill PID` of `dsedge train … --nproc-per-node 2` (a job scheduler's stop) ended the
+    launcher in 1 s, and its two ranks, re-parented to init, trained on to the end. The launcher now passes SIGTERM
+    to torchrun, which stops its ranks."""
+    import signal
+    import time
+
+    path = tmp_path / "train.toml"
+    path.write_text(dump_toml(config(tmp_path / "run", device="cpu", steps=100_000, checkpoint={"every": 100_000})))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    log = open(tmp_path / "launcher.log", "w")  # not a pipe: orphaned ranks would hold it open to their end
+    proc = subprocess.Popen([sys.executable, "-m", "dsedge.cli", "train", str(path), "--nproc-per-node", "2"],
+                            env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True)
+    ranks: set[int] = set()
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (tmp_path / "run" / "metrics.jsonl").exists():
+            ranks |= _descendants(proc.pid)
+            time.sleep(0.2)
+        ranks |= _descendants(proc.pid)
+        assert (tmp_path / "run" / "metrics.jsonl").exists(), "the ranks never started training"
+        assert len(ranks) >= 3  # torchrun and its two ranks
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(p) for p in ranks):
+            time.sleep(0.2)
+        assert not [p for p in ranks if _alive(p)], (tmp_path / "launcher.log").read_text()
+    finally:  # orphans too (what the bug left)
+        for p in ranks | _descendants(proc.pid) | {proc.pid}:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        log.close()

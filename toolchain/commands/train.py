@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,7 +59,21 @@ def launch_torchrun(verb: str, config: str, nproc: int, max_restarts: int) -> in
     with tempfile.TemporaryDirectory(prefix="dsedge-torchrun-") as logs:
         cmd = [sys.executable, "-c", _TORCHRUN, "--standalone", f"--nproc-per-node={nproc}",
                f"--max-restarts={max_restarts}", f"--log-dir={logs}", "-m", "dsedge.cli", verb, config]
-        return subprocess.call(cmd, env=env)
+        proc = subprocess.Popen(cmd, env=env)
+        try:
+            return proc.wait()
+        except BaseException:
+            # SIGTERM or SIGINT reached this launcher (the CLI turns both into KeyboardInterrupt): torchrun stops
+            # its ranks on SIGTERM. subprocess.call's SIGKILL instead left both ranks running, orphaned, to the end
+            # of the run (a user's pass, 2026-12-06)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            raise
 
 
 def under_torchrun() -> bool:
