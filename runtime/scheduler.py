@@ -718,7 +718,7 @@ class Lane:
             self._t_admit = _clock()
             self._mark_running(req.t_submit, req.rows, req.seq)
         try:
-            self._execute([req])
+            self._execute([req], stoppable=False)
         finally:
             with self._cond:
                 self._running = False
@@ -1029,7 +1029,8 @@ class Lane:
         self.metrics.on_cancelled()
         return False
 
-    def _execute(self, batch: list[Request]) -> None:
+    def _execute(self, batch: list[Request], stoppable: bool = True) -> None:
+        # ``stoppable=False``: a short run (``try_inline``'s), never worth binding a stop to
         batch = [r for r in batch if self._start(r)]
         if not batch:
             return
@@ -1038,7 +1039,7 @@ class Lane:
         first, self._first_unobserved = self._first_unobserved, False
         # a long batch runs stoppable: ``close(drain=False)``, or a drain whose time is up, stops it (a short one
         # is waited for: binding the stop costs a run a few µs)
-        cut = (RunCancel() if cancellable(self.run) and self._cut_after_ms is not None
+        cut = (RunCancel() if stoppable and self._cut_after_ms is not None and cancellable(self.run)
                and self.predict(rows, max(r.seq or 0 for r in batch) or None, k_dev=0.0) > self._cut_after_ms
                else None)
         if cut is not None:
