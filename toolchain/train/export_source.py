@@ -64,6 +64,7 @@ def check_factory(spec: str, fn: Any, where: str) -> None:
             in ``DSEDGE_TRUST_FACTORIES``.
     """
     import inspect
+    import site
     import sysconfig
 
     import torch
@@ -78,8 +79,9 @@ def check_factory(spec: str, fn: Any, where: str) -> None:
     file = getattr(mod, "__file__", None)
     if file and inspect.isfunction(fn):
         path = Path(file).resolve()
-        installed = {Path(p).resolve() for k, p in sysconfig.get_paths().items()
-                     if k in ("stdlib", "platstdlib", "purelib", "platlib") and p}
+        places = [p for k, p in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib")]
+        places += [*site.getsitepackages(), site.getusersitepackages()]  # `pip install --user` packages too
+        installed = {Path(p).resolve() for p in places if p}
         if not any(_under(path, d) for d in installed):  # your own code: not the standard library or a package
             return
     raise SourceError(f"{where} names factory {spec!r} ({module or 'built-in'}), which is not a model factory this "
