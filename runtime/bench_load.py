@@ -105,7 +105,7 @@ def input_windows(arrays: Mapping[str, np.ndarray], batch: int) -> list[dict[str
     out = []
     for w in range(count):
         idx = (np.arange(batch) + w * batch) % n
-        out.append({k: np.ascontiguousarray(v) if v.ndim else v for k, v in take_rows(arrays, idx).items()})
+        out.append(take_rows(arrays, idx))  # integer indexing copies: each window is C-contiguous
     return out
 
 

@@ -223,7 +223,7 @@ class WarmUpGate:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
-    def timed_run(self, timeout_s: float, abort: Callable[[], bool], poll_s: float | None = None) -> Iterator[bool]:
+    def timed_run(self, timeout_s: float, abort: Callable[[], bool]) -> Iterator[bool]:
         """Around a lane's timed warm-up run: waits until no lane is in its first run and no other is timing, and
         yields True, or False (run nothing) when ``abort()`` turned true or ``timeout_s`` passed first."""
         end = _clock() + timeout_s
@@ -232,7 +232,7 @@ class WarmUpGate:
                 left = end - _clock()
                 if left <= 0 or abort():
                     break
-                self._cond.wait(min(left, self.poll_s if poll_s is None else poll_s))
+                self._cond.wait(min(left, self.poll_s))
             ok = not (self._first or self._timing) and not abort()
             if ok:
                 self._timing = True
@@ -662,7 +662,7 @@ class Lane:
             self._last_arrival = self._t_admit = now
             self._insert(req)
             self._cond.notify()
-        if not self.warm.is_set() and self._warm_gate is not None:
+        if not self.warm.is_set():
             self._warm_gate.wake()  # a worker waiting to time its warm-up serves this instead
         return True
 

@@ -10,17 +10,13 @@ import pytest
 
 from dsedge.runtime.backends.ort import OrtBackend
 from dsedge.runtime.batching import BatchLayout, example_feed
-from dsedge.runtime.bundle import IOSpec
 from dsedge.runtime.latency_profile import LatencyProfile
 from dsedge.runtime.metrics import StreamMetrics
 from dsedge.runtime.scheduler import BudgetScheduler, Lane, WarmUpGate
 
 from streaming_models import text_embedder, text_request
+from test_streaming_parts import TEXT_IO
 
-TEXT_IO = ([IOSpec("input_ids", "int64", ("batch", "sequence")),
-            IOSpec("attention_mask", "int64", ("batch", "sequence"))],
-           [IOSpec("last_hidden_state", "float32", ("batch", "sequence", 32)),
-            IOSpec("sentence_embedding", "float32", ("batch", 32))])
 LAYOUT = BatchLayout.of(*TEXT_IO)
 
 

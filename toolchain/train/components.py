@@ -73,6 +73,11 @@ def build_sampler(cfg: TrainConfig, dataset: Any, env: par.DistEnv, weights: Dom
                                    env.dp_rank, env.dp, cfg.seed, d.shuffle)
 
 
+def describe_inputs(x: tuple) -> str:
+    """``[4, 29] float32, [4] int64``: the shapes and dtypes of a batch's input tensors, for error messages."""
+    return ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in x if isinstance(t, torch.Tensor))
+
+
 def first_forward(model: torch.nn.Module, x: tuple, cfg: Any) -> Any:
     """The model on its first batch: a model whose forward() does not take the data's inputs (their number, shapes
     or dtypes) is a one-line ConfigError, as a distillation teacher's is, not a traceback per rank (a user's pass,
@@ -82,9 +87,8 @@ def first_forward(model: torch.nn.Module, x: tuple, cfg: Any) -> Any:
     except (RuntimeError, TypeError, ValueError, IndexError) as e:
         if isinstance(e, torch.OutOfMemoryError):
             raise
-        shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in x
-                           if isinstance(t, torch.Tensor))
-        raise ConfigError(f"{cfg.source}: the model ({cfg.model.factory}) cannot run on this data's inputs ({shapes}):"
+        raise ConfigError(f"{cfg.source}: the model ({cfg.model.factory}) cannot run on this data's inputs "
+                          f"({describe_inputs(x)}):"
                           f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                           "make forward() take the [data] factory's inputs, in order (items are (inputs, target))"
                           ) from None

@@ -12,6 +12,7 @@ import torch
 
 from ...runtime.errors import ConfigError
 from . import train as recipe
+from .components import describe_inputs
 from .config import TrainConfig
 from .export_source import load_trained
 from .losses import DistillLoss
@@ -68,8 +69,8 @@ def run(cfg: TrainConfig) -> recipe.RunResult:
             except (RuntimeError, TypeError, ValueError, IndexError) as e:
                 if hooked or isinstance(e, torch.OutOfMemoryError):  # the data fitted it before: not a config issue
                     raise
-                shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in x)
-                raise ConfigError(f"{cfg.source}: the teacher {d.teacher} cannot run on this data's inputs ({shapes}):"
+                raise ConfigError(f"{cfg.source}: the teacher {d.teacher} cannot run on this data's inputs "
+                                  f"({describe_inputs(x)}):"
                                   f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                                   "distill on inputs like the teacher's (its final/model.json lists them)") from None
             if not hooked:  # hooks in place (with features) and the teacher ran on this data once

@@ -47,14 +47,6 @@ def read_model_json(run_dir: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def _under(path: Path, root: Path) -> bool:
-    try:
-        path.relative_to(root)
-        return True
-    except ValueError:
-        return False
-
-
 def check_factory(spec: str, fn: Any, where: str) -> None:
     """Refuse a model.json factory this environment does not vouch for (see the module doc).
 
@@ -82,7 +74,7 @@ def check_factory(spec: str, fn: Any, where: str) -> None:
         places = [p for k, p in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib")]
         places += [*site.getsitepackages(), site.getusersitepackages()]  # `pip install --user` packages too
         installed = {Path(p).resolve() for p in places if p}
-        if not any(_under(path, d) for d in installed):  # your own code: not the standard library or a package
+        if not any(path.is_relative_to(d) for d in installed):  # your own code: not the standard library or a package
             return
     raise SourceError(f"{where} names factory {spec!r} ({module or 'built-in'}), which is not a model factory this "
                       "environment vouches for: a run directory cannot make dsedge call any function",
