@@ -229,7 +229,18 @@ class LatencyProfile:
         plans."""
         return self.predict(batch, seq, k_dev=0.0), self.predict(batch, seq)
 
-    def _interp(self, pts: dict, b: int, s: int) -> tuple[float, float]:
+    def seed_times(self, batch: int, seq: int | None = None) -> tuple[float, float]:
+        """``(expected, tail)`` ms from the seeds alone (as set, not scaled by this machine's measurements);
+        ``(inf, inf)`` without seeds. What a run costs where nothing else contends (the build host's figures):
+        a stand-in where the measured samples are known to include waits that the asked-about run will not
+        have (a run on the caller's thread, runtime/scheduler.py ``Lane.try_inline``)."""
+        with self._lock:
+            pts = {k: (m, m + self.k_dev * d) for k, (m, d) in self._seed.items()}
+            if not pts:
+                return math.inf, math.inf
+            return self._interp(pts, int(batch), seq_bucket(seq), fit=False)
+
+    def _interp(self, pts: dict, b: int, s: int, fit: bool = True) -> tuple[float, float]:
         if (b, s) in pts:
             return pts[(b, s)]
         row = sorted((bb, m, t) for (bb, ss), (m, t) in pts.items() if ss == s)
@@ -256,6 +267,8 @@ class LatencyProfile:
         if row:  # one point, smaller batch: scale per row (conservative, ignores the fixed overhead it shares)
             b0, m0, t0 = row[0]
             return m0 * b / b0, t0 * b / b0
+        if not fit:  # (seed_times: the fit is cached for the measured points)
+            return math.inf, math.inf
         a, c = self._token_fit(pts)
         mid = a + c * b * max(s, 1)
         rel = max(max(t / max(m, 1e-9) for m, t in pts.values()), 1.0)
@@ -296,24 +309,27 @@ class LatencyProfile:
                 for (b, s), (m, t) in sorted(pts.items())]}
 
     @classmethod
-    def from_variant(cls, variant: Any, **kw: Any) -> "LatencyProfile":
+    def from_variant(cls, variant: Any, sequence: bool = True, **kw: Any) -> "LatencyProfile":
         """Seed from a bundle variant's build-time ``latency_ms``.
 
         Accepted keys: ``"8"`` (batch 8) or ``"8x64"`` (batch 8, 64 tokens); values a number (ms) or a dict with
         ``p50`` and optionally ``p99`` (the deviation is taken as (p99 − p50) / k_dev) and ``shape`` (input name →
         shape, as ``dsedge build`` records it: the sequence length is read from a 2-D input's second dim).
         A figure without a sequence length stands for any length until this machine measures one.
+        ``sequence=False``: the model has no sequence axis, and every figure is keyed without a length (a 2-D
+        input's second dim is then a feature width: the fraud scorer's 29 had keyed its figures under bucket 32,
+        where no request of it ever looks).
         """
         prof = cls(getattr(variant, "name", ""), **kw)
         for key, val in (getattr(variant, "latency_ms", None) or {}).items():
             try:
                 b, _, s = str(key).partition("x")
-                batch, seq = int(b), int(s) if s else None
+                batch, seq = int(b), int(s) if s and sequence else None
                 if batch < 1 or (seq is not None and seq < 1):
                     continue
                 if isinstance(val, Mapping):
                     shapes = [v for v in (val.get("shape") or {}).values() if isinstance(v, list) and len(v) == 2]
-                    if seq is None and shapes:
+                    if seq is None and shapes and sequence:
                         seq = int(shapes[0][1])
                     p50 = float(val.get("p50", val.get("median", val.get("mean"))))
                     p99 = float(val.get("p99", p50 * 1.3))

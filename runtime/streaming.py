@@ -261,7 +261,8 @@ class StreamingCore:
         elif mode == "measure":
             prof = LatencyProfile(variant.name)
         else:
-            prof = LatencyProfile.from_variant(variant, scale_seeds=(mode == "auto"))
+            prof = LatencyProfile.from_variant(variant, sequence=self.layout.seq_symbol is not None,
+                                               scale_seeds=(mode == "auto"))
             scale = self._seed_scale if seed_scale is None else seed_scale
             if scale != 1.0:  # the bundle's figures were timed on another intra-op thread count
                 prof.scale_seed_figures(scale)

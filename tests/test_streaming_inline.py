@@ -1,0 +1,92 @@
+"""Runs on the caller's thread (``Lane.try_inline``) for callers that keep the interpreter lock busy, on a real ONNX
+Runtime session of a tiny model: an open-loop caller spinning between submits, a closed loop whose worker-side
+samples were slow, and an open-loop caller's done-callbacks."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import dsedge
+from dsedge.runtime.scheduler import Answer
+
+from streaming_models import static_bundle
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return static_bundle(tmp_path_factory.mktemp("inline") / "static")
+
+
+def _x(i: int) -> dict[str, np.ndarray]:
+    return {"x": np.full((1, 8), float(i), dtype=np.float32)}
+
+
+def test_result_read_in_a_done_callback_is_no_wait():
+    """A callback added to a future already done runs at once on the caller's thread; its ``result()`` does not
+    make the caller a closed loop (it had made every next request of an open-loop caller run on its thread)."""
+    done = Answer()
+    done.set_result("answer")
+    seen = []
+    done.add_done_callback(lambda f: seen.append(f.result()))
+    assert seen == ["answer"] and not done.waited
+    pending = Answer()
+    pending.add_done_callback(lambda f: seen.append(f.result()))
+    assert not pending.waited
+    assert done.result() == "answer" and done.waited  # the caller itself asking is a wait
+
+
+def test_spinning_open_loop_caller_gets_inline_runs(bundle):
+    """A caller that holds the interpreter lock between submits (parsing, features: Python work) and never waits
+    for an answer: each hand-off to the worker waits for the lock's switch interval (ms) while the run takes µs,
+    so the lane runs such requests on the caller's thread. Before, all but one went to the worker."""
+    with dsedge.load(bundle, threads=1) as s:
+        for i in range(20):  # warm: a closed loop
+            assert s.submit(_x(i), budget_ms=1000).result(10).ok
+        before = s.metrics()["lanes"]["fp32"]["inline"]
+        futs, answers = [], []
+        for i in range(400):
+            t_end = time.perf_counter() + 0.0003
+            while time.perf_counter() < t_end:  # the caller's own Python work, holding the lock
+                pass
+            f = s.submit(_x(i), budget_ms=1000)
+            f.add_done_callback(answers.append)  # open loop: answers taken in callbacks
+            futs.append(f)
+        assert all(f.result(10).ok for f in futs)
+        np.testing.assert_allclose(futs[123].result().outputs["y"], s.run(_x(123))["y"], rtol=1e-6)
+        inline = s.metrics()["lanes"]["fp32"]["inline"] - before
+        assert inline >= 200, s.metrics()["lanes"]
+        assert len(answers) == 400
+
+
+def test_inline_run_is_not_refused_by_the_workers_slow_samples(bundle):
+    """The worker's samples hold its waits for the interpreter lock, which a run on the caller's thread never
+    has; a closed-loop request is judged by the caller-thread runs' own times. Before, the worker's tail refused
+    every request ("budget"), and with nothing admitted nothing measured it again."""
+    with dsedge.load(bundle, threads=1) as s:
+        for i in range(20):
+            assert s.submit(_x(i), budget_ms=1000).result(10).ok
+        lane = s._stream.scheduler.lanes[0]
+        assert lane.inline_profile.measured
+        for _ in range(64):  # the worker's window: 200 ms a batch (lock waits behind a busy caller)
+            lane.profile.observe(1, None, 200.0)
+        answers = [s.submit(_x(i), budget_ms=20).result(10) for i in range(30)]
+        assert all(a.ok for a in answers), [a for a in answers if not a.ok][:2]
+        assert s.metrics()["rejected"].get("budget", 0) == 0
+
+
+def test_figures_of_a_model_without_a_sequence_axis_are_keyed_without_a_length():
+    """``dsedge build`` records each figure's input shapes; for the fraud scorer, ``dense`` [1, 29] is a feature
+    width, not a length: keyed under bucket 32, its figures stood where none of its requests looks, and a run on
+    the caller's thread had no build-time figure to start from."""
+    from dsedge.runtime.bundle import Variant
+    from dsedge.runtime.latency_profile import LatencyProfile
+
+    v = Variant("int4", "int4", "m.onnx", latency_ms={"1": {"p50": 0.011, "p99": 0.013, "n": 50,
+                                                            "shape": {"dense": [1, 29], "sparse_ids": [1, 4]}}})
+    assert set(LatencyProfile.from_variant(v).points()) == {(1, 32)}  # a text model's reading
+    p = LatencyProfile.from_variant(v, sequence=False)
+    assert set(p.points()) == {(1, 0)}
+    assert p.seed_times(1) == pytest.approx((0.011, 0.013))
+    assert p.seed_times(1, None) == p.times(1, None)
