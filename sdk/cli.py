@@ -97,8 +97,25 @@ def report_error(err: DsedgeError) -> None:
         click.echo(f"  hint: {err.hint}", err=True)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is: it unwinds like Ctrl-C (temporary directories are removed, the train
+    launcher passes it on to torchrun), and the command then exits 128 + 15 = 143, the status a shell, torchrun or a
+    job scheduler reads as "ended by SIGTERM" (Ctrl-C: 130)."""
+
+
 def _terminate(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds like Ctrl-C, so temporary build directories are removed
+    raise Terminated(signum)
+
+
+def _exit_interrupted(err: BaseException, word: str) -> None:
+    """Exit 143 ("terminated") when ``err`` is, or click's Abort was raised from, a SIGTERM; else ``word``, 130."""
+    import signal
+
+    if isinstance(err, Terminated) or isinstance(err.__cause__, Terminated):
+        click.echo("terminated (SIGTERM)", err=True)
+        sys.exit(128 + signal.SIGTERM)
+    click.echo(word, err=True)
+    sys.exit(130)
 
 
 def _command_name(argv: list) -> str:
@@ -132,12 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        sys.exit(130)
+    except click.exceptions.Abort as e:  # click turns a KeyboardInterrupt (and so a SIGTERM) into Abort
+        _exit_interrupted(e, "aborted")
+    except KeyboardInterrupt as e:
+        _exit_interrupted(e, "interrupted")
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

@@ -23,6 +23,6 @@ def distill(config: str, nproc: int | None, max_restarts: int) -> None:
         sys.exit(launch_torchrun("distill", config, nproc, max_restarts))
     from ..train.distill import run
 
-    result = run_rank(run, cfg)
+    result = run_rank(run, cfg, "distill")
     if int(os.environ.get("RANK", 0)) == 0:
         click.echo(finished_line("distill", result))

@@ -1,24 +1,29 @@
 """``dsedge train CONFIG``: train a model from a TOML/YAML config (see docs/train.md); torchrun-ready."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+from typing import NoReturn
 
 import click
 
 
-# torch.distributed.run without its ChildFailedError traceback: the failed rank has printed its own error (one line
-# for a DsedgeError); the launcher exits with that rank's status (2 for a DsedgeError, as in one process). A rank
+# torch.distributed.run without its ChildFailedError traceback: the failed rank has printed its own error (a rank's
+# DsedgeError the launcher prints, once); the launcher exits with that rank's status (2 when any rank's was a
+# DsedgeError, as in one process), and without its SignalException traceback when SIGTERM stops it (128 + 15). A rank
 # that exits 2 (a DsedgeError: a config error at its first step fails the same way again) ends the elastic restarts.
 # torchrun's own log lines lose their glog prefix ("W1205 06:12:33.123000 1234 torch/distributed/run.py:874]"), and
-# its notices that ask nothing of the user (OMP_NUM_THREADS set to 1, SIGTERM sent to the other ranks) are dropped.
+# its notices that ask nothing of the user (OMP_NUM_THREADS set to 1, SIGTERM sent to the other ranks, a rank that
+# exited 2: its DsedgeError, which the launcher prints) are dropped.
 _TORCHRUN = """import logging, sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
-_NOISE = ("Setting OMP_NUM_THREADS", "Sending process")
+_NOISE = ("Setting OMP_NUM_THREADS", "Sending process", "failed (exitcode: 2)")
 for _handler in logging.getLogger("torch.distributed").handlers + logging.getLogger("torch").handlers:
     _handler.setFormatter(logging.Formatter("torchrun: %(message)s"))
     _handler.addFilter(lambda r: not r.getMessage().lstrip("\\n*").startswith(_NOISE))
@@ -34,11 +39,16 @@ try:  # torchrun's agent internals (torch 2.13): without them, restarts happen a
     LocalElasticAgent._monitor_workers = _monitor_workers
 except (ImportError, AttributeError):
     pass
+from torch.distributed.elastic.multiprocessing.api import SignalException
 try:
     run(parse_args(sys.argv[1:]))
+except SignalException as e:  # SIGTERM from the launcher (or SIGINT): its workers are stopped, no traceback
+    sys.exit(128 + int(e.sigval))
 except ChildFailedError as e:
     rank, failure = e.get_first_failure()
     code = failure.exitcode
+    if any(f.exitcode == 2 for f in e.failures.values()):  # a rank's DsedgeError, which the launcher prints
+        sys.exit(2)
     if code < 0:
         print(f"error: rank {rank} was killed by signal {-code}", file=sys.stderr)
         print("  hint: see the system log (e.g. the OOM killer); --max-restarts N restarts the group", file=sys.stderr)
@@ -54,14 +64,20 @@ def launch_torchrun(verb: str, config: str, nproc: int, max_restarts: int) -> in
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with a shared store, restarts after a killed rank hang (measured). torchrun's
     log dir (its error files) is a temporary folder removed at the end: by default each run left a
-    ``$TMPDIR/torchelastic_*`` behind."""
-    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    ``$TMPDIR/torchelastic_*`` behind. A DsedgeError the ranks raise is printed here, once (``report_rank_errors``),
+    not once per rank."""
     with tempfile.TemporaryDirectory(prefix="dsedge-torchrun-") as logs:
+        errors = Path(logs) / "rank-errors"
+        errors.mkdir()
+        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{RANK_ERRORS: str(errors)})
         cmd = [sys.executable, "-c", _TORCHRUN, "--standalone", f"--nproc-per-node={nproc}",
                f"--max-restarts={max_restarts}", f"--log-dir={logs}", "-m", "dsedge.cli", verb, config]
         proc = subprocess.Popen(cmd, env=env)
         try:
-            return proc.wait()
+            code = proc.wait()
+            if code:
+                report_rank_errors(errors)
+            return code
         except BaseException:
             # SIGTERM or SIGINT reached this launcher (the CLI turns both into KeyboardInterrupt): torchrun stops
             # its ranks on SIGTERM. subprocess.call's SIGKILL instead left both ranks running, orphaned, to the end
@@ -76,6 +92,56 @@ def launch_torchrun(verb: str, config: str, nproc: int, max_restarts: int) -> in
             raise
 
 
+# set by launch_torchrun for its ranks: the folder where each leaves its DsedgeError for the launcher to print once
+RANK_ERRORS = "DSEDGE_RANK_ERRORS"
+
+
+def report_rank_errors(folder: Path) -> None:
+    """Print the DsedgeErrors the ranks left in ``folder`` (``rank{R}.json``), each distinct one once, lowest rank
+    first, as the CLI prints one (``error: …`` and ``  hint: …`` on stderr)."""
+    found: list[tuple[str, str]] = []
+    for f in sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 1 << 30):
+        try:
+            e = json.loads(f.read_text())
+            line = (str(e["message"]), str(e.get("hint") or ""))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if line not in found:
+            found.append(line)
+    for message, hint in found:
+        click.secho(f"error: {message}", fg="red", err=True)
+        if hint:
+            click.echo(f"  hint: {hint}", err=True)
+
+
+def leave_for_launcher(err) -> None:  # type: ignore[no-untyped-def]
+    """Under ``launch_torchrun``: write ``err`` (a DsedgeError) where the launcher prints it once, then exit with its
+    status without printing it (every rank would). Elsewhere, or when that write fails: return (the CLI prints it)."""
+    folder = os.environ.get(RANK_ERRORS)
+    if not folder or not under_torchrun():
+        return
+    rank = os.environ.get("RANK", "0")
+    try:
+        tmp = Path(folder) / f".rank{rank}.json.tmp"
+        tmp.write_text(json.dumps({"message": str(err), "hint": err.hint}))
+        os.replace(tmp, Path(folder) / f"rank{rank}.json")
+    except OSError:
+        return
+    exit_rank(err.exit_code, err)
+
+
+def exit_rank(code: int, err: BaseException) -> NoReturn:
+    """End this rank with ``code`` after ``err``, freeing first what ``err``'s traceback holds (the model, DDP and its
+    process group): left to the interpreter's exit, its C++ threads sometimes aborted the process ("terminate called
+    without an active exception", signal 6; 1 run in ~8 of a 2-rank checkpoint-write failure), which torchrun
+    reported in place of the rank's error. The run's own teardown (parallel.teardown) frees them the same way."""
+    import gc
+
+    err.__traceback__ = err.__context__ = err.__cause__ = None
+    gc.collect()
+    raise SystemExit(code) from None
+
+
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
@@ -83,10 +149,35 @@ def under_torchrun() -> bool:
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
-def run_rank(run, cfg):  # type: ignore[no-untyped-def]
+def run_rank(run, cfg, verb: str = "train"):  # type: ignore[no-untyped-def]
     """``run(cfg)`` on this rank. Under torchrun, a collective that fails because another rank died (gloo:
     "Connection reset by peer") ends this rank with one line and exit status 1, which torchrun's restarts (if any)
-    take over, instead of a Python traceback through torch.distributed printed beside torchrun's own report."""
+    take over, instead of a Python traceback through torch.distributed printed beside torchrun's own report.
+    A write the disk refused is a StorageError whose hint names the config's out_dir (there is no --out); under the
+    launcher a DsedgeError is left for it to print once (``leave_for_launcher``)."""
+    from ...runtime.errors import DsedgeError
+
+    try:
+        return _run_rank(run, cfg)
+    except OSError as e:
+        from ..train.run_files import run_storage_error
+
+        err = run_storage_error(e, f"dsedge {verb}")
+        if err is None:
+            raise
+        e.__traceback__ = None  # what it holds is freed before this rank exits (exit_rank)
+        leave_for_launcher(err)
+        raise err from None
+    except DsedgeError as e:
+        leave_for_launcher(e)
+        raise
+    except KeyboardInterrupt as e:  # SIGTERM from torchrun (a peer failed, or the launcher was stopped), or Ctrl-C
+        if os.environ.get(RANK_ERRORS) and under_torchrun():  # the launcher says so, once, not every rank
+            exit_rank(128 + e.args[0] if e.args and isinstance(e.args[0], int) else 130, e)  # the CLI's Terminated
+        raise
+
+
+def _run_rank(run, cfg):  # type: ignore[no-untyped-def]
     try:
         return run(cfg)
     except Exception as e:  # noqa: BLE001 - only a lost peer is turned into a line; anything else re-raised
@@ -166,6 +257,6 @@ def train(config: str, nproc: int | None, max_restarts: int) -> None:
         sys.exit(launch_torchrun("train", config, nproc, max_restarts))
     from ..train.train import run
 
-    result = run_rank(run, cfg)
+    result = run_rank(run, cfg, "train")
     if int(os.environ.get("RANK", 0)) == 0:
         click.echo(finished_line("train", result))

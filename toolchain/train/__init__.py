@@ -6,7 +6,8 @@
 - ``parallel.py``    DeviceMesh (pp, dp, tp): DDP (+ fp16/bf16/PowerSGD comm hooks), FSDP2, DTensor TP, pipelining
 - ``precision.py``   autocast bf16/fp16 with fp32 norm layers, GradScaler for fp16, FSDP2 MixedPrecisionPolicy
 - ``optim.py``       LAMB (DTensor-aware) + AdamW hybrid, warmup-cosine schedule (torch lr_scheduler)
-- ``checkpoint.py``  atomic torch.distributed.checkpoint saves, resume from the latest intact one
+- ``checkpoint.py``  atomic torch.distributed.checkpoint saves, resume from the latest intact one;
+                     ``checkpoint_reader.py`` reads them without running code from the files
 - ``sampler.py``     dp-sharded global batches (resumable), token-budget batches for variable-length sequences
 - ``losses.py``      config losses and the KD loss; ``metrics.py`` JSONL log, progress bar, TensorBoard
 - ``export_source.py`` ``load_trained(run_dir)`` for ``dsedge build --model RUN_DIR``

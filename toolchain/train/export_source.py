@@ -36,7 +36,9 @@ def read_model_json(run_dir: str | os.PathLike) -> dict[str, Any]:
     f = Path(run_dir) / "final" / "model.json"
     if not f.is_file():
         raise SourceError(f"{run_dir} is not a finished dsedge run (no final/model.json)",
-                          "train it to the end with `dsedge train CONFIG`, or pass a model file")
+                          # distill's teacher comes here (build checks final/model.json first): it is never a file
+                          "train it to the end with `dsedge train CONFIG`, or set [distill] teacher to the out_dir "
+                          "of a finished run")
     try:
         meta = json.loads(f.read_text())
     except ValueError as e:

@@ -1,7 +1,9 @@
 """What a run writes besides checkpoints and metrics: the resolved ``config.toml`` at the start, and ``final/``
-(``model.safetensors`` + ``model.json``) gathered from every rank at the end; both written atomically."""
+(``model.safetensors`` + ``model.json``) gathered from every rank at the end; both written atomically. A write the
+disk refuses is a StorageError whose hint names the config's ``out_dir`` (``run_storage_error``)."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -10,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...runtime.errors import StorageError
+from ...runtime.storage import storage_error
 from . import parallel as par
 from .config import TrainConfig, dump_toml
 
@@ -56,3 +60,23 @@ def write_resolved_config(run_dir: Path, cfg: TrainConfig) -> None:
     tmp = run_dir / ".config.toml.tmp"
     tmp.write_text(dump_toml(cfg.to_dict()))
     os.replace(tmp, run_dir / "config.toml")
+
+
+# `dsedge train` and `dsedge distill` write where the config's out_dir says: the generic hints name `--out`, an
+# option they do not have
+_OUT_DIR_HINTS = {
+    errno.ENOSPC: "free space on the disk of out_dir (or set another out_dir in the config) and run again",
+    errno.EDQUOT: "free space under your quota, or set another out_dir in the config",
+    errno.EROFS: "set a writable out_dir in the config",
+    errno.ENAMETOOLONG: "set a shorter out_dir in the config",
+}
+
+
+def run_storage_error(err: OSError, what: str) -> StorageError | None:
+    """``runtime.storage.storage_error`` for a run's writes: its one line, with a hint that names the config's
+    ``out_dir``; None for an OSError that is not a storage condition."""
+    found = storage_error(err, what)
+    if found is None or err.errno not in _OUT_DIR_HINTS:
+        return found
+    rest = found.hint.partition("; ")[2]  # what storage_error adds after its hint
+    return StorageError(found.message, "; ".join(filter(None, [_OUT_DIR_HINTS[err.errno], rest])))
