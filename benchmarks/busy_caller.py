@@ -106,7 +106,7 @@ def window(bundle: str, schedule: np.ndarray, feed: dict, work_us: float, budget
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", required=True, help="a .dse bundle of a small model (the fraud scorer's)")
-    ap.add_argument("--work-us", default="0,100,200", help="the caller's Python work per request, µs")
+    ap.add_argument("--work-us", default="50,200", help="the caller's Python work per request, µs")
     ap.add_argument("--loads", default="0.25,0.5", help="multiples of the plain loop's capacity")
     ap.add_argument("--budget-ms", type=float, default=3.0)
     ap.add_argument("--duration-s", type=float, default=4.0)

@@ -104,15 +104,14 @@ budget of admitted 98.70 → 99.35 % at 0.9× load (12.6 ms budget; worst window
 An idle primary lane runs a request expected to take at most ``inline_ms`` (1 ms) on the caller's thread when
 the caller blocked on its previous answer (``submit(x).result()`` in a loop): no thread hand-off, which costs more
 than such a model's run on a busy machine (the fraud-scorer case); the returned future is then already done.
-An open-loop caller's request runs there too when it is expected to take at most 0.25 ms and less than the
-recent hand-offs to the worker took (queued on the idle lane → its batch's start; one request per 0.5 s goes to
-the worker to measure that again). A caller that keeps the interpreter lock busy between submits (Python work per
-request) makes each hand-off wait up to the lock's switch interval (5 ms) while such a run takes µs: measured on
-the fraud scorer's model, 3000 requests/s with 100 µs of caller work each and a 3 ms budget, 5–97 % in budget
-before, against 100 % for a plain ``run()`` loop (see the closing figures of benchmarks/sdk_overhead.py). Such
-runs are timed apart (``Lane.inline_profile``, seeded by the bundle's figures): the worker's samples hold the lock
-waits, and their tail had refused every request for its budget. Other open-loop requests, and those arriving while
-the lane is busy, queue and batch as above.
+An open-loop caller's request runs there too when it is expected to take at most 0.25 ms and either less than
+the recent hand-offs to the worker took (queued on the idle lane → its batch's start; one request per 0.5 s goes
+to the worker to measure that again) or the worker's own times would refuse it for its budget. A caller that keeps
+the interpreter lock busy between submits (Python work per request) makes each hand-off wait up to the lock's
+switch interval (5 ms) while such a run takes µs, and the worker's samples then hold those waits. Such runs are
+timed apart (``Lane.inline_profile``, seeded by the bundle's figures). benchmarks/busy_caller.py measures this
+case (the fraud scorer's model, open-loop arrivals with bursts, caller work per request, a CPU burner) against a
+plain ``run()`` loop. Other open-loop requests, and those arriving while the lane is busy, queue and batch as above.
 Every request resolves its future exactly once: a ``Result`` (maybe carrying a backend error) or a ``Rejected``.
 A batch the backend fails on is run again request by request, so one bad request fails alone.
 """
@@ -760,11 +759,17 @@ class Lane:
         if alone > self.inline_ms or (now - req.t_submit) * 1e3 + alone + self.margin_s * 1e3 > req.budget_ms:
             return False
         if not getattr(last, "waited", False):
-            # an open-loop caller is held back only by a run shorter than a hand-off; one request per
-            # ``_HANDOFF_S`` goes to the worker all the same, to measure the hand-off again
-            newest = self._handoffs[-1][0] if self._handoffs else -math.inf
-            if now - newest > _HANDOFF_S or alone > min(self.handoff_ms(), _OPEN_LOOP_INLINE_MS):
+            # an open-loop caller is held back only by a short run that a hand-off would delay more: one measured
+            # longer than the run (one request per ``_HANDOFF_S`` goes to the worker to measure it again), or a
+            # worker whose own times (their lock waits included) would refuse the request for its budget: queued
+            # there, refused, it measured no hand-off, and the lane refused every request for 1–1.5 s at a time
+            if alone > _OPEN_LOOP_INLINE_MS:
                 return False
+            left = req.budget_ms - (now - req.t_submit) * 1e3 - self.margin_s * 1e3
+            if self.profile.predict(req.rows, req.seq) <= left:
+                newest = self._handoffs[-1][0] if self._handoffs else -math.inf
+                if now - newest > _HANDOFF_S or alone > self.handoff_ms():
+                    return False
         with self._cond:
             if self._running or self._queue or self._closing or self._probing is not None:
                 return False  # (a probe yields to the queued request: ``_insert``)

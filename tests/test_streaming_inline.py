@@ -90,3 +90,26 @@ def test_figures_of_a_model_without_a_sequence_axis_are_keyed_without_a_length()
     assert set(p.points()) == {(1, 0)}
     assert p.seed_times(1) == pytest.approx((0.011, 0.013))
     assert p.seed_times(1, None) == p.times(1, None)
+
+
+def test_open_loop_request_the_workers_times_would_refuse_runs_inline(bundle):
+    """An open-loop caller whose worker-side samples are slow (lock waits behind a busy caller): its short requests
+    run on its thread instead of being refused for their budget. Before, such a request went to the worker path
+    to measure a hand-off, was refused there ("budget") and measured nothing, and the lane refused every request
+    for 1–1.5 s at a time (fraud scorer, 7200 requests/s)."""
+    with dsedge.load(bundle, threads=1) as s:
+        for i in range(20):
+            assert s.submit(_x(i), budget_ms=1000).result(10).ok
+        lane = s._stream.scheduler.lanes[0]
+        for _ in range(64):
+            lane.profile.observe(1, None, 200.0)
+        time.sleep(0.6)  # the latest hand-off measured is older than 0.5 s: due again (and the samples count)
+        assert lane.profile.predict(1) == pytest.approx(200.0)
+        before = lane.inline
+        futs = []
+        for i in range(50):
+            futs.append(s.submit(_x(i), budget_ms=20))  # never waited for: an open loop
+            time.sleep(0.001)
+        answers = [f.result(10) for f in futs]
+        assert all(a.ok for a in answers), [a for a in answers if not a.ok][:2]
+        assert lane.inline - before >= 45, s.metrics()["lanes"]
