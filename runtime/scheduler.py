@@ -805,12 +805,13 @@ class Lane:
         return len(self._queue) + (1 if self._running else 0)
 
     # -- worker -----------------------------------------------------------------------------------------------
-    def _answer(self, req: Request, answer: Result | Rejected) -> None:
+    def _answer(self, req: Request, answer: Result | Rejected, inline: bool = False) -> None:
+        # ``inline``: answered on the submitting thread before its future was handed out (nobody could cancel it)
         if req.plan_ms > 0.0 and isinstance(answer, Result):
             if answer.error is None:
                 self.calibration.score(req.plan_ms, answer.latency_ms, req.spread_ms, stratum=req.ahead)
             self.calibration.outcome(answer.latency_ms > req.budget_ms or answer.error is not None)
-        if not (req.future.running() or req.future.set_running_or_notify_cancel()):
+        if not (inline or req.future.running() or req.future.set_running_or_notify_cancel()):
             self.metrics.on_cancelled()  # cancelled by its caller while queued: nobody reads this answer
             return
         _answering.on = True
@@ -1105,9 +1106,10 @@ class Lane:
     def _execute(self, batch: list[Request], stoppable: bool = True, inline: bool = False) -> None:
         # ``stoppable=False``: a short run (``try_inline``'s), never worth binding a stop to; ``inline``: on a
         # caller's thread (observed in ``inline_profile``)
-        batch = [r for r in batch if self._start(r)]
-        if not batch:
-            return
+        if not inline:  # (an inline request's future is not handed out yet: nobody could have cancelled it)
+            batch = [r for r in batch if self._start(r)]
+            if not batch:
+                return
         rows = sum(r.rows for r in batch)
         failed = None
         first, self._first_unobserved = self._first_unobserved, False
@@ -1154,7 +1156,7 @@ class Lane:
             self._served[(rows, seq_bucket(seq))] = t1
         for r, part in zip(batch, parts):
             self._answer(r, Result(r.id, part, (t1 - r.t_submit) * 1e3, (t0 - r.t_submit) * 1e3, rows, self.name,
-                                   r.budget_ms, error))
+                                   r.budget_ms, error), inline)
 
     # -- shutdown ---------------------------------------------------------------------------------------------
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
