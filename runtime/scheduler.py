@@ -740,10 +740,12 @@ class Lane:
 
     def try_inline(self, req: Request, now: float) -> bool:
         """Run ``req`` now on the calling thread when the lane is idle, the request is short and its budget holds
-        at the expected time of such runs (``inline_profile``; the bundle's figures before any), and either the previous request's caller waited for its answer (a closed loop:
-        running on its thread costs it nothing) or the run is expected to be shorter than the hand-off to the
-        worker (``handoff_ms``: while the caller keeps the interpreter lock busy, a hand-off costs up to the lock's
-        switch interval, 5 ms, per wake-up); True if it ran. Otherwise the request queues and batches."""
+        at the expected time of such runs (``inline_profile``; the bundle's figures before any), and either the
+        previous request's caller waited for its answer (a closed loop: running on its thread costs it nothing)
+        or, for a run of at most 0.25 ms, a hand-off to the worker is expected to delay it more: the hand-offs
+        measured lately took longer than the run (``handoff_ms``; while the caller keeps the interpreter lock busy,
+        each costs up to the lock's switch interval, 5 ms), or the worker's own times would refuse it for its
+        budget. True if it ran; otherwise the request queues and batches."""
         last, self._last_future = self._last_future, req.future
         if self.inline_ms <= 0 or not self.warm.is_set() or self.fallback:
             return False
