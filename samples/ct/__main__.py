@@ -11,6 +11,7 @@ Only dsedge's CLI (train, distill, build) and public API (dsedge.load, Session) 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,7 @@ def build(runs: str, out: str) -> None:
     the second."""
     from .calibration import write_build_inputs
 
+    _check_out_dir("--out", out)
     if not Path(runs).is_dir():
         raise DsedgeError(f"--runs {runs}: no such directory (build reads the runs ct-teacher and ct-student there)",
                           "run `python -m samples.ct train` first, or pass --runs DIR holding them")
@@ -163,10 +165,10 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
 
     Timing: one untimed warm-up pass per model, then REPEATS timed passes per volume with the models' order
     alternating each round; the median of the sliding window alone (detection excluded) is reported."""
-    from .scans import make_scans
     from .evaluate import ANCHORS, TIMING, ModelEntry, evaluate as run_eval
     from .report import write_json, write_png
 
+    _check_out_dir("--out", out)
     builds_json = Path(bundles) / "builds.json"
     if not builds_json.is_file():
         raise DsedgeError(f"{builds_json}: no such file (evaluate reads the bundles that build wrote)",
@@ -188,7 +190,10 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
         entries.append(ModelEntry(f"{model} {target} {precision}", "bundle", path))
     entries.append(ModelEntry("teacher torch fp32", "torch", f"{runs}/ct-teacher", batch_from="teacher cpu fp32"))
     entries = [e for e in entries if e.kind == "bundle" or e.batch_from in {x.name for x in entries}]
-    scans = make_scans(volume, n_scans, lesions, seed=100)
+    # both volumes read before any model runs: a bad --timing-volume used to fail only after the whole held-out
+    # evaluation, and neither error named its option
+    scans = _read_scans("--volume", volume, n_scans, lesions, seed=100)
+    chest = _read_scans("--timing-volume", timing_volume, 1, 0, seed=0) if timing_volume else []
     res = run_eval(entries, scans, budget_ms=budget_ms, threads=threads, repeats=repeats)
     models = res["models"]
     if stream and ("student", "cpu", "fp32") in ok:
@@ -197,7 +202,6 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
         models.update(sres["models"])
     timing = {}
     if timing_volume:
-        chest = make_scans(timing_volume, 1, 0, seed=0)
         same = {k: v["batch_plan"]["batch_size"] for k, v in models.items()}
         tres = run_eval(entries, chest, budget_ms=budget_ms, threads=threads, repeats=repeats,
                         batch_sizes=same)["models"]
@@ -224,6 +228,31 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
               title=f"{best}: synthetic lesions in the held-out volume (green: truth, red: detections)",
               credit=CREDIT)
     click.echo(json.dumps({"summary": summary, "chest_timing": timing}, indent=2))
+
+
+def _check_out_dir(option: str, out: str) -> None:
+    """DsedgeError at once when ``out`` (created later, after minutes of work) cannot be a directory: it, or the
+    nearest of its parents that exists, is a file or not writable. Nothing is created here."""
+    p = Path(out)
+    for q in (p, *p.parents):
+        if q.exists() or q.is_symlink():
+            if not q.is_dir():
+                raise DsedgeError(f"{option} {out}: {'it' if q == p else q} is a file, not a directory",
+                                  f"pass a directory for {option} (created if missing), or move the file away")
+            if not os.access(q, os.W_OK | os.X_OK):
+                raise DsedgeError(f"{option} {out}: {q} is not writable", f"pass a writable directory for {option}")
+            return
+
+
+def _read_scans(option: str, volume: str, n_scans: int, lesions: int, seed: int) -> list:
+    """``make_scans`` with a ``SeriesError`` naming the option that gave the path."""
+    from .scans import make_scans
+    from .volume import SeriesError
+
+    try:
+        return make_scans(volume, n_scans, lesions, seed=seed)
+    except SeriesError as e:
+        raise SeriesError(f"{e} (the {option} path)", e.hint) from None
 
 
 def _check_builds(path: Path, data: object) -> list[dict]:

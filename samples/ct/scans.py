@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import data_path
-from .dicom import read_dicom_series
+from .dicom import _is_dicom, read_dicom_series
 from .nifti import read_nifti
 from .lesions import Lesion, insert_lesions, sample_lesions
 from .preprocess import lung_mask, lung_window, resample
@@ -59,7 +59,17 @@ def read_volume(p: str | os.PathLike) -> Volume:
         raise SeriesError(f"no such CT volume: {p}{where}",
                           "pass a DICOM series folder or a .nii/.nii.gz file (relative paths count from where you "
                           "run, or the repository root)")
-    return read_dicom_series(q) if q.is_dir() else read_nifti(q)
+    if q.is_dir():
+        if not any(_is_dicom(f) for f in q.iterdir() if f.is_file()):
+            nii = sorted(f.name for f in q.iterdir() if f.name.lower().endswith((".nii", ".nii.gz")))
+            if nii:  # a folder holding a NIfTI file: the reader wants the file itself
+                raise SeriesError(f"{p}: a folder with no DICOM files but NIfTI file(s): {', '.join(nii[:3])}",
+                                  f"pass the NIfTI file itself, e.g. {Path(p) / nii[0]}")
+        return read_dicom_series(q)
+    if _is_dicom(q) or q.suffix.lower() == ".dcm":  # one slice of a series: the reader wants the folder
+        raise SeriesError(f"{p}: one DICOM file (a single slice), not a volume",
+                          f"pass the folder holding the whole series: {Path(p).parent}")
+    return read_nifti(q)
 
 
 def meta_vector(meta: dict) -> np.ndarray:

@@ -1,0 +1,94 @@
+"""A new user's pass over samples/ct (README commands and plausible mistakes): each test fails without its fix."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from samples.ct.scans import read_volume
+from samples.ct.volume import SeriesError
+
+REPO = Path(__file__).resolve().parents[1]
+DICOM = "ct-chest-lung-pet-ct-dx-a0002"
+NIFTI = "ct-totalsegmentator-example/example_ct.nii.gz"
+
+
+def _ct(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "samples.ct", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def _one_line_error(p: subprocess.CompletedProcess, error: str, hint: str) -> None:
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert error in p.stderr and hint in p.stderr, p.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------------- readers
+def test_one_dicom_file_instead_of_its_folder_says_pass_the_folder(shared_data):
+    """Was: "not a readable NIfTI file (Cannot work out file type …)", hint "check the file is complete (.nii)"."""
+    f = shared_data / DICOM / "1-01.dcm"
+    with pytest.raises(SeriesError, match="one DICOM file") as e:
+        read_volume(f)
+    assert "NIfTI" not in str(e.value) and str(shared_data / DICOM) in e.value.hint
+
+
+def test_a_folder_holding_a_nifti_file_says_pass_the_file(shared_data, tmp_path):
+    """Was: "no DICOM files in …", hint "a DICOM file has 'DICM' at byte 128", not naming the .nii.gz there."""
+    shutil.copy(shared_data / NIFTI, tmp_path / "example_ct.nii.gz")
+    with pytest.raises(SeriesError, match="NIfTI file") as e:
+        read_volume(tmp_path)
+    assert str(tmp_path / "example_ct.nii.gz") in e.value.hint
+
+
+# -------------------------------------------------------------------------------------------- evaluate / build
+def _builds(tmp_path: Path) -> Path:
+    b = tmp_path / "b"
+    b.mkdir()
+    (b / "builds.json").write_text(json.dumps(
+        {"builds": [{"model": "student", "target": "cpu", "precision": "fp32", "ok": True, "bundle": "x.dse"}]}))
+    return b
+
+
+def test_evaluate_out_that_is_a_file_is_refused_up_front(tmp_path, shared_data):
+    """Was: the whole evaluation ran, then a FileExistsError traceback from report.write_json."""
+    out = tmp_path / "report"
+    out.write_text("not a directory")
+    p = _ct(REPO, "evaluate", "--bundles", str(_builds(tmp_path)), "--out", str(out),
+            "--volume", str(shared_data / NIFTI), "--timing-volume", "")
+    _one_line_error(p, f"error: --out {out}: it is a file, not a directory", "hint: pass a directory for --out")
+    assert out.read_text() == "not a directory"
+
+
+def test_build_out_under_a_file_is_refused_before_the_inputs(tmp_path):
+    """Was: a NotADirectoryError traceback from calibration.write_npz_dir after reading both volumes."""
+    (tmp_path / "runs" / "ct-teacher").mkdir(parents=True)
+    (tmp_path / "runs" / "ct-student").mkdir(parents=True)
+    (tmp_path / "f").write_text("")
+    p = _ct(tmp_path, "build", "--runs", "runs", "--out", str(tmp_path / "f" / "bundles"))
+    _one_line_error(p, f"error: --out {tmp_path / 'f' / 'bundles'}: {tmp_path / 'f'} is a file, not a directory",
+                    "hint: pass a directory for --out")
+    assert "$ dsedge build" not in p.stderr and "calibration:" not in p.stderr
+
+
+def test_evaluate_reads_the_timing_volume_before_any_model_runs(tmp_path, shared_data):
+    """Was: a bad --timing-volume failed only after the whole held-out evaluation (models loaded, planned, run) with
+    an error that did not name the option. Now it is read first: the missing bundle x.dse is never reached."""
+    p = _ct(REPO, "evaluate", "--bundles", str(_builds(tmp_path)), "--out", str(tmp_path / "rep"),
+            "--volume", str(shared_data / NIFTI), "--timing-volume", str(tmp_path / "no-such-series"))
+    _one_line_error(p, f"error: no such CT volume: {tmp_path / 'no-such-series'} (the --timing-volume path)",
+                    "hint: pass a DICOM series folder")
+    assert not (tmp_path / "rep").exists()
+
+
+def test_evaluate_names_the_volume_option_in_its_error(tmp_path, shared_data):
+    p = _ct(REPO, "evaluate", "--bundles", str(_builds(tmp_path)), "--out", str(tmp_path / "rep"),
+            "--volume", str(shared_data / DICOM / "1-01.dcm"), "--timing-volume", "")
+    _one_line_error(p, f"error: {shared_data / DICOM / '1-01.dcm'}: one DICOM file (a single slice), not a volume "
+                       "(the --volume path)", "hint: pass the folder holding the whole series")
+    assert not (tmp_path / "rep").exists()
