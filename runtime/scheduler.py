@@ -386,6 +386,8 @@ class Lane:
         self._last_future: Future | None = None  # of the latest request offered to try_inline
         # the hand-off to this worker: a request queued on an idle lane, when it was queued; and the recent delays
         # from there to its batch's start, ``(time, ms)`` (thread wake-up plus the interpreter lock: see try_inline)
+        self.failed: str | None = None  # why the worker thread failed (``_loop``); None while it serves
+        self._current: list[Request] = []  # the batch the worker runs
         self._handoff_req: tuple[Request, float] | None = None
         self._handoffs: collections.deque = collections.deque(maxlen=5)
         # service times of runs on a caller's thread: kept apart from the worker's (``profile``), which include the
@@ -775,9 +777,9 @@ class Lane:
         with self._cond:
             if self._running or self._queue or self._closing or self._probing is not None:
                 return False  # (a probe yields to the queued request: ``_insert``)
+            self._mark_running(req.t_submit, req.rows, req.seq, (alone, 2.0 * alone))  # (a µs run: any tail)
             self._running = True
             self._t_admit = _clock()
-            self._mark_running(req.t_submit, req.rows, req.seq, (alone, 2.0 * alone))  # (a µs run: any tail)
         try:
             self._execute([req], stoppable=False, inline=True)
         finally:
@@ -982,6 +984,23 @@ class Lane:
         return True
 
     def _loop(self) -> None:
+        # the worker thread: serve until closed; should it fail (a bug, not a backend error: those fail their
+        # batch only), every request it holds is answered and the lane takes no more, instead of leaving their
+        # futures unresolved and the session's callers waiting forever (a user's pass: Session.stream hung)
+        try:
+            self._serve()
+        except BaseException as e:
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            with self._cond:
+                self.failed = why
+                self._closing, self._drain = True, False  # enqueue refuses from here
+                pending = self._take_queue() + [r for r in self._current if not r.future.done()]
+                self._current = []
+                self._cond.notify_all()
+            self._reject_shutdown(pending, f"the worker thread of {self.name} failed ({why}); load the bundle again")
+            raise  # printed by threading.excepthook, as any thread's
+
+    def _serve(self) -> None:
         if self._start_gate is not None:  # every lane made, the first request queued (streaming.StartGate)
             self._start_gate.wait()
         self.niced = lower_current_thread(self.nice)
@@ -1060,6 +1079,7 @@ class Lane:
                             self._handoffs.append((now, (now - self._handoff_req[1]) * 1e3))
                         self._handoff_req = None
                     self._queue = [it for it in self._queue if id(it[1]) not in chosen]
+                    self._current = batch
                     self._mark_running(now, sum(r.rows for r in batch), max(r.seq or 0 for r in batch) or None)
                     self._running = True
             try:
@@ -1071,6 +1091,7 @@ class Lane:
                     self._t_probe = _clock()
                 else:
                     self._execute(batch)
+                    self._current = []
                     self.batches += 1
             finally:
                 with self._cond:
@@ -1367,6 +1388,10 @@ class BudgetScheduler:
                 continue  # the variant's fallback backend takes only what its instances are too slow for alone
             if lane.paused:  # the first lane of a group pauses only when the whole group does (a fallback)
                 continue
+            if all(l.failed for l in group):
+                reasons.append((SHUTDOWN, f"the worker thread of {lane.name} failed ({lane.failed}); load the "
+                                          "bundle again"))
+                continue
             if lane is first and lane.try_inline(req, now):  # before the worker's profile can refuse it: see there
                 return req.future
             alone = lane.alone_ms(req)
@@ -1389,7 +1414,7 @@ class BudgetScheduler:
                                         f"{budget_ms:.4g} ms"))
                 continue
             else:
-                room = [l for l in group if l.depth < l.max_queue and not l.paused]
+                room = [l for l in group if l.depth < l.max_queue and not l.paused and not l.failed]
                 if not room:
                     # each instance has a queue of its own, of max_queue (the variant queues up to N x max_queue)
                     full = (f"queue of {lane.name} full ({lane.max_queue} requests)" if len(group) == 1 else

@@ -113,3 +113,30 @@ def test_open_loop_request_the_workers_times_would_refuse_runs_inline(bundle):
         answers = [f.result(10) for f in futs]
         assert all(a.ok for a in answers), [a for a in answers if not a.ok][:2]
         assert lane.inline - before >= 45, s.metrics()["lanes"]
+
+
+def test_a_failed_worker_thread_answers_what_it_held_and_refuses_the_rest(bundle):
+    """A bug in the worker (not a backend error: those fail their batch only) used to end its thread and leave every
+    request it held unanswered: ``Session.stream`` waited forever (a user's pass). Its requests are now answered
+    "shutdown", naming the failure, and later ones are refused at once."""
+    import threading
+
+    with dsedge.load(bundle, threads=1) as s:
+        assert s.submit(_x(0), budget_ms=1000).result(10).ok
+        lane = s._stream.scheduler.lanes[0]
+
+        def broken(*args, **kwargs):
+            raise TypeError("a bug")
+
+        lane._mark_running = broken  # the worker calls it for each batch it picks
+        hook, threading.excepthook = threading.excepthook, lambda args: None  # the thread's own report: not here
+        try:
+            futs = [s.submit(_x(i), budget_ms=1000) for i in range(5)]  # open loop: queued for the worker
+            answers = [f.result(5) for f in futs]
+        finally:
+            threading.excepthook = hook
+        assert not any(a.ok for a in answers)
+        assert {a.reason for a in answers} == {"shutdown"}
+        assert all("failed (TypeError: a bug)" in a.detail for a in answers), answers[0].detail
+        later = s.submit(_x(9), budget_ms=1000).result(5)
+        assert later.reason == "shutdown" and "load the bundle again" in later.detail
