@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from streaming import NoisyNeighbour, arrivals, cpu_line  # noqa: E402
+from streaming import arrivals, cpu_line, open_loop  # noqa: E402
 
 _clock = time.perf_counter
 
@@ -66,29 +66,23 @@ def window(bundle: str, schedule: np.ndarray, feed: dict, work_us: float, budget
     lat = np.full(n, np.nan)
     kinds: list = [None] * n
     s = dsedge.load(bundle, threads=threads)
-    t0 = _clock()
 
     def record(i: int, f) -> None:  # a done-callback: the answer's time, then its kind
         lat[i] = (_clock() - t0 - schedule[i]) * 1e3
         r = f.result()
         kinds[i] = "ok" if r.ok else f"rejected:{r.reason}" if hasattr(r, "reason") else "error"
 
-    neighbour = NoisyNeighbour((float(schedule[-1]) / 2 - 0.5, 1.0), 1)
-    try:
-        for i, t in enumerate(schedule):
-            neighbour.at(_clock() - t0)
-            delay = t0 + t - _clock()
-            if delay > 0:
-                time.sleep(delay)
-            spin(work_us)
-            if mode == "plain":
-                s.run(feed)
-                lat[i] = (_clock() - t0 - schedule[i]) * 1e3
-                kinds[i] = "ok"
-            else:
-                s.submit(feed, budget_ms=budget_ms).add_done_callback(lambda f, i=i: record(i, f))
-    finally:
-        neighbour.close()
+    def send(i: int) -> None:
+        spin(work_us)
+        if mode == "plain":
+            s.run(feed)
+            lat[i] = (_clock() - t0 - schedule[i]) * 1e3
+            kinds[i] = "ok"
+        else:
+            s.submit(feed, budget_ms=budget_ms).add_done_callback(lambda f, i=i: record(i, f))
+
+    t0 = _clock()  # (open_loop's own start, within µs)
+    open_loop(schedule, send, stall=(float(schedule[-1]) / 2 - 0.5, 1.0), burner_procs=1)
     t_end = _clock() + 30
     while any(k is None for k in kinds) and _clock() < t_end:
         time.sleep(0.01)
@@ -114,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    try:
+        works = [float(w) for w in args.work_us.split(",")]
+        loads = [float(x) for x in args.loads.split(",")]
+    except ValueError:
+        ap.error("--work-us and --loads take comma-separated numbers, e.g. --work-us 50,200 --loads 0.25,0.5")
+    if min(works) < 0 or min(loads) <= 0 or args.duration_s <= 0 or args.budget_ms <= 0:
+        ap.error("--work-us must be >= 0; --loads, --duration-s and --budget-ms > 0")
     if not Path(args.bundle).exists():
         sys.exit(f"busy_caller.py: bundle {args.bundle} does not exist (python -m samples.fraud.run builds it)")
     import dsedge
@@ -137,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'dsedge in budget':>16} {'p99 ms':>7} {'inline':>7}  rejected")
     rows = []
     rng = np.random.default_rng(args.seed)
-    for work in (float(w) for w in args.work_us.split(",")):
+    for work in works:
         capacity = plain_capacity(args.bundle, feed, work, args.threads)
-        for load in (float(x) for x in args.loads.split(",")):
+        for load in loads:
             rate = load * capacity
             sched = arrivals(rate, args.duration_s, rng)
             got = {m: window(args.bundle, sched, feed, work, args.budget_ms, m, args.threads)
