@@ -187,8 +187,11 @@ def _stop_while_training(tmp_path, sig, *args):
     run = tmp_path / "run"
     path = tmp_path / "train.toml"
     path.write_text(dump_toml(config(run, device="cpu", steps=100_000, checkpoint={"every": 100_000})))
+    # Ctrl-C as at a terminal: a test run in the background of a non-interactive shell (`cmd &`, as CI scripts may
+    # start it) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler in the child
     proc = subprocess.Popen([sys.executable, "-m", "dsedge.cli", "train", str(path), *args], env=ENV, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (run / "metrics.jsonl").exists():
