@@ -229,6 +229,17 @@ class LatencyProfile:
         plans."""
         return self.predict(batch, seq, k_dev=0.0), self.predict(batch, seq)
 
+    def low(self, batch: int, seq: int | None = None, q: float = 0.25) -> float | None:
+        """The ``q`` quantile (nearest rank) of the key's window of samples, ms; None when it holds none. A low
+        quantile is what a run costs without the waits some of its samples hold (runtime/scheduler.py
+        ``Lane.try_inline``: a run on the caller's thread waits for the interpreter lock while the worker has it)."""
+        with self._lock:
+            win = self._win.get((int(batch), seq_bucket(seq)))
+            if not win:
+                return None
+            xs = sorted(ms for _, ms in win)
+        return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
     def seed_times(self, batch: int, seq: int | None = None) -> tuple[float, float]:
         """``(expected, tail)`` ms from the seeds alone (as set, not scaled by this machine's measurements);
         ``(inf, inf)`` without seeds. What a run costs where nothing else contends (the build host's figures):
