@@ -186,11 +186,15 @@ class LatencyProfile:
             ratios = [pts[k][0] / s[0] for k, s in self._seed.items() if k in pts and s[0] > 0]
             if ratios:
                 scale = min(max(math.exp(sum(map(math.log, ratios)) / len(ratios)), 0.05), 20.0)
-        for key, (mean, dev) in self._seed.items():
+        for key, (mean, tail) in self._seed_points().items():
             if key not in pts:
-                pts[key] = (mean * scale, (mean + self.k_dev * dev) * scale)
+                pts[key] = (mean * scale, tail * scale)
         self._pts, self._t_pts, self._fit = pts, now, None
         return pts
+
+    def _seed_points(self) -> dict[tuple[int, int], tuple[float, float]]:
+        # (expected, tail) per seeded key, as set: mean, and mean + k_dev · deviation
+        return {k: (m, m + self.k_dev * d) for k, (m, d) in self._seed.items()}
 
     def predict(self, batch: int, seq: int | None = None, k_dev: float | None = None) -> float:
         """Predicted service ms for ``batch`` rows at ``seq`` tokens; ``inf`` when nothing is known.
@@ -246,7 +250,7 @@ class LatencyProfile:
         a stand-in where the measured samples are known to include waits that the asked-about run will not
         have (a run on the caller's thread, runtime/scheduler.py ``Lane.try_inline``)."""
         with self._lock:
-            pts = {k: (m, m + self.k_dev * d) for k, (m, d) in self._seed.items()}
+            pts = self._seed_points()
             if not pts:
                 return math.inf, math.inf
             return self._interp(pts, int(batch), seq_bucket(seq), fit=False)

@@ -752,8 +752,8 @@ class Lane:
         if self.inline_ms <= 0 or not self.warm.is_set() or self.fallback:
             return False
         left = req.budget_ms - (now - req.t_submit) * 1e3 - self.margin_s * 1e3
-        worker_refuses = self.profile.predict(req.rows, req.seq) > left
         if self.inline_profile.measured:
+            worker_refuses = self.profile.predict(req.rows, req.seq) > left
             # the median of such runs; the lower quartile where the worker's own times would refuse the request
             # (the caller keeps the interpreter lock busy): then the first inline runs can also wait for the lock,
             # behind the worker's warm-up, and a median over three of those had ended inline runs for good, with
@@ -764,6 +764,9 @@ class Lane:
             alone = self.profile.seed_times(req.rows, req.seq)[0]
             if math.isinf(alone):
                 alone = self.profile.predict(req.rows, req.seq, k_dev=0.0)
+            if alone > self.inline_ms:
+                return False  # (every request of a model too slow to run inline, MiniLM's: nothing more to look up)
+            worker_refuses = self.profile.predict(req.rows, req.seq) > left
         # the expected time, not the tail: a run on the caller's thread waits for the interpreter lock only while
         # the worker holds it, a few samples of the window, and a tail check over them had sent every request
         # to that worker, where each waited the lock's switch interval (a collapse: 15 % in budget at 5000/s)

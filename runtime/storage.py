@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+from typing import Mapping
 
 from .errors import StorageError
 
@@ -25,11 +26,13 @@ _STORAGE = {
 }
 
 
-def storage_error(err: OSError, what: str = "writing") -> StorageError | None:
-    """The StorageError for ``err`` when it is a storage condition (see ``_STORAGE``); None for other OSErrors."""
+def storage_error(err: OSError, what: str = "writing", hints: Mapping[int, str] | None = None) -> StorageError | None:
+    """The StorageError for ``err`` when it is a storage condition (see ``_STORAGE``); None for other OSErrors.
+    ``hints``: errno → what to do, in place of ``_STORAGE``'s (a command whose output is not ``--out``)."""
     if err.errno not in _STORAGE:
         return None
     why, hint = _STORAGE[err.errno]
+    hint = (hints or {}).get(err.errno, hint)
     # a rename names the temporary file first and the user's destination second: name the destination
     path = getattr(err, "filename2", None) or err.filename
     where = f" ({path})" if path else ""

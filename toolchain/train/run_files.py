@@ -75,8 +75,4 @@ _OUT_DIR_HINTS = {
 def run_storage_error(err: OSError, what: str) -> StorageError | None:
     """``runtime.storage.storage_error`` for a run's writes: its one line, with a hint that names the config's
     ``out_dir``; None for an OSError that is not a storage condition."""
-    found = storage_error(err, what)
-    if found is None or err.errno not in _OUT_DIR_HINTS:
-        return found
-    rest = found.hint.partition("; ")[2]  # what storage_error adds after its hint
-    return StorageError(found.message, "; ".join(filter(None, [_OUT_DIR_HINTS[err.errno], rest])))
+    return storage_error(err, what, _OUT_DIR_HINTS)
