@@ -92,3 +92,54 @@ def test_evaluate_names_the_volume_option_in_its_error(tmp_path, shared_data):
     _one_line_error(p, f"error: {shared_data / DICOM / '1-01.dcm'}: one DICOM file (a single slice), not a volume "
                        "(the --volume path)", "hint: pass the folder holding the whole series")
     assert not (tmp_path / "rep").exists()
+
+
+def _unfinished(run: Path) -> Path:
+    """A run stopped by Ctrl-C during `python -m samples.ct train`: config, metrics, checkpoints, no final/."""
+    for step in (40, 80):
+        (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step}" / "COMPLETE").write_text("")
+    (run / "config.toml").write_text("")
+    (run / "metrics.jsonl").write_text("")
+    return run
+
+
+def test_build_names_each_unfinished_run_once_and_tries_none_of_its_builds(tmp_path):
+    """Was: the calibration inputs (~15 s), then one `dsedge build` per target and precision, each printing the same
+    "… is a training run that has not finished" error: 6 times for 2 unfinished runs."""
+    runs, out = tmp_path / "runs", tmp_path / "bundles"
+    for model in ("teacher", "student"):
+        _unfinished(runs / f"ct-{model}")
+    p = _ct(REPO, "build", "--runs", str(runs), "--out", str(out))  # from the repo root: the CT data paths resolve
+    _one_line_error(p, "error: 6 of 6 builds failed: teacher cpu fp32, student cpu fp32, student cpu int8, student "
+                       "cpu auto, student jetson fp16, student jetson int8\n", "hint: their errors are above")
+    for model in ("teacher", "student"):
+        said = f"{runs / f'ct-{model}'} is a training run that has not finished (no final/model.json; its latest " \
+               "checkpoint is step_80)"
+        assert p.stderr.count(said) == 1, p.stderr
+    assert p.stderr.count("hint: finish it: `python -m samples.ct train` resumes") == 2, p.stderr
+    assert "$ dsedge build" not in p.stderr and "calibration:" not in p.stderr
+    assert not (out / "inputs").exists()  # no student build ran: no calibration inputs
+    builds = json.loads((out / "builds.json").read_text())["builds"]
+    assert [(b["model"], b["target"], b["precision"], b["ok"]) for b in builds] == [
+        ("teacher", "cpu", "fp32", False), ("student", "cpu", "fp32", False), ("student", "cpu", "int8", False),
+        ("student", "cpu", "auto", False), ("student", "jetson", "fp16", False), ("student", "jetson", "int8", False)]
+    for b in builds:
+        assert f"ct-{b['model']} is a training run that has not finished" in b["error"], b
+
+
+def test_build_with_an_unfinished_student_still_builds_the_teacher(tmp_path):
+    """Only the student is unfinished: the teacher's build still runs (it fails here too: its directory holds no
+    run), the student's five are recorded failed with its one error, and no calibration inputs are written."""
+    runs, out = tmp_path / "runs", tmp_path / "bundles"
+    (runs / "ct-teacher").mkdir(parents=True)
+    _unfinished(runs / "ct-student")
+    p = _ct(REPO, "build", "--runs", str(runs), "--out", str(out))
+    _one_line_error(p, "error: 6 of 6 builds failed: teacher cpu fp32, student cpu fp32", "hint:")
+    assert p.stderr.count("is a training run that has not finished") == 1, p.stderr
+    assert p.stderr.count("$ dsedge build") == 1 and f"$ dsedge build --model {runs / 'ct-teacher'} " in p.stderr
+    assert "calibration:" not in p.stderr and not (out / "inputs").exists()
+    builds = json.loads((out / "builds.json").read_text())["builds"]
+    assert len(builds) == 6 and not any(b["ok"] for b in builds)
+    assert "not a Hugging Face model or a dsedge training run" in builds[0]["error"]
+    assert all("ct-student is a training run that has not finished" in b["error"] for b in builds[1:])

@@ -88,7 +88,8 @@ def train(quiet: bool = False, interval_s: float = 30.0) -> None:
 def build(runs: str, out: str) -> None:
     """Build bundles per target and precision; writes OUT/builds.json (what built, what was refused and why), then
     exits non-zero (DsedgeError, naming them) if any build failed; DsedgeError at once if RUNS or its run
-    directories ct-teacher / ct-student do not exist.
+    directories ct-teacher / ct-student do not exist. A run that has not finished (no final/model.json, e.g. after
+    Ctrl-C in `train`) is named once and its builds are not tried: builds.json records each of them failed.
 
     Student builds get ``--calib OUT/inputs/calib --heldout OUT/inputs/heldout`` (real CT patches, see
     ``calibration.py``): INT8 Q/DQ is calibrated on the first, and every variant's accuracy vs fp32 is measured on
@@ -103,12 +104,25 @@ def build(runs: str, out: str) -> None:
     if missing:
         raise DsedgeError(f"no such run directory: {', '.join(missing)}",
                           "run `python -m samples.ct train` first (it writes ct-teacher and ct-student)")
-    calib, heldout, counts = write_build_inputs(Path(out) / "inputs")
-    click.echo(f"calibration: {counts['calibration']['patches']} chest patches; held-out: "
-               f"{counts['heldout']['patches']} windows of the held-out volume", err=True)
+    # an unfinished run (Ctrl-C during `train`) fails every one of its builds with the same error: say it once,
+    # record its rows failed without running them, and write the inputs only if a student build will run
+    unfinished = {m: e for m in BUILDS if (e := _unfinished_run(Path(runs) / f"ct-{m}", f"{runs}/ct-{m}"))}
+    for model, err in unfinished.items():
+        n = len(BUILDS[model])
+        click.echo(f"{model}: {err}; {'its build is' if n == 1 else f'its {n} builds are'} not tried\n"
+                   f"hint: {UNFINISHED_HINT}", err=True)
+    calib = heldout = counts = None
+    if "student" not in unfinished:
+        calib, heldout, counts = write_build_inputs(Path(out) / "inputs")
+        click.echo(f"calibration: {counts['calibration']['patches']} chest patches; held-out: "
+                   f"{counts['heldout']['patches']} windows of the held-out volume", err=True)
     results = []
     for model, plans in BUILDS.items():
         for target, precision in plans:
+            if model in unfinished:
+                results.append({"model": model, "target": target, "precision": precision, "ok": False,
+                                "error": f"error: {unfinished[model]} hint: {UNFINISHED_HINT}"})
+                continue
             dest = Path(out) / f"{model}-{target}-{precision}"
             data = ["--calib", str(calib), "--heldout", str(heldout)] if model == "student" else []
             p = _dsedge("build", "--model", f"{runs}/ct-{model}", "--target", target, "--precision", precision,
@@ -228,6 +242,24 @@ def evaluate(runs: str, bundles: str, out: str, volume: str, n_scans: int, lesio
               title=f"{best}: synthetic lesions in the held-out volume (green: truth, red: detections)",
               credit=CREDIT)
     click.echo(json.dumps({"summary": summary, "chest_timing": timing}, indent=2))
+
+
+UNFINISHED_HINT = ("finish it: `python -m samples.ct train` resumes from its latest checkpoint; or pass --runs DIR "
+                   "holding finished runs")
+
+
+def _unfinished_run(path: Path, name: str) -> str | None:
+    """The error for a training run that has not finished (``dsedge build`` refuses it: toolchain/sources.py's test,
+    mirrored here: no final/model.json, but config.toml and checkpoints/ or metrics.jsonl); None for anything else
+    (a finished run, or a directory that is no run: ``dsedge build`` says what it is)."""
+    if (path / "final" / "model.json").is_file() or not (path / "config.toml").is_file():
+        return None
+    if not ((path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()):
+        return None
+    steps = sorted((p.name for p in (path / "checkpoints").glob("step_*") if (p / "COMPLETE").is_file()),
+                   key=lambda n: int(n.split("_")[1]) if n.split("_")[1].isdigit() else -1)
+    last = f"; its latest checkpoint is {steps[-1]}" if steps else "; it has no complete checkpoint"
+    return f"{name} is a training run that has not finished (no final/model.json{last})"
 
 
 def _check_out_dir(option: str, out: str) -> None:
