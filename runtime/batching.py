@@ -11,7 +11,8 @@ requests of its own length.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -34,6 +35,8 @@ class BatchLayout:
     batch_symbol: str | None
     seq_symbol: str | None
     can_pad: bool
+    # group_key per (padded, input shapes): it runs on every submit, and a model sees a handful of shapes
+    _keys: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]) -> "BatchLayout":
@@ -66,21 +69,37 @@ class BatchLayout:
 
     def group_key(self, feed: dict[str, np.ndarray]) -> tuple:
         """Requests with equal keys can share a batch: shapes without the batch axis (and the padded axis)."""
-        key = []
         pad = self.can_pad and self.dynamic and not self._empty_mask_row(feed)
-        for s in self.inputs:
-            shape = list(feed[s.name].shape[1:] if self.dynamic else feed[s.name].shape)
+        shapes = tuple(feed[s.name].shape for s in self.inputs)
+        got = self._keys.get((pad, shapes))
+        if got is not None:
+            return got
+        key = []
+        for s, full in zip(self.inputs, shapes):
+            shape = list(full[1:] if self.dynamic else full)
             if pad and len(s.shape) > 1 and s.shape[1] == self.seq_symbol:
                 shape[0] = -1
             key.append((s.name, tuple(shape)))
-        return tuple(key)
+        if len(self._keys) >= 256:  # bounded: every length of a text model is a shape
+            self._keys.clear()
+        self._keys[(pad, shapes)] = key = tuple(key)
+        return key
+
+    @cached_property
+    def _mask_names(self) -> tuple[str, ...]:
+        # the ``*mask*`` inputs over the sequence axis
+        return tuple(s.name for s in self.inputs
+                     if "mask" in s.name.lower() and len(s.shape) > 1 and s.shape[1] == self.seq_symbol)
 
     def _empty_mask_row(self, feed: dict[str, np.ndarray]) -> bool:
         """True when a row of a ``*mask*`` input over the sequence axis is all zero (see the module doc)."""
-        for s in self.inputs:
-            if "mask" in s.name.lower() and len(s.shape) > 1 and s.shape[1] == self.seq_symbol:
-                m = feed[s.name]
-                if m.ndim == 2 and m.shape[1] and not m.any(axis=1).all():
+        for name in self._mask_names:
+            m = feed[name]
+            if m.ndim == 2 and m.shape[1]:
+                if m.shape[0] == 1:  # one row (the common request): one reduction
+                    if not m.any():
+                        return True
+                elif not m.any(axis=1).all():
                     return True
         return False
 

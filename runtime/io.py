@@ -31,7 +31,14 @@ def _plan(specs: list[IOSpec], shape_ranges: Mapping[str, Mapping[str, int]] | N
             if isinstance(d, str):
                 rng = (shape_ranges or {}).get(d) or {}
                 symbolic.append((a, d, rng.get("min", 0), rng.get("max", math.inf)))
-        plan.append((spec.name, np.dtype(spec.dtype), len(spec.shape), static, tuple(symbolic), spec.value_range))
+        dtype, rng = np.dtype(spec.dtype), spec.value_range
+        if rng is not None:
+            # a signed integer input whose range starts at 0 (token ids, masks) is checked by one reduction: viewed
+            # as unsigned, a negative value is above any ``hi`` too
+            lo, hi = rng
+            unsigned = np.dtype(f"u{dtype.itemsize}") if dtype.kind == "i" and lo == 0 and 0 <= hi else None
+            rng = (lo, hi, unsigned)
+        plan.append((spec.name, dtype, len(spec.shape), static, tuple(symbolic), rng))
     if len(_PLANS) >= 64:  # sessions come and go: a bounded cache
         _PLANS.clear()
     _PLANS[key] = (specs, shape_ranges, tuple(plan))
@@ -57,8 +64,13 @@ def _validate_fast(plan: tuple, inputs: Any) -> dict[str, np.ndarray] | None:
             dim = shape[axis]
             if symbols.setdefault(sym, dim) != dim or not lo <= dim <= hi:
                 return None
-        if value_range is not None and arr.size and (arr.min() < value_range[0] or arr.max() > value_range[1]):
-            return None
+        if value_range is not None and arr.size:
+            lo, hi, unsigned = value_range
+            if unsigned is not None:
+                if arr.view(unsigned).max() > hi:
+                    return None
+            elif arr.min() < lo or arr.max() > hi:
+                return None
         out[name] = arr
     return out
 

@@ -235,6 +235,30 @@ def test_a_queued_request_is_answered_at_its_deadline_while_a_batch_runs_long(ba
     assert sched.deadlines.expired == 1
 
 
+def test_a_request_the_worker_leaves_queued_when_it_starts_a_batch_is_answered_at_its_deadline(backend):
+    """The watch holds only requests that wait behind work (one wake-up of its thread per request, each at a
+    deadline long met, took a core from running batches): one queued on an idle worker is not watched, and if the
+    worker then starts a batch without it, it is watched from then on and still answered at its deadline."""
+    gate = threading.Event()
+    lane = _lane(backend, gate, max_batch=1)
+    sched = BudgetScheduler([lane], lane.layout, lane.metrics)
+    rng = np.random.default_rng(0)
+    assert lane.warm.wait(5)
+    with lane._cond:  # both arrive before the idle worker wakes: it takes the first and leaves the second queued
+        first = sched.submit(text_request(rng, 8), 60, id="first")
+        t0 = time.perf_counter()
+        left = sched.submit(text_request(rng, 8), 150, id="left")
+        assert lane.depth == 2 and not any(r.watched for _, r in lane._queue)
+    got = left.result(5)
+    waited = time.perf_counter() - t0
+    assert isinstance(got, Rejected) and got.reason == "deadline" and "deadline passed" in got.detail, got
+    assert 0.15 <= waited < 0.6 and not first.done(), waited  # at its deadline, while the first batch still runs
+    gate.set()
+    assert first.result(10).ok
+    sched.close()
+    assert sched.deadlines.expired == 1
+
+
 def test_requests_closed_before_they_ran_are_not_counted_as_admitted(backend):
     """``metrics()``: "shutdown" is a refusal (in ``rejected_at_admission``), so not admitted as well; it had counted
     in both, and admitted plus refused came to more than submitted."""
