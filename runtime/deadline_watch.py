@@ -8,8 +8,9 @@ running batch or the worker's warm-up; the lane adds a request when it queues be
 batch without it: ``Lane._watch``) in a heap, and one thread sleeps until the earliest: a request still queued then
 is taken out of its lane's queue and answered at once, as the worker would have. One queued on an idle worker is not
 added: the worker takes it at once (watching every request woke the thread at each one's deadline, long met, 46-69
-µs of CPU per request taken from the batches on a 2-core host). Requests already running or answered are skipped (lazily: their heap entries lapse at their
-deadlines). Thread-safe; the thread starts with the first request and ends at ``close``.
+µs of CPU per request taken from the batches on a 2-core host). Requests already running or answered are skipped
+(lazily: their heap entries lapse at their deadlines). Thread-safe; the thread starts with the first request and ends
+at ``close``.
 """
 from __future__ import annotations
 
