@@ -567,12 +567,13 @@ class Lane:
         # batch's expected end and margin are set and cleared with the running flag, so the flag says it all)
         ahead0 = 1 if running else 0
         memo: dict = {_SLOW: slow}
-        if not queued and not running:  # an idle lane (most plans below capacity): ``_play`` of one batch, inline
+        if not queued:  # nothing queued (most plans below capacity): ``_play`` of its one batch, inline
             m, d = self._times(memo, req.rows, req.seq)
-            if math.isinf(m) or now + m > req.deadline:
+            start = now + rem_mid
+            if math.isinf(m) or start + m > req.deadline:
                 return Plan(math.inf, math.inf, 0.0)
-            spread = self._spread(0.0, d, m)
-            return Plan(now + m + z(0) * spread + self.margin_s, now + m, spread)
+            spread = self._spread(rem_var, d, rem_mid + m)
+            return Plan(start + m + z(ahead0) * spread + self.margin_s, start + m, spread, ahead=ahead0)
         if len(queued) > self.plan_limit:
             return self._closed_form(req, queued, now, rem_mid, rem_var, z, memo, ahead0)
         key = (int(req.deadline / self.tie_s), -req.priority)
