@@ -451,3 +451,36 @@ def test_the_fallback_lane_takes_requests_too_slow_at_the_median_not_those_missi
     slow_at_median = sched.submit(text_request(rng, 8), 9.0).result(10)  # the median check: running or not
     assert isinstance(slow_at_median, Result) and slow_at_median.ok
     sched.close()
+
+
+def test_the_plan_of_an_empty_queue_is_the_queue_playback_of_its_one_batch():
+    """``Lane.plan`` computes an empty queue's plan inline (most plans below capacity; the playback's Python was a
+    measurable share of the caller's CPU per request): it must be the plan ``_play`` gives, idle lane or behind a
+    running batch, whether the request fits, misses at its tail, or cannot make it at all."""
+    rng = np.random.default_rng(0)
+    prof = LatencyProfile("fp32", k_dev=0.0, scale_seeds=False)
+    for _ in range(40):
+        prof.observe(1, 32, 5.0 + 2.0 * rng.random())
+    lane = Lane("fp32", lambda feed: feed, prof, BatchLayout.of(*TEXT_IO), StreamMetrics())
+    z = lambda ahead: 1.0 + 0.7 * ahead  # noqa: E731
+    outcomes = set()
+    for i in range(400):
+        now = time.perf_counter()
+        budget = float(rng.uniform(3.0, 30.0))
+        req = Request(i, {}, 1, 32, ("g",), budget, 0, now, now + budget / 1e3)
+        running = bool(rng.random() < 0.6)
+        lane._running = running
+        lane._run_mid = now + float(rng.uniform(-0.002, 0.01)) if running else 0.0
+        lane._run_dev = float(rng.uniform(0.0, 0.003)) if running else 0.0
+        got = lane.plan(req, now, z)
+        ref = lane._play([req], now, max(lane._run_mid - now, 0.0), lane._run_dev ** 2, z, {}, int(running))
+        want = ref.get(id(req))
+        if want is None:
+            assert got.done == float("inf") and got.expected == float("inf")
+            outcomes.add("cannot")
+        else:
+            assert (got.done, got.expected, got.spread, got.ahead) == pytest.approx(
+                (want.done, want.expected, want.spread, want.ahead), rel=1e-12, abs=1e-12)
+            outcomes.add("fits" if got.done <= req.deadline else "misses")
+    lane._running = False
+    assert outcomes == {"fits", "misses", "cannot"}  # every branch was compared
