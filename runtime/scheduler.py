@@ -539,7 +539,7 @@ class Lane:
                 self._cond.notify()
 
     def plan(self, req: Request, now: float, z: Callable[[int], float] = lambda _ahead: 1.0,
-             slow: float = 1.0) -> "Plan":
+             slow: float = 1.0, times: tuple[float, float] | None = None) -> "Plan":
         """The plan for ``req`` if queued now: its predicted completion (s), expected completion (s) and spread
         (s); ``done`` is ``inf`` when admitting it would break its own deadline or that of a request already
         queued.
@@ -553,6 +553,7 @@ class Lane:
         per stratum; default 1, the profile's tail). Queues longer than ``plan_limit`` are estimated in
         closed form (batches of the largest size that fits the budget). ``slow`` (≥ 1) scales every batch's times,
         the running one's rest too: the caller's CPU use above what the profile saw (runtime/caller_load.py).
+        ``times``: the profile's ``times(req.rows, req.seq)`` (expected, tail ms) when the caller has them already.
         """
         with self._cond:
             queued = [r for _, r in self._queue]
@@ -567,6 +568,8 @@ class Lane:
         # batch's expected end and margin are set and cleared with the running flag, so the flag says it all)
         ahead0 = 1 if running else 0
         memo: dict = {_SLOW: slow}
+        if times is not None and math.isfinite(times[0]):  # as ``_times`` would look them up
+            memo[(req.rows, req.seq)] = (times[0] * slow / 1e3, max(times[1] - times[0], 0.0) * slow / 1e3)
         if not queued:  # nothing queued (most plans below capacity): ``_play`` of its one batch, inline
             m, d = self._times(memo, req.rows, req.seq)
             start = now + rem_mid
@@ -1424,7 +1427,8 @@ class BudgetScheduler:
                 continue
             if lane is first and lane.try_inline(req, now):  # before the worker's profile can refuse it: see there
                 return req.future
-            alone = lane.alone_ms(req)
+            times = lane.profile.times(req.rows, req.seq)  # (expected, tail) ms: the tail is alone_ms
+            alone = times[1]
             if lane.fallback and math.isinf(alone):
                 continue  # not timed yet (profile="measure", its warm-up still on): the instances' refusal stands
             cold = None
@@ -1460,7 +1464,8 @@ class BudgetScheduler:
                 best = None
                 prior = self._cold_prior(now, rows, alone, group)
                 for inst in sorted(room, key=_join_key):
-                    p = inst.plan(req, now, functools.partial(self._plan_z, inst, now, prior), slow)
+                    p = inst.plan(req, now, functools.partial(self._plan_z, inst, now, prior), slow,
+                                  times if inst.profile is lane.profile else None)
                     if best is None or p.done < best[1].done:
                         best = (inst, p)
                     if p.done <= req.deadline:
