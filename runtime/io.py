@@ -34,8 +34,9 @@ def _plan(specs: list[IOSpec], shape_ranges: Mapping[str, Mapping[str, int]] | N
                 symbolic.append((a, d, rng.get("min", 0), rng.get("max", math.inf)))
         dtype, rng = np.dtype(spec.dtype), spec.value_range
         if rng is not None:
-            # a signed integer input whose range starts at 0 (token ids, masks) is checked by one reduction: viewed
-            # as unsigned, a negative value is above any ``hi`` too
+            # a signed integer input whose range starts at 0 (token ids, masks): a small one is checked by Python's
+            # min/max over its values, a large one by one reduction (viewed as unsigned, a negative value is above
+            # any ``hi`` too)
             lo, hi = rng
             unsigned = np.dtype(f"u{dtype.itemsize}") if dtype.kind == "i" and lo == 0 and 0 <= hi else None
             rng = (lo, hi, unsigned)
