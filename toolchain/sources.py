@@ -261,6 +261,20 @@ def _run_dir(path: Path) -> Source:
                   module=module, fingerprint=_fingerprint(files), ref=str(path))
 
 
+def unfinished_run(path: Path) -> str | None:
+    """Why ``path`` is a training run that has not finished (``dsedge train``/``distill`` stopped before writing
+    ``final/``: a ``config.toml`` beside ``checkpoints/`` or ``metrics.jsonl``), e.g. ``"no final/model.json; its
+    latest checkpoint is step_80"``; None for a finished run or a directory that is no run."""
+    if (path / "final" / "model.json").is_file() or not (path / "config.toml").is_file():
+        return None
+    if not ((path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()):
+        return None
+    steps = sorted((p.name for p in (path / "checkpoints").glob("step_*") if (p / "COMPLETE").is_file()),
+                   key=lambda n: int(n.split("_")[1]) if n.split("_")[1].isdigit() else -1)
+    return "no final/model.json" + (f"; its latest checkpoint is {steps[-1]}" if steps else
+                                    "; it has no complete checkpoint")
+
+
 def resolve_source(model: str | None) -> Source:
     """Turn ``--model`` into a Source. ``None`` means the reference model.
 
@@ -283,11 +297,9 @@ def resolve_source(model: str | None) -> Source:
             return _run_dir(path)
         if (path / "config.json").is_file():
             return _hf_dir(path)
-        if (path / "config.toml").is_file() and ((path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()):
-            steps = sorted((p.name for p in (path / "checkpoints").glob("step_*") if (p / "COMPLETE").is_file()),
-                           key=lambda n: int(n.split("_")[1]) if n.split("_")[1].isdigit() else -1)
-            last = f"; its latest checkpoint is {steps[-1]}" if steps else "; it has no complete checkpoint"
-            raise SourceError(f"{model} is a training run that has not finished (no final/model.json{last})",
+        why = unfinished_run(path)
+        if why is not None:
+            raise SourceError(f"{model} is a training run that has not finished ({why})",
                               "finish it first: rerun the `dsedge train` / `dsedge distill` command that started it "
                               "(it resumes from the latest checkpoint), then build")
         raise SourceError(f"{model} is a directory but not a Hugging Face model or a dsedge training run",

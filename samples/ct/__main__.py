@@ -249,17 +249,12 @@ UNFINISHED_HINT = ("finish it: `python -m samples.ct train` resumes from its lat
 
 
 def _unfinished_run(path: Path, name: str) -> str | None:
-    """The error for a training run that has not finished (``dsedge build`` refuses it: toolchain/sources.py's test,
-    mirrored here: no final/model.json, but config.toml and checkpoints/ or metrics.jsonl); None for anything else
-    (a finished run, or a directory that is no run: ``dsedge build`` says what it is)."""
-    if (path / "final" / "model.json").is_file() or not (path / "config.toml").is_file():
-        return None
-    if not ((path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()):
-        return None
-    steps = sorted((p.name for p in (path / "checkpoints").glob("step_*") if (p / "COMPLETE").is_file()),
-                   key=lambda n: int(n.split("_")[1]) if n.split("_")[1].isdigit() else -1)
-    last = f"; its latest checkpoint is {steps[-1]}" if steps else "; it has no complete checkpoint"
-    return f"{name} is a training run that has not finished (no final/model.json{last})"
+    """The error ``dsedge build`` gives a training run that has not finished (toolchain/sources.py); None for
+    anything else (a finished run, or a directory that is no run: ``dsedge build`` says what it is)."""
+    from dsedge.toolchain.sources import unfinished_run
+
+    why = unfinished_run(path)
+    return None if why is None else f"{name} is a training run that has not finished ({why})"
 
 
 def _check_out_dir(option: str, out: str) -> None:
