@@ -444,9 +444,7 @@ class Lane:
         key = (rows, seq)
         got = memo.get(key)
         if got is None:
-            mid, tail = self.profile.times(rows, seq)
-            k = memo.get(_SLOW, 1.0) / 1e3  # the caller's extra CPU use now (runtime/caller_load.py)
-            got = memo[key] = (mid * k, max(tail - mid, 0.0) * k) if math.isfinite(mid) else (math.inf, 0.0)
+            got = memo[key] = _margin(self.profile.times(rows, seq), memo.get(_SLOW, 1.0))
         return got
 
     # -- admission --------------------------------------------------------------------------------------------
@@ -568,8 +566,8 @@ class Lane:
         # batch's expected end and margin are set and cleared with the running flag, so the flag says it all)
         ahead0 = 1 if running else 0
         memo: dict = {_SLOW: slow}
-        if times is not None and math.isfinite(times[0]):  # as ``_times`` would look them up
-            memo[(req.rows, req.seq)] = (times[0] * slow / 1e3, max(times[1] - times[0], 0.0) * slow / 1e3)
+        if times is not None:  # what ``_times`` would look up
+            memo[(req.rows, req.seq)] = _margin(times, slow)
         if not queued:  # nothing queued (most plans below capacity): ``_play`` of its one batch, inline
             m, d = self._times(memo, req.rows, req.seq)
             start = now + rem_mid
@@ -1278,6 +1276,14 @@ class Lane:
         # from the closing thread, while a batch may still run: answered "shutdown" now, not after it
         for r in pending:
             self._reject(r, SHUTDOWN, why)
+
+
+def _margin(times: tuple[float, float], slow: float) -> tuple[float, float]:
+    # a batch's (expected, tail) ms as a plan counts it: (expected s, tail margin s), scaled by the caller's extra
+    # CPU use now (``slow``, runtime/caller_load.py); (inf, 0) when nothing is known
+    mid, tail = times
+    k = slow / 1e3
+    return (mid * k, max(tail - mid, 0.0) * k) if math.isfinite(mid) else (math.inf, 0.0)
 
 
 def _spent(t0: float, now: float) -> str:
