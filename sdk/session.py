@@ -569,8 +569,10 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         instances: backends the streaming scheduler runs the variant on concurrently (Triton's instance group),
             each with its own queue and worker; opened here, side by side. None: ``auto_instances`` (on ONNX
             Runtime's CPU provider, 2, each with ``cores // 2`` intra-op threads unless ``threads`` is given;
-            else 1). ``run()`` always uses the backend opened here, with ORT's default threads; streaming sends it
-            the requests the instances cannot meet even alone (a fallback lane of its own latency profile).
+            else 1). 1-thread instances on the CPU provider share one ONNX Runtime session (one copy of the
+            weights; each run computes on its instance's worker thread). ``run()`` always uses the backend opened
+            here, with ORT's default threads; streaming sends it the requests the instances cannot meet even alone
+            (a fallback lane of its own latency profile).
         worker_nice: 0…19 added to the nice value of the streaming lanes' worker threads (Linux; elsewhere
             ignored), so that your threads that submit requests and read answers preempt running batches on a busy
             machine (runtime/thread_priority.py; ``dsedge serve --worker-nice``). 0 (default) leaves the workers at
@@ -663,9 +665,16 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         # instance probes and logs the same fall-back again
         on_ort = getattr(backend, "name", None) == "onnxruntime"
         prefs = Preferences(list(backend.providers) if on_ort else providers, per_thread)
+        # 1-thread instances on ONNX Runtime's CPU provider share one session (Triton's onnxruntime backend:
+        # share_session_between_instances): each run computes on the worker thread that calls it, concurrent runs
+        # are thread-safe, and one copy of the weights serves both cores' runs. Measured on a 2-core host (MiniLM
+        # int8, two threads each running batch 1 with 2-5 ms gaps): p50 4.21-4.84 ms on two sessions, 3.92-4.45 on
+        # one; docs/streaming-runs.md has what it did to goodput within budget
+        shared = count > 1 and per_thread == 1 and _on_ort_cpu(backend)
         with ThreadPoolExecutor(count, thread_name_prefix="dsedge-open") as pool:
             opened = list(pool.map(lambda _: open_backend(VariantFiles(Path(path), manifest, v), prefs),
-                                   range(count)))
+                                   range(1 if shared else count)))
+        opened *= count if shared else 1
         open_instances = opened.copy
     served = [v] + ([o for o in manifest.variants if o.name != v.name] if cascade else [])
     session = Session(path, manifest, v, backend, budget_ms=budget_ms, cascade=cascade, max_batch=max_batch,

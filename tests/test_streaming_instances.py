@@ -83,6 +83,41 @@ def test_load_with_instances_serves_on_each_backend_and_answers_like_run(tmp_pat
         dsedge.load(bundle, instances=10_000)
 
 
+@pytest.mark.parametrize("threads, sessions", [(1, 1), (2, 2)])
+def test_one_thread_instances_share_one_ort_session_and_run_on_it_at_once(tmp_path, threads, sessions):
+    """Like Triton's share_session_between_instances: 1-thread instances on the CPU provider run on one ONNX
+    Runtime session (one copy of the weights), each run on its own worker thread, at the same time; instances
+    with an intra-op pool of their own keep a session each (two runs would share one pool)."""
+    bundle = text_bundle(tmp_path / "b")
+    rng = np.random.default_rng(2)
+    with dsedge.load(bundle, instances=2, threads=threads) as s:
+        s._core()
+        assert len({id(b) for b in s._instance_backends}) == sessions
+        assert all(b is not s._backend for b in s._instance_backends)
+        if sessions == 1:  # nothing in dsedge serializes the lanes' runs on it: both reach ORT's run together
+            lanes = [l for l in s._core().lanes if not l.fallback]
+            shared = s._instance_backends[0]
+            ort_run, both, met = shared.session.run, threading.Barrier(2, timeout=20), []
+
+            def meet_then_run(*a, **kw):
+                met.append(both.wait())  # BrokenBarrierError after 20 s if the other lane's run never comes
+                return ort_run(*a, **kw)
+
+            shared.session.run = meet_then_run
+            feed = text_request(rng, 24)
+            workers = [threading.Thread(target=l.run, args=(feed,)) for l in lanes]
+            [w.start() for w in workers]
+            [w.join(30) for w in workers]
+            shared.session.run = ort_run
+            assert sorted(met) == [0, 1]
+        reqs = [text_request(rng, int(n)) for n in rng.integers(4, 30, size=12)]
+        for r, f in zip(reqs, [s.submit(r, budget_ms=60_000) for r in reqs]):
+            a = f.result(60)
+            assert a.ok
+            np.testing.assert_allclose(a.outputs["sentence_embedding"], s.run(r)["sentence_embedding"], rtol=0,
+                                       atol=1e-5)
+
+
 def test_auto_instances_on_the_cpu_provider_splits_the_cores(monkeypatch):
     class Cpu:
         providers = ["CPUExecutionProvider"]
