@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prune": ("dsedge.toolchain.commands.prune:prune", "Prune a model (channels, 2:4)."),
     "train": ("dsedge.toolchain.commands.train:train", "Train a model from a config (torchrun-ready)."),
     "distill": ("dsedge.toolchain.commands.distill:distill", "Distill a student from a teacher (torchrun-ready)."),
-    "inspect": ("dsedge.commands.inspect:inspect", "Verify a bundle and show its manifest, variants and providers."),
+    "inspect": ("dsedge.commands.inspect:inspect", "Check a bundle's manifest, hashes and signature; show its variants and providers."),
     "doctor": ("dsedge.commands.doctor:doctor", "Show the backends, providers and GPUs this machine has."),
     "targets": ("dsedge.commands.targets:targets", "List target profiles, or show one."),
     "bench": ("dsedge.commands.bench:bench", "Measure a bundle's latency and check it against its budget."),

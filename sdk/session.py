@@ -322,6 +322,7 @@ class Session:
         check_stream_inputs(inputs)
         check_session_options(self.path, window=window)
         check_request_options(budget_ms, priority, self.default_budget_ms)
+        _check_flag("ordered", ordered, "pass ordered=True for input order, False for completion order")
         core = self._core()
         return core.stream(lambda item, i: self.submit(item, budget_ms=budget_ms, priority=priority, id=i), inputs,
                            ordered=ordered, window=window)
@@ -339,6 +340,7 @@ class Session:
         check_stream_inputs(inputs, "stream_async", allow_async=True)
         check_session_options(self.path, window=window)
         check_request_options(budget_ms, priority, self.default_budget_ms)
+        _check_flag("ordered", ordered, "pass ordered=True for input order, False for completion order")
         return self._stream_async(inputs, budget_ms, ordered, priority, window)
 
     async def _stream_async(self, inputs: Iterable[Mapping[str, Any]] | AsyncIterator[Mapping[str, Any]],
@@ -428,9 +430,7 @@ class Session:
         Raises:
             InputError: ``paused`` not a bool (``pause_spare_instances("no")`` paused them).
         """
-        if not isinstance(paused, (bool, np.bool_)):
-            raise InputError(f"paused must be True or False, got {type(paused).__name__} {paused!r}",
-                             "pass pause_spare_instances(True) to pause the spare lanes, False to resume them")
+        _check_flag("paused", paused, "pass pause_spare_instances(True) to pause the spare lanes, False to resume them")
         if self._stream is not None:
             self._stream.pause_spares(paused)
 
@@ -495,9 +495,7 @@ class Session:
             InputError: ``drain`` not a bool, ``timeout_s`` not None or a finite number ≥ 0 (checked before anything
                 is closed).
         """
-        if not isinstance(drain, (bool, np.bool_)):
-            raise InputError(f"drain must be True or False, got {type(drain).__name__} {drain!r}",
-                             "close(drain=True) answers what is queued; drain=False rejects it")
+        _check_flag("drain", drain, "close(drain=True) answers what is queued; drain=False rejects it")
         if timeout_s is not None and not 0 <= real_value(timeout_s) < float("inf"):
             raise InputError(f"timeout_s must be None or a finite number of seconds >= 0, got {timeout_s!r}",
                              "pass close(timeout_s=5.0), or None to wait for the queue to drain")
@@ -612,12 +610,11 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
                          "pass variant='int8' (`dsedge inspect BUNDLE` lists them), or None for the default")
     for name, flag in (("cascade", cascade), ("batch_variant_ok", batch_variant_ok), ("check_outputs", check_outputs),
                        ("pin_instances", pin_instances), ("standby", standby)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise InputError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}", f"pass {name}=True")
+        _check_flag(name, flag, f"pass {name}=True")
     cores = _cores()
     if instances is not None and int(instances) > 4 * cores:  # before anything is opened
         raise InputError(f"instances={instances} is more than 4 per core ({cores} cores here): each instance is "
-                         f"a whole backend (its own copy of the model in memory)",
+                         f"a worker thread (and, above 1 intra-op thread, a copy of the model) of its own",
                          f"pass instances={min(2, cores)} (the default here), or up to {4 * cores}")
     manifest, _ = verify_signed(path, trusted_keys)  # one read of manifest.json: signed bytes = parsed bytes
     path = Path(os.path.abspath(path))  # a later os.chdir must not change what a variant opened later reads
@@ -694,6 +691,12 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     gc.collect()
     loaded.set()
     return session
+
+
+def _check_flag(name: str, value: Any, hint: str) -> None:
+    """Refuse a non-bool for a True/False option (``ordered="no"`` is truthy). Raises InputError."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputError(f"{name} must be True or False, got {type(value).__name__} {value!r}", hint)
 
 
 def _cores() -> int:

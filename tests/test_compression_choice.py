@@ -138,3 +138,15 @@ def test_int4_gate_raises_the_embedding_table_when_it_is_what_costs(tmp_path):
     inits = {t.name: t for t in out.model.graph.initializer}
     assert inits["table"].data_type == TensorProto.FLOAT and "table_int4" not in inits
     assert not any(n.op_type == "DequantizeLinear" and n.output[0] == "table" for n in out.model.graph.node)
+
+
+def test_the_auto_note_shows_the_order_of_candidates_timed_in_microseconds():
+    """Found by a user: a tiny model's note read ``fp32 0.01 ms, int4 0.01 ms`` for 0.005 and 0.014 ms."""
+    from dsedge.targets import get_target
+    from dsedge.toolchain.stages.auto import _auto_why
+
+    cands = [{"precision": "int4", "b1_p50_ms": 0.0142, "cosine_mean": 0.999, "qualifies": True},
+             {"precision": "fp32", "b1_p50_ms": 0.00512, "cosine_mean": 1.0, "qualifies": True},
+             {"precision": "int8", "b1_p50_ms": 14.23, "cosine_mean": 0.9, "qualifies": False}]
+    why = _auto_why("fp32", cands, get_target("cpu"), 1)
+    assert why.startswith("auto: fp32 (fp32 0.00512 ms, int4 0.0142 ms, int8 14.2 ms (cosine 0.9 < ")

@@ -241,6 +241,17 @@ def test_stream_window_is_checked(session, window):
         list(session.stream([{"x": np.ones((1, 64), np.float32)}], window=window))
 
 
+@pytest.mark.parametrize("ordered", ["no", 1, None])
+def test_stream_ordered_must_be_a_bool_at_the_call(session, ordered):
+    """Found by a user: stream(ordered="no") was taken as True and delivered in input order."""
+    for stream in (session.stream, session.stream_async):
+        with pytest.raises(InputError, match="ordered must be True or False") as e:
+            stream([{"x": np.ones((1, 64), np.float32)}], ordered=ordered)
+        assert e.value.hint and "\n" not in str(e.value)
+    got = list(session.stream([{"x": np.ones((1, 64), np.float32)}] * 3, ordered=np.bool_(True)))
+    assert [a.id for a in got] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("inputs, words", [
     (5, "stream() takes an iterable of requests (each a mapping of input name to array), got int"),
     ({"x": np.ones((1, 64), np.float32)}, "stream() takes an iterable of requests, got a single request"),

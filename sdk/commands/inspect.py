@@ -1,4 +1,6 @@
-"""``dsedge inspect BUNDLE``: verify like ``dsedge.load``, then show what is inside and what would run it."""
+"""``dsedge inspect BUNDLE``: the checks ``dsedge.load`` makes before it opens a model (manifest, file hashes,
+signature), then what is inside and what would run it. No model is opened: ``dsedge verify`` opens each variant
+and runs the golden inputs."""
 from __future__ import annotations
 
 import json
@@ -10,7 +12,8 @@ import click
 @click.argument("bundle", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of tables.")
 def inspect(bundle: str, as_json: bool) -> None:
-    """Verify a bundle and show its manifest, variants and the providers that would be used."""
+    """Check a bundle's manifest, file hashes and signature (no model is opened: `dsedge verify` runs them) and
+    show its manifest, variants and the providers that would be used."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -36,7 +39,8 @@ def inspect(bundle: str, as_json: bool) -> None:
         return
     c = Console()
     c.print(f"[bold]{m.name}[/bold] for target [bold]{info['target']}[/bold]: manifest and {len(m.files)} file "
-            f"hashes verified (schema {m.schema_version}, built by dsedge {m.dsedge_version})")
+            f"hashes verified (schema {m.schema_version}, built by dsedge {m.dsedge_version}); no model opened: "
+            f"`dsedge verify` opens each and runs its golden inputs")
     if sig is None:
         c.print("signature: [yellow]unsigned[/]")
     elif sig.error:

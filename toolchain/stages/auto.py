@@ -130,7 +130,7 @@ def choose_auto(plan: BuildPlan, exported: Exported, reference_onnx: Path, work:
         ok = p == "fp32" or qualifies(m.accuracy, gates)
         record["candidates"].append({"precision": p, "b1_p50_ms": first_latency(m.latency_ms)["p50"],
                                      "cosine_mean": m.accuracy.get("cosine_mean"), "qualifies": ok})
-        log(f"auto candidate {p}: b1 p50 {first_latency(m.latency_ms)['p50']:.2f} ms, "
+        log(f"auto candidate {p}: b1 p50 {first_latency(m.latency_ms)['p50']:.3g} ms, "
             f"cosine mean {m.accuracy.get('cosine_mean')}")
     qualified = [c for c in record["candidates"] if c["qualifies"]]
     if target.auto_by_latency:
@@ -146,9 +146,10 @@ def choose_auto(plan: BuildPlan, exported: Exported, reference_onnx: Path, work:
 
 
 def _auto_why(chosen: str, candidates: list[dict[str, Any]], target: Target, threads: int | None) -> str:
-    """One line for the report, e.g. ``auto: fp32 (int8 14.2 ms vs fp32 1.1 ms at batch 1, …)``."""
+    """One line for the report, e.g. ``auto: fp32 (fp32 1.1 ms, int8 14.2 ms; …)``: 3 significant digits, so that
+    the order it explains shows for a model timed in µs too."""
     timed = sorted((c for c in candidates if "b1_p50_ms" in c), key=lambda c: c["b1_p50_ms"])
-    parts = [f"{c['precision']} {c['b1_p50_ms']:.2f} ms" + ("" if c["qualifies"] else
+    parts = [f"{c['precision']} {c['b1_p50_ms']:.3g} ms" + ("" if c["qualifies"] else
              f" (cosine {c['cosine_mean']} < {AUTO_MIN_COSINE}: not accurate)") for c in timed]
     skipped = [f"{c['precision']} not built: {c['skipped']}" for c in candidates if "skipped" in c]
     n = latency_threads(threads)
