@@ -666,7 +666,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
         # share_session_between_instances): each run computes on the worker thread that calls it, concurrent runs
         # are thread-safe, and one copy of the weights serves both cores' runs. Measured on a 2-core host (MiniLM
         # int8, two threads each running batch 1 with 2-5 ms gaps): p50 4.21-4.84 ms on two sessions, 3.92-4.45 on
-        # one; docs/streaming-runs.md has what it did to goodput within budget
+        # one; docs/streaming.md (Instances) has what it did to goodput within budget
         shared = count > 1 and per_thread == 1 and _on_ort_cpu(backend)
         with ThreadPoolExecutor(count, thread_name_prefix="dsedge-open") as pool:
             opened = list(pool.map(lambda _: open_backend(VariantFiles(Path(path), manifest, v), prefs),
