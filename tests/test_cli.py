@@ -46,14 +46,17 @@ def test_build_json_is_the_last_thing_printed(tmp_path):
 def test_user_errors_exit_nonzero_with_one_line(tmp_path, args, fragments):
     out = dsedge(*args, "--out", str(tmp_path / "o")) if args[0] == "build" else dsedge(*args)
     assert_clean_error(out, *fragments)
+    if "--model" in args:  # found by a user: a progress line ("target cpu: precision auto …") came before it
+        assert "target cpu: precision" not in out.stderr + out.stdout
     assert not (tmp_path / "o").exists() or list((tmp_path / "o").iterdir()) == []
 
 
 def test_not_onnx_file_and_tampered_bundle(tmp_path):
     bad = tmp_path / "x.onnx"
     bad.write_text("hello")
-    assert_clean_error(dsedge("build", "--model", str(bad), "--target", "cpu", "--out", str(tmp_path / "o")),
-                       "is not a valid ONNX model")
+    out = dsedge("build", "--model", str(bad), "--target", "cpu", "--out", str(tmp_path / "o"))
+    assert_clean_error(out, "is not a valid ONNX model")
+    assert "target cpu: precision" not in out.stderr + out.stdout
     b = tiny_bundle(tmp_path / "t.dse", tmp_path)
     (b / "models/fp32.onnx").write_bytes(b"truncated")
     assert_clean_error(dsedge("inspect", str(b)), "corrupt or was modified")

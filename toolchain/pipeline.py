@@ -51,9 +51,9 @@ def build(config: BuildConfig, log: Callable[[str], None] = lambda s: None,
     """
     run = StageRunner(progress)
     plan = run("check config", plan_build, config)
+    source = run("resolve source", resolve, plan, log)  # a bad --model is refused before any progress line
     log(f"target {plan.target.name}: precision "
         + (plan.precision if config.precision != "auto" else "auto (candidates built and measured below)"))
-    source = run("resolve source", resolve, plan, log)
     with workdir(plan.config.out_dir) as work:
         model = run("export", export, plan, source, work, log, timing="export_s")
         model = run("read inputs", read_inputs, plan, model)
