@@ -100,6 +100,24 @@ def test_a_planted_metadata_pickle_does_not_run_on_resume(finished, tmp_path, ca
     assert losses(run) == losses(finished)
 
 
+def test_a_no_op_rerun_of_a_finished_run_keeps_its_final_model(finished, tmp_path):
+    """A rerun of a finished run with another precision resumed at its last step, trained nothing, and rewrote
+    final/ saying precision bf16 for a model trained in fp32. Now final/ stays as the run that finished wrote it;
+    a finished run whose final/ is missing (a crash after the last checkpoint) still gets one."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    before = {f: (run / "final" / f).read_bytes() for f in ("model.json", "model.safetensors")}
+    cfg = config(run)
+    cfg["precision"] = {"mode": "bf16"}
+    result = train.run(from_dict(cfg))
+    assert (result.steps, result.resumed_from) == (6, 6)
+    assert {f: (run / "final" / f).read_bytes() for f in before} == before
+    assert json.loads(before["model.json"])["precision"] != "bf16"
+    shutil.rmtree(run / "final")
+    train.run(from_dict(config(run)))
+    assert json.loads((run / "final" / "model.json").read_text())["step"] == 6
+
+
 def test_a_planted_non_tensor_entry_does_not_run_on_resume(finished, tmp_path):
     """DCP's load planner read the checkpoint's non-tensor entries (the optimizer's param_groups) with
     torch.load(weights_only=False): a shard entry, named by a well-formed .metadata, ran code too."""

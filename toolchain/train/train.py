@@ -420,8 +420,8 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
                 data = batches_from(pos)
 
     state_dict = model_state_for_export(model, env)
-    if env.rank == 0:
-        write_final(run_dir, cfg, state_dict, example, step)
+    if env.rank == 0 and (step > start_step or not (run_dir / "final" / "model.json").exists()):  # a no-op rerun
+        write_final(run_dir, cfg, state_dict, example, step)  # keeps the final/ (and precision) that run wrote
     log.event("finished", step=step, loss=last_loss)
     log.close()
     optimizer = model = schedule = params = None  # free them before returning (the restore closure holds them too)
