@@ -404,3 +404,23 @@ def test_callable_outputs_and_example_inputs_the_build_cannot_carry_are_one_line
                       ("empty_batch", r"example input 'input_0' has shape \[0, 4\], without a batch axis 0")):
         with pytest.raises(SourceError, match=words):
             resolve_source(f"oddmods:{fn}")
+
+
+def test_output_names_that_name_no_output_are_refused_at_export(tmp_path):
+    """A training run's config named two outputs of a one-output model: `dsedge build` dropped the extra name without a
+    word (torch's exporter names the first outputs only). Now the export refuses it, naming what names nothing."""
+    import torch
+
+    from dsedge.toolchain.export import export_onnx
+    from dsedge.toolchain.sources import Source
+
+    ex = {"x": np.zeros((2, 4), np.float32)}
+
+    def source(names):
+        return Source(kind="run", name="lin", example_inputs=ex, output_names=names,
+                      module=torch.nn.Linear(4, 3).eval(), dynamic_axes={"x": {0: "batch"}})
+
+    with pytest.raises(SourceError, match=r"returns 1 output but output_names names 2: 'extra' names nothing") as e:
+        export_onnx(source(["logits", "extra"]), tmp_path / "a.onnx")
+    assert "output_names" in e.value.hint
+    assert [o.name for o in export_onnx(source(["logits"]), tmp_path / "b.onnx").outputs] == ["logits"]

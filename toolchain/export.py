@@ -117,6 +117,12 @@ def export_onnx(source: Source, dest: str | os.PathLike, opset: int = EXPORT_OPS
         onnx.save(model, os.fspath(dest))
     ins, outs = io_specs(model)
     check_io_dtypes(ins, outs)
+    extra = list(source.output_names or [])[len(outs):]
+    if extra:  # the exporter names the first outputs and drops the rest without a word
+        raise SourceError(f"the model returns {len(outs)} output{'s' * (len(outs) != 1)} but output_names names "
+                          f"{len(source.output_names)}: {', '.join(map(repr, extra))} name{'s' * (len(extra) == 1)} "
+                          f"nothing", "give one name per output the model's forward returns (a training run: "
+                          "[model] output_names in its config)")
     diff = parity(source, dest)
     return Exported(dest, ins, outs, diff, exporter)
 
