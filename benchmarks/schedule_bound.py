@@ -131,6 +131,41 @@ def exact_knowledge(arrivals_ms: Sequence[float], budget_ms: float, t_ms: Mappin
             "goodput_per_s": round(within / window_s, 1)}
 
 
+def equivalent_service_ms(arrivals_ms: Sequence[float], budget_ms: float, t_ms: Mapping[int, float],
+                          goodput_per_s: float, max_batch: int = 32, servers: int = 1, rel_tol: float = 0.005
+                          ) -> float | None:
+    """The batch-1 time, ms, at which the exact-knowledge server answers ``goodput_per_s`` within budget on this
+    schedule, with every batch time of ``t_ms`` scaled by one factor: a served figure read as the service time that
+    would explain it with no noise, no overhead and no wrong guess. Set beside the measured ``t_ms[1]``, the ratio
+    is what noise, overhead and the server's guessing cost it, in units of service time, on any host.
+
+    Args:
+        arrivals_ms, budget_ms, t_ms, max_batch, servers: as ``exact_knowledge``.
+        goodput_per_s: the measured server's answers within budget per second on the same schedule.
+        rel_tol: the bisection stops once the factor is known to this relative width.
+    Returns:
+        ms, or None when no scale between 0.25x and the budget's own limit (``budget_ms / t_ms[1]``) gives it:
+        the server answered more than exact knowledge at a quarter of the time, or fewer than at the budget.
+    Raises:
+        ValueError: as ``exact_knowledge``.
+    """
+    t1 = float(t_ms[1]) if 1 in t_ms else math.nan
+    if not math.isfinite(t1) or t1 <= 0:
+        raise ValueError("t_ms needs a positive batch-1 service time")
+
+    def goodput(k: float) -> float:
+        return exact_knowledge(arrivals_ms, budget_ms, {b: k * v for b, v in t_ms.items()}, max_batch,
+                               servers)["goodput_per_s"]
+
+    lo, hi = 0.25, budget_ms / t1  # exact knowledge's goodput falls as the factor grows
+    if goodput(lo) < goodput_per_s or goodput(hi) > goodput_per_s:
+        return None
+    while hi - lo > rel_tol * lo:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if goodput(mid) >= goodput_per_s else (lo, mid)
+    return round((lo + hi) / 2 * t1, 2)
+
+
 if __name__ == "__main__":
     import sys
 

@@ -68,3 +68,23 @@ def test_a_burst_is_partly_out_of_reach_and_batching_recovers_it():
     assert service_ms({1: 10.0, 8: 38.0}, 16) == pytest.approx(38.0 + 8 * 4.0)  # the last slope extended
     with pytest.raises(ValueError, match="under the batch-1 time"):
         exact_knowledge(burst, 5.0, {1: 10.0})
+
+
+def test_equivalent_service_time_recovers_the_time_that_gave_a_goodput():
+    """A goodput that exact knowledge reached at 5.5 ms per batch-1 run, on instances measured at 4.4 ms, reads back
+    as about 5.5 ms; one above what exact knowledge reaches at a quarter of the time, or under what it reaches with
+    the whole budget per run, as None."""
+    from schedule_bound import equivalent_service_ms
+
+    rng = np.random.default_rng(3)
+    arrivals = np.cumsum(rng.exponential(1000.0 / 350.0, 1500))  # ms, ~350/s over ~4 s
+    measured = {1: 4.4, 2: 8.4, 4: 15.0}
+    for true_b1 in (4.0, 5.5):
+        goodput = exact_knowledge(arrivals, 13.2, {b: v * true_b1 / 4.4 for b, v in measured.items()},
+                                  servers=2)["goodput_per_s"]
+        got = equivalent_service_ms(arrivals, 13.2, measured, goodput, servers=2)
+        assert got == pytest.approx(true_b1, rel=0.02)
+    assert equivalent_service_ms(arrivals, 13.2, measured, 10_000.0, servers=2) is None
+    assert equivalent_service_ms(arrivals, 13.2, measured, 0.0, servers=2) is None
+    with pytest.raises(ValueError):
+        equivalent_service_ms(arrivals, 13.2, {2: 8.4}, 100.0)
