@@ -143,3 +143,23 @@ def test_build_with_an_unfinished_student_still_builds_the_teacher(tmp_path):
     assert len(builds) == 6 and not any(b["ok"] for b in builds)
     assert "not a Hugging Face model or a dsedge training run" in builds[0]["error"]
     assert all("ct-student is a training run that has not finished" in b["error"] for b in builds[1:])
+
+
+def test_build_with_an_unfinished_teacher_still_writes_the_inputs_and_tries_the_student(tmp_path):
+    """Only the teacher is unfinished: its one build is recorded failed with its one error and not tried; the
+    student's calibration inputs are written and its five builds run (they fail here too: its directory holds no
+    run), each with `--calib` and `--heldout` pointing at those inputs."""
+    runs, out = tmp_path / "runs", tmp_path / "bundles"
+    _unfinished(runs / "ct-teacher")
+    (runs / "ct-student").mkdir(parents=True)
+    p = _ct(REPO, "build", "--runs", str(runs), "--out", str(out), timeout=300)
+    _one_line_error(p, "error: 6 of 6 builds failed: teacher cpu fp32, student cpu fp32", "hint:")
+    assert p.stderr.count("is a training run that has not finished") == 1, p.stderr
+    assert f"$ dsedge build --model {runs / 'ct-teacher'} " not in p.stderr
+    assert p.stderr.count(f"$ dsedge build --model {runs / 'ct-student'} ") == 5, p.stderr
+    assert p.stderr.count(f"--calib {out / 'inputs' / 'calib'} --heldout {out / 'inputs' / 'heldout'}") == 5
+    assert "calibration:" in p.stderr and any((out / "inputs" / "calib").iterdir())
+    builds = json.loads((out / "builds.json").read_text())["builds"]
+    assert [(b["model"], b["ok"]) for b in builds] == [("teacher", False)] + [("student", False)] * 5
+    assert "ct-teacher is a training run that has not finished" in builds[0]["error"]
+    assert all("not a Hugging Face model or a dsedge training run" in b["error"] for b in builds[1:]), builds
