@@ -23,6 +23,7 @@ from dsedge.runtime.errors import ConfigError
 from dsedge.toolchain.train import train
 from dsedge.toolchain.train.checkpoint import Checkpointer
 from dsedge.toolchain.train.config import dump_toml, from_dict
+from dsedge.toolchain.train.metrics import read_metrics
 
 from test_train_recipe import TESTS, losses, one_thread  # noqa: F401  (one_thread: the module's autouse fixture)
 
@@ -111,6 +112,11 @@ def test_a_no_op_rerun_of_a_finished_run_keeps_its_final_model(finished, tmp_pat
     cfg["precision"] = {"mode": "bf16"}
     result = train.run(from_dict(cfg))
     assert (result.steps, result.resumed_from) == (6, 6)
+    # its loss is the finished run's last one (it read NaN: nothing trained), in the result and the log alike
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    ends = [r for r in records if r.get("event") == "finished"]
+    last = read_metrics(finished / "metrics.jsonl")[-1]["loss"]
+    assert result.final_loss == pytest.approx(last) and ends[-1]["loss"] == pytest.approx(last)
     assert {f: (run / "final" / f).read_bytes() for f in before} == before
     assert json.loads(before["model.json"])["precision"] != "bf16"
     shutil.rmtree(run / "final")

@@ -294,7 +294,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
     data = batches_from(pos)
     model.train()
     start_step = step
-    last_loss = float("nan")
+    last_loss = float((state or {}).get("loss", "nan"))  # a no-op rerun reports the loss its checkpoint saw
     wrote_config = False
     while step < total_steps:
         t0 = time.perf_counter()
@@ -406,7 +406,7 @@ def _train(cfg: TrainConfig, env: par.DistEnv, forward_loss_factory: Callable | 
                                     share=domain_weights is not None or plateau is not None)
             resample = adapt(ev, step >= total_steps, train_ds, domain_weights, plateau, log)
             epoch, batch = sampler.locate(pos)
-            trainer = {"epoch": epoch, "batch": batch, "rollbacks": rollbacks,
+            trainer = {"epoch": epoch, "batch": batch, "rollbacks": rollbacks, "loss": last_loss,
                        "data_position": pos, "skipped_batches": sorted(skipped), "world_size": env.world_size,
                        "scaler": scaler.state_dict() if scaler is not None else None,
                        "lr_schedule": lr_signature, "lr_schedulers": [s.state_dict() for s in lr_schedulers]}
