@@ -160,3 +160,19 @@ def test_a_few_slow_inline_runs_do_not_end_inline_running(bundle):
             time.sleep(0.001)
         answers = [f.result(10) for f in answers]
         assert all(a.ok for a in answers), [a for a in answers if not a.ok][:2]
+
+
+def test_first_open_loop_request_with_a_budget_under_the_plans_floor_runs_inline(bundle):
+    """A user's pass: after ``warmup()``, the first request with a 0.9 ms budget on a model that runs in µs was refused
+    ("predicted 1.0 ms alone on idle … at its tail"): the worker's plan adds the spread's 0.5 ms floor and the 0.5 ms
+    margin, while ``try_inline`` judged the worker by its tail alone, found it would take the request, and sent it
+    there (``dsedge serve`` of the fraud bundle answered its first request 503). The worker's verdict is now the
+    plan's own: the request runs on the caller's thread."""
+    with dsedge.load(bundle, threads=1) as s:
+        s.warmup()
+        lane = s._stream.scheduler.lanes[0]
+        assert lane.profile.predict(1) < 0.2  # ms: the model runs in µs here
+        first = s.submit(_x(0), budget_ms=0.9)  # never waited for before: an open loop
+        answer = first.result(10)
+        assert answer.ok, answer
+        assert lane.inline == 1
