@@ -537,6 +537,8 @@ def test_bundle_names_and_cli_errors(tmp_path):
     assert _name_bundles([f"fast={a}", str(b)]) == [("fast", str(a)), ("mlp", str(b))]
     with pytest.raises(DsedgeError, match="both be served as 'mlp-cpu'"):
         _name_bundles([str(a), str(a)])
+    with pytest.raises(DsedgeError, match="^'fast=': no bundle path after 'fast='$"):  # was: "'.' is a folder…"
+        _name_bundles(["fast=", str(b)])
     for args, message in ((["serve", str(tmp_path / "missing.dse")], "missing.dse' does not exist"),
                           (["serve", str(a), "--tls-cert", str(a / "manifest.json")], "--tls-cert and --tls-key go together"),
                           (["serve", str(a), "--auth-token-file", str(tmp_path / "none")], "cannot read --auth-token-file"),
@@ -1073,6 +1075,7 @@ def test_a_call_to_a_model_still_loading_is_a_refusal_not_a_server_error():
     ("INT8", [300], "out of INT8's range"),                            # gRPC's int_contents for INT8 come here too
     ("FP16", [70000.0], "a value out of FP16's range (±65504)"),      # was inf, silently
     ("FP32", [1e300], "a value out of FP32's range"),
+    ("FP32", [[0.1, 0.2], [0.1]], "nested lists of unequal lengths (ragged)"),  # was numpy's "setting an array…"
 ])
 def test_json_and_typed_values_a_datatype_cannot_hold_are_refused_not_converted(datatype, data, says):
     from dsedge.serve.protocol import ServeError, from_list

@@ -473,6 +473,9 @@ def _name_bundles(bundles: Sequence[str]) -> list[tuple[str, str]]:
     for b in bundles:
         name, sep, path = str(b).partition("=")
         if sep and not os.path.exists(b):
+            if not path:  # (read as the bundle "", it was reported as the current directory, '.')
+                raise DsedgeError(f"{b!r}: no bundle path after '{name}='",
+                                  f"pass NAME=PATH, e.g. {name or 'minilm'}=out/all-minilm-l6-v2-cpu.dse")
             raw.append((name, path))
         else:
             raw.append((None, str(b)))

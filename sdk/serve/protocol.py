@@ -149,7 +149,10 @@ def from_list(name: str, datatype: str, shape: Any, data: Any) -> np.ndarray:
             raise ValueError(f"true/false among the values of {datatype}")
         if dt.kind == "b" and not kinds <= {bool}:
             raise ValueError("numbers for BOOL (send true/false)")
-        arr = np.asarray(data)
+        try:
+            arr = np.asarray(data)
+        except ValueError:  # numpy's own words ("setting an array element with a sequence…") said nothing useful
+            raise ValueError("nested lists of unequal lengths (ragged)") from None
         if arr.size and kinds <= {int} and arr.dtype.kind not in "iub":  # past int64/uint64: object or float
             if dt.kind != "f":
                 raise ValueError(f"an integer out of {datatype}'s range")
