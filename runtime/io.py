@@ -111,8 +111,14 @@ def validate_inputs(
             raise InputError(f"input {spec.name!r} is not an array ({str(e).splitlines()[0][:120]})",
                              f"pass a numpy array of dtype {spec.dtype}") from None
         if arr.dtype != np.dtype(spec.dtype):
-            raise InputError(f"input {spec.name!r} has dtype {arr.dtype}, expected {spec.dtype}",
-                             f"convert it with .astype(np.{spec.dtype})")
+            got = str(arr.dtype)
+            if arr.dtype.newbyteorder("=") == np.dtype(spec.dtype):  # ">f4" alone did not say what differs
+                got += f" ({'big' if arr.dtype.byteorder == '>' else 'little'}-endian {spec.dtype})"
+            if isinstance(inputs[spec.name], (list, tuple)):  # numpy's default for Python numbers, not the user's
+                got = f"{got} (numpy's dtype for a Python {type(inputs[spec.name]).__name__} of such values)"
+            raise InputError(f"input {spec.name!r} has dtype {got}, expected {spec.dtype}",
+                             f"convert it with .astype(np.{spec.dtype})" if isinstance(inputs[spec.name], np.ndarray)
+                             else f"pass np.asarray(..., dtype=np.{spec.dtype})")
         if arr.ndim != len(spec.shape):
             raise InputError(f"input {spec.name!r} has shape {list(arr.shape)}, expected rank {len(spec.shape)} {list(spec.shape)}",
                              "reshape the array to the listed dims")

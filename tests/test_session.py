@@ -63,6 +63,25 @@ def test_symbolic_dims_must_agree_across_inputs():
         validate_inputs(specs, {"a": np.zeros((2, 5), np.int64), "b": np.zeros((2, 4), np.int64)})
 
 
+def test_a_dtype_mismatch_says_what_differs_and_how_to_pass_it():
+    """A user's pass: a big-endian float32 array read "has dtype >f4, expected float32", and a Python list "has
+    dtype float64", as if a float64 array had been passed."""
+    from dsedge.runtime.bundle import IOSpec
+    from dsedge.runtime.io import validate_inputs
+
+    specs = [IOSpec("x", "float32", ("batch", 3))]
+    with pytest.raises(InputError, match=r"^input 'x' has dtype >f4 \(big-endian float32\), expected float32$"):
+        validate_inputs(specs, {"x": np.zeros((1, 3), ">f4")})
+    with pytest.raises(InputError) as e:
+        validate_inputs(specs, {"x": [[0.5, 1.0, 2.0]]})
+    assert str(e.value) == ("input 'x' has dtype float64 (numpy's dtype for a Python list of such values), expected "
+                            "float32") and e.value.hint == "pass np.asarray(..., dtype=np.float32)"
+    with pytest.raises(InputError) as e:
+        validate_inputs(specs, {"x": np.zeros((1, 3), np.float64)})
+    assert str(e.value) == "input 'x' has dtype float64, expected float32"
+    assert e.value.hint == "convert it with .astype(np.float32)"
+
+
 def test_load_refuses_tampered_bundle(tmp_path):
     b = tiny_bundle(tmp_path / "t.dse", tmp_path)
     with open(b / "models/fp32.onnx", "ab") as f:
