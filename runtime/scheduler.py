@@ -797,7 +797,11 @@ class Lane:
             # longer than the run (one request per ``_HANDOFF_S`` goes to the worker to measure it again), or a
             # worker whose own times (their lock waits included) would refuse the request for its budget: queued
             # there, refused, it measured no hand-off, and the lane refused every request for 1–1.5 s at a time
-            if alone > _OPEN_LOOP_INLINE_MS:
+            if alone > _OPEN_LOOP_INLINE_MS and not (
+                    alone <= self.inline_ms
+                    and self.inline_profile.recent_samples(req.rows, req.seq, now) < self.inline_profile.min_samples):
+                # (an estimate on fewer than ``min_samples`` recent runs is measured again, here: with nothing run
+                # inline, nothing else would, and one slow first sample had sent every request to the worker for good)
                 return False
             if not worker_refuses:
                 newest = self._handoffs[-1][0] if self._handoffs else -math.inf

@@ -176,3 +176,29 @@ def test_first_open_loop_request_with_a_budget_under_the_plans_floor_runs_inline
         answer = first.result(10)
         assert answer.ok, answer
         assert lane.inline == 1
+
+
+def test_one_slow_inline_sample_does_not_end_inline_runs_for_an_open_loop_caller(bundle):
+    """The inline runs' estimate is the median of their last samples, and an open-loop caller's request runs inline
+    only under 0.25 ms: one slow first sample (0.33 ms, a run that met the worker's cold first run) sent every later
+    request to the worker, and nothing ran inline again to sample it (a spinning caller at 4000/s: 68 % in budget,
+    against 96). With fewer than ``min_samples`` recent samples the estimate is measured again inline."""
+    with dsedge.load(bundle, threads=1) as s:
+        s.warmup()
+        lane = s._stream.scheduler.lanes[0]
+        lane.inline_profile.observe(1, None, 0.4, now=time.perf_counter() - 2.0)  # 2 s old, over the limit
+        assert lane.inline_profile.predict(1, None, k_dev=0.0) == pytest.approx(0.4)
+        # hand-offs to the worker measured slow just now (its waits for the lock behind this caller): were the
+        # estimate under the limit, the requests would run here
+        lane._handoffs.extend([(time.perf_counter(), 5.0)] * 5)
+        futs = []
+        for i in range(200):
+            t_end = time.perf_counter() + 0.0003
+            while time.perf_counter() < t_end:  # the caller's own Python work: an open loop that holds the lock
+                pass
+            futs.append(s.submit(_x(i), budget_ms=1000))
+        assert all(f.result(10).ok for f in futs)
+        # (0 before: every one went to the worker); at least the min_samples runs that measure it again, then as
+        # many as those runs say (fast here, unless this host was slow for them: then again in a second)
+        assert lane.inline >= lane.inline_profile.min_samples, s.metrics()["lanes"]
+        assert lane.inline_profile.recent_samples(1, None) >= lane.inline_profile.min_samples
