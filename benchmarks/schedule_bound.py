@@ -157,7 +157,9 @@ def equivalent_service_ms(arrivals_ms: Sequence[float], budget_ms: float, t_ms: 
         return exact_knowledge(arrivals_ms, budget_ms, {b: k * v for b, v in t_ms.items()}, max_batch,
                                servers)["goodput_per_s"]
 
-    lo, hi = 0.25, budget_ms / t1  # exact knowledge's goodput falls as the factor grows
+    # exact knowledge's goodput falls as the factor grows; at the top, batch 1 takes the whole budget (a hair under:
+    # budget / t1 * t1 can round above the budget, which exact_knowledge refuses)
+    lo, hi = 0.25, budget_ms / t1 * (1 - 1e-9)
     if goodput(lo) < goodput_per_s or goodput(hi) > goodput_per_s:
         return None
     while hi - lo > rel_tol * lo:
