@@ -30,9 +30,10 @@ Beside them, per level, the ``exact-knowledge`` row: what a noise-free server th
 offered are out of any scheduler's reach when a burst meets one backend. Where dsedge's default runs N instances,
 the ``exact-knowledge-xN`` row does the same on N backends sharing one queue, with the instances' batch p50s
 measured side by side just before (what exact knowledge reaches with dsedge's own layout). Under it, above 1×
-load, dsedge's goodput read as a service time: the batch-1 time at which that exact-knowledge server, its batch times scaled by
-one factor, answers as many within budget (``equivalent_b1_ms`` in the JSON, beside ``instances_b1_ms``). Its ratio
-to the measured time is what noise, Python overhead and admission's guessing cost, comparable across hosts.
+load, dsedge's goodput read as a service time: the batch-1 time at which that exact-knowledge server, its batch
+times scaled by one factor, answers as many within budget (``equivalent_b1_ms`` in the JSON, beside
+``instances_b1_ms``). Its ratio to the measured time is what noise, Python overhead and admission's guessing cost,
+comparable across hosts.
 "Done when" checks are printed at the end. Timings on a shared machine are noisy: compare ratios in one run; the
 ``steal ms`` column says how much CPU the hypervisor took from this VM during each window (``steal_ms``). A window
 that lost more than 5 % of its CPU that way is run again once (``--steal-reruns``, not the stall scenario's): the
