@@ -767,13 +767,14 @@ class Lane:
         or, for a run of at most 0.25 ms, a hand-off to the worker is expected to delay it more: the hand-offs
         measured lately took longer than the run (``handoff_ms``; while the caller keeps the interpreter lock busy,
         each costs up to the lock's switch interval, 5 ms), or the worker's own times would refuse it for its
-        budget. True if it ran; otherwise the request queues and batches."""
+        budget (its idle plan's own figure, ``last_start``: not the tail alone, which for a µs model sits under
+        the plan's 0.5 ms spread floor). True if it ran; otherwise the request queues and batches."""
         last, self._last_future = self._last_future, req.future
         if self.inline_ms <= 0 or not self.warm.is_set() or self.fallback:
             return False
         left = req.budget_ms - (now - req.t_submit) * 1e3 - self.margin_s * 1e3
         if self.inline_profile.measured:
-            worker_refuses = self._worker_refuses(req, left)
+            worker_refuses = self.last_start(req) < now
             # the median of such runs; the lower quartile where the worker's own times would refuse the request
             # (the caller keeps the interpreter lock busy): then the first inline runs can also wait for the lock,
             # behind the worker's warm-up, and a median over three of those had ended inline runs for good, with
@@ -786,7 +787,7 @@ class Lane:
                 alone = self.profile.predict(req.rows, req.seq, k_dev=0.0)
             if alone > self.inline_ms:
                 return False  # (every request of a model too slow to run inline, MiniLM's: nothing more to look up)
-            worker_refuses = self._worker_refuses(req, left)
+            worker_refuses = self.last_start(req) < now
         # the expected time, not the tail: a run on the caller's thread waits for the interpreter lock only while
         # the worker holds it, a few samples of the window, and a tail check over them had sent every request
         # to that worker, where each waited the lock's switch interval (a collapse: 15 % in budget at 5000/s)
@@ -825,14 +826,6 @@ class Lane:
                     # woken otherwise: a wake-up per inline run cost the caller 11 µs and the worker the lock)
                     self._cond.notify_all()
         return True
-
-    def _worker_refuses(self, req: Request, left_ms: float) -> bool:
-        # whether this lane's worker, idle, would refuse ``req`` with ``left_ms`` of its budget left (the margin
-        # taken off already): its plan's own figure, expected + the spread (the tail margin, at least its floor),
-        # not the tail alone, which for a µs model sits under the spread's 0.5 ms floor (a 0.9 ms budget was sent
-        # to the worker as one it would take, and refused there)
-        m, d = _margin(self.profile.times(req.rows, req.seq), 1.0)
-        return (m + self._spread(0.0, d, m)) * 1e3 > left_ms
 
     def handoff_ms(self) -> float:
         """Median delay, ms, of the last hand-offs (up to 5) from queueing a request on this idle lane to its
