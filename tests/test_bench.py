@@ -592,6 +592,31 @@ def test_sdk_overhead_benchmark_runs(bundles: dict[str, Path]) -> None:
     assert all(r["p50_ratio"] > 0 for r in rows) and "bare=['CPUExecutionProvider']" in proc.stdout
 
 
+def test_serving_tax_benchmark_times_the_served_runs_and_the_loop_on_one_session(bundles: dict[str, Path],
+                                                                                 tmp_path: Path) -> None:
+    """benchmarks/serving_tax.py logs every batch-1 run of the served instances during a cold open-loop window, then
+    the same session's runs back to back, and lists the process's threads (its numbers are not judged here)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_tax.py"
+    out = tmp_path / "tax.json"
+    # the tiny model runs in some 10-30 µs: a load of 0.002x and a budget of 20,000x its batch-1 p50 are
+    # 70-200 requests/s with budgets of 200-600 ms, in reach of the Python around each run
+    proc = subprocess.run([sys.executable, str(script), "--bundle", str(bundles["dyn"]), "--loads", "0.002",
+                           "--budget-x", "20000", "--window-s", "1", "--loop-s", "0.3", "--seq", "8",
+                           "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out.read_text())["levels"]
+    assert row["load"] == 0.002 and row["offered"] > 10 and row["in_budget_of_offered"] > 0.5
+    serving, loop = row["serving"], row["loop"]
+    assert serving["runs"] > 10 and loop["runs"] > 10  # both logged through the wrapper, batch 1 only
+    for x in (serving, loop):
+        assert 0 < x["cpu_p50_ms"] <= x["cpu_p98_ms"] and 0 < x["wall_p50_ms"] <= x["wall_p98_ms"]
+    assert set(row["serving_over_loop"]) == {"wall_p50", "cpu_p50", "wall_p98"}
+    lanes = [t for t in row["threads"] if t["thread"].startswith("dsedge-lane-")]
+    assert lanes and sum(t["cpu_ms"] for t in lanes) > 0  # the workers that ran the served batches
+    assert "serving / loop:" in proc.stdout and "# cpu" in proc.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--dsedge-target", "mars-rover"], "*dsedge: unknown target 'mars-rover'*"),
     (["--dsedge-batch", "1,x"], "*--dsedge-batch '1,x': use positive integers*"),

@@ -37,6 +37,8 @@ def _torch_has_cuda() -> bool:
     (["benchmarks/cpu_ceiling.py", "--bundle", "/no/such/bundle.dse"], "does not exist"),
     (["benchmarks/sdk_overhead.py", "--bundle", "/no/such/bundle.dse"], "does not exist"),
     (["benchmarks/busy_caller.py", "--bundle", "/no/such/bundle.dse"], "does not exist"),
+    (["benchmarks/serving_tax.py", "--bundle", "/no/such/bundle.dse"], "does not exist"),
+    (["benchmarks/serving_tax.py", "--bundle", "x", "--loads", "half"], "comma-separated numbers"),
     (["benchmarks/busy_caller.py", "--bundle", "x", "--loads", "half"], "comma-separated numbers"),
     (["benchmarks/reference_latency.py", "--bundle", "/no/such/bundle.dse"], "does not exist"),
     (["benchmarks/ct_int8_latency.py", "--bundles", "/no/such/dir"], "python -m samples.ct build"),
