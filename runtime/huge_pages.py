@@ -9,15 +9,16 @@ Linux 6.1+, on each 2 MB-aligned stretch of at least one huge page). The same id
 arrays of 4 MB or more, PyTorch's ``THP_MEM_ALLOC_ENABLE`` and llama.cpp's advice on its mapped weights (madvise(2);
 the kernel's ``admin-guide/mm/transhuge``).
 
-Only the collapse, not ``MADV_HUGEPAGE`` first: with the advice, later page faults in those ranges (malloc reusing
-freed blocks there while serving) may stall in direct compaction (``defrag`` is ``madvise`` here too), and
-collapsing took 145-230 ms of a MiniLM ``load()`` against 7-25 ms without it. Memory that a session reuses from one
-closed earlier is not new here; it kept the huge pages it was given then. Measured (2-core Xeon VM, MiniLM int8 cpu
-bundle, 2026-12-06): two threads running batch 1 back to back on the instances' shared session served 463-480 rows/s
-collapsed against 430-467 not (five interleaved pairs); serving figures are in docs/streaming-runs.md.
+Only the collapse, not ``MADV_HUGEPAGE`` first: the advice marks the ranges, so later page faults there (malloc
+reusing freed blocks while serving) may compact memory directly (``defrag`` is ``madvise`` here too); with it,
+collapsing took 145-230 ms of a MiniLM ``load()`` against 7-25 ms without. Memory that a session reuses from one
+closed earlier is not new here; it keeps what it was given then. Measured (2-core Xeon VM, MiniLM int8 cpu bundle,
+2026-12-06): two threads running batch 1 back to back on the instances' shared session served 463-480 rows/s on huge
+pages against 430-467 on 4 KB pages (five interleaved pairs: three with every large mapping advised and collapsed,
+two with the collapse alone); serving figures are in docs/streaming.md (Instances).
 
-Best effort and silent: off Linux, on an older kernel, or where a stretch cannot be collapsed (``EINVAL`` for part
-of it, as for a thread stack's guard page), memory stays as it was. It never changes what a run computes.
+Best effort and silent: off Linux, on an older kernel, or where a stretch cannot be collapsed (in full or in part:
+``EINVAL``), memory stays as it was. It never changes what a run computes.
 """
 from __future__ import annotations
 

@@ -687,7 +687,7 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
                       caller_weight=1.0 if (_on_ort_cpu(backend) and not reserve_cores
                                             and count * (per_thread or cores) >= cores) else 0.0,
                       graph_ranges=graph_ranges(path, manifest, served))
-    if _on_ort_cpu(backend):  # the sessions' weights on 2 MB pages: runs take 5-8 % less CPU (runtime/huge_pages.py)
+    if _on_ort_cpu(backend):  # the sessions' weights on 2 MB pages: 3-11 % more rows/s (runtime/huge_pages.py)
         huge_pages.advise(mapped)
     # the full collection that opening a bundle makes due (its objects count as the old generation's pending ones)
     # runs here rather than in the first seconds of serving, where it held the interpreter lock for 16-33 ms
