@@ -77,7 +77,8 @@ class RunLog:
 
 
 def thread_counters() -> dict[int, tuple[str, float, int, int]]:
-    """tid -> (name, CPU ms, voluntary, involuntary switches) of this process's threads, from /proc."""
+    """tid -> (name, CPU ms, voluntary, involuntary switches) of this process's threads, from /proc (the CPU in
+    scheduler ticks, 10 ms each where ``SC_CLK_TCK`` is 100: a total over the window, not per run)."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:

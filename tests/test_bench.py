@@ -613,7 +613,9 @@ def test_serving_tax_benchmark_times_the_served_runs_and_the_loop_on_one_session
         assert 0 < x["cpu_p50_ms"] <= x["cpu_p98_ms"] and 0 < x["wall_p50_ms"] <= x["wall_p98_ms"]
     assert set(row["serving_over_loop"]) == {"wall_p50", "cpu_p50", "wall_p98"}
     lanes = [t for t in row["threads"] if t["thread"].startswith("dsedge-lane-")]
-    assert lanes and sum(t["cpu_ms"] for t in lanes) > 0  # the workers that ran the served batches
+    # the workers that ran the served batches woke for them (their CPU comes from /proc in 10 ms ticks: the tiny
+    # model's runs may add up to none)
+    assert lanes and sum(t["voluntary_per_1000"] for t in lanes) > 0
     assert "serving / loop:" in proc.stdout and "# cpu" in proc.stdout
 
 
