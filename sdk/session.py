@@ -22,7 +22,6 @@ from .runtime.decode import GenerationStream
 from .runtime.budget import FALLBACK_BUDGET_MS, resolve_budget
 from .runtime.bundle import IOSpec, Manifest, Variant, verify_variant_files
 from .runtime.errors import DsedgeError, InferenceError, InputError, SessionClosedError
-from .runtime import huge_pages
 from .runtime.golden import check_backend
 from .runtime.instances import host_cores, instance_cpus, recorded_threads, reserved_layout, thread_scale
 from .runtime.signing import verify_signed
@@ -621,7 +620,6 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
     path = Path(os.path.abspath(path))  # a later os.chdir must not change what a variant opened later reads
     v = manifest.variant(variant)
     check_max_batch(manifest, max_batch)
-    mapped = huge_pages.anonymous_ranges()  # what the sessions opened below map after this gets 2 MB pages
     loaded = threading.Event()
 
     def open_variant(name: str) -> Any:  # the target's backend (TensorRT when here), else ONNX Runtime
@@ -687,8 +685,6 @@ def load(path: str | os.PathLike, variant: str | None = None, providers: Sequenc
                       caller_weight=1.0 if (_on_ort_cpu(backend) and not reserve_cores
                                             and count * (per_thread or cores) >= cores) else 0.0,
                       graph_ranges=graph_ranges(path, manifest, served))
-    if _on_ort_cpu(backend):  # the sessions' weights on 2 MB pages: 3-11 % more rows/s (runtime/huge_pages.py)
-        huge_pages.advise(mapped)
     # the full collection that opening a bundle makes due (its objects count as the old generation's pending ones)
     # runs here rather than in the first seconds of serving, where it held the interpreter lock for 16-33 ms
     # and 4-11 requests of a 3x load around it missed their budget (about a fifth of that window's misses)
