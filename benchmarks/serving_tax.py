@@ -8,13 +8,13 @@ instances' own (docs/streaming-runs.md); part of that is the runs themselves bei
 benchmark measures that part. Per load (multiples of the batch-1 capacity, the 2-thread batch-1 p50 measured just
 before, as streaming.py rebases), it opens the bundle cold (``dsedge.load``, no ``warmup()``), drives ``submit``
 with streaming.py's open-loop bursty schedule at a budget of ``--budget-x`` times that p50, and records every run of
-the served instances: wall ms, the running thread's CPU ms (``time.thread_time``: ``getrusage``'s times come in
-scheduler ticks), and how often the OS preempted it during the run (involuntary context switches,
-``RUSAGE_THREAD``). Right after, the same session's instances run batch 1 back to back on two threads pinned as the
-lanes' workers were, for ``--loop-s``. Reported side by side: p50/p98 of wall and CPU in both, serving / loop
-ratios, CPU p50 of the serving runs never preempted (what is left when the OS took no core), and per thread of the
-process the CPU it used and its voluntary / involuntary switches per 1000 requests (which threads wake, and how
-often the run threads lose their core).
+the served instances' workers (not the fallback lane's, nor a run inline on the caller's thread): wall ms, the
+running thread's CPU ms (``time.thread_time``: ``getrusage``'s times come in scheduler ticks), and how often the OS
+preempted it during the run (involuntary context switches, ``RUSAGE_THREAD``). Right after, the same session's
+instances run batch 1 back to back on two threads pinned as the lanes' workers were, for ``--loop-s``. Reported side
+by side: p50/p98 of wall and CPU in both, serving / loop ratios, CPU p50 of the serving runs never preempted (what
+is left when the OS took no core), and per thread of the process the CPU it used and its voluntary / involuntary
+switches per 1000 requests (which threads wake, and how often the run threads lose their core).
 
 Linux only (``RUSAGE_THREAD``, ``/proc/self/task``). The timing wrapper is installed around
 ``OrtBackend.run`` for the serving window and the loop alike, so both pay its clock and ``getrusage`` calls.
@@ -39,10 +39,11 @@ _clock = time.perf_counter
 
 
 class RunLog:
-    """Every ``OrtBackend.run`` of the process while installed: (rows, wall ms, thread CPU ms, preemptions)."""
+    """Every ``OrtBackend.run`` of the process while installed: (thread name, rows, wall ms, thread CPU ms,
+    preemptions)."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[int, float, float, int]] = []
+        self.rows: list[tuple[str, int, float, float, int]] = []
         self._orig = None
 
     def install(self) -> None:
@@ -58,7 +59,7 @@ class RunLog:
             wall, cpu = _clock() - t0, time.thread_time() - c0
             n1 = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
             rows = int(next(iter(inputs.values())).shape[0]) if inputs else 0
-            log.append((rows, wall * 1e3, cpu * 1e3, n1 - n0))
+            log.append((threading.current_thread().name, rows, wall * 1e3, cpu * 1e3, n1 - n0))
             return out
         run.takes_cancel = True  # runtime/run_cancel.py reads it
         OrtBackend.run = run
@@ -69,9 +70,11 @@ class RunLog:
         if self._orig is not None:
             OrtBackend.run = self._orig
 
-    def take(self, rows: int = 1) -> np.ndarray:
-        """(wall, cpu, preemptions) of the logged runs of ``rows`` rows, and clear the log."""
-        got = np.array([r[1:] for r in self.rows if r[0] == rows], dtype=float).reshape(-1, 3)
+    def take(self, prefix: str = "", rows: int = 1) -> np.ndarray:
+        """(wall, cpu, preemptions) of the logged runs of ``rows`` rows on threads named ``prefix``… (not a
+        fallback lane's), and clear the log."""
+        got = np.array([r[2:] for r in self.rows if r[1] == rows and r[0].startswith(prefix)
+                        and not r[0].endswith("-fallback")], dtype=float).reshape(-1, 3)
         self.rows.clear()
         return got
 
@@ -106,7 +109,8 @@ def loop_runs(lanes, pool, seconds: float) -> None:
         while _clock() < stop:
             lane.run(pool[i % len(pool)])
             i += 2
-    threads = [threading.Thread(target=work, args=(lane, k)) for k, lane in enumerate(lanes)]
+    threads = [threading.Thread(target=work, args=(lane, k), name=f"serving-tax-loop-{k}")
+               for k, lane in enumerate(lanes)]
     for t in threads:
         t.start()
     for t in threads:
@@ -134,12 +138,12 @@ def level(bundle: str, load: float, budget_x: float, window_s: float, loop_s: fl
     before = thread_counters()
     row = drive(server, schedule, pool, budget_x * b1)
     after = thread_counters()
-    serving = log.take()
+    serving = log.take("dsedge-lane-")  # the served instances' workers
     stream = server.session._stream  # the lanes the window served on
     lanes = [ln for ln in stream.scheduler.lanes if not ln.fallback] if stream is not None else []
     if lanes:
         loop_runs(lanes, pool, loop_s)
-    loop = log.take()
+    loop = log.take("serving-tax-loop-")
     names = {t.native_id: t.name for t in threading.enumerate()}
     server.close()
     n = max(len(schedule), 1)
