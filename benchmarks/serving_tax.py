@@ -82,7 +82,7 @@ class RunLog:
 def thread_counters() -> dict[int, tuple[str, float, int, int]]:
     """tid -> (name, CPU ms, voluntary, involuntary switches) of this process's threads, from /proc (the CPU in
     scheduler ticks, 10 ms each where ``SC_CLK_TCK`` is 100: a total over the window, not per run)."""
-    out = {}
+    out, ticks = {}, os.sysconf("SC_CLK_TCK")
     for tid in os.listdir("/proc/self/task"):
         try:
             stat = Path(f"/proc/self/task/{tid}/stat").read_text()
@@ -90,7 +90,6 @@ def thread_counters() -> dict[int, tuple[str, float, int, int]]:
         except OSError:  # the thread ended meanwhile
             continue
         fields = stat[stat.rindex(")") + 2:].split()
-        ticks = os.sysconf("SC_CLK_TCK")
         cpu_ms = (int(fields[11]) + int(fields[12])) * 1e3 / ticks
         vol = int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
         invol = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
