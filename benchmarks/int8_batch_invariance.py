@@ -5,7 +5,9 @@ batch-invariant ORT CPU forms of the same model and PyTorch eager, side by side 
     python benchmarks/int8_batch_invariance.py --rounds 4      # shorter
 
 Forms (all from the reference model's TorchScript export, fused by ORT's transformer optimizer like the cpu build):
-``int8-rowwise`` (the cpu target's INT8: toolchain/quantize/int8_rowwise.py, 7-bit weights), ``int8-rowwise-uint8``
+``int8-rowwise`` (the cpu target's INT8: toolchain/quantize/int8_rowwise.py, 7-bit weights, attention fused as
+MultiHeadAttention so its Q, K and V projections are quantized), ``int8-rowwise-attn`` (the same over a fused
+``Attention``, whose QKV projection stays float: the cpu target's INT8 until 2026-12-06), ``int8-rowwise-uint8``
 (its UINT8-weight option, the default before), ``int8-per-tensor`` (``quantize_dynamic``,
 the former default), ``fp32-fused``, ``int8-nbits-acc4`` (MatMulNBits 8-bit weights, int8 compute, per-block
 activation scales), ``int8-static`` (static activation scales: the toolchain's calibrated W8A8 Q/DQ,
@@ -67,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     if fusable is None:
         raise SystemExit("the reference model did not give a fusable TorchScript export")
     fused, _ = fuse_transformer(onnx.load(str(fusable)), model_type="bert")
+    # the cpu target's INT8 is quantized from this form: attention fused as MultiHeadAttention, its Q, K and V
+    # projections MatMuls the per-row quantizer reaches (toolchain/stages/compressors.py, compress_int8)
+    fused_mha, _ = fuse_transformer(onnx.load(str(fusable)), model_type="bert", attention="MultiHeadAttention")
     forms = {"fp32": work / "fp32.onnx"}
     rng = np.random.default_rng(0)
     cal = [{"input_ids": rng.integers(1000, 30000, size=(1, 32)).astype(np.int64),
@@ -75,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger().setLevel(logging.ERROR)  # ORT's quantizer logs each tensor of the fused export it skips
     static, _ = quantize_int8_static(onnx.load(str(fusable)), cal)
     static, _ = fuse_transformer(static, model_type="bert")
-    for name, model in (("int8-rowwise", quantize_int8_rowwise(fused, fuse=None)[0]),
-                        ("int8-rowwise-uint8", quantize_int8_rowwise(fused, fuse=None, weight_type="uint8")[0]),
+    for name, model in (("int8-rowwise", quantize_int8_rowwise(fused_mha, fuse=None)[0]),
+                        ("int8-rowwise-attn", quantize_int8_rowwise(fused, fuse=None)[0]),
+                        ("int8-rowwise-uint8", quantize_int8_rowwise(fused_mha, fuse=None, weight_type="uint8")[0]),
                         ("int8-per-tensor", quantize_int8_dynamic(fused, fuse=None)[0]), ("fp32-fused", fused),
                         ("int8-static", static)):
         forms[name] = work / f"{name}.onnx"
@@ -91,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         _save(q.model.model, forms["int8-nbits-acc4"])
     except Exception as e:  # not every onnxruntime has 8-bit MatMulNBits on CPU
         print(f"# int8-nbits-acc4 skipped: {type(e).__name__}: {e}")
-    order = ["int8-rowwise", "int8-rowwise-uint8", "int8-per-tensor", "fp32-fused", "int8-nbits-acc4", "int8-static",
-             "fp32"]
+    order = ["int8-rowwise", "int8-rowwise-attn", "int8-rowwise-uint8", "int8-per-tensor", "fp32-fused",
+             "int8-nbits-acc4", "int8-static", "fp32"]
     opts = ort.SessionOptions()
     if args.threads:
         opts.intra_op_num_threads = args.threads

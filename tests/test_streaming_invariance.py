@@ -91,11 +91,17 @@ def cpu_int8_models(reference_build, tmp_path_factory):
     exported = Exported(bundle / manifest.variant("fp32").file, list(manifest.inputs), list(manifest.outputs), None,
                         "dynamo")
     fusable = fusable_export(exported, source, work)
-    model = onnx.load(str(fusable or exported.path))
-    if fusable is not None:  # fused once for both forms, as compress_int8 fuses before quantizing
+    model = mha = onnx.load(str(fusable or exported.path))
+    if fusable is not None:  # fused as compress_int8 fuses before quantizing; the per-tensor form as it was built
+        mha, _ = fuse_transformer(model, model_type="bert", attention="MultiHeadAttention")
         model, _ = fuse_transformer(model, model_type="bert")
-    rowwise, report = quantize_int8_rowwise(model, fuse=None)
+    rowwise, report = quantize_int8_rowwise(mha, fuse=None)
     per_tensor, _ = quantize_int8_dynamic(model, fuse=None)
+    if fusable is not None:  # the Q, K and V projections are quantized too: no float MatMul reads a weight
+        inits = {t.name for t in rowwise.graph.initializer}
+        assert report["ops"]["MultiHeadAttention"] == 6 and report["ops"]["MatMulInteger"] == 36, report["ops"]
+        assert not [n.name for n in rowwise.graph.node if n.op_type in ("MatMul", "Gemm", "Attention")
+                    and any(i in inits for i in n.input)]
     paths = {"int8-rowwise": work / "rowwise.onnx", "int8-per-tensor": work / "per_tensor.onnx"}
     _save(rowwise, paths["int8-rowwise"])
     _save(per_tensor, paths["int8-per-tensor"])

@@ -285,14 +285,23 @@ def keep_outputs_float(model: onnx.ModelProto) -> list[str]:
 
 
 def fuse_transformer(model: onnx.ModelProto, *, model_type: str = "bert", num_heads: int = 0,
-                     hidden_size: int = 0) -> tuple[onnx.ModelProto, dict]:
+                     hidden_size: int = 0, attention: str = "Attention") -> tuple[onnx.ModelProto, dict]:
     """ORT's transformer graph fusions (``onnxruntime.transformers.optimizer``), for ORT CPU/CUDA targets only:
     the fused ops (Attention, SkipLayerNormalization …) are ORT contrib ops TensorRT does not read.
-    ``num_heads``/``hidden_size`` 0 = detect from the graph. Returns (model, {fused op: count})."""
+    ``num_heads``/``hidden_size`` 0 = detect from the graph. ``attention``: ``"Attention"`` (the Q, K and V
+    projections inside the fused op, as one float GEMM) or ``"MultiHeadAttention"`` (the projections left as
+    MatMul nodes that a quantizer can reach, the attention itself fused). Returns (model, {fused op: count}).
+
+    Raises:
+        ValueError: ``attention`` is neither.
+    """
     from onnxruntime.transformers import optimizer
     from onnxruntime.transformers.fusion_options import FusionOptions
 
+    if attention not in ("Attention", "MultiHeadAttention"):
+        raise ValueError(f"attention={attention!r}: pass 'Attention' or 'MultiHeadAttention'")
     options = FusionOptions(model_type)
+    options.use_multi_head_attention = attention == "MultiHeadAttention"
     # keep the word-embedding Gather visible: EmbedLayerNormalization would hide the table from INT8 quantization
     options.enable_embed_layer_norm = False
     with tempfile.TemporaryDirectory(prefix="dsedge-fuse-") as tmp:

@@ -9,7 +9,10 @@ GEMM from the weights' column sums), which makes every row's integer product, an
 the other rows. The
 rest of ORT's graph (``MatMulInteger`` → ``Cast`` → ``Mul`` by activation scale × per-channel weight scale) reads
 the per-row scale by broadcasting. ``QAttention`` (the fused attention of ``quantize_dynamic``) needs a scalar
-scale, so attention is not quantized: ``Attention`` stays float (QKV projection included).
+scale, so a fused ``Attention`` stays float, its QKV projection included; fused as ``MultiHeadAttention``
+(``fuse_transformer(attention="MultiHeadAttention")``, as the cpu target builds it) the Q, K and V projections are
+MatMuls and are quantized per row like the others (one quantizer for the three), and only the attention itself
+(scores, softmax, weighted sum) runs in float.
 
 Weights are quantized per output channel to **7 bits** by default (``weight_type="int7"``: ORT's ``reduce_range``,
 signed values in [-64, 63]). ORT's U8S8 GEMM on AVX2 adds pairs of u8 × s8 products in int16 (``vpmaddubsw``),
@@ -165,5 +168,6 @@ def quantize_int8_rowwise(model: onnx.ModelProto, *, fuse: str | None = "bert", 
     report = {"precision": "int8", "mode": "dynamic", "per_channel": per_channel, "fused": dynamic["fused"],
               "activation_scales": "per-row", "batch_invariant": True, "rowwise_quantizers": replaced,
               "weight_type": weight_type,
-              "ops": {k: v for k, v in counts.items() if k in ("MatMulInteger", "Attention", "QAttention")}}
+              "ops": {k: v for k, v in counts.items() if k in ("MatMulInteger", "Attention", "MultiHeadAttention",
+                                                                 "QAttention")}}
     return out, report
